@@ -1,0 +1,126 @@
+"""The ``kvcomp`` attention function and the hooks that connect it to a :class:`CompressedCache`.
+
+Transformers calls the registered attention function after ``cache.update`` with the keys/values the
+layer returned. For decode steps and the ``simulated`` protocol that is all it needs: SDPA over
+``[sinks, decoded blocks, tail]``.
+
+Under the ``streaming`` protocol a multi-token forward (prefill, chunked perplexity) must show each
+query the cache *as it was when that query's token arrived*: a block encoded within the forward is
+seen in full precision by the queries before the token that completed its schedule, and encoded by
+that query and later ones. Keys and values may follow different schedules, so a freshly encoded token
+can be in up to three states (both full precision; one encoded; both encoded). The function appends
+the earlier states as extra key/value columns and masks every column to the queries that would have
+seen it, which gives exactly the logits of feeding the tokens one by one.
+
+Later kernels plug in here: a codec with a fused path will serve decode steps from the payload.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvcomp.cache.compressed_cache import CompressedCache, LastUpdate
+
+ATTENTION_NAME = "kvcomp"
+
+
+def compressed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """Attention over the compressed cache; see the module docstring for the streaming protocol."""
+    layer = getattr(module, "_kvcomp_layer", None)
+    record: LastUpdate | None = None if layer is None else layer.last_update
+    streaming = layer is not None and getattr(module, "_kvcomp_protocol", "streaming") == "streaming"
+    if not streaming or query.shape[2] == 1 or record is None or (record.keys is None and record.values is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    key, value, mask = _streaming_columns(query, key, value, attention_mask, record)
+    mask = mask | ~mask.any(-1, keepdim=True)  # rows with nothing to attend (left padding) stay finite
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _streaming_columns(query, key, value, attention_mask, record: LastUpdate):
+    """Extend K/V with the pre-encoding states of freshly encoded tokens and build the matching mask."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    device = key.device
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    if attention_mask is None:
+        base = (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
+    else:
+        base = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    base = base[..., :kv_len]
+
+    # visible_from per cache position; -1: this stream's state does not change during the forward
+    t_key = torch.full((kv_len,), -1, device=device)
+    t_value = torch.full((kv_len,), -1, device=device)
+    fp_key, fp_value = key.clone(), value.clone()  # pre-encoding states of every position
+    for t, fp, fresh in ((t_key, fp_key, record.keys), (t_value, fp_value, record.values)):
+        if fresh is not None:
+            t[fresh.positions] = fresh.visible_from
+            fp[:, :, fresh.positions] = fresh.full_precision.to(fp.dtype)
+    changed = torch.nonzero((t_key >= 0) | (t_value >= 0)).squeeze(1)
+    lo = torch.minimum(t_key, t_value)[changed]
+    hi = torch.maximum(t_key, t_value)[changed]
+    q = q_pos[:, None]
+
+    final_mask = base.clone()
+    final_mask[..., changed] &= q >= hi
+    # before either stream encoded the token: both full precision (or unchanged)
+    early_mask = base[..., changed] & (q < lo)
+    # between the two encodings: the later-encoded stream is still full precision
+    middle_mask = base[..., changed] & (q >= lo) & (q < hi)
+    key_later = (t_key > t_value)[changed]
+    value_later = (t_value > t_key)[changed]
+    middle_key = torch.where(key_later[None, None, :, None], fp_key[:, :, changed], key[:, :, changed])
+    middle_value = torch.where(value_later[None, None, :, None], fp_value[:, :, changed], value[:, :, changed])
+
+    keys = torch.cat([key, fp_key[:, :, changed], middle_key], dim=2)
+    values = torch.cat([value, fp_value[:, :, changed], middle_value], dim=2)
+    batch = max(base.shape[0], query.shape[0])
+    mask = torch.cat([m.expand(batch, 1, q_len, -1) for m in (final_mask, early_mask, middle_mask)], dim=-1)
+    return keys, values, mask
+
+
+def _capture_cache_layer(module, args, kwargs):
+    """Forward pre-hook on each attention module: expose this layer's compressed cache to the attention
+    function and hand it the position embeddings (cos/sin) for pre-RoPE codecs."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, CompressedCache):
+        layer = cache.layers[module.layer_idx]
+        layer.incoming_rope = kwargs.get("position_embeddings")
+        module._kvcomp_layer = layer
+        module._kvcomp_protocol = cache.protocol
+    else:
+        module._kvcomp_layer = None
+
+
+def _attention_modules(model):
+    return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
+
+
+def install(model) -> None:
+    """Route ``model``'s attention through kvcomp (idempotent). Works with any cache; the compressed
+    path switches on when a :class:`CompressedCache` is passed as ``past_key_values``."""
+    AttentionInterface.register(ATTENTION_NAME, compressed_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    text_config = model.config.get_text_config(decoder=True)
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(text_config, "sliding_window", None) and getattr(
+        text_config, "use_sliding_window", True
+    ):
+        raise NotImplementedError(
+            f"{text_config.model_type}: sliding-window or hybrid attention layers ({sorted(layer_types)}, "
+            f"sliding_window={getattr(text_config, 'sliding_window', None)}) are not supported by the compressed cache yet"
+        )
+    model.set_attn_implementation(ATTENTION_NAME)
+    modules = _attention_modules(model)
+    if not modules:
+        raise NotImplementedError(f"{type(model).__name__}: no attention modules named '*self_attn' with a layer_idx")
+    for module in modules:
+        if not getattr(module, "_kvcomp_hooked", False):
+            module.register_forward_pre_hook(_capture_cache_layer, with_kwargs=True)
+            module._kvcomp_hooked = True

@@ -1,0 +1,152 @@
+"""A transformers 5.x ``Cache`` whose layers hold codec payloads instead of full K/V tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcomp.cache.stream import FreshlyEncoded, KVStream
+from kvcomp.codecs.base import Codec
+from kvcomp.errors import ConfigError, NonFiniteKVError
+
+PROTOCOLS = ("streaming", "simulated")
+
+
+@dataclass
+class LastUpdate:
+    """What the latest ``update`` did, for the attention function (streaming protocol)."""
+
+    query_start: int
+    keys: FreshlyEncoded | None
+    values: FreshlyEncoded | None
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One decoder layer: a key stream and a value stream, each following the codec's policy.
+
+    ``update`` returns the keys and values attention should use: full-precision sinks and tail,
+    decoded blocks in between (keys re-rotated for pre-RoPE codecs).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, codec: Codec, layer_idx: int, check_finite: bool = True):
+        super().__init__()
+        self.codec, self.layer_idx, self.check_finite = codec, layer_idx, check_finite
+        self.reset()
+
+    def reset(self) -> None:
+        self.key_stream = KVStream(self.codec, "key", self.layer_idx)
+        self.value_stream = KVStream(self.codec, "value", self.layer_idx)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin of every cached position
+        self.incoming_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the attention pre-hook
+        self.last_update: LastUpdate | None = None
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.check_finite:
+            for kind, x in (("keys", key_states), ("values", value_states)):
+                if not torch.isfinite(x).all():
+                    raise NonFiniteKVError(
+                        f"layer {self.layer_idx}: NaN or Inf in incoming {kind} "
+                        f"(cache positions {self.get_seq_length()}..{self.get_seq_length() + x.shape[2] - 1})"
+                    )
+        self._record_rope(key_states)
+        start = self.get_seq_length()
+        fresh_keys = self.key_stream.append(key_states, self.rope)
+        fresh_values = self.value_stream.append(value_states, self.rope)
+        self.last_update = LastUpdate(start, fresh_keys, fresh_values)
+        keys = self.key_stream.materialize(self.dtype, self.rope)
+        values = self.value_stream.materialize(self.dtype, self.rope)
+        return keys, values
+
+    def _record_rope(self, key_states: torch.Tensor) -> None:
+        """Keep cos/sin of the new positions (pre-RoPE codecs only); they come from the pre-hook."""
+        if not self.codec.pre_rope:
+            return
+        if self.incoming_rope is None:
+            raise ConfigError(
+                f"codec {self.codec.name} needs pre-RoPE keys, but layer {self.layer_idx} received no "
+                "position embeddings: call kvcomp.cache.install(model) before using the cache"
+            )
+        batch, n = key_states.shape[0], key_states.shape[2]
+        cos, sin = (t.expand(batch, n, -1) for t in self.incoming_rope)
+        self.incoming_rope = None
+        self.rope = (cos, sin) if self.rope is None else tuple(torch.cat([a, b], 1) for a, b in zip(self.rope, (cos, sin)))
+
+    def get_seq_length(self) -> int:
+        return self.key_stream.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.20 name of get_max_length
+        return -1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage held (sinks, payloads, tails)."""
+        return self.key_stream.nbytes + self.value_stream.nbytes
+
+    @property
+    def bookkeeping_nbytes(self) -> int:
+        """Bytes held besides K/V storage (cos/sin of cached positions for pre-RoPE codecs)."""
+        return 0 if self.rope is None else sum(t.numel() * t.element_size() for t in self.rope)
+
+    def _map_batch(self, fn) -> None:
+        self.key_stream.map_batch(fn)
+        self.value_stream.map_batch(fn)
+        if self.rope is not None:
+            self.rope = tuple(fn(t) for t in self.rope)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a compressed cache cannot drop encoded tokens (no assisted decoding)")
+
+
+class CompressedCache(Cache):
+    """KV cache compressed by ``codec``. ``protocol`` tells the kvcomp attention function how a
+    multi-token forward sees blocks encoded within it (see :mod:`kvcomp.cache.attention`)."""
+
+    def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool = True):
+        if protocol not in PROTOCOLS:
+            raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
+        layers = [CompressedLayer(codec, i, check_finite) for i in range(codec.model.num_layers)]
+        super().__init__(layers=layers)
+        self.codec, self.protocol = codec, protocol
+
+    @property
+    def nbytes(self) -> int:
+        """Measured bytes of K/V storage over all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def bookkeeping_nbytes(self) -> int:
+        return sum(layer.bookkeeping_nbytes for layer in self.layers)
+
+    def measured_bits_per_value(self) -> float:
+        """Stored bits per cached K/V element, from the bytes actually held."""
+        values = sum(layer.key_stream.num_values + layer.value_stream.num_values for layer in self.layers)
+        return 8 * self.nbytes / max(values, 1)

@@ -1,0 +1,220 @@
+"""The codec contract shared by every KV-cache compression method.
+
+A codec turns blocks of keys or values ``[batch, kv_heads, tokens, head_dim]`` of one layer into a
+:class:`Payload` of packed integer tensors and back. The cache (not the codec) decides when a block is
+encoded, following each stream's :class:`StreamPolicy`: full-precision sink tokens, blocks of
+``block_size`` tokens, and a full-precision window of recent tokens.
+
+Bit accounting: :meth:`Codec.code_bits_per_value` is the exact storage of one encoded value (codes,
+scales, zero-points, norms, outliers, ...); amortised, model-level overheads (codebooks, dictionaries,
+predictors) are reported apart by :meth:`Codec.overhead_bits`. :func:`expected_stream_bits` turns a
+policy and a token count into the exact bits the cache will hold, which the cache's measured bytes
+must match.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvcomp.errors import CalibrationMismatchError, ConfigError
+
+KINDS = ("key", "value")
+
+
+@dataclass
+class CodecConfig:
+    """Fields shared by every codec config; each codec subclasses this with its own fields."""
+
+    name: str = "fp16"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shapes a codec needs, read from the HF config (never restated in YAML)."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    has_rope: bool = True
+
+    @classmethod
+    def from_hf_config(cls, config, name: str | None = None) -> "ModelInfo":
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        has_rope = getattr(text, "rope_parameters", None) is not None or hasattr(text, "rope_theta")
+        return cls(
+            name=name or getattr(config, "_name_or_path", "") or text.model_type,
+            num_layers=text.num_hidden_layers,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            has_rope=has_rope,
+        )
+
+
+@dataclass(frozen=True)
+class StreamPolicy:
+    """When the cache encodes one stream (keys or values) of a layer.
+
+    The first ``sinks`` tokens stay in full precision. After them, tokens enter a full-precision tail;
+    whenever the tail holds ``window + block_size`` tokens, its oldest ``block_size`` tokens are encoded.
+    ``block_size=None`` never encodes (the uncompressed reference).
+    """
+
+    sinks: int = 0
+    block_size: int | None = 1
+    window: int = 0
+
+    def split(self, num_tokens: int) -> tuple[int, int, int]:
+        """``(sinks, encoded, tail)`` token counts after ``num_tokens`` tokens have streamed in."""
+        sinks = min(num_tokens, self.sinks)
+        rest = num_tokens - sinks
+        if self.block_size is None or rest < self.window + self.block_size:
+            return sinks, 0, rest
+        encoded = (rest - self.window) // self.block_size * self.block_size
+        return sinks, encoded, rest - encoded
+
+
+@dataclass
+class Payload:
+    """Encoded tokens of one stream: named tensors whose dim 2 runs over tokens (or token groups).
+
+    Consecutive payloads concatenate along dim 2, so a stream keeps one payload however many blocks
+    it has encoded.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually held by the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def concat(self, other: "Payload") -> "Payload":
+        return Payload(
+            {k: torch.cat([v, other.tensors[k]], dim=2) for k, v in self.tensors.items()},
+            self.num_tokens + other.num_tokens,
+        )
+
+    def map(self, fn) -> "Payload":
+        """Apply ``fn`` to every tensor (batch reordering, device moves)."""
+        return Payload({k: fn(v) for k, v in self.tensors.items()}, self.num_tokens)
+
+
+@dataclass
+class CodecState:
+    """What ``fit`` learned (codebooks, statistics, ...) plus what it was fitted for."""
+
+    tensors: dict[str, torch.Tensor]
+    fitted_for: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        """Write ``path`` (safetensors, metadata in its header) atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tensors = {k: v.contiguous().cpu() for k, v in self.tensors.items()}
+        save_file(tensors, str(tmp), metadata={"fitted_for": json.dumps(self.fitted_for, sort_keys=True)})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path, expected_for: dict[str, Any]) -> "CodecState":
+        """Load ``path``; raise :class:`CalibrationMismatchError` listing every field that differs."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            fitted_for = json.loads((f.metadata() or {}).get("fitted_for", "{}"))
+        differences = [
+            f"{key}: artifact has {fitted_for.get(key)!r}, run wants {expected_for.get(key)!r}"
+            for key in sorted(set(fitted_for) | set(expected_for))
+            if fitted_for.get(key) != expected_for.get(key)
+        ]
+        if differences:
+            raise CalibrationMismatchError(
+                f"calibration artifact {path} was fitted for something else:\n  " + "\n  ".join(differences)
+            )
+        return cls(tensors=load_file(str(path)), fitted_for=fitted_for)
+
+
+class Codec(ABC):
+    """Base class of every codec. Subclasses set ``name`` and ``config_class`` and register themselves."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[CodecConfig]]
+    needs_calibration: ClassVar[bool] = False
+
+    def __init__(self, config: CodecConfig, model: ModelInfo):
+        self.config = config
+        self.model = model
+        self.validate()
+        if self.pre_rope and not model.has_rope:
+            raise ConfigError(f"codec {self.name} works on pre-RoPE keys but model {model.name} has no RoPE")
+
+    @property
+    def pre_rope(self) -> bool:
+        """Whether keys reach :meth:`encode` un-rotated (the cache re-rotates decoded keys)."""
+        return bool(getattr(self.config, "pre_rope", False))
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` for settings this codec cannot do on this model."""
+
+    @abstractmethod
+    def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
+        """The cache schedule of layer ``layer_idx``'s ``kind`` ("key" or "value") stream."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
+        """Encode ``x [B, H, T, D]`` (T a multiple of the policy's block size)."""
+
+    @abstractmethod
+    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
+        """Decode a payload back to ``[B, H, T, D]`` in ``dtype``."""
+
+    @abstractmethod
+    def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
+        """Exact stored bits per encoded value of ``kind`` in layer ``layer_idx``: codes plus per-group parameters."""
+
+    def overhead_bits(self) -> int:
+        """Model-level storage amortised over all tokens (codebooks, dictionaries, predictors)."""
+        return 0
+
+    def bits_per_value(self) -> float:
+        """Mean stored bits per encoded key/value element over layers (the number papers quote)."""
+        layers = range(self.model.num_layers)
+        total = sum(self.code_bits_per_value(kind, layer) for kind in KINDS for layer in layers)
+        return total / (len(KINDS) * self.model.num_layers)
+
+    def fit(self, calibration) -> CodecState | None:
+        """Learn from calibration data; codecs without parameters return ``None``."""
+        return None
+
+    def load_state(self, state: CodecState) -> None:
+        """Install a state returned by :meth:`fit` (or loaded from disk)."""
+
+    def describe(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in asdict(self.config).items() if k != 'name')})"
+
+
+def expected_cache_bits(codec: Codec, num_tokens: int, batch: int, fp_bits: int) -> float:
+    """Exact bits a compressed cache holds (all layers, keys and values) after ``num_tokens`` tokens.
+
+    Full-precision tokens (sinks and tail) cost ``fp_bits`` per value, encoded ones
+    :meth:`Codec.code_bits_per_value`. The measured bytes of :class:`~kvcomp.cache.CompressedCache`
+    must equal this divided by 8.
+    """
+    values_per_token = batch * codec.model.num_kv_heads * codec.model.head_dim
+    total = 0.0
+    for layer in range(codec.model.num_layers):
+        for kind in KINDS:
+            sinks, encoded, tail = codec.policy(kind, layer).split(num_tokens)
+            total += values_per_token * ((sinks + tail) * fp_bits + encoded * codec.code_bits_per_value(kind, layer))
+    return total

@@ -1,0 +1,107 @@
+"""Structured configs: one dataclass per Hydra group (the codec configs live beside their codecs).
+
+The YAML files under ``conf/`` hold exactly these fields; :func:`register_configs` puts the schemas in
+Hydra's ConfigStore and :func:`typed` validates a group against its dataclass (unknown or mistyped
+fields are errors that name the group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvcomp.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """A model: the embedded SmolLM2, a hub id, or a local folder. Shapes come from its HF config."""
+
+    name: str = "smollm2_135m"
+    source: str = "embedded"  # embedded | hub | path to a local folder
+    hub_id: str | None = None
+    dtype: str | None = None  # None: the hardware profile's dtype
+    max_context: int = 8192
+
+
+@dataclass
+class CalibrationConfig:
+    """Text a codec is fitted on (ignored by codecs that need no calibration)."""
+
+    name: str = "enwiki"
+    num_samples: int = 16
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass
+class PerplexityConfig:
+    """Perplexity on non-overlapping windows of an evaluation split."""
+
+    name: str = "perplexity"
+    dataset: str = "enwiki"
+    split: str = "evaluation"
+    seq_len: int = 512
+    num_windows: int = 8
+    batch_size: int = 1
+    protocols: list[str] = field(default_factory=lambda: ["streaming", "simulated"])
+    include_reference: bool = True  # also evaluate the uncompressed model (cached across runs)
+
+
+@dataclass
+class HardwareConfig:
+    """Where and how the run computes."""
+
+    name: str = "cpu"
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 0  # torch CPU threads; 0 = all cores
+    kernel_backend: str = "torch"  # torch | triton (fused kernels where a codec has them)
+
+
+@dataclass
+class LoggerConfig:
+    """Where results go besides the local files."""
+
+    name: str = "none"  # none | wandb
+    project: str = "kvcomp"
+    entity: str | None = None
+    mode: str = "offline"  # offline | online | disabled
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "calibration": CalibrationConfig,
+    "benchmark": PerplexityConfig,
+    "hardware": HardwareConfig,
+    "logger": LoggerConfig,
+}
+KERNEL_BACKENDS = ("torch", "triton")
+LOGGERS = ("none", "wandb")
+BENCHMARKS = {"perplexity": PerplexityConfig}
+
+
+def typed(group: str, config, schema: type | None = None):
+    """Validate ``config`` (a DictConfig or dict) against its group's dataclass and return the dataclass."""
+    schema = schema or GROUPS[group]
+    raw = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    except Exception as exc:  # omegaconf's several error types become one clear error
+        raise ConfigError(f"{group} config: {str(exc).splitlines()[0]}") from exc
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore: ``<group>/schema`` for each group and
+    ``codec/schema_<name>`` for each codec. Every YAML file of a group names its schema first in its
+    defaults list, so Hydra rejects unknown or mistyped fields when it composes the run."""
+    from hydra.core.config_store import ConfigStore
+
+    from kvcomp.codecs import CODECS
+
+    store = ConfigStore.instance()
+    for group, schema in GROUPS.items():
+        store.store(group=group, name="schema", node=schema)
+    for name, codec in CODECS.items():
+        store.store(group="codec", name=f"schema_{name}", node=codec.config_class)

@@ -1,0 +1,497 @@
+"""Text corpora for calibration and evaluation, and token windows cut from them.
+
+Embedded corpora (offline, see :mod:`kvcomp.data.assets`):
+
+* ``enwiki``: English Wikipedia articles (MediaWiki XML export, May 2016) with the markup stripped.
+* ``lee``: 299 Australian news articles, one per line.
+
+Both are split *by document*: each document is ranked by ``sha256(f"{seed}:{key}")`` (key = the
+title for enwiki, the text for lee) and every 4th document in that order goes to ``calibration``,
+the other three quarters to ``evaluation``. The two splits never share a document, the split does
+not depend on file order, and ``seed`` draws a different (still disjoint) split.
+
+Hub corpora (``wikitext2``, ``c4``, ``redpajama``, ``fineweb``) load through ``datasets``; they need
+the Hugging Face hub. ``calibration`` reads the train split; ``evaluation`` reads the test or
+validation split, or, for sets that only publish a train split, a disjoint share of it picked by the
+same hash rule.
+"""
+
+from __future__ import annotations
+
+import bz2
+import hashlib
+import html
+import os
+import re
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcomp.errors import KVCompError, unknown_choice
+from kvcomp.paths import cache_dir
+
+SPLITS = ("calibration", "evaluation")
+CALIBRATION_EVERY = 4  # one document in four goes to calibration
+MIN_ARTICLE_CHARS = 500  # cleaned Wikipedia pages shorter than this are stubs / disambiguations
+HUB_MAX_DOCUMENTS = 5000  # documents read from a hub set per split (they are streamed where huge)
+
+
+class HubUnavailableError(KVCompError, RuntimeError):
+    """A model or data set from the Hugging Face hub could not be loaded."""
+
+
+# ================================================================================================
+# Wikipedia markup
+# ================================================================================================
+# Sections whose content is reference lists and links, not prose.
+_DROPPED_SECTIONS = {
+    "see also", "references", "external links", "further reading", "notes", "bibliography",
+    "sources", "footnotes", "citations", "notes and references", "references and notes",
+    "works cited", "primary sources", "secondary sources",
+}
+# Tags whose content is not prose (removed with their content).
+_DROPPED_TAGS = ("ref", "math", "gallery", "timeline", "imagemap", "score", "graph", "chem", "ce",
+                 "syntaxhighlight", "source", "hiero", "references", "mapframe")
+# Link namespaces that carry no running text.
+_DROPPED_LINK_PREFIX = re.compile(r"^\s*(file|image|media|category|wikipedia|wp|template|help|portal|"
+                                  r"special|user|talk)\s*:", re.I)
+_INTERLANGUAGE = re.compile(r"^\s*[a-z]{2,3}(?:-[a-z]+)?\s*:", re.I)
+
+_COMMENT = re.compile(r"<!--.*?(?:-->|$)", re.S)
+_SELF_CLOSING = re.compile(r"<(?:%s)\b[^>]*/>" % "|".join(_DROPPED_TAGS), re.I)
+_PAIRED = re.compile(r"<(%s)\b[^>]*>.*?</\1\s*>" % "|".join(_DROPPED_TAGS), re.I | re.S)
+_UNCLOSED_REF = re.compile(r"<ref\b[^>]*>[^<]*$", re.I | re.M)
+_TEMPLATE = re.compile(r"\{\{(?:(?!\{\{|\}\}).)*\}\}", re.S)  # innermost {{...}}
+_TABLE = re.compile(r"\{\|(?:(?!\{\||\|\}).)*\|\}", re.S)  # innermost {|...|}
+_LINK = re.compile(r"\[\[([^\[\]]*)\]\]")  # innermost [[...]]
+_EXT_LINK_TEXT = re.compile(r"\[(?:https?:|ftp:|//)[^\s\]]*\s+([^\]]*)\]", re.I)
+_EXT_LINK_BARE = re.compile(r"\[(?:https?:|ftp:|//)[^\s\]]*\]", re.I)
+_QUOTES = re.compile(r"'{2,}")
+_HEADING = re.compile(r"^(=+)\s*(.*?)\s*\1\s*$", re.M)
+_HTML_TAG = re.compile(r"</?[a-zA-Z][a-zA-Z0-9]*\b[^<>]*/?>")
+_BR = re.compile(r"<br\s*/?>", re.I)
+_MAGIC = re.compile(r"__[A-Z]+__")
+_LIST_MARKER = re.compile(r"^[*#:;]+\s*", re.M)
+_EMPTY_PARENS = re.compile(r"\(\s*[,;:]?\s*\)")
+_OPEN_PAREN_PUNCT = re.compile(r"\(\s*[,;]\s*")
+_SPACE_BEFORE_PUNCT = re.compile(r"[ \t]+([,.;:])(?=\s|$)")
+_SPACE_BEFORE_PAREN = re.compile(r"[ \t]+\)")
+_SPACES = re.compile(r"[ \t]{2,}")
+_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+def _replace_until_stable(pattern: re.Pattern, repl, text: str) -> str:
+    """Apply a substitution until nothing changes (peels nested constructs from the inside)."""
+    while True:
+        text, n = pattern.subn(repl, text)
+        if n == 0:
+            return text
+
+
+_SYMBOL_TEMPLATES = {"mdash": "—", "mdashb": "—", "ndash": "–", "snd": " – ", "spnd": " – ", "spaced ndash": " – ",
+                     "nbsp": " ", "thinsp": " ", "pipe": "|", "'": "'"}
+
+
+def _template_text(match: re.Match) -> str:
+    """Keep the visible text of a few inline templates; drop every other template."""
+    parts = [p.strip() for p in match.group(0)[2:-2].split("|")]
+    name = parts[0].lower().replace("_", " ")
+    args = [p for p in parts[1:] if "=" not in p]
+    if name in ("convert", "cvt") and len(args) >= 2:
+        if len(args) >= 4 and args[1] in ("-", "to", "and", "or"):
+            return f"{args[0]} {args[1]} {args[2]} {args[3]}".replace(" - ", "–")
+        return f"{args[0]} {args[1]}"
+    if name in ("lang", "transl") and len(args) >= 2:
+        return args[-1]
+    if name in ("nowrap", "nobr", "small", "smaller", "big", "em", "strong", "var", "sic") and args:
+        return args[0]
+    if name.startswith("lang-") and args:
+        return args[0]
+    return _SYMBOL_TEMPLATES.get(name, "")
+
+
+_FILE_LINK_START = re.compile(r"\[\[\s*(?:file|image|media)\s*:", re.I)
+
+
+def _remove_file_links(text: str) -> str:
+    """Drop [[File:...]] / [[Image:...]] links whole, captions included (they may hold links and brackets)."""
+    out, pos = [], 0
+    while (match := _FILE_LINK_START.search(text, pos)) is not None:
+        out.append(text[pos:match.start()])
+        depth, i = 0, match.start()
+        while i < len(text):
+            pair = text[i:i + 2]
+            if pair == "[[":
+                depth, i = depth + 1, i + 2
+            elif pair == "]]":
+                depth, i = depth - 1, i + 2
+                if depth == 0:
+                    break
+            elif pair == "\n\n":
+                break  # an unclosed link never runs past a paragraph
+            else:
+                i += 1
+        pos = i
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _link_text(match: re.Match) -> str:
+    """[[target|label]] -> label, [[target]] -> target, file/category/interlanguage links -> ''."""
+    inner = match.group(1)
+    target, _, label = inner.partition("|")
+    if target.startswith(":"):  # [[:Category:X|text]] is an ordinary inline link
+        target = target[1:]
+    elif _DROPPED_LINK_PREFIX.match(target) or (_INTERLANGUAGE.match(target) and not label):
+        return ""
+    if label:
+        return label.rsplit("|", 1)[-1] if "|" in label else label
+    return target.split("#")[-1] if target.startswith("#") else target
+
+
+def _drop_sections(text: str) -> str:
+    """Remove 'References', 'External links', ... sections (up to the next heading of the same level)."""
+    out, skip_level = [], 0
+    for line in text.split("\n"):
+        heading = _HEADING.match(line)
+        if heading:
+            level = len(heading.group(1))
+            if skip_level and level > skip_level:
+                continue
+            skip_level = level if heading.group(2).strip().lower() in _DROPPED_SECTIONS else 0
+        if not skip_level:
+            out.append(line)
+    return "\n".join(out)
+
+
+def clean_wikitext(text: str) -> str:
+    """Plain text from MediaWiki markup, with regular expressions only.
+
+    Removes comments, references and other non-prose tags, templates (nested), tables (nested),
+    file/image/category links and reference sections; keeps link labels, external link text,
+    heading titles and list items; drops bold/italic quotes and HTML tags; tidies whitespace.
+    """
+    text = _COMMENT.sub("", text)
+    text = _SELF_CLOSING.sub("", text)
+    text = _replace_until_stable(_PAIRED, "", text)
+    text = _UNCLOSED_REF.sub("", text)
+    text = _replace_until_stable(_TEMPLATE, _template_text, text)
+    text = _replace_until_stable(_TABLE, "", text)
+    text = _drop_sections(text)
+    text = _remove_file_links(text)
+    text = _replace_until_stable(_LINK, _link_text, text)
+    text = text.replace("[[", "").replace("]]", "")  # unbalanced leftovers of malformed links
+    text = _EXT_LINK_TEXT.sub(r"\1", text)
+    text = _EXT_LINK_BARE.sub("", text)
+    text = _QUOTES.sub("", text)
+    text = _HEADING.sub(r"\2", text)
+    text = _BR.sub("\n", text)
+    text = _HTML_TAG.sub("", text)
+    text = _MAGIC.sub("", text)
+    text = html.unescape(text).replace("\xa0", " ").replace("\u200b", "")
+    text = _LIST_MARKER.sub("", text)
+    # Leftovers of removed templates and refs: "()", "( ; )", " ,".
+    text = _EMPTY_PARENS.sub("", text)
+    text = _OPEN_PAREN_PUNCT.sub("(", text)
+    text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
+    text = _SPACE_BEFORE_PAREN.sub(")", text)
+    text = _SPACES.sub(" ", text)
+    lines = [line.strip() for line in text.split("\n")]
+    lines = [line for line in lines if line not in ("|", "}}", "{{", "|}", "{|") and not line.startswith("|")]
+    return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
+
+
+def parse_wikipedia_articles(bz2_path: str | os.PathLike, *, min_chars: int = MIN_ARTICLE_CHARS) -> list[tuple[str, str]]:
+    """(title, plain text) of the articles in a bz2 MediaWiki XML export, in file order.
+
+    Keeps main-namespace pages only; skips redirects and articles shorter than ``min_chars``
+    characters after cleaning.
+    """
+    articles = []
+    with bz2.open(bz2_path, "rb") as f:
+        for _, elem in ET.iterparse(f, events=("end",)):
+            if _local(elem.tag) != "page":
+                continue
+            fields = {_local(child.tag): child for child in elem}
+            title = (fields["title"].text or "") if "title" in fields else ""
+            ns = (fields["ns"].text or "0").strip() if "ns" in fields else "0"
+            raw = ""
+            revision = fields.get("revision")
+            if revision is not None:
+                for child in revision:
+                    if _local(child.tag) == "text":
+                        raw = child.text or ""
+            elem.clear()
+            if ns != "0" or "redirect" in fields or raw.lstrip().upper().startswith("#REDIRECT"):
+                continue
+            body = clean_wikitext(raw)
+            if len(body) >= min_chars:
+                articles.append((title, body))
+    return articles
+
+
+def _local(tag: str) -> str:
+    """An XML tag without its namespace."""
+    return tag.rsplit("}", 1)[-1]
+
+
+# ================================================================================================
+# Document-level splits
+# ================================================================================================
+def split_by_key(items: Sequence, key: Callable[[object], str], split: str, *, seed: int = 0,
+                 every: int = CALIBRATION_EVERY) -> list:
+    """The items of one split: rank by ``sha256(f"{seed}:{key(item)}")``, every ``every``-th -> calibration."""
+    _check_split(split)
+    ranked = sorted(items, key=lambda item: _hash(f"{seed}:{key(item)}"))
+    want_calibration = split == "calibration"
+    return [item for i, item in enumerate(ranked) if (i % every == 0) == want_calibration]
+
+
+def _hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise unknown_choice("split", split, SPLITS)
+
+
+# ================================================================================================
+# Corpora
+# ================================================================================================
+@dataclass(frozen=True)
+class _HubSpec:
+    """How to read one hub corpus through ``datasets.load_dataset``."""
+
+    repo: str  # the hub repository (for messages)
+    path: str  # first argument of load_dataset
+    name: str | None
+    calibration_split: str
+    evaluation_split: str | None  # None: only a train split exists; evaluation takes a hashed share
+    data_files: dict[str, str] | None = None
+    streaming: bool = True
+    shuffle_buffer: int = 0  # > 0: shuffle the stream (seeded), for sets stored source by source
+
+
+_HUB_CORPORA: dict[str, _HubSpec] = {
+    "wikitext2": _HubSpec("Salesforce/wikitext", "Salesforce/wikitext", "wikitext-2-raw-v1", "train", "test",
+                          streaming=False),
+    "c4": _HubSpec(
+        "allenai/c4", "allenai/c4", None, "train", "validation",
+        data_files={
+            "train": "en/c4-train.00000-of-01024.json.gz",
+            "validation": "en/c4-validation.00000-of-00008.json.gz",
+        },
+    ),
+    # The repository's loading script is not supported by datasets >= 4: read its JSON-lines files
+    # (one per source: arxiv, book, c4, common crawl, github, stackexchange, wikipedia) directly.
+    "redpajama": _HubSpec(
+        "togethercomputer/RedPajama-Data-1T-Sample", "json", None, "train", None,
+        data_files={"train": "hf://datasets/togethercomputer/RedPajama-Data-1T-Sample/*.jsonl"},
+        shuffle_buffer=10_000,
+    ),
+    "fineweb": _HubSpec("HuggingFaceFW/fineweb", "HuggingFaceFW/fineweb", "sample-10BT", "train", None),
+}
+EMBEDDED_CORPORA = ("enwiki", "lee")
+CORPORA = EMBEDDED_CORPORA + tuple(_HUB_CORPORA)
+
+
+def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | None = None) -> list[str]:
+    """The documents of one corpus split, as plain strings.
+
+    ``name``: ``enwiki``, ``lee`` (embedded, offline) or ``wikitext2``, ``c4``, ``redpajama``,
+    ``fineweb`` (Hugging Face hub). ``split``: ``calibration`` or ``evaluation`` (disjoint by
+    document, see the module docstring). ``seed`` changes the embedded split; hub sets read the
+    first ``max_documents`` documents (default ``HUB_MAX_DOCUMENTS``) in their published order.
+    """
+    if name not in CORPORA:
+        raise unknown_choice("corpus", name, CORPORA)
+    _check_split(split)
+    if name == "enwiki":
+        from kvcomp.data.assets import ensure_embedded_corpora
+
+        articles = parse_wikipedia_articles(ensure_embedded_corpora()["enwiki"])
+        docs = [text for _, text in split_by_key(articles, lambda a: a[0], split, seed=seed)]
+    elif name == "lee":
+        from kvcomp.data.assets import ensure_embedded_corpora
+
+        lines = ensure_embedded_corpora()["lee"].read_text(encoding="utf-8").splitlines()
+        docs = split_by_key([line.strip() for line in lines if line.strip()], lambda t: t, split, seed=seed)
+    else:
+        docs = _load_hub_corpus(name, split, seed=seed, max_documents=max_documents or HUB_MAX_DOCUMENTS)
+    return docs[:max_documents] if max_documents else docs
+
+
+def _load_hub_corpus(name: str, split: str, *, seed: int, max_documents: int) -> list[str]:
+    """Documents of a hub corpus split (see the module docstring)."""
+    spec = _HUB_CORPORA[name]
+    hub_split = spec.calibration_split if split == "calibration" or spec.evaluation_split is None else spec.evaluation_split
+    try:
+        import datasets
+
+        kwargs = {"split": hub_split, "streaming": spec.streaming}
+        if spec.name:
+            kwargs["name"] = spec.name
+        if spec.data_files:
+            kwargs["data_files"] = {hub_split: spec.data_files[hub_split]}
+        rows = datasets.load_dataset(spec.path, **kwargs)
+        if spec.shuffle_buffer:
+            rows = rows.shuffle(seed=seed, buffer_size=spec.shuffle_buffer)
+        texts = (row["text"] for row in rows)
+        if name == "wikitext2":
+            docs = _wikitext_articles(texts)
+        elif spec.evaluation_split is None:
+            docs = _hashed_share(texts, split, seed=seed, limit=max_documents)
+        else:
+            docs = _take_nonempty(texts, max_documents)
+    except Exception as err:  # network, auth and hub errors come in many types
+        raise HubUnavailableError(
+            f"could not load the hub corpus {name!r} ({spec.repo}) from the Hugging Face hub: "
+            f"{type(err).__name__}: {err}. The hub is unreachable or the data set is unavailable; "
+            f"offline, use an embedded corpus instead, e.g. calibration=enwiki (or lee)."
+        ) from err
+    return docs
+
+
+def _take_nonempty(texts: Iterable[str], limit: int) -> list[str]:
+    docs = []
+    for text in texts:
+        if text and text.strip():
+            docs.append(text.strip())
+            if len(docs) >= limit:
+                break
+    return docs
+
+
+def _hashed_share(texts: Iterable[str], split: str, *, seed: int, limit: int) -> list[str]:
+    """Split a single published split by document hash: 1 in ``CALIBRATION_EVERY`` -> calibration."""
+    want_calibration = split == "calibration"
+    docs = []
+    for text in texts:
+        if not text or not text.strip():
+            continue
+        is_calibration = int(_hash(f"{seed}:{text}")[:8], 16) % CALIBRATION_EVERY == 0
+        if is_calibration == want_calibration:
+            docs.append(text.strip())
+            if len(docs) >= limit:
+                break
+    return docs
+
+
+_WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
+
+
+def _wikitext_articles(lines: Iterable[str]) -> list[str]:
+    """Group WikiText rows (one line each) into articles at the top-level ' = Title = ' lines."""
+    docs, current = [], []
+    for line in lines:
+        if _WIKITEXT_TITLE.match(line.rstrip("\n")) and current:
+            docs.append("".join(current).strip())
+            current = []
+        current.append(line)
+    if current:
+        docs.append("".join(current).strip())
+    return [d for d in docs if d]
+
+
+# ================================================================================================
+# Token windows
+# ================================================================================================
+WINDOW_MODES = ("contiguous", "random")
+
+
+def tokenize_documents(texts: Sequence[str], tokenizer, *, separator: str | None = None,
+                       cache: bool = True, cache_tag: str = "") -> torch.Tensor:
+    """All documents as one 1-D LongTensor of token ids, joined by a separator token.
+
+    The separator is the tokenizer's eos token when it has one, else the tokens of ``separator``
+    (default ``"\\n\\n"``). With ``cache``, ids are stored under ``cache_dir()/tokens/`` keyed by a
+    hash of the texts, the separator and the tokenizer's vocabulary, so a later call with the same
+    corpus split and tokenizer loads them instead of tokenizing again.
+    """
+    sep_ids = _separator_ids(tokenizer, separator)
+    path = None
+    if cache:
+        key = _hash("\x00".join([_tokenizer_fingerprint(tokenizer), repr(sep_ids), *texts]))[:24]
+        tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", cache_tag).strip("-")
+        path = cache_dir() / "tokens" / f"{tag + '-' if tag else ''}{key}.pt"
+        if path.is_file():
+            return torch.load(path)
+    ids: list[int] = []
+    batch = 64
+    for start in range(0, len(texts), batch):
+        encoded = tokenizer(list(texts[start:start + batch]), add_special_tokens=False)["input_ids"]
+        for doc in encoded:
+            if ids and doc:
+                ids.extend(sep_ids)
+            ids.extend(doc)
+    tokens = torch.tensor(ids, dtype=torch.long)
+    if path is not None:
+        _atomic_torch_save(tokens, path)
+    return tokens
+
+
+def token_windows(texts: Sequence[str], tokenizer, seq_len: int, num_windows: int | None, *, seed: int = 0,
+                  mode: str = "contiguous", cache: bool = True, cache_tag: str = "") -> torch.Tensor:
+    """Token windows ``[n, seq_len]`` (LongTensor) cut from the concatenated documents.
+
+    ``contiguous``: consecutive, non-overlapping windows from the start of the token stream; the
+    first ``num_windows`` of them, or all of them when ``num_windows`` is None or <= 0.
+    ``random``: ``num_windows`` windows at seeded random offsets (may overlap), for calibration.
+    Raises ValueError when the text has too few tokens for what is asked.
+    """
+    if mode not in WINDOW_MODES:
+        raise unknown_choice("window mode", mode, WINDOW_MODES)
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    tokens = tokenize_documents(texts, tokenizer, cache=cache, cache_tag=cache_tag)
+    total = tokens.numel()
+    available = total // seq_len
+    if mode == "contiguous":
+        n = available if not num_windows or num_windows <= 0 else num_windows
+        if available == 0 or n > available:
+            raise ValueError(
+                f"not enough text for {n or 1} windows of {seq_len} tokens: the corpus has {total} tokens, "
+                f"enough for {available} contiguous windows"
+            )
+        return tokens[: n * seq_len].view(n, seq_len).clone()
+    if not num_windows or num_windows <= 0:
+        raise ValueError("mode='random' needs num_windows > 0")
+    if total < seq_len:
+        raise ValueError(f"not enough text for a window of {seq_len} tokens: the corpus has {total} tokens")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, total - seq_len + 1, (num_windows,), generator=generator)
+    return torch.stack([tokens[s: s + seq_len] for s in starts.tolist()])
+
+
+def _separator_ids(tokenizer, separator: str | None) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if separator is None and eos is not None:
+        return [int(eos)]
+    return list(tokenizer(separator if separator is not None else "\n\n", add_special_tokens=False)["input_ids"])
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    """A string that changes whenever the tokenizer would produce different ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        return _hash(backend.to_str())
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return _hash(f"{type(tokenizer).__name__}:{getattr(tokenizer, 'name_or_path', '')}:{sorted(vocab.items())}")
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, then rename into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

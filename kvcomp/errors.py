@@ -1,0 +1,22 @@
+"""Errors raised for bad input. Each names the problem and, where there is a list, the valid choices."""
+
+
+class KVCompError(Exception):
+    """Base class of every error kvcomp raises on purpose."""
+
+
+class ConfigError(KVCompError, ValueError):
+    """A configuration value that cannot work (unknown name, bit width a codec cannot do, ...)."""
+
+
+class CalibrationMismatchError(KVCompError, ValueError):
+    """A saved calibration state was fitted for another model, codec config or calibration set."""
+
+
+class NonFiniteKVError(KVCompError, FloatingPointError):
+    """NaN or Inf reached the KV cache."""
+
+
+def unknown_choice(kind: str, name: str, choices) -> ConfigError:
+    """An error for an unknown name among known ones, listing the valid choices."""
+    return ConfigError(f"unknown {kind} {name!r}; valid choices: {', '.join(sorted(choices))}")

@@ -1,0 +1,103 @@
+"""Loading causal language models (embedded, Hugging Face hub, or local folder) and describing them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvcomp.data.corpora import HubUnavailableError
+from kvcomp.errors import unknown_choice
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+SOURCES = ("embedded", "hub", "<path to a local model folder>")
+
+
+def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32", device: str = "cpu",
+               attn_implementation: str | None = None):
+    """Load ``(model, tokenizer)`` in eval mode.
+
+    ``source``: ``"embedded"`` (SmolLM2-135M-Instruct from the kvcomp cache, fetched on first use),
+    ``"hub"`` (the Hugging Face model ``hub_id``), or a local model folder. ``dtype``: one of
+    ``float32``, ``bfloat16``, ``float16``, ``auto``. The tokenizer pads on the left, with the eos
+    token when it has no pad token.
+    """
+    if dtype not in DTYPES:
+        raise unknown_choice("dtype", dtype, DTYPES)
+    if source == "embedded":
+        from kvcomp.data.assets import ensure_embedded_model
+
+        location = str(ensure_embedded_model())
+    elif source == "hub":
+        if not hub_id:
+            raise ValueError("source='hub' needs hub_id (e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct')")
+        location = hub_id
+    elif Path(source).expanduser().is_dir():
+        location = str(Path(source).expanduser())
+    else:
+        raise ValueError(
+            f"unknown model source {source!r}: expected 'embedded', 'hub' (with hub_id) or an existing model folder"
+        )
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"dtype": DTYPES[dtype]}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if torch.device(device).type != "cpu":
+        kwargs["device_map"] = device  # load straight onto the accelerator
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(location)
+    except Exception as err:
+        if source != "hub":
+            raise
+        raise _hub_error(hub_id, err) from err
+    if "device_map" not in kwargs:
+        model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def _hub_error(hub_id: str, err: Exception) -> HubUnavailableError:
+    """A readable error for a hub model that could not be fetched."""
+    text = f"{type(err).__name__}: {err}"
+    if "gated" in text.lower() or "401" in text or "403" in text:
+        hint = ("the model is gated or private: accept its license on huggingface.co and set HF_TOKEN "
+                "(or run `hf auth login`)")
+    else:
+        hint = ("the Hugging Face hub is unreachable or the model id is wrong; for gated models set HF_TOKEN; "
+                "offline, use model source 'embedded' or a local folder")
+    return HubUnavailableError(f"could not load hub model {hub_id!r}: {hint}. ({text})")
+
+
+def model_summary(model) -> dict:
+    """Architecture facts read from the model's (text) config, plus the parameter count."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_heads = text.num_attention_heads
+    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    rope_parameters = getattr(text, "rope_parameters", None)
+    rope = bool(
+        rope_parameters
+        or getattr(text, "rope_theta", None)
+        or getattr(text, "rotary_dim", None)
+        or getattr(text, "rotary_pct", None)
+        or getattr(text, "position_embedding_type", None) == "rotary"
+    )
+    return {
+        "model_type": text.model_type,
+        "n_layers": text.num_hidden_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "hidden_size": text.hidden_size,
+        "vocab_size": getattr(text, "vocab_size", None),
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+        "rope": rope,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }

@@ -1,0 +1,147 @@
+"""The pipeline behind ``run.py``: load model -> build + calibrate codec -> benchmark -> results.
+
+Importable without Hydra's entry point: :func:`run` takes a composed config (DictConfig) and an
+output directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kvcomp.benchmarks.perplexity import evaluate_perplexity
+from kvcomp.cache import install
+from kvcomp.calibration import CalibrationData, calibrate
+from kvcomp.codecs import Codec, ModelInfo, build_codec, codec_config
+from kvcomp.config import BENCHMARKS, KERNEL_BACKENDS, LOGGERS, typed
+from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.paths import cache_dir
+from kvcomp.results import RESULTS_FILE, log_to_wandb, markdown_table, versions, write_json_atomic
+
+
+def run(cfg: DictConfig, output_dir: str | Path) -> dict:
+    """Run one configuration; write ``results.json`` in ``output_dir``; return the results."""
+    output_dir = Path(output_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("hydra", None)
+    config.pop("force", None)
+    results_path = output_dir / RESULTS_FILE
+    if results_path.is_file() and not cfg.get("force", False):
+        previous = json.loads(results_path.read_text())
+        if previous.get("config") == config:
+            print(f"[kvcomp] {results_path} already holds this run (force=true re-runs it)")
+            print(markdown_table(previous["rows"]))
+            return previous
+
+    model_cfg = typed("model", cfg.model)
+    hardware = typed("hardware", cfg.hardware)
+    logger = typed("logger", cfg.logger)
+    calibration = typed("calibration", cfg.calibration)
+    if cfg.benchmark.name not in BENCHMARKS:
+        raise unknown_choice("benchmark", cfg.benchmark.name, BENCHMARKS)
+    benchmark = typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name])
+    if hardware.kernel_backend not in KERNEL_BACKENDS:
+        raise unknown_choice("kernel backend", hardware.kernel_backend, KERNEL_BACKENDS)
+    if logger.name not in LOGGERS:
+        raise unknown_choice("logger", logger.name, LOGGERS)
+    codec_cfg = codec_config(cfg.codec)  # validate before the slow model load
+
+    torch.manual_seed(cfg.get("seed", 0))
+    if hardware.device == "cpu":
+        torch.set_num_threads(hardware.threads or os.cpu_count() or 1)
+    timings = {}
+    start = time.perf_counter()
+    from kvcomp.models import load_model
+
+    model, tokenizer = load_model(
+        model_cfg.source, hub_id=model_cfg.hub_id, dtype=model_cfg.dtype or hardware.dtype, device=hardware.device
+    )
+    install(model)
+    info = ModelInfo.from_hf_config(model.config, name=model_cfg.hub_id or model_cfg.name)
+    codec = build_codec(codec_cfg, info)
+    timings["load_seconds"] = round(time.perf_counter() - start, 2)
+
+    windows = _evaluation_windows(benchmark, tokenizer, model_cfg)
+    calibration_report = calibrate(
+        codec, calibration, lambda: _calibration_data(model, tokenizer, calibration)
+    )
+    rows = []
+    if benchmark.include_reference and codec.name != "fp16":
+        reference = build_codec({"name": "fp16"}, info)
+        rows.append(_reference_row(model, reference, windows, benchmark, model_cfg, hardware))
+    rows.append(_row(model, codec, windows, benchmark, model_cfg))
+    timings["total_seconds"] = round(time.perf_counter() - start, 2)
+
+    results = {
+        "config": config,
+        "rows": rows,
+        "calibration": calibration_report,
+        "timings": timings,
+        "versions": versions(),
+    }
+    write_json_atomic(results_path, results)
+    print(f"\n[kvcomp] {benchmark.name} on {model_cfg.name} ({results_path}):")
+    print(markdown_table(rows))
+    if logger.name == "wandb":
+        log_to_wandb(logger, f"{model_cfg.name}-{codec.describe()}", config, rows)
+    return results
+
+
+def _evaluation_windows(benchmark, tokenizer, model_cfg) -> torch.Tensor:
+    from kvcomp.data import load_corpus, token_windows
+
+    if benchmark.seq_len > model_cfg.max_context:
+        raise ConfigError(f"benchmark.seq_len={benchmark.seq_len} exceeds {model_cfg.name}'s max_context={model_cfg.max_context}")
+    texts = load_corpus(benchmark.dataset, benchmark.split)
+    return token_windows(texts, tokenizer, benchmark.seq_len, benchmark.num_windows, cache_tag=f"{benchmark.dataset}-{benchmark.split}")
+
+
+def _calibration_data(model, tokenizer, calibration) -> CalibrationData:
+    from kvcomp.data import load_corpus, token_windows
+
+    texts = load_corpus(calibration.name, "calibration", seed=calibration.seed)
+    windows = token_windows(
+        texts, tokenizer, calibration.seq_len, calibration.num_samples, seed=calibration.seed, mode="random",
+        cache_tag=f"{calibration.name}-calibration",
+    )
+    return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration)
+
+
+def _row(model, codec: Codec, windows, benchmark, model_cfg) -> dict:
+    metrics = evaluate_perplexity(model, codec, windows, benchmark)
+    return {
+        "model": model_cfg.name,
+        "codec": codec.describe(),
+        "benchmark": f"{benchmark.name}:{benchmark.dataset}/{benchmark.split} {len(windows)}x{windows.shape[1]}",
+        "bits_per_value": round(codec.bits_per_value(), 4),
+        "overhead_bits": codec.overhead_bits(),
+        **metrics,
+    }
+
+
+def _reference_row(model, reference: Codec, windows, benchmark, model_cfg, hardware) -> dict:
+    """The uncompressed row, cached across runs for the same model, dtype and windows."""
+    key = json.dumps(
+        {
+            "model": reference.model.name,
+            "dtype": str(model.dtype),
+            "device": hardware.device,
+            "windows": hashlib.sha256(windows.numpy().tobytes()).hexdigest(),
+            "benchmark": asdict(benchmark) | {"include_reference": None},
+            "versions": {k: v for k, v in versions().items() if k in ("torch", "transformers", "kvcomp")},
+        },
+        sort_keys=True,
+    )
+    path = cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    row = _row(model, reference, windows, benchmark, model_cfg)
+    write_json_atomic(path, row)
+    return row

@@ -1,0 +1,87 @@
+"""Asymmetric min-max integer quantization in groups: the quantizer of uniform and KIVI.
+
+For a group ``x_g`` and ``b`` bits (KIVI, Liu et al. 2024, Eq. 1):
+``z = min(x_g)``, ``s = (max(x_g) - z) / (2^b - 1)``, ``q = clamp(round((x - z) / s), 0, 2^b - 1)``,
+``x_hat = q * s + z``.
+
+Two group shapes over a ``[batch, heads, tokens, head_dim]`` block:
+
+- ``per_token``: groups of ``group_size`` adjacent channels of one token (KIVI's values);
+- ``per_channel``: groups of ``group_size`` adjacent tokens of one channel (KIVI's keys).
+
+Scale and zero-point are stored in ``param_dtype`` (16 bits, as the papers count them) and the codes
+are computed with the stored, rounded parameters, so encode and decode agree exactly. Codes are packed
+along the channel axis of each token, so every stored tensor has tokens (or token groups) on dim 2
+and payloads of consecutive blocks concatenate along that dim.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.errors import ConfigError
+from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
+
+AXES = ("per_token", "per_channel")
+
+
+@dataclass(frozen=True)
+class GroupQuantizer:
+    """Quantize ``[B, H, T, D]`` blocks with ``bits`` bits in groups along ``axis``."""
+
+    bits: int
+    group_size: int
+    axis: str
+    param_dtype: torch.dtype = torch.float16
+
+    def validate(self, head_dim: int, owner: str) -> None:
+        """Raise :class:`ConfigError` naming ``owner`` when this quantizer cannot code ``head_dim`` channels."""
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ConfigError(f"{owner}: bits={self.bits!r} is not supported; choose an integer in 1..8")
+        if self.axis not in AXES:
+            raise ConfigError(f"{owner}: axis {self.axis!r} is unknown; valid choices: {', '.join(AXES)}")
+        if self.group_size < 1:
+            raise ConfigError(f"{owner}: group_size must be positive, got {self.group_size}")
+        if self.axis == "per_token" and head_dim % self.group_size:
+            divisors = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
+            raise ConfigError(
+                f"{owner}: per_token group_size={self.group_size} does not divide head_dim={head_dim}; "
+                f"valid group sizes: {divisors}"
+            )
+
+    @property
+    def block_multiple(self) -> int:
+        """Encoded blocks must hold a multiple of this many tokens."""
+        return self.group_size if self.axis == "per_channel" else 1
+
+    def bits_per_value(self, head_dim: int) -> float:
+        """Exact stored bits per value: packed codes + 16-bit scale and zero per group."""
+        code_bits = 8 * packed_length(head_dim, self.bits) / head_dim
+        param_bits = 2 * torch.finfo(self.param_dtype).bits / self.group_size
+        return code_bits + param_bits
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``x [B, H, T, D]`` -> ``{"codes": uint8 [B,H,T,packed], "scale", "zero"}``."""
+        b, h, t, d = x.shape
+        if self.axis == "per_token":
+            groups = x.float().reshape(b, h, t, d // self.group_size, self.group_size)
+            lo, hi = groups.amin(-1), groups.amax(-1)  # [B,H,T,D/G]
+        else:
+            groups = x.float().reshape(b, h, t // self.group_size, self.group_size, d)
+            lo, hi = groups.amin(-2), groups.amax(-2)  # [B,H,T/G,D]
+        levels = (1 << self.bits) - 1
+        scale = ((hi - lo) / levels).to(self.param_dtype)
+        zero = lo.to(self.param_dtype)
+        s, z = self._expand(scale), self._expand(zero)
+        q = torch.round((x.float() - z) / s.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, levels)
+        return {"codes": pack_bits(q.to(torch.uint8), self.bits), "scale": scale, "zero": zero}
+
+    def decode(self, payload: dict[str, torch.Tensor], head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`encode`: ``x_hat = code * scale + zero`` as ``[B, H, T, D]`` in ``dtype``."""
+        codes = unpack_bits(payload["codes"], self.bits, head_dim).float()
+        s, z = self._expand(payload["scale"]), self._expand(payload["zero"])
+        return (codes * s + z).to(dtype)
+
+    def _expand(self, param: torch.Tensor) -> torch.Tensor:
+        """Broadcast a per-group parameter to ``[B, H, T, D]`` (float32)."""
+        return param.float().repeat_interleave(self.group_size, dim=-1 if self.axis == "per_token" else -2)
