@@ -82,14 +82,22 @@ LOGGERS = ("none", "wandb")
 BENCHMARKS = {"perplexity": PerplexityConfig}
 
 
-def typed(group: str, config, schema: type | None = None):
-    """Validate ``config`` (a DictConfig or dict) against its group's dataclass and return the dataclass."""
-    schema = schema or GROUPS[group]
+def structured(schema: type, config, label: str):
+    """``config`` (DictConfig or mapping) merged onto ``schema``'s defaults, as a ``schema`` instance.
+
+    Unknown or mistyped fields raise :class:`ConfigError` naming ``label`` and the field."""
     raw = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
     except Exception as exc:  # omegaconf's several error types become one clear error
-        raise ConfigError(f"{group} config: {str(exc).splitlines()[0]}") from exc
+        field_name = getattr(exc, "full_key", None)
+        where = f" field {field_name!r}" if field_name else ""
+        raise ConfigError(f"{label}{where}: {str(exc).splitlines()[0]}") from exc
+
+
+def typed(group: str, config, schema: type | None = None):
+    """Validate ``config`` against its group's dataclass (or ``schema``) and return the dataclass."""
+    return structured(schema or GROUPS[group], config, f"{group} config")
 
 
 def register_configs() -> None:

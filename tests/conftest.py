@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random models of two families, and the embedded model when it is set up."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on CPU tensors; must precede any triton import
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from kvcomp.cache import install  # noqa: E402
+from kvcomp.codecs import ModelInfo  # noqa: E402
+
+torch.set_num_threads(1)
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def _tiny(config_cls, model_cls, **extra):
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**TINY, **extra)).eval()
+    install(model)
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model(request):
+    """A tiny random Llama (GQA 2:1, head_dim 16) or Qwen2 (with q/k/v biases), kvcomp attention installed."""
+    if request.param == "llama":
+        return _tiny(LlamaConfig, LlamaForCausalLM)
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return _tiny(LlamaConfig, LlamaForCausalLM)
+
+
+def info_of(model) -> ModelInfo:
+    return ModelInfo.from_hf_config(model.config)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """``(model, tokenizer)`` of the embedded SmolLM2-135M; skips when scripts/setup.sh has not fetched it."""
+    from kvcomp.data.assets import embedded_assets_ready
+    from kvcomp.models import load_model
+
+    if not embedded_assets_ready():
+        pytest.skip("embedded assets not fetched (run scripts/setup.sh)")
+    model, tokenizer = load_model("embedded", dtype="float32", device="cpu")
+    install(model)
+    return model, tokenizer

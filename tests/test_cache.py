@@ -1,0 +1,146 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcomp.cache import CompressedCache
+from kvcomp.cache.rope import apply_rope, undo_rope
+from kvcomp.codecs import build_codec, expected_cache_bits
+from kvcomp.errors import NonFiniteKVError
+from tests.conftest import info_of
+
+SCHEDULES = [
+    {"name": "kivi", "bits": 2, "group_size": 4, "residual_length": 8},
+    {"name": "uniform", "bits": 3, "group_size": 4, "key_axis": "per_channel", "window": 5, "sinks": 3},
+    {"name": "uniform", "bits": 2, "group_size": 8, "pre_rope": True, "sinks": 2},
+]
+
+
+def _ids(batch=2, length=37, seed=1):
+    return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _forward(model, ids, cache, chunk):
+    return torch.cat(
+        [model(ids[:, i : i + chunk], past_key_values=cache, use_cache=True).logits for i in range(0, ids.shape[1], chunk)],
+        dim=1,
+    )
+
+
+@torch.no_grad()
+def test_fp16_codec_is_exactly_the_plain_model(tiny_model):
+    ids = _ids()
+    codec = build_codec({"name": "fp16"}, info_of(tiny_model))
+    plain = tiny_model(ids).logits
+    dynamic = tiny_model(ids, past_key_values=DynamicCache(config=tiny_model.config)).logits
+    assert torch.equal(tiny_model(ids, past_key_values=CompressedCache(codec)).logits, plain)
+    assert torch.equal(dynamic, plain)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("config", SCHEDULES, ids=lambda c: c["name"] + ("-prerope" if c.get("pre_rope") else ""))
+def test_streaming_protocol_equals_token_by_token(tiny_model, config):
+    """One forward under `streaming` gives the logits of feeding tokens one at a time."""
+    ids = _ids()
+    codec = build_codec(config, info_of(tiny_model))
+    step = _forward(tiny_model, ids, CompressedCache(codec, "streaming"), chunk=1)
+    one_shot = _forward(tiny_model, ids, CompressedCache(codec, "streaming"), chunk=ids.shape[1])
+    chunked = _forward(tiny_model, ids, CompressedCache(codec, "streaming"), chunk=11)
+    torch.testing.assert_close(one_shot, step, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunked, step, rtol=1e-4, atol=1e-4)
+    # the codec really changes the output (it is not silently bypassed)
+    assert (one_shot - tiny_model(ids).logits).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_simulated_protocol_quantizes_the_whole_prompt(tiny_model):
+    ids = _ids()
+    codec = build_codec(SCHEDULES[0], info_of(tiny_model))
+    streaming = _forward(tiny_model, ids, CompressedCache(codec, "streaming"), chunk=ids.shape[1])
+    simulated = _forward(tiny_model, ids, CompressedCache(codec, "simulated"), chunk=ids.shape[1])
+    # early queries see quantized blocks built with later tokens' statistics under `simulated` only
+    assert (simulated[:, :8] - streaming[:, :8]).abs().max() > 1e-3
+    # one token at a time the two protocols coincide
+    step_sim = _forward(tiny_model, ids, CompressedCache(codec, "simulated"), chunk=1)
+    step_stream = _forward(tiny_model, ids, CompressedCache(codec, "streaming"), chunk=1)
+    torch.testing.assert_close(step_sim, step_stream)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("config", SCHEDULES + [{"name": "fp16"}], ids=lambda c: c["name"])
+@pytest.mark.parametrize("length", [1, 7, 8, 16, 37])
+def test_measured_bytes_match_the_formula(tiny_llama, config, length):
+    codec = build_codec(config, info_of(tiny_llama))
+    cache = CompressedCache(codec)
+    tiny_llama(_ids(length=length), past_key_values=cache)
+    assert cache.nbytes * 8 == expected_cache_bits(codec, length, batch=2, fp_bits=32)
+    for layer in cache.layers:
+        for kind, stream in (("key", layer.key_stream), ("value", layer.value_stream)):
+            assert (stream.num_sinks, stream.num_encoded, stream.num_tail) == codec.policy(kind, 0).split(length)
+
+
+@torch.no_grad()
+def test_generate_fp16_codec_matches_plain_model_with_left_padding(tiny_model):
+    ids = _ids(length=12)
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0  # left padding on the first row
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    plain = tiny_model.generate(**kwargs)
+    codec = build_codec({"name": "fp16"}, info_of(tiny_model))
+    compressed = tiny_model.generate(**kwargs, past_key_values=CompressedCache(codec))
+    assert torch.equal(plain, compressed)
+
+
+@torch.no_grad()
+def test_beam_search_reorders_the_compressed_cache(tiny_llama):
+    ids = _ids(batch=1, length=10)
+    kwargs = dict(input_ids=ids, max_new_tokens=8, do_sample=False, num_beams=3, pad_token_id=0)
+    codec = build_codec({"name": "fp16"}, info_of(tiny_llama))
+    assert torch.equal(tiny_llama.generate(**kwargs), tiny_llama.generate(**kwargs, past_key_values=CompressedCache(codec)))
+
+
+@torch.no_grad()
+def test_generated_tokens_are_encoded_as_blocks_fill(tiny_llama):
+    codec = build_codec(SCHEDULES[0], info_of(tiny_llama))
+    cache = CompressedCache(codec)
+    out = tiny_llama.generate(_ids(length=10), max_new_tokens=15, do_sample=False, past_key_values=cache, pad_token_id=0)
+    stored = out.shape[1] - 1  # the last generated token is never fed back
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == stored
+    assert (layer.key_stream.num_encoded, layer.key_stream.num_tail) == codec.policy("key", 0).split(stored)[1:]
+    assert (layer.value_stream.num_encoded, layer.value_stream.num_tail) == codec.policy("value", 0).split(stored)[1:]
+
+
+@torch.no_grad()
+def test_pre_rope_keys_are_rerotated(tiny_llama):
+    """8-bit pre-RoPE keys come back close to the post-RoPE originals (they would not without re-rotation)."""
+    codec = build_codec({"name": "uniform", "bits": 8, "group_size": 16, "pre_rope": True}, info_of(tiny_llama))
+    ids = _ids(length=20)
+    reference = DynamicCache(config=tiny_llama.config)
+    tiny_llama(ids, past_key_values=reference)
+    cache = CompressedCache(codec)
+    tiny_llama(ids, past_key_values=cache)
+    keys = cache.layers[1].key_stream.materialize(torch.float32, cache.layers[1].rope)
+    original = reference.layers[1].keys
+    assert cache.layers[1].key_stream.num_encoded == 20
+    assert (keys - original).abs().max() < 0.02 * original.abs().max()
+    assert cache.bookkeeping_nbytes > 0
+
+
+def test_rope_inverse():
+    x = torch.randn(2, 3, 5, 16)
+    angles = torch.rand(2, 5, 8) * 10
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    torch.testing.assert_close(undo_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_nan_in_kv_is_an_error():
+    from tests.conftest import TINY, _tiny
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = _tiny(LlamaConfig, LlamaForCausalLM)
+    model.model.layers[1].self_attn.v_proj.weight.data[0, 0] = float("nan")
+    codec = build_codec({"name": "kivi", "group_size": 4, "residual_length": 8}, info_of(model))
+    assert TINY["num_hidden_layers"] == 2
+    with pytest.raises(NonFiniteKVError, match="layer 1: NaN or Inf in incoming values"):
+        model(_ids(), past_key_values=CompressedCache(codec))
