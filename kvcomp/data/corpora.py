@@ -244,11 +244,17 @@ def _local(tag: str) -> str:
 # ================================================================================================
 def split_by_key(items: Sequence, key: Callable[[object], str], split: str, *, seed: int = 0,
                  every: int = CALIBRATION_EVERY) -> list:
-    """The items of one split: rank by ``sha256(f"{seed}:{key(item)}")``, every ``every``-th -> calibration."""
+    """The items of one split, in hash order.
+
+    Distinct keys are ranked by ``sha256(f"{seed}:{key}")``; every ``every``-th key goes to
+    calibration, the others to evaluation. Items sharing a key land in the same split.
+    """
     _check_split(split)
-    ranked = sorted(items, key=lambda item: _hash(f"{seed}:{key(item)}"))
+    ranked_keys = sorted({key(item) for item in items}, key=lambda k: _hash(f"{seed}:{k}"))
+    calibration_keys = set(ranked_keys[::every])
     want_calibration = split == "calibration"
-    return [item for i, item in enumerate(ranked) if (i % every == 0) == want_calibration]
+    chosen = [item for item in items if (key(item) in calibration_keys) == want_calibration]
+    return sorted(chosen, key=lambda item: _hash(f"{seed}:{key(item)}"))
 
 
 def _hash(text: str) -> str:
@@ -320,7 +326,8 @@ def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | No
         from kvcomp.data.assets import ensure_embedded_corpora
 
         lines = ensure_embedded_corpora()["lee"].read_text(encoding="utf-8").splitlines()
-        docs = split_by_key([line.strip() for line in lines if line.strip()], lambda t: t, split, seed=seed)
+        unique = dict.fromkeys(line.strip() for line in lines if line.strip())  # a few lines repeat
+        docs = split_by_key(list(unique), lambda t: t, split, seed=seed)
     else:
         docs = _load_hub_corpus(name, split, seed=seed, max_documents=max_documents or HUB_MAX_DOCUMENTS)
     return docs[:max_documents] if max_documents else docs

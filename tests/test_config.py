@@ -1,0 +1,73 @@
+"""Hydra composition: every config file composes against its dataclass schema; bad input is a clear error."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from kvcomp.codecs import CODECS, codec_config
+from kvcomp.config import GROUPS, register_configs, typed
+from kvcomp.errors import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_configs()
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_default_is_the_embedded_model_on_cpu():
+    cfg = _compose()
+    assert cfg.model.source == "embedded" and cfg.hardware.device == "cpu" and cfg.codec.name == "kivi"
+    assert cfg.benchmark.protocols == ["streaming", "simulated"]
+
+
+@pytest.mark.parametrize("group", list(GROUPS) + ["codec"])
+def test_every_option_composes_and_matches_its_dataclass(group):
+    for option in _options(group):
+        node = _compose(f"{group}={option}")[group]
+        schema = CODECS[node.name].config_class if group == "codec" else GROUPS[group]
+        yaml_keys = set(OmegaConf.load(CONF / group / f"{option}.yaml")) - {"defaults"}
+        assert yaml_keys == {f.name for f in dataclasses.fields(schema)}, f"{group}/{option}.yaml vs {schema.__name__}"
+        parsed = codec_config(node) if group == "codec" else typed(group, node)
+        assert isinstance(parsed, schema)
+
+
+def test_hub_models_restate_no_shapes():
+    for option in _options("model"):
+        keys = set(OmegaConf.load(CONF / "model" / f"{option}.yaml"))
+        assert not keys & {"num_layers", "num_heads", "head_dim", "hidden_size"}
+
+
+def test_unknown_codec_lists_the_choices():
+    with pytest.raises(HydraException, match=r"(?s)codec/nope.*Available options.*kivi"):
+        _compose("codec=nope")
+
+
+def test_unknown_and_mistyped_fields_are_rejected_at_compose_time():
+    with pytest.raises(HydraException, match="bitz"):
+        _compose("codec.bitz=2")
+    with pytest.raises(HydraException, match="bits"):
+        _compose("codec.bits=two")
+
+
+def test_bit_width_the_codec_cannot_do():
+    cfg = _compose("codec=kivi", "codec.bits=12")
+    from kvcomp.codecs import ModelInfo, build_codec
+
+    with pytest.raises(ConfigError, match="bits=12 is not supported; choose an integer in 1..8"):
+        build_codec(cfg.codec, ModelInfo("m", 2, 2, 64))
+
+
+def test_typed_rejects_wrong_field():
+    with pytest.raises(ConfigError, match="hardware config field 'thread'"):
+        typed("hardware", {"thread": 2})

@@ -1,0 +1,100 @@
+"""Integration tests on the embedded SmolLM2-135M (fetched by scripts/setup.sh)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcomp.cache import CompressedCache
+from kvcomp.codecs import ModelInfo, build_codec
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
+
+
+@pytest.fixture(scope="module")
+def kivi_sweep(embedded, tmp_path_factory):
+    """`python run.py -m codec=kivi codec.bits=2,4` on the default benchmark (fp16 reference included)."""
+    sweep = tmp_path_factory.mktemp("sweep")
+    result = _run("-m", "codec=kivi", "codec.bits=2,4", "hardware.threads=1", f"hydra.sweep.dir={sweep}", cwd=sweep)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return sweep, result
+
+
+def _rows(sweep):
+    rows = {}
+    for path in sweep.rglob("results.json"):
+        for row in json.loads(path.read_text())["rows"]:
+            rows[row["codec"].split(",")[0]] = row
+    return rows
+
+
+def test_sweep_perplexities_are_sane(kivi_sweep):
+    sweep, _ = kivi_sweep
+    rows = _rows(sweep)
+    fp16, kivi2, kivi4 = rows["fp16()"], rows["kivi(bits=2"], rows["kivi(bits=4"]
+    assert 19 < fp16["ppl_streaming"] < 24 and fp16["ppl_simulated"] == fp16["ppl_streaming"]
+    for protocol in ("streaming", "simulated"):
+        assert kivi4[f"ppl_{protocol}"] <= 1.02 * fp16[f"ppl_{protocol}"]
+        assert kivi2[f"ppl_{protocol}"] > kivi4[f"ppl_{protocol}"]
+    # streaming shows early queries full-precision tokens, so it can only be closer to fp16
+    assert kivi2["ppl_streaming"] < kivi2["ppl_simulated"]
+
+
+def test_sweep_bits_and_bytes(kivi_sweep):
+    rows = _rows(kivi_sweep[0])
+    assert rows["kivi(bits=2"]["bits_per_value"] == 3.0 and rows["kivi(bits=4"]["bits_per_value"] == 5.0
+    for row in rows.values():
+        assert row["cache_bytes_per_window"] == pytest.approx(row["cache_bytes_expected"], rel=0.01)
+
+
+def test_sweep_writes_the_aggregated_table_and_resumes(kivi_sweep):
+    sweep, result = kivi_sweep
+    summary = (sweep / "summary.md").read_text()
+    assert summary.count("\n| smollm2_135m |") == 3  # fp16 once, KIVI-2, KIVI-4
+    assert (sweep / "summary.csv").is_file()
+    again = _run("-m", "codec=kivi", "codec.bits=2,4", "hardware.threads=1", f"hydra.sweep.dir={sweep}", cwd=sweep)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("already holds this run") == 2
+
+
+def _long_prompts(tokenizer):
+    from kvcomp.data import load_corpus
+
+    article = load_corpus("enwiki", "evaluation")[3]
+    ids = tokenizer(article)["input_ids"]
+    texts = [tokenizer.decode(ids[:300]), tokenizer.decode(ids[400:640])]
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+@torch.no_grad()
+def test_generate_through_compressed_cache(embedded):
+    model, tokenizer = embedded
+    batch = _long_prompts(tokenizer)
+    assert (batch["attention_mask"][1] == 0).any()  # the second prompt is left padded
+    kwargs = dict(**batch, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    info = ModelInfo.from_hf_config(model.config)
+    plain = model.generate(**kwargs)
+    assert torch.equal(model.generate(**kwargs, past_key_values=CompressedCache(build_codec({"name": "fp16"}, info))), plain)
+
+    cache = CompressedCache(build_codec({"name": "kivi", "bits": 4}, info))
+    kivi = model.generate(**kwargs, past_key_values=cache)
+    assert cache.layers[0].key_stream.num_encoded >= 256 and cache.nbytes < 0.5 * 2 * 30 * 3 * 64 * 4 * kivi.shape[1] * 2
+    # fluent: the plain model finds the KIVI-4 continuation about as likely as its own greedy one
+    prompt_len = batch["input_ids"].shape[1]
+    def continuation_nll(sequences):
+        logits = model(sequences, attention_mask=torch.ones_like(sequences)).logits[:, prompt_len - 1 : -1]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), sequences[:, prompt_len:].flatten()).item()
+    assert continuation_nll(kivi) < continuation_nll(plain) + 1.0
+    assert (kivi[:, prompt_len : prompt_len + 4] == plain[:, prompt_len : prompt_len + 4]).float().mean() >= 0.5
