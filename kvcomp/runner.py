@@ -25,6 +25,8 @@ from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
 from kvcomp.results import RESULTS_FILE, log_to_wandb, markdown_table, versions, write_json_atomic
 
+WINDOW_SELECTIONS = ("spread", "first")
+
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     """Run one configuration; write ``results.json`` in ``output_dir``; return the results."""
@@ -95,12 +97,22 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
 
 
 def _evaluation_windows(benchmark, tokenizer, model_cfg) -> torch.Tensor:
+    """``num_windows`` non-overlapping windows of the evaluation split: the first ones, or (``spread``)
+    evenly spaced over the whole split so that a few windows represent all of its documents."""
     from kvcomp.data import load_corpus, token_windows
 
     if benchmark.seq_len > model_cfg.max_context:
         raise ConfigError(f"benchmark.seq_len={benchmark.seq_len} exceeds {model_cfg.name}'s max_context={model_cfg.max_context}")
+    if benchmark.window_selection not in WINDOW_SELECTIONS:
+        raise unknown_choice("window_selection", benchmark.window_selection, WINDOW_SELECTIONS)
     texts = load_corpus(benchmark.dataset, benchmark.split)
-    return token_windows(texts, tokenizer, benchmark.seq_len, benchmark.num_windows, cache_tag=f"{benchmark.dataset}-{benchmark.split}")
+    tag = f"{benchmark.dataset}-{benchmark.split}"
+    if benchmark.window_selection == "first":
+        return token_windows(texts, tokenizer, benchmark.seq_len, benchmark.num_windows, cache_tag=tag)
+    windows = token_windows(texts, tokenizer, benchmark.seq_len, None, cache_tag=tag)
+    if benchmark.num_windows <= 0 or benchmark.num_windows >= len(windows):
+        return windows
+    return windows[torch.linspace(0, len(windows) - 1, benchmark.num_windows).round().long()]
 
 
 def _calibration_data(model, tokenizer, calibration) -> CalibrationData:

@@ -11,9 +11,13 @@ the other three quarters to ``evaluation``. The two splits never share a documen
 not depend on file order, and ``seed`` draws a different (still disjoint) split.
 
 Hub corpora (``wikitext2``, ``c4``, ``redpajama``, ``fineweb``) load through ``datasets``; they need
-the Hugging Face hub. ``calibration`` reads the train split; ``evaluation`` reads the test or
-validation split, or, for sets that only publish a train split, a disjoint share of it picked by the
-same hash rule.
+the Hugging Face hub. ``calibration`` reads the train split; ``evaluation`` reads the test
+(wikitext2) or validation (c4) split. RedPajama and FineWeb publish only a train split: there each
+document goes to calibration when ``sha256(f"{seed}:{text}")`` is 0 modulo 4, else to evaluation.
+Large sets are streamed and only the first ``max_documents`` documents of a split are read.
+
+Token windows: :func:`token_windows` tokenizes the documents, joins them with the eos token, and
+cuts ``[n, seq_len]`` windows; token ids are cached under ``cache_dir()/tokens/``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import hashlib
 import html
 import os
 import re
-import tempfile
+import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -311,8 +315,10 @@ def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | No
 
     ``name``: ``enwiki``, ``lee`` (embedded, offline) or ``wikitext2``, ``c4``, ``redpajama``,
     ``fineweb`` (Hugging Face hub). ``split``: ``calibration`` or ``evaluation`` (disjoint by
-    document, see the module docstring). ``seed`` changes the embedded split; hub sets read the
-    first ``max_documents`` documents (default ``HUB_MAX_DOCUMENTS``) in their published order.
+    document, see the module docstring). ``seed`` picks the document split (and the RedPajama
+    stream order). Hub sets read at most ``max_documents`` documents (default
+    ``HUB_MAX_DOCUMENTS``); for embedded sets it truncates the list. Hub failures raise
+    :class:`HubUnavailableError`.
     """
     if name not in CORPORA:
         raise unknown_choice("corpus", name, CORPORA)
@@ -413,12 +419,13 @@ WINDOW_MODES = ("contiguous", "random")
 
 def tokenize_documents(texts: Sequence[str], tokenizer, *, separator: str | None = None,
                        cache: bool = True, cache_tag: str = "") -> torch.Tensor:
-    """All documents as one 1-D LongTensor of token ids, joined by a separator token.
+    """All documents as one 1-D LongTensor of token ids (no special tokens), joined by a separator.
 
-    The separator is the tokenizer's eos token when it has one, else the tokens of ``separator``
-    (default ``"\\n\\n"``). With ``cache``, ids are stored under ``cache_dir()/tokens/`` keyed by a
-    hash of the texts, the separator and the tokenizer's vocabulary, so a later call with the same
-    corpus split and tokenizer loads them instead of tokenizing again.
+    ``separator=None`` puts the tokenizer's eos token between documents (``"\\n\\n"`` when it has
+    none); a string puts its tokens there. With ``cache``, ids are stored under
+    ``cache_dir()/tokens/[cache_tag-]<key>.pt``, the key hashing the texts, the separator and the
+    tokenizer (vocabulary, merges, normalizer), so the same corpus split with the same tokenizer is
+    tokenized only once and a changed text or tokenizer never reads stale ids.
     """
     sep_ids = _separator_ids(tokenizer, separator)
     path = None
@@ -443,8 +450,11 @@ def tokenize_documents(texts: Sequence[str], tokenizer, *, separator: str | None
 
 
 def token_windows(texts: Sequence[str], tokenizer, seq_len: int, num_windows: int | None, *, seed: int = 0,
-                  mode: str = "contiguous", cache: bool = True, cache_tag: str = "") -> torch.Tensor:
+                  mode: str = "contiguous", separator: str | None = None, cache: bool = True,
+                  cache_tag: str = "") -> torch.Tensor:
     """Token windows ``[n, seq_len]`` (LongTensor) cut from the concatenated documents.
+
+    Documents are joined as in :func:`tokenize_documents` (eos between documents by default).
 
     ``contiguous``: consecutive, non-overlapping windows from the start of the token stream; the
     first ``num_windows`` of them, or all of them when ``num_windows`` is None or <= 0.
@@ -455,7 +465,7 @@ def token_windows(texts: Sequence[str], tokenizer, seq_len: int, num_windows: in
         raise unknown_choice("window mode", mode, WINDOW_MODES)
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    tokens = tokenize_documents(texts, tokenizer, cache=cache, cache_tag=cache_tag)
+    tokens = tokenize_documents(texts, tokenizer, separator=separator, cache=cache, cache_tag=cache_tag)
     total = tokens.numel()
     available = total // seq_len
     if mode == "contiguous":
@@ -475,11 +485,20 @@ def token_windows(texts: Sequence[str], tokenizer, seq_len: int, num_windows: in
     return torch.stack([tokens[s: s + seq_len] for s in starts.tolist()])
 
 
+def corpus_windows(name: str, split: str, tokenizer, seq_len: int, num_windows: int | None, *, seed: int = 0,
+                   mode: str = "contiguous", max_documents: int | None = None) -> torch.Tensor:
+    """:func:`load_corpus` then :func:`token_windows` (token ids cached per corpus, split and tokenizer)."""
+    docs = load_corpus(name, split, seed=seed, max_documents=max_documents)
+    return token_windows(docs, tokenizer, seq_len, num_windows, seed=seed, mode=mode,
+                         cache_tag=f"{name}-{split}-seed{seed}")
+
+
 def _separator_ids(tokenizer, separator: str | None) -> list[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     if separator is None and eos is not None:
         return [int(eos)]
-    return list(tokenizer(separator if separator is not None else "\n\n", add_special_tokens=False)["input_ids"])
+    text = separator if separator is not None else "\n\n"
+    return list(tokenizer([text], add_special_tokens=False)["input_ids"][0])
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
@@ -494,11 +513,9 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 def _atomic_torch_save(obj, path: Path) -> None:
     """torch.save to a temporary file in the same folder, then rename into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f".tmp-{uuid.uuid4().hex}-{path.name}")
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)

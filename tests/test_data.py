@@ -1,0 +1,362 @@
+"""Tests of kvcomp.paths, kvcomp.data (assets, corpora, token windows) and kvcomp.models.loading.
+
+Unit tests need no network and no embedded assets. Tests marked ``integration`` use the embedded
+model and corpora from the kvcomp cache and skip when they have not been fetched.
+"""
+
+import bz2
+import subprocess
+import zipfile
+
+import pytest
+import torch
+
+from kvcomp.data import assets, corpora
+from kvcomp.data import (
+    HubUnavailableError,
+    clean_wikitext,
+    load_corpus,
+    parse_wikipedia_articles,
+    split_by_key,
+    token_windows,
+    tokenize_documents,
+)
+from kvcomp.models import load_model, model_summary
+from kvcomp.paths import cache_dir
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    """Point the kvcomp cache at an empty temporary folder."""
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+class CharTokenizer:
+    """A tiny stand-in tokenizer: one id per character, eos = 0."""
+
+    eos_token_id = 0
+    name_or_path = "char-test"
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[ord(c) for c in text] for text in texts]}
+
+    def get_vocab(self):
+        return {chr(i): i for i in range(1, 128)}
+
+
+# ------------------------------------------------------------------------------------------------
+# paths
+# ------------------------------------------------------------------------------------------------
+def test_cache_dir_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path / "a"))
+    assert cache_dir() == tmp_path / "a" and cache_dir().is_dir()
+    monkeypatch.delenv("KVCOMP_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "kvcomp" and cache_dir().is_dir()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "kvcomp"
+
+
+# ------------------------------------------------------------------------------------------------
+# wiki markup
+# ------------------------------------------------------------------------------------------------
+WIKITEXT = """{{Infobox person|name=Ada|image={{nowrap|x.jpg}}|birth={{birth date|1815|12|10}}}}
+'''Ada Lovelace''' (10 December 1815{{snd}}27 November 1852) was an English [[mathematician]] and \
+''writer''.<ref name="a">{{cite book|title=Ada}}</ref> She worked on [[Charles Babbage|Babbage's]] \
+[[Analytical Engine]].<ref name="b"/> Her notes ran to {{convert|65|page}}.<!-- a hidden remark -->
+[[File:Ada.jpg|thumb|Ada, drawn by [[Alfred Chalon]] [in 1840]]]
+
+== Early life ==
+She was born in [[London]]. See [http://example.org the archive] and [http://example.org/bare].
+{| class="wikitable"
+|-
+! Year !! Event
+|-
+| 1815 || born {{efn|note}}
+|}
+* First item with [[Poetry|poems]]
+* Second <span style="color:red">item</span>
+
+
+=== Work ===
+A '''''bold italic''''' phrase&nbsp;here.<br/>New line.
+
+== References ==
+{{reflist}}
+* {{cite web|url=http://x.org|title=X}}
+
+== External links ==
+* [http://example.org Official site]
+[[Category:Mathematicians]]
+[[de:Ada Lovelace]]
+"""
+
+
+def test_clean_wikitext_strips_markup():
+    text = clean_wikitext(WIKITEXT)
+    assert text.startswith("Ada Lovelace (10 December 1815 – 27 November 1852) was an English mathematician and writer.")
+    assert "She worked on Babbage's Analytical Engine." in text
+    assert "Her notes ran to 65 page." in text
+    assert "She was born in London. See the archive and." in text
+    assert "Early life\nShe was born" in text and "\nWork\n" in text
+    assert "First item with poems\nSecond item" in text
+    assert "A bold italic phrase here.\nNew line." in text
+    for residue in ("{{", "}}", "[[", "]]", "<ref", "<span", "'''", "''", "hidden", "Infobox", "thumb", "Chalon",
+                    "wikitable", "1815 ||", "References", "Official site", "Category", "de:", "http", "==", "&nbsp;"):
+        assert residue not in text, residue
+    assert "\n\n\n" not in text
+
+
+def test_clean_wikitext_nested_templates_and_tables():
+    text = clean_wikitext("A{{outer|{{inner|{{innermost}}}}|x}}B\n{|\n| {|\n| inner table\n|}\n|}\nC")
+    assert text == "AB\n\nC" or text == "AB\nC"
+
+
+def _xml_export(pages):
+    redirect_tag = '<redirect title="X" />'
+    body = "".join(
+        f"<page><title>{title}</title><ns>{ns}</ns><id>{i}</id>{redirect_tag if redirect else ''}"
+        f'<revision><id>{i}</id><text xml:space="preserve">{text}</text></revision></page>'
+        for i, (title, ns, redirect, text) in enumerate(pages)
+    )
+    return f'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/"><siteinfo/>{body}</mediawiki>'
+
+
+def test_parse_wikipedia_articles(tmp_path):
+    long_text = "'''Alpha''' is a [[letter|Greek letter]]. " * 40
+    pages = [
+        ("Alpha", 0, False, long_text),
+        ("Redirected", 0, True, "#REDIRECT [[Alpha]]"),
+        ("Lowercase redirect", 0, False, "#redirect [[Alpha]] " + "x " * 400),
+        ("Wikipedia:About", 4, False, long_text),
+        ("Stub", 0, False, "Too short."),
+        ("Beta &amp; Co", 0, False, long_text.replace("Alpha", "Beta")),
+    ]
+    path = tmp_path / "export.xml.bz2"
+    path.write_bytes(bz2.compress(_xml_export(pages).encode()))
+    articles = parse_wikipedia_articles(path)
+    assert [title for title, _ in articles] == ["Alpha", "Beta & Co"]
+    assert articles[0][1].startswith("Alpha is a Greek letter. Alpha is")
+    assert len(parse_wikipedia_articles(path, min_chars=0)) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# document splits and corpora
+# ------------------------------------------------------------------------------------------------
+def test_split_by_key_is_disjoint_and_deterministic():
+    items = [f"doc {i}" for i in range(103)] + ["doc 7"]  # a duplicate must stay in one split
+    cal = split_by_key(items, str, "calibration")
+    ev = split_by_key(items, str, "evaluation")
+    assert not set(cal) & set(ev)
+    assert sorted(cal + ev) == sorted(items)
+    assert len(set(cal)) == 26  # every 4th of 103 distinct keys
+    assert cal == split_by_key(list(reversed(items)), str, "calibration")  # independent of input order
+    assert set(split_by_key(items, str, "calibration", seed=1)) != set(cal)
+
+
+def test_load_corpus_rejects_unknown_names():
+    with pytest.raises(ValueError, match="enwiki.*lee|lee.*enwiki"):
+        load_corpus("ptb", "calibration")
+    with pytest.raises(ValueError, match="calibration, evaluation"):
+        load_corpus("enwiki", "train")
+
+
+def test_hub_corpus_unreachable(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'allenai/c4' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(HubUnavailableError, match="unreachable.*calibration=enwiki"):
+        load_corpus("c4", "calibration")
+
+
+def test_hub_corpus_requests(monkeypatch):
+    import datasets
+
+    calls = []
+    rows = [{"text": f"document number {i}"} for i in range(400)] + [{"text": ""}]
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        if path == "Salesforce/wikitext":
+            return [{"text": ""}, {"text": " = A = \n"}, {"text": " a text \n"}, {"text": " = = Sub = = \n"},
+                    {"text": " = B = \n"}, {"text": " b text \n"}]
+        return datasets.Dataset.from_list(rows).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_corpus("wikitext2", "evaluation") == [" = A = \n a text \n = = Sub = =".strip(), "= B = \n b text"]
+    assert calls[-1] == ("Salesforce/wikitext", {"split": "test", "streaming": False, "name": "wikitext-2-raw-v1"})
+
+    load_corpus("c4", "evaluation", max_documents=5)
+    assert calls[-1][1]["data_files"] == {"validation": "en/c4-validation.00000-of-00008.json.gz"}
+    assert calls[-1][1]["split"] == "validation" and calls[-1][1]["streaming"]
+
+    cal = load_corpus("fineweb", "calibration")
+    ev = load_corpus("fineweb", "evaluation")
+    assert calls[-1] == ("HuggingFaceFW/fineweb", {"split": "train", "streaming": True, "name": "sample-10BT"})
+    assert not set(cal) & set(ev) and len(cal) + len(ev) == 400 and 60 < len(cal) < 140
+    assert len(load_corpus("fineweb", "evaluation", max_documents=10)) == 10
+
+    red = load_corpus("redpajama", "calibration", seed=3)
+    assert calls[-1][0] == "json" and "RedPajama-Data-1T-Sample" in calls[-1][1]["data_files"]["train"]
+    assert red and not set(red) & set(load_corpus("redpajama", "evaluation", seed=3))
+
+
+# ------------------------------------------------------------------------------------------------
+# token windows
+# ------------------------------------------------------------------------------------------------
+def test_token_windows_contiguous(tmp_cache):
+    tok = CharTokenizer()
+    texts = ["abcdefghij", "klmno", "pqrst"]  # 10 + 1 + 5 + 1 + 5 = 22 tokens with eos separators
+    stream = tokenize_documents(texts, tok, cache=False)
+    assert stream.tolist() == [ord(c) for c in "abcdefghij"] + [0] + [ord(c) for c in "klmno"] + [0] + [
+        ord(c) for c in "pqrst"]
+    windows = token_windows(texts, tok, 5, 3)
+    assert windows.dtype == torch.long and windows.shape == (3, 5)
+    assert windows.flatten().tolist() == stream[:15].tolist()
+    assert token_windows(texts, tok, 5, None).shape == (4, 5)
+    assert token_windows(texts, tok, 5, 0).shape == (4, 5)
+    assert token_windows(texts, tok, 22, -1).shape == (1, 22)
+    with pytest.raises(ValueError, match="22 tokens.*4 contiguous windows"):
+        token_windows(texts, tok, 5, 5)
+    with pytest.raises(ValueError, match="22 tokens"):
+        token_windows(texts, tok, 23, None)
+    sep = tokenize_documents(["ab", "cd"], tok, separator="||", cache=False)
+    assert sep.tolist() == [97, 98, 124, 124, 99, 100]
+
+
+def test_token_windows_random(tmp_cache):
+    tok = CharTokenizer()
+    texts = ["".join(chr(97 + i % 26) for i in range(200))]
+    a = token_windows(texts, tok, 16, 7, mode="random", seed=1)
+    assert a.shape == (7, 16) and torch.equal(a, token_windows(texts, tok, 16, 7, mode="random", seed=1))
+    assert not torch.equal(a, token_windows(texts, tok, 16, 7, mode="random", seed=2))
+    stream = tokenize_documents(texts, tok).tolist()
+    for row in a.tolist():  # every window is a real slice of the stream
+        assert any(stream[s:s + 16] == row for s in range(len(stream) - 15))
+    assert token_windows(texts, tok, 200, 3, mode="random").shape == (3, 200)
+    with pytest.raises(ValueError, match="200 tokens"):
+        token_windows(texts, tok, 201, 1, mode="random")
+    with pytest.raises(ValueError, match="num_windows"):
+        token_windows(texts, tok, 16, None, mode="random")
+    with pytest.raises(ValueError, match="contiguous, random"):
+        token_windows(texts, tok, 16, 1, mode="strided")
+
+
+def test_token_ids_are_cached(tmp_cache):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate("the cat sat on a mat".split())}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    texts = ["the cat sat", "on a mat", "the dog"]
+    ids = tokenize_documents(texts, tok, cache_tag="toy/eval")
+    assert ids.tolist() == [2, 3, 4, 1, 5, 6, 7, 1, 2, 0]
+    files = list((tmp_cache / "tokens").glob("toy-eval-*.pt"))
+    assert len(files) == 1
+    torch.save(torch.tensor([42]), files[0])  # a cache hit returns the stored ids
+    assert tokenize_documents(texts, tok, cache_tag="toy/eval").tolist() == [42]
+    assert tokenize_documents(texts[:2], tok, cache_tag="toy/eval").tolist() == [2, 3, 4, 1, 5, 6, 7]
+    assert not list((tmp_cache / "tokens").glob(".tmp-*"))
+
+
+# ------------------------------------------------------------------------------------------------
+# assets (no network: pip and the wheel are faked)
+# ------------------------------------------------------------------------------------------------
+def test_asset_download_failure_names_package_and_command(tmp_cache, monkeypatch):
+    def failing_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: network is unreachable")
+
+    monkeypatch.setattr(assets.subprocess, "run", failing_run)
+    with pytest.raises(RuntimeError, match=r"gensim==4\.4\.0.*pip download --no-deps"):
+        assets.ensure_embedded_corpora()
+    assert not [p for p in tmp_cache.iterdir() if p.name.startswith(".tmp-")]  # scratch removed
+
+
+def test_asset_checksum_mismatch(tmp_path):
+    wheel = tmp_path / "fake.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("pkg/data.txt", "not the real file")
+    with pytest.raises(RuntimeError, match="checksum mismatch.*pkg/data.txt.*fake==1"):
+        assets._extract_member(wheel, "pkg/data.txt", tmp_path / "out", "0" * 64, "fake==1")
+    with pytest.raises(RuntimeError, match="no readable pkg/missing"):
+        assets._extract_member(wheel, "pkg/missing", tmp_path / "out2", "0" * 64, "fake==1")
+
+
+# ------------------------------------------------------------------------------------------------
+# model loading
+# ------------------------------------------------------------------------------------------------
+def test_load_model_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="bfloat16, float16, float32"):
+        load_model("embedded", dtype="int8", device="cpu")
+    with pytest.raises(ValueError, match="hub_id"):
+        load_model("hub", hub_id=None, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="existing model folder"):
+        load_model(str(tmp_path / "missing"), hub_id=None, dtype="float32", device="cpu")
+
+
+def test_load_model_local_folder_and_summary(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, "hi": 2}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path)
+
+    model, tok = load_model(str(tmp_path), hub_id=None, dtype="bfloat16", device="cpu")
+    assert not model.training and model.dtype == torch.bfloat16
+    assert tok.pad_token == "<eos>" and tok.padding_side == "left"
+    summary = model_summary(model)
+    assert summary == {
+        "model_type": "llama", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "hidden_size": 32,
+        "vocab_size": 32, "max_position_embeddings": 64, "rope": True,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    assert model_summary(gpt2)["rope"] is False and model_summary(gpt2)["n_kv_heads"] == 4
+
+
+# ------------------------------------------------------------------------------------------------
+# integration: the embedded model and corpora
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm():
+    if not assets.embedded_assets_ready():
+        pytest.skip("embedded assets not fetched (run scripts/setup.sh)")
+    torch.set_num_threads(1)
+    return load_model("embedded", hub_id=None, dtype="float32", device="cpu")
+
+
+@pytest.mark.integration
+def test_embedded_corpora_split_by_article():
+    if not assets.embedded_assets_ready():
+        pytest.skip("embedded assets not fetched (run scripts/setup.sh)")
+    for name, total in (("enwiki", 104), ("lee", 293)):
+        cal, ev = load_corpus(name, "calibration"), load_corpus(name, "evaluation")
+        assert not set(cal) & set(ev) and len(cal) + len(ev) == total
+        assert abs(len(cal) - total / 4) <= 1
+    enwiki = load_corpus("enwiki", "evaluation")
+    assert all("{{" not in doc and "[[" not in doc and "<ref" not in doc for doc in enwiki)
+
+
+@pytest.mark.integration
+def test_embedded_model_summary_and_perplexity(smollm):
+    model, tok = smollm
+    summary = model_summary(model)
+    assert (summary["n_layers"], summary["n_heads"], summary["n_kv_heads"], summary["head_dim"]) == (30, 9, 3, 64)
+    assert summary["rope"] and summary["model_type"] == "llama"
+    assert 134e6 < summary["parameters"] < 135e6 and model.dtype == torch.float32
+    windows = corpora.corpus_windows("enwiki", "evaluation", tok, 256, 2)
+    assert windows.shape == (2, 256)
+    with torch.no_grad():
+        loss = model(windows, labels=windows).loss
+    assert 8 < loss.exp().item() < 40
