@@ -43,7 +43,7 @@ class PerplexityConfig:
     dataset: str = "enwiki"
     split: str = "evaluation"
     seq_len: int = 512
-    num_windows: int = 16  # <= 0: every window of the split
+    num_windows: int = 32  # <= 0: every window of the split
     window_selection: str = "spread"  # spread (evenly over the split) | first
     batch_size: int = 1
     protocols: list[str] = field(default_factory=lambda: ["streaming", "simulated"])

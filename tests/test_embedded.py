@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
     )
@@ -27,7 +27,7 @@ def _run(*args, cwd):
 def kivi_sweep(embedded, tmp_path_factory):
     """`python run.py -m codec=kivi codec.bits=2,4` on the default benchmark (fp16 reference included)."""
     sweep = tmp_path_factory.mktemp("sweep")
-    result = _run("-m", "codec=kivi", "codec.bits=2,4", "hardware.threads=1", f"hydra.sweep.dir={sweep}", cwd=sweep)
+    result = _run("-m", "codec=kivi", "codec.bits=2,4", "hardware.threads=2", f"hydra.sweep.dir={sweep}", cwd=sweep)
     assert result.returncode == 0, result.stderr[-3000:]
     return sweep, result
 
@@ -64,7 +64,7 @@ def test_sweep_writes_the_aggregated_table_and_resumes(kivi_sweep):
     summary = (sweep / "summary.md").read_text()
     assert summary.count("\n| smollm2_135m |") == 3  # fp16 once, KIVI-2, KIVI-4
     assert (sweep / "summary.csv").is_file()
-    again = _run("-m", "codec=kivi", "codec.bits=2,4", "hardware.threads=1", f"hydra.sweep.dir={sweep}", cwd=sweep)
+    again = _run("-m", "codec=kivi", "codec.bits=2,4", "hardware.threads=2", f"hydra.sweep.dir={sweep}", cwd=sweep)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("already holds this run") == 2
 
