@@ -8,7 +8,14 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from kvcomp.cache import install  # noqa: E402
 from kvcomp.codecs import ModelInfo  # noqa: E402
@@ -33,12 +40,18 @@ def _tiny(config_cls, model_cls, **extra):
     return model
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),  # q/k/v biases
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+@pytest.fixture(scope="session", params=list(FAMILIES))
 def tiny_model(request):
-    """A tiny random Llama (GQA 2:1, head_dim 16) or Qwen2 (with q/k/v biases), kvcomp attention installed."""
-    if request.param == "llama":
-        return _tiny(LlamaConfig, LlamaForCausalLM)
-    return _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=False)
+    """A tiny random model (GQA 2:1, head_dim 16) of each family, kvcomp attention installed."""
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    return _tiny(config_cls, model_cls, **extra)
 
 
 @pytest.fixture(scope="session")

@@ -144,3 +144,12 @@ def test_nan_in_kv_is_an_error():
     assert TINY["num_hidden_layers"] == 2
     with pytest.raises(NonFiniteKVError, match="layer 1: NaN or Inf in incoming values"):
         model(_ids(), past_key_values=CompressedCache(codec))
+
+
+def test_install_refuses_sliding_window_models():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import _tiny
+
+    with pytest.raises(NotImplementedError, match="sliding_window=16"):
+        _tiny(MistralConfig, MistralForCausalLM, sliding_window=16)

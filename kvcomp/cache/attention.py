@@ -102,20 +102,23 @@ def _attention_modules(model):
     return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
 
 
+def _check_full_attention(text_config) -> None:
+    """The cache keeps every token: refuse models whose layers use sliding-window attention."""
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    sliding = getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True)
+    if layer_types != {"full_attention"} or sliding:
+        raise NotImplementedError(
+            f"{text_config.model_type}: sliding-window attention (layer types {sorted(layer_types)}, "
+            f"sliding_window={getattr(text_config, 'sliding_window', None)}) is not supported by the compressed cache yet"
+        )
+
+
 def install(model) -> None:
     """Route ``model``'s attention through kvcomp (idempotent). Works with any cache; the compressed
     path switches on when a :class:`CompressedCache` is passed as ``past_key_values``."""
     AttentionInterface.register(ATTENTION_NAME, compressed_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    text_config = model.config.get_text_config(decoder=True)
-    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or getattr(text_config, "sliding_window", None) and getattr(
-        text_config, "use_sliding_window", True
-    ):
-        raise NotImplementedError(
-            f"{text_config.model_type}: sliding-window or hybrid attention layers ({sorted(layer_types)}, "
-            f"sliding_window={getattr(text_config, 'sliding_window', None)}) are not supported by the compressed cache yet"
-        )
+    _check_full_attention(model.config.get_text_config(decoder=True))
     model.set_attn_implementation(ATTENTION_NAME)
     modules = _attention_modules(model)
     if not modules:
