@@ -1,0 +1,79 @@
+"""The calibration artifact cache: fit once, reuse, refuse an artifact fitted for something else."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvcomp.calibration import artifact_path, calibrate, fitted_for
+from kvcomp.codecs import CodecState, ModelInfo
+from kvcomp.codecs.uniform import UniformCodec, UniformConfig
+from kvcomp.config import CalibrationConfig
+from kvcomp.errors import CalibrationMismatchError
+
+MODEL = ModelInfo(name="tiny", num_layers=2, num_kv_heads=2, head_dim=16)
+
+
+@dataclass
+class OffsetConfig(UniformConfig):
+    name: str = "test_offset"
+    group_size: int = 16
+
+
+class OffsetCodec(UniformCodec):
+    """Test-only codec: a fitted per-channel offset (the mean of the calibration windows' token ids)."""
+
+    name = "test_offset"
+    config_class = OffsetConfig
+    needs_calibration = True
+
+    def fit(self, calibration):
+        self.fit_calls = getattr(self, "fit_calls", 0) + 1
+        return CodecState({"offset": calibration.float().mean() * torch.ones(MODEL.head_dim)})
+
+    def load_state(self, state):
+        self.offset = state.tensors["offset"]
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_fit_once_then_reuse(cache_home):
+    calibration = CalibrationConfig(num_samples=2, seq_len=4)
+    windows = torch.arange(8).view(2, 4)
+    first = OffsetCodec(OffsetConfig(), MODEL)
+    report = calibrate(first, calibration, lambda: windows)
+    assert report["reused"] is False and first.fit_calls == 1 and torch.allclose(first.offset, torch.full((16,), 3.5))
+    assert artifact_path(first, calibration).is_relative_to(cache_home)
+
+    second = OffsetCodec(OffsetConfig(), MODEL)
+    report = calibrate(second, calibration, lambda: pytest.fail("must not fit again"))
+    assert report["reused"] is True and torch.equal(second.offset, first.offset)
+
+
+def test_another_config_gets_its_own_artifact(cache_home):
+    a = OffsetCodec(OffsetConfig(bits=2), MODEL)
+    b = OffsetCodec(OffsetConfig(bits=4), MODEL)
+    assert artifact_path(a, CalibrationConfig()) != artifact_path(b, CalibrationConfig())
+    assert artifact_path(a, CalibrationConfig()) != artifact_path(a, CalibrationConfig(name="lee"))
+
+
+def test_artifact_for_another_model_is_refused(cache_home):
+    calibration = CalibrationConfig()
+    codec = OffsetCodec(OffsetConfig(), MODEL)
+    path = cache_home / "given.safetensors"
+    calibrate(codec, calibration, lambda: torch.ones(1, 4), path=path)
+    other_model = ModelInfo(name="other", num_layers=2, num_kv_heads=2, head_dim=16)
+    with pytest.raises(CalibrationMismatchError, match="model: artifact has 'tiny', run wants 'other'"):
+        calibrate(OffsetCodec(OffsetConfig(), other_model), calibration, lambda: None, path=path)
+    with pytest.raises(CalibrationMismatchError, match="calibration"):
+        calibrate(codec, CalibrationConfig(num_samples=99), lambda: None, path=path)
+    assert fitted_for(codec, calibration)["codec"]["name"] == "test_offset"
+
+
+def test_codecs_without_calibration_skip_it():
+    codec = UniformCodec(UniformConfig(group_size=16), MODEL)
+    assert calibrate(codec, CalibrationConfig(), lambda: pytest.fail("no data needed")) == {}
