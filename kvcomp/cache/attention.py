@@ -57,12 +57,19 @@ def _streaming_columns(query, key, value, attention_mask, record: LastUpdate):
     # visible_from per cache position; -1: this stream's state does not change during the forward
     t_key = torch.full((kv_len,), -1, device=device)
     t_value = torch.full((kv_len,), -1, device=device)
-    fp_key, fp_value = key.clone(), value.clone()  # pre-encoding states of every position
-    for t, fp, fresh in ((t_key, fp_key, record.keys), (t_value, fp_value, record.values)):
+    for t, fresh in ((t_key, record.keys), (t_value, record.values)):
         if fresh is not None:
             t[fresh.positions] = fresh.visible_from
-            fp[:, :, fresh.positions] = fresh.full_precision.to(fp.dtype)
     changed = torch.nonzero((t_key >= 0) | (t_value >= 0)).squeeze(1)
+
+    def before_encoding(x, fresh):
+        """States of the changed positions before this forward encoded them."""
+        states = x[:, :, changed].clone()
+        if fresh is not None:
+            states[:, :, torch.searchsorted(changed, fresh.positions)] = fresh.full_precision.to(x.dtype)
+        return states
+
+    early_key, early_value = before_encoding(key, record.keys), before_encoding(value, record.values)
     lo = torch.minimum(t_key, t_value)[changed]
     hi = torch.maximum(t_key, t_value)[changed]
     q = q_pos[:, None]
@@ -73,13 +80,13 @@ def _streaming_columns(query, key, value, attention_mask, record: LastUpdate):
     early_mask = base[..., changed] & (q < lo)
     # between the two encodings: the later-encoded stream is still full precision
     middle_mask = base[..., changed] & (q >= lo) & (q < hi)
-    key_later = (t_key > t_value)[changed]
-    value_later = (t_value > t_key)[changed]
-    middle_key = torch.where(key_later[None, None, :, None], fp_key[:, :, changed], key[:, :, changed])
-    middle_value = torch.where(value_later[None, None, :, None], fp_value[:, :, changed], value[:, :, changed])
+    key_later = (t_key > t_value)[changed][None, None, :, None]
+    value_later = (t_value > t_key)[changed][None, None, :, None]
+    middle_key = torch.where(key_later, early_key, key[:, :, changed])
+    middle_value = torch.where(value_later, early_value, value[:, :, changed])
 
-    keys = torch.cat([key, fp_key[:, :, changed], middle_key], dim=2)
-    values = torch.cat([value, fp_value[:, :, changed], middle_value], dim=2)
+    keys = torch.cat([key, early_key, middle_key], dim=2)
+    values = torch.cat([value, early_value, middle_value], dim=2)
     batch = max(base.shape[0], query.shape[0])
     mask = torch.cat([m.expand(batch, 1, q_len, -1) for m in (final_mask, early_mask, middle_mask)], dim=-1)
     return keys, values, mask
