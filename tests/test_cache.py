@@ -153,3 +153,25 @@ def test_install_refuses_sliding_window_models():
 
     with pytest.raises(NotImplementedError, match="sliding_window=16"):
         _tiny(MistralConfig, MistralForCausalLM, sliding_window=16)
+
+
+@torch.no_grad()
+def test_streaming_without_the_attention_hook_is_an_error():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcomp.errors import ConfigError
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(**TINY)).eval()  # kvcomp.cache.install not called
+    codec = build_codec(SCHEDULES[0], info_of(plain))
+    with pytest.raises(ConfigError, match="install"):
+        plain(_ids(), past_key_values=CompressedCache(codec, "streaming"))
+    plain(_ids(), past_key_values=CompressedCache(codec, "simulated"))  # needs no hook
+
+
+@torch.no_grad()
+def test_full_precision_copies_are_released_after_attention(tiny_llama):
+    cache = CompressedCache(build_codec(SCHEDULES[0], info_of(tiny_llama)))
+    tiny_llama(_ids(), past_key_values=cache)
+    assert all(layer.last_update is None for layer in cache.layers)

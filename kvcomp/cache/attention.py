@@ -31,9 +31,10 @@ ATTENTION_NAME = "kvcomp"
 def compressed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """Attention over the compressed cache; see the module docstring for the streaming protocol."""
     layer = getattr(module, "_kvcomp_layer", None)
-    record: LastUpdate | None = None if layer is None else layer.last_update
-    streaming = layer is not None and getattr(module, "_kvcomp_protocol", "streaming") == "streaming"
-    if not streaming or query.shape[2] == 1 or record is None or (record.keys is None and record.values is None):
+    record: LastUpdate | None = None
+    if layer is not None:
+        record, layer.last_update = layer.last_update, None  # release the full-precision copies
+    if record is None or (record.keys is None and record.values is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     key, value, mask = _streaming_columns(query, key, value, attention_mask, record)
     mask = mask | ~mask.any(-1, keepdim=True)  # rows with nothing to attend (left padding) stay finite
@@ -99,8 +100,8 @@ def _capture_cache_layer(module, args, kwargs):
     if isinstance(cache, CompressedCache):
         layer = cache.layers[module.layer_idx]
         layer.incoming_rope = kwargs.get("position_embeddings")
+        layer.attention_hooked = True
         module._kvcomp_layer = layer
-        module._kvcomp_protocol = cache.protocol
     else:
         module._kvcomp_layer = None
 

@@ -18,7 +18,6 @@ PROTOCOLS = ("streaming", "simulated")
 class LastUpdate:
     """What the latest ``update`` did, for the attention function (streaming protocol)."""
 
-    query_start: int
     keys: FreshlyEncoded | None
     values: FreshlyEncoded | None
 
@@ -34,9 +33,10 @@ class CompressedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, codec: Codec, layer_idx: int, check_finite: bool = True):
+    def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool = True):
         super().__init__()
-        self.codec, self.layer_idx, self.check_finite = codec, layer_idx, check_finite
+        self.codec, self.layer_idx, self.protocol, self.check_finite = codec, layer_idx, protocol, check_finite
+        self.attention_hooked = False  # set by the kvcomp attention pre-hook
         self.reset()
 
     def reset(self) -> None:
@@ -44,7 +44,7 @@ class CompressedLayer(CacheLayerMixin):
         self.value_stream = KVStream(self.codec, "value", self.layer_idx)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin of every cached position
         self.incoming_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the attention pre-hook
-        self.last_update: LastUpdate | None = None
+        self.last_update: LastUpdate | None = None  # streaming multi-token forwards only; consumed by attention
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -63,10 +63,16 @@ class CompressedLayer(CacheLayerMixin):
                         f"(cache positions {self.get_seq_length()}..{self.get_seq_length() + x.shape[2] - 1})"
                     )
         self._record_rope(key_states)
-        start = self.get_seq_length()
+        self.last_update = None
         fresh_keys = self.key_stream.append(key_states, self.rope)
         fresh_values = self.value_stream.append(value_states, self.rope)
-        self.last_update = LastUpdate(start, fresh_keys, fresh_values)
+        if self.protocol == "streaming" and key_states.shape[2] > 1 and (fresh_keys or fresh_values):
+            if not self.attention_hooked:
+                raise ConfigError(
+                    "the streaming protocol needs the kvcomp attention function for multi-token forwards: "
+                    "call kvcomp.cache.install(model) first (or use protocol='simulated')"
+                )
+            self.last_update = LastUpdate(fresh_keys, fresh_values)
         keys = self.key_stream.materialize(self.dtype, self.rope)
         values = self.value_stream.materialize(self.dtype, self.rope)
         return keys, values
@@ -133,7 +139,7 @@ class CompressedCache(Cache):
     def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool = True):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
-        layers = [CompressedLayer(codec, i, check_finite) for i in range(codec.model.num_layers)]
+        layers = [CompressedLayer(codec, i, protocol, check_finite) for i in range(codec.model.num_layers)]
         super().__init__(layers=layers)
         self.codec, self.protocol = codec, protocol
 
