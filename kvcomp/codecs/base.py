@@ -50,7 +50,13 @@ class ModelInfo:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        has_rope = getattr(text, "rope_parameters", None) is not None or hasattr(text, "rope_theta")
+        has_rope = bool(
+            getattr(text, "rope_parameters", None)
+            or getattr(text, "rope_theta", None)
+            or getattr(text, "rotary_dim", None)
+            or getattr(text, "rotary_pct", None)
+            or getattr(text, "position_embedding_type", None) == "rotary"
+        )
         return cls(
             name=name or getattr(config, "_name_or_path", "") or text.model_type,
             num_layers=text.num_hidden_layers,

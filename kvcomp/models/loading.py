@@ -76,28 +76,20 @@ def _hub_error(hub_id: str, err: Exception) -> HubUnavailableError:
 
 def model_summary(model) -> dict:
     """Architecture facts read from the model's (text) config, plus the parameter count."""
+    from kvcomp.codecs.base import ModelInfo
+
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_heads = text.num_attention_heads
-    n_kv_heads = getattr(text, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
-    rope_parameters = getattr(text, "rope_parameters", None)
-    rope = bool(
-        rope_parameters
-        or getattr(text, "rope_theta", None)
-        or getattr(text, "rotary_dim", None)
-        or getattr(text, "rotary_pct", None)
-        or getattr(text, "position_embedding_type", None) == "rotary"
-    )
+    info = ModelInfo.from_hf_config(config)
     return {
         "model_type": text.model_type,
-        "n_layers": text.num_hidden_layers,
-        "n_heads": n_heads,
-        "n_kv_heads": n_kv_heads,
-        "head_dim": head_dim,
+        "n_layers": info.num_layers,
+        "n_heads": text.num_attention_heads,
+        "n_kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
         "hidden_size": text.hidden_size,
         "vocab_size": getattr(text, "vocab_size", None),
         "max_position_embeddings": getattr(text, "max_position_embeddings", None),
-        "rope": rope,
+        "rope": info.has_rope,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
