@@ -22,6 +22,7 @@ TABLE_COLUMNS = [
     ("model", "model"),
     ("codec", "codec"),
     ("bits_per_value", "bits/value"),
+    ("paper_bits_per_value", "paper bits/value"),
     ("bits_per_value_measured", "measured bits/value"),
     ("cache_bytes_per_window", "cache bytes/window"),
     ("ppl_streaming", "PPL streaming"),

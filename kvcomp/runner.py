@@ -76,6 +76,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     calibration_report = calibrate(
         codec, calibration, lambda: _calibration_data(model, tokenizer, calibration)
     )
+    calibration_report.update(codec.summary())
     rows = []
     if benchmark.include_reference and codec.name != "fp16":
         reference = build_codec({"name": "fp16"}, info)
@@ -135,6 +136,7 @@ def _row(model, codec: Codec, windows, benchmark, model_cfg) -> dict:
         "codec": codec.describe(),
         "benchmark": f"{benchmark.name}:{benchmark.dataset}/{benchmark.split} {len(windows)}x{windows.shape[1]}",
         "bits_per_value": round(codec.bits_per_value(), 4),
+        "paper_bits_per_value": round(codec.paper_bits_per_value(), 4),
         "overhead_bits": codec.overhead_bits(),
         **metrics,
     }

@@ -98,3 +98,20 @@ def test_generate_through_compressed_cache(embedded):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), sequences[:, prompt_len:].flatten()).item()
     assert continuation_nll(kivi) < continuation_nll(plain) + 1.0
     assert (kivi[:, prompt_len : prompt_len + 4] == plain[:, prompt_len : prompt_len + 4]).float().mean() >= 0.5
+
+
+def test_temporalkv_end_to_end_calibrates_once(embedded, tmp_path):
+    """`run.py codec=temporalkv` on a small calibration: sane perplexity, then the artifact is reused."""
+    args = ["codec=temporalkv", "codec.bits=2", "codec.kmeans_iters=5", "calibration.num_samples=4",
+            "benchmark.num_windows=4", "hardware.threads=2"]
+    first = _run(*args, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run(*args, f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    results = [json.loads((tmp_path / d / "results.json").read_text()) for d in "ab"]
+    assert results[0]["calibration"]["reused"] is False and results[1]["calibration"]["reused"] is True
+    fp16, temporal = results[1]["rows"]
+    assert temporal["paper_bits_per_value"] == 2.0 and temporal["bits_per_value"] == 2.0
+    for protocol in ("streaming", "simulated"):
+        assert fp16[f"ppl_{protocol}"] < temporal[f"ppl_{protocol}"] < 2 * fp16[f"ppl_{protocol}"]
+    assert temporal["cache_bytes_per_window"] == pytest.approx(temporal["cache_bytes_expected"])

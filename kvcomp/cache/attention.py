@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvcomp.cache.compressed_cache import CompressedCache, LastUpdate
+from kvcomp.cache.compressed_cache import LastUpdate
 
 ATTENTION_NAME = "kvcomp"
 
@@ -95,9 +95,10 @@ def _streaming_columns(query, key, value, attention_mask, record: LastUpdate):
 
 def _capture_cache_layer(module, args, kwargs):
     """Forward pre-hook on each attention module: expose this layer's compressed cache to the attention
-    function and hand it the position embeddings (cos/sin) for pre-RoPE codecs."""
+    function and hand it the position embeddings (cos/sin) for pre-RoPE codecs. Caches that want this
+    (:class:`CompressedCache`, the calibration recorder) set ``receives_position_embeddings``."""
     cache = kwargs.get("past_key_values")
-    if isinstance(cache, CompressedCache):
+    if getattr(cache, "receives_position_embeddings", False):
         layer = cache.layers[module.layer_idx]
         layer.incoming_rope = kwargs.get("position_embeddings")
         layer.attention_hooked = True

@@ -136,6 +136,8 @@ class CompressedCache(Cache):
     """KV cache compressed by ``codec``. ``protocol`` tells the kvcomp attention function how a
     multi-token forward sees blocks encoded within it (see :mod:`kvcomp.cache.attention`)."""
 
+    receives_position_embeddings = True
+
     def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool = True):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")

@@ -36,7 +36,7 @@ def fitted_for(codec: Codec, calibration: CalibrationConfig) -> dict:
     return {
         "model": codec.model.name,
         "model_shape": [codec.model.num_layers, codec.model.num_kv_heads, codec.model.head_dim],
-        "codec": asdict(codec.config),
+        "codec": codec.calibration_key(),
         "calibration": asdict(calibration),
         "kvcomp_version": kvcomp.__version__,
     }

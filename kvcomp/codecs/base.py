@@ -157,6 +157,7 @@ class Codec(ABC):
     name: ClassVar[str]
     config_class: ClassVar[type[CodecConfig]]
     needs_calibration: ClassVar[bool] = False
+    inference_only_fields: ClassVar[tuple[str, ...]] = ()  # config fields a calibration does not depend on
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
         self.config = config
@@ -205,6 +206,18 @@ class Codec(ABC):
 
     def load_state(self, state: CodecState) -> None:
         """Install a state returned by :meth:`fit` (or loaded from disk)."""
+
+    def calibration_key(self) -> dict:
+        """The config fields a fitted state depends on (an artifact is reused only when they match)."""
+        return {k: v for k, v in asdict(self.config).items() if k not in self.inference_only_fields}
+
+    def paper_bits_per_value(self) -> float:
+        """Bits per value as the codec's paper counts them (defaults to the exact count)."""
+        return self.bits_per_value()
+
+    def summary(self) -> dict:
+        """Facts learned at calibration worth reporting beside the results (e.g. hybrid layer choices)."""
+        return {}
 
     def describe(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in asdict(self.config).items() if k != 'name')})"

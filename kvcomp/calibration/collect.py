@@ -1,0 +1,150 @@
+"""Collect what codebook codecs are fitted on: pre-RoPE keys, values and their Fisher weights.
+
+For each calibration window, one forward and one backward pass of the mean next-token cross-entropy
+(HF ``labels=input_ids``) give, per layer and KV head, the keys and values exactly as the compressed
+cache will see them (keys un-rotated, i.e. pre-RoPE) and the squared gradients of the loss with
+respect to them, the diagonal Fisher weights of the TemporalKV thesis (Eq. 3). Keys are recorded
+post-RoPE from the cache and un-rotated; since RoPE is a rotation ``R``, the pre-RoPE gradient is
+``R^T`` times the post-RoPE one, i.e. the same un-rotation.
+
+The first ``drop_first`` tokens (attention sinks, kept in full precision) of every window are dropped.
+Everything is written, as it is produced, to file-backed tensors (``torch.from_file``) under the cache
+folder, so memory stays bounded by one window's activations (64 x 2048 tokens of an 8B model are
+~34 GB of bf16 on disk), and later codecs fitted on the same model and data reuse the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import kvcomp
+from kvcomp.cache import install
+from kvcomp.cache.rope import undo_rope
+from kvcomp.codecs import ModelInfo
+from kvcomp.paths import cache_dir
+
+FIELDS = ("key", "value", "key_grad2", "value_grad2")
+
+
+class _RecordingLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self):
+        super().__init__()
+        self.incoming_rope = None
+        self.attention_hooked = False
+        self.last_update = None
+        self.recorded = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        key_states.retain_grad()
+        value_states.retain_grad()
+        self.recorded = (key_states, value_states, self.incoming_rope)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.recorded is None else self.recorded[0].shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+
+class _RecordingCache(Cache):
+    """A one-forward cache that keeps each layer's K/V (with gradients) and the RoPE cos/sin."""
+
+    receives_position_embeddings = True
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[_RecordingLayer() for _ in range(num_layers)])
+
+
+class KVActivations:
+    """File-backed per-layer tensors ``[samples, kv_heads, tokens, head_dim]`` for each of :data:`FIELDS`."""
+
+    def __init__(self, folder: Path, shape: tuple[int, int, int, int], num_layers: int, dtype=torch.bfloat16):
+        self.folder, self.shape, self.num_layers, self.dtype = Path(folder), tuple(shape), num_layers, dtype
+
+    def path(self, layer: int, field: str) -> Path:
+        return self.folder / f"layer{layer:03d}.{field}.bin"
+
+    def tensor(self, layer: int, field: str) -> torch.Tensor:
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return torch.from_file(str(self.path(layer, field)), shared=True, size=numel, dtype=self.dtype).view(self.shape)
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        return {field: self.tensor(layer, field) for field in FIELDS}
+
+    @property
+    def complete(self) -> bool:
+        return (self.folder / "complete.json").is_file()
+
+
+def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int) -> str:
+    spec = {
+        "model": info.name,
+        "shape": [info.num_layers, info.num_kv_heads, info.head_dim],
+        "windows": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(),
+        "drop_first": drop_first,
+        "kvcomp": kvcomp.__version__,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 8, folder: Path | None = None) -> KVActivations:
+    """Record pre-RoPE K/V and squared loss gradients of every window (reusing a complete earlier run)."""
+    samples, seq_len = windows.shape
+    if seq_len <= drop_first:
+        raise ValueError(f"calibration windows of {seq_len} tokens leave nothing after dropping {drop_first} sink tokens")
+    folder = Path(folder) if folder is not None else cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first)
+    store = KVActivations(folder, (samples, info.num_kv_heads, seq_len - drop_first, info.head_dim), info.num_layers)
+    if store.complete:
+        return store
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    tensors = [store.layer(i) for i in range(info.num_layers)]
+    install(model)
+    device = next(model.parameters()).device
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.requires_grad_(False)
+    start = time.perf_counter()
+    try:
+        for s, window in enumerate(windows):
+            ids = window[None].to(device)
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            cache = _RecordingCache(info.num_layers)
+            loss = model(inputs_embeds=embeds, labels=ids, past_key_values=cache, use_cache=True).loss
+            loss.backward()
+            for layer, out in zip(cache.layers, tensors):
+                keys, values, rope = layer.recorded
+                key_grad = keys.grad
+                if rope is not None:
+                    cos, sin = (t.expand(1, seq_len, -1) for t in rope)
+                    keys, key_grad = undo_rope(keys.detach(), cos, sin), undo_rope(key_grad, cos, sin)
+                for field, x in zip(FIELDS, (keys, values, key_grad.square(), values.grad.square())):
+                    out[field][s] = x[0, :, drop_first:].detach().to(store.dtype).cpu()
+            if (s + 1) % 4 == 0 or s + 1 == samples:
+                print(f"[kvcomp] calibration K/V + Fisher: {s + 1}/{samples} windows ({time.perf_counter() - start:.0f}s)", flush=True)
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+    (folder / "complete.json").write_text(json.dumps({"shape": store.shape, "seconds": time.perf_counter() - start}))
+    return store

@@ -1,0 +1,305 @@
+"""What the three codebook codecs of the TemporalKV thesis share: calibration, coding, bit accounting.
+
+KVQuant, ChannelKV and TemporalKV (``kvquant.py``, ``channelkv.py``, ``temporalkv.py``) differ only in
+their *schemes*: how a ``[B, H, T, D]`` block is cut into chunks (:class:`ChunkLayout`), how it is
+normalised first (:class:`Normalizer`), and how many centroids a codebook has. Everything else is here,
+identical for all three, as the thesis requires for a fair comparison (§6.3.3):
+
+- calibration: pre-RoPE K/V and squared gradients from :func:`collect_kv`; offline per-channel
+  statistics; per (layer, K/V, KV head, channel group) a Fisher-weighted k-means codebook (Eq. 3),
+  fitted on the first ``train_fraction`` of the calibration windows, the rest held out;
+- chunk weights in normalised space ``sum_{elements} scale^2 * g^2`` (``fisher: false`` drops ``g^2``);
+- ``sinks`` first tokens in full precision, optional full-precision ``window`` of recent tokens;
+- optional dense-and-sparse outliers (``outliers: 0.01`` keeps 1% of each token's entries exactly);
+- pre-RoPE keys (the cache re-applies RoPE after decoding).
+
+When a codec offers several schemes for a stream (TemporalKV's hybrid early layers), every candidate is
+fitted and the one with the lower held-out Fisher-weighted MSE ``mean(g^2 (x - x_hat)^2)`` wins
+(thesis §1.10 / §7.3).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvcomp.codecs.base import KINDS, Codec, CodecConfig, CodecState, Payload, StreamPolicy
+from kvcomp.errors import CalibrationMismatchError, ConfigError
+from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
+from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
+from kvcomp.stages.normalization import ChannelStats, Normalizer
+from kvcomp.stages.outliers import OutlierSelector
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+SUPPORTED_BITS = (1, 2, 4, 8)
+
+
+@dataclass
+class CodebookConfig(CodecConfig):
+    bits: int = 2  # bits per value: chunks of 8/bits values per 8-bit code (KVQuant: 2^bits scalar centroids)
+    sinks: int = 8  # first tokens kept in full precision (thesis §1.9)
+    window: int = 0  # most recent tokens kept in full precision besides the chunk buffer
+    outliers: float = 0.0  # fraction of each token's entries stored exactly (0.01: the thesis' "-1%")
+    clamp_outliers: bool = False  # clamp flagged entries to the calibration range before encoding
+    exclude_outliers_from_kmeans: bool = False  # zero the Fisher weight of outliers during k-means
+    fisher: bool = True  # Fisher-weighted k-means (False: weights scale^2 only, thesis Table 2)
+    kmeans_iters: int = 50
+    kmeans_tol: float = 1e-4
+    kmeans_seed: int = 0
+    train_fraction: float = 0.75  # calibration windows used for k-means; the rest score the hybrid choice
+    codebook_dtype: str = "bfloat16"
+    calibration_drop_first: int = 8  # sink tokens left out of calibration
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one stream is coded: chunk layout, normalisation and codebook size."""
+
+    layout: ChunkLayout
+    normalizer: Normalizer
+    num_centroids: int
+
+    @property
+    def quantizer(self) -> CodebookQuantizer:
+        return CodebookQuantizer(self.layout, self.num_centroids)
+
+
+class CodebookCodec(Codec):
+    """Base of the codebook codecs; subclasses define :meth:`schemes` (and may override :meth:`chunk_len`)."""
+
+    needs_calibration = True
+    inference_only_fields = ("sinks", "window")  # calibration does not depend on these
+    outliers_change_schemes = False  # whether the outlier setting changes normalisation (KVQuant)
+
+    @property
+    def pre_rope(self) -> bool:
+        return True
+
+    @property
+    def chunk_len(self) -> int:
+        """Values per 8-bit code (``l`` in the thesis)."""
+        return 8 // self.config.bits
+
+    def schemes(self, kind: str, layer_idx: int) -> dict[str, Scheme]:
+        """Candidate schemes for a stream, in preference order; calibration picks one when several."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- validation and schedule
+    def validate(self) -> None:
+        cfg = self.config
+        if cfg.bits not in SUPPORTED_BITS:
+            raise ConfigError(f"{self.name}: bits={cfg.bits} is not supported; choose one of {SUPPORTED_BITS}")
+        if cfg.codebook_dtype not in DTYPES:
+            raise ConfigError(f"{self.name}: codebook_dtype {cfg.codebook_dtype!r} unknown; valid: {', '.join(DTYPES)}")
+        if not 0 <= cfg.outliers < 0.5:
+            raise ConfigError(f"{self.name}: outliers={cfg.outliers} must be a fraction in [0, 0.5)")
+        if cfg.sinks < 0 or cfg.window < 0 or cfg.calibration_drop_first < 0:
+            raise ConfigError(f"{self.name}: sinks, window and calibration_drop_first must be >= 0")
+        if not 0 < cfg.train_fraction <= 1:
+            raise ConfigError(f"{self.name}: train_fraction={cfg.train_fraction} must be in (0, 1]")
+        for layer in range(self.model.num_layers):
+            for kind in KINDS:
+                for scheme in self.schemes(kind, layer).values():
+                    problem = scheme.layout.check(self.model.head_dim)
+                    if problem:
+                        raise ConfigError(f"{self.name} at {cfg.bits} bits: {problem}")
+        self.outlier_selector = OutlierSelector(cfg.outliers)
+        self.chosen: dict[tuple[int, str], str] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def scheme(self, kind: str, layer_idx: int) -> Scheme:
+        candidates = self.schemes(kind, layer_idx)
+        if len(candidates) == 1:
+            return next(iter(candidates.values()))
+        if (layer_idx, kind) not in self.chosen:
+            raise ConfigError(f"{self.name}: layer {layer_idx} {kind}s choose their scheme at calibration; calibrate first")
+        return candidates[self.chosen[(layer_idx, kind)]]
+
+    def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
+        return StreamPolicy(self.config.sinks, self.scheme(kind, layer_idx).layout.time_len, self.config.window)
+
+    # ----------------------------------------------------------------- coding
+    def _stats(self, layer_idx: int, kind: str, device) -> ChannelStats:
+        try:
+            return ChannelStats.from_tensors(self.tensors, f"layer{layer_idx}.{kind}").to(device)
+        except KeyError:
+            raise ConfigError(f"{self.name}: no calibration state loaded (layer {layer_idx} {kind}s)") from None
+
+    def calibration_key(self) -> dict:
+        """Outliers change the codebooks only when they are clamped or left out of k-means (KVQuant also
+        switches normalisation with them); otherwise codecs with and without outliers share a fit."""
+        key = super().calibration_key()
+        if not (self.config.clamp_outliers or self.config.exclude_outliers_from_kmeans or self.outliers_change_schemes):
+            key.pop("outliers")
+        return key
+
+    def _encode_with(self, scheme, x, stats, codebooks, outliers: bool = True) -> dict:
+        stored: dict[str, torch.Tensor] = {}
+        if outliers and self.config.outliers > 0:
+            stored.update(self.outlier_selector.select(x, stats))
+            if self.config.clamp_outliers:
+                x = self._clamped(x, stats, stored)
+        z, _, params = scheme.normalizer.normalize(x, stats)
+        stored.update(params)
+        stored["codes"] = scheme.quantizer.encode(z, codebooks)
+        return stored
+
+    def _decode_with(self, scheme, stored, stats, codebooks) -> torch.Tensor:
+        z = scheme.quantizer.decode(stored["codes"], codebooks, self.model.head_dim)
+        x = scheme.normalizer.denormalize(z, stats, stored)
+        if "outlier_index" in stored:
+            x = self.outlier_selector.restore(x, stored)
+        return x
+
+    def _clamped(self, x, stats, selected):
+        mask = self.outlier_selector.mask(x, selected)
+        low, high = (t[None, :, None, :].to(x.device) for t in (stats.low, stats.high))
+        return torch.where(mask, torch.minimum(torch.maximum(x.float(), low), high), x.float())
+
+    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
+        stats = self._stats(layer_idx, kind, x.device)
+        codebooks = self.tensors[f"layer{layer_idx}.{kind}.codebooks"].to(x.device)
+        return Payload(self._encode_with(self.scheme(kind, layer_idx), x, stats, codebooks), num_tokens=x.shape[2])
+
+    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
+        device = payload.tensors["codes"].device
+        stats = self._stats(layer_idx, kind, device)
+        codebooks = self.tensors[f"layer{layer_idx}.{kind}.codebooks"].to(device)
+        return self._decode_with(self.scheme(kind, layer_idx), payload.tensors, stats, codebooks).to(dtype)
+
+    # ----------------------------------------------------------------- bit accounting
+    def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
+        scheme = self.scheme(kind, layer_idx)
+        h, d = self.model.num_kv_heads, self.model.head_dim
+        return (
+            scheme.quantizer.bits_per_value(d)
+            + scheme.normalizer.bits_per_value(h, d)
+            + self.outlier_selector.bits_per_value(h, d)
+        )
+
+    def paper_bits_per_value(self) -> float:
+        """The thesis' accounting: code bits plus 16 bits per outlier value (4/2/1, +0.16 at 1%)."""
+        return self.config.bits + self.outlier_selector.paper_bits_per_value()
+
+    def overhead_bits(self) -> int:
+        """Codebooks and per-channel statistics the decoder keeps (all layers, K and V)."""
+        return sum(
+            t.numel() * torch.finfo(t.dtype).bits for name, t in self.tensors.items() if ".mse." not in name
+        )
+
+    # ----------------------------------------------------------------- calibration
+    def _kmeans_settings(self) -> KMeansSettings:
+        cfg = self.config
+        return KMeansSettings(iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, seed=cfg.kmeans_seed)
+
+    def _fit_codebooks(self, scheme: Scheme, x: torch.Tensor, grad2: torch.Tensor, stats: ChannelStats) -> torch.Tensor:
+        """Fisher-weighted k-means codebooks ``[H, G, k, dim]`` of one stream from ``x, grad2 [S, H, T, D]``."""
+        keep = torch.ones_like(x, dtype=torch.bool)
+        if self.config.outliers > 0:
+            selected = self.outlier_selector.select(x, stats)
+            mask = self.outlier_selector.mask(x, selected)
+            if self.config.clamp_outliers:
+                x = self._clamped(x, stats, selected)
+            if self.config.exclude_outliers_from_kmeans:
+                keep = ~mask
+        z, scale, _ = scheme.normalizer.normalize(x, stats)
+        weight = scale.square().expand_as(z) * (grad2 if self.config.fisher else 1.0) * keep
+        chunks = scheme.layout.to_chunks(z)
+        chunk_weight = scheme.layout.to_chunks(weight).sum(-1)
+        h, g, n, dim = chunks.shape
+        if n < scheme.num_centroids:
+            raise ConfigError(
+                f"{self.name}: calibration gives {n} chunks per codebook but {scheme.num_centroids} centroids "
+                "need more; raise calibration.num_samples or calibration.seq_len"
+            )
+        centroids, _, iters = weighted_kmeans(
+            chunks.reshape(h * g, n, dim), chunk_weight.reshape(h * g, n), scheme.num_centroids, self._kmeans_settings()
+        )
+        self._fit_iterations.append(iters)
+        return centroids.view(h, g, scheme.num_centroids, dim).to(DTYPES[self.config.codebook_dtype])
+
+    def _heldout_mse(self, scheme, codebooks, x, grad2, stats) -> float:
+        """Fisher-weighted reconstruction error ``mean(g^2 (x - x_hat)^2)`` in raw space, without outlier
+        patching (as [REF]), so that the hybrid choice does not depend on the outlier setting."""
+        x_hat = self._decode_with(scheme, self._encode_with(scheme, x, stats, codebooks, outliers=False), stats, codebooks)
+        return float((grad2 * (x.float() - x_hat).square()).mean())
+
+    def choose_schemes(self, layer_idx: int, errors: dict[str, dict[str, float]]) -> dict[str, str]:
+        """Pick each stream's scheme from held-out errors ``{kind: {scheme: mse}}``: the lowest per stream."""
+        return {kind: min(per_scheme, key=per_scheme.get) for kind, per_scheme in errors.items()}
+
+    def fit(self, calibration) -> CodecState:
+        from kvcomp.calibration.collect import collect_kv
+
+        cfg = self.config
+        start = time.perf_counter()
+        acts = collect_kv(calibration.model, self.model, calibration.windows, cfg.calibration_drop_first)
+        collected = time.perf_counter()
+        device = next(calibration.model.parameters()).device
+        samples, _, tokens, _ = acts.shape
+        train = max(1, round(cfg.train_fraction * samples))
+        usable = tokens // 8 * 8  # whole chunks for every chunk length
+        tensors: dict[str, torch.Tensor] = {}
+        self._fit_iterations: list[int] = []
+        for layer in range(self.model.num_layers):
+            data = acts.layer(layer)
+            fitted, errors = {}, {}
+            for kind in KINDS:
+                x = data[kind][:, :, :usable].to(device, torch.float32)
+                grad2 = data[f"{kind}_grad2"][:, :, :usable].to(device, torch.float32)
+                stats = ChannelStats.of(x)
+                tensors.update(stats.as_tensors(f"layer{layer}.{kind}"))
+                held_x, held_g = (x[train:], grad2[train:]) if train < samples else (x, grad2)
+                candidates = self.schemes(kind, layer)
+                for name, scheme in candidates.items():
+                    codebooks = self._fit_codebooks(scheme, x[:train], grad2[:train], stats)
+                    fitted[(kind, name)] = codebooks
+                    if len(candidates) > 1:
+                        mse = self._heldout_mse(scheme, codebooks, held_x, held_g, stats)
+                        errors.setdefault(kind, {})[name] = mse
+                        tensors[f"layer{layer}.{kind}.mse.{name}"] = torch.tensor([mse])
+            choice = self.choose_schemes(layer, errors)
+            for kind in KINDS:
+                names = list(self.schemes(kind, layer))
+                name = choice.get(kind, names[0])
+                tensors[f"layer{layer}.{kind}.codebooks"] = fitted[(kind, name)].cpu()
+                tensors[f"layer{layer}.{kind}.scheme"] = torch.tensor([names.index(name)])
+            print(
+                f"[kvcomp] {self.name}: fitted layer {layer + 1}/{self.model.num_layers} "
+                f"({time.perf_counter() - start:.0f}s)",
+                flush=True,
+            )
+        print(
+            f"[kvcomp] {self.name} calibration: K/V + Fisher collection {collected - start:.1f}s, "
+            f"codebooks {time.perf_counter() - collected:.1f}s (k-means iterations: max {max(self._fit_iterations)})",
+            flush=True,
+        )
+        return CodecState(tensors)
+
+    def load_state(self, state: CodecState) -> None:
+        tensors = dict(state.tensors)
+        chosen = {}
+        for layer in range(self.model.num_layers):
+            for kind in KINDS:
+                names = list(self.schemes(kind, layer))
+                key = f"layer{layer}.{kind}.scheme"
+                if key not in tensors or f"layer{layer}.{kind}.codebooks" not in tensors:
+                    raise CalibrationMismatchError(f"{self.name}: calibration state lacks layer {layer} {kind}s")
+                chosen[(layer, kind)] = names[int(tensors.pop(key))]
+        self.chosen, self.tensors = chosen, tensors
+
+    def describe(self) -> str:
+        """``name(bits=..., outliers=..., <fields that differ from their defaults>)``."""
+        defaults = asdict(type(self.config)())
+        shown = {k: v for k, v in asdict(self.config).items() if k in ("bits", "outliers") or (k != "name" and v != defaults[k])}
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
+
+    def summary(self) -> dict:
+        """Which layers chose which scheme (for codecs with several candidates)."""
+        picked: dict[str, list[str]] = {}
+        for (layer, kind), name in sorted(self.chosen.items()):
+            if len(self.schemes(kind, layer)) > 1:
+                picked.setdefault(f"{kind}:{name}", []).append(str(layer))
+        return {"paper_bits_per_value": round(self.paper_bits_per_value(), 4), **{k: ",".join(v) for k, v in picked.items()}}

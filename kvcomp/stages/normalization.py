@@ -1,0 +1,138 @@
+"""Normalisation of K/V blocks before codebook quantization (TemporalKV thesis §1.5, §2.1).
+
+``x [B, H, T, D]`` is mapped to ``z = (x - center) / scale`` and back with ``x_hat = z_hat * scale + center``.
+
+- ``none``: ``z = x`` (ChannelKV as the thesis runs it).
+- ``channel_zscore``: offline per-channel mean and std of the calibration set (TemporalKV keys and
+  values; KVQuant keys).
+- ``channel_range``: offline per-channel mean and half the 0.5%-99.5% quantile range (KVQuant keys
+  with 1% outliers).
+- ``token_zscore``: online mean and std of each token over all heads x channels of the layer
+  (KVQuant values); both are stored per token in ``param_dtype``.
+- ``token_range``: online half quantile range of each token, offline per-channel mean as center
+  (KVQuant values with 1% outliers); the scale is stored per token.
+
+Errors in normalised space are ``scale^2`` times smaller than in raw space, which is why Fisher weights
+are multiplied by ``scale^2`` (thesis §1.6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("none", "channel_zscore", "channel_range", "token_zscore", "token_range")
+LOW_QUANTILE, HIGH_QUANTILE = 0.005, 0.995
+TINY = 1e-6
+
+
+def quantile(x: torch.Tensor, q: float, dim: int = -1) -> torch.Tensor:
+    """Linear-interpolation quantile along ``dim`` (like :func:`torch.quantile`, without its size limit)."""
+    ordered = x.float().sort(dim=dim).values
+    pos = q * (ordered.shape[dim] - 1)
+    lo, frac = int(pos), pos - int(pos)
+    hi = min(lo + 1, ordered.shape[dim] - 1)
+    return ordered.select(dim, lo) * (1 - frac) + ordered.select(dim, hi) * frac
+
+
+@dataclass
+class ChannelStats:
+    """Offline per-(KV head, channel) statistics of one layer's keys or values, each ``[H, D]``."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    low: torch.Tensor  # 0.5% quantile
+    high: torch.Tensor  # 99.5% quantile
+
+    @classmethod
+    def of(cls, x: torch.Tensor, channel_block: int = 16) -> "ChannelStats":
+        """Statistics over samples and tokens of ``x [S, H, T, D]``."""
+        h, d = x.shape[1], x.shape[3]
+        flat = x.permute(1, 3, 0, 2).reshape(h * d, -1)
+        mean = torch.empty(h * d)
+        std, low, high = torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)
+        for start in range(0, h * d, channel_block):  # bounded memory for long calibration sets
+            part = flat[start : start + channel_block].float()
+            mean[start : start + channel_block] = part.mean(-1).cpu()
+            std[start : start + channel_block] = part.std(-1).cpu()
+            low[start : start + channel_block] = quantile(part, LOW_QUANTILE).cpu()
+            high[start : start + channel_block] = quantile(part, HIGH_QUANTILE).cpu()
+        return cls(*(t.view(h, d) for t in (mean, std, low, high)))
+
+    @property
+    def half_range(self) -> torch.Tensor:
+        return ((self.high - self.low) / 2).clamp_min(TINY)
+
+    def as_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.{name}": getattr(self, name) for name in ("mean", "std", "low", "high")}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "ChannelStats":
+        return cls(*(tensors[f"{prefix}.{name}"].float() for name in ("mean", "std", "low", "high")))
+
+    def to(self, device) -> "ChannelStats":
+        return ChannelStats(*(t.to(device) for t in (self.mean, self.std, self.low, self.high)))
+
+
+def _per_channel(t: torch.Tensor) -> torch.Tensor:
+    """``[H, D]`` -> broadcastable to ``[B, H, T, D]``."""
+    return t.float()[None, :, None, :]
+
+
+def _per_token_spread(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token scale (and mean for ``token_zscore``) over all heads x channels: ``[B, 1, T]``."""
+    flat = x.float().permute(0, 2, 1, 3).flatten(2)  # [B, T, H*D]
+    if mode == "token_zscore":
+        return flat.std(-1, correction=0)[:, None], flat.mean(-1)[:, None]
+    spread = (quantile(flat, HIGH_QUANTILE) - quantile(flat, LOW_QUANTILE)) / 2
+    return spread[:, None], None
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    mode: str
+    param_dtype: torch.dtype = torch.float16
+
+    @property
+    def stored_per_token(self) -> int:
+        """16-bit parameters stored per token and layer (online modes)."""
+        return {"token_zscore": 2, "token_range": 1}.get(self.mode, 0)
+
+    def bits_per_value(self, num_heads: int, head_dim: int) -> float:
+        return self.stored_per_token * torch.finfo(self.param_dtype).bits / (num_heads * head_dim)
+
+    def normalize(self, x: torch.Tensor, stats: ChannelStats) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """``x [B, H, T, D]`` -> ``(z, scale, stored)``: ``scale`` broadcasts to ``x``; ``stored`` holds
+        the per-token parameters ``[B, 1, T]`` the decoder needs (rounded to ``param_dtype``)."""
+        stored: dict[str, torch.Tensor] = {}
+        if self.mode == "none":
+            center, scale = torch.zeros(()), torch.ones(())
+        elif self.mode == "channel_zscore":
+            center, scale = _per_channel(stats.mean), _per_channel(stats.std.clamp_min(TINY))
+        elif self.mode == "channel_range":
+            center, scale = _per_channel(stats.mean), _per_channel(stats.half_range)
+        else:
+            spread, mean = _per_token_spread(x, self.mode)
+            stored["token_scale"] = spread.clamp_min(TINY).to(self.param_dtype)
+            if mean is not None:
+                stored["token_center"] = mean.to(self.param_dtype)
+            center, scale = self._token_params(stats, stored)
+        center, scale = center.to(x.device), scale.to(x.device)
+        return (x.float() - center) / scale, scale, stored
+
+    def denormalize(self, z: torch.Tensor, stats: ChannelStats, stored: dict) -> torch.Tensor:
+        if self.mode == "none":
+            return z
+        if self.mode == "channel_zscore":
+            return z * _per_channel(stats.std.clamp_min(TINY)) + _per_channel(stats.mean)
+        if self.mode == "channel_range":
+            return z * _per_channel(stats.half_range) + _per_channel(stats.mean)
+        center, scale = self._token_params(stats, stored)
+        return z * scale + center
+
+    def _token_params(self, stats: ChannelStats, stored: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = stored["token_scale"].float().unsqueeze(-1)  # [B, 1, T, 1]
+        if self.mode == "token_zscore":
+            return stored["token_center"].float().unsqueeze(-1), scale
+        return _per_channel(stats.mean).to(scale.device), scale

@@ -1,0 +1,88 @@
+"""Weighted batched k-means against brute force, and its invariants."""
+
+import itertools
+
+import pytest
+import torch
+
+from kvcomp.stages.kmeans import KMeansSettings, nearest_centroid, weighted_inertia, weighted_kmeans
+
+
+def brute_force_optimum(points: torch.Tensor, weights: torch.Tensor, k: int) -> float:
+    """Global minimum of the weighted k-means objective over every assignment (tiny inputs only)."""
+    best = float("inf")
+    for labels in itertools.product(range(k), repeat=len(points)):
+        labels = torch.tensor(labels)
+        cost = 0.0
+        for j in range(k):
+            member = labels == j
+            if member.any():
+                w = weights[member]
+                center = (w[:, None] * points[member]).sum(0) / w.sum()
+                cost += float((w * (points[member] - center).square().sum(-1)).sum())
+        best = min(best, cost)
+    return best
+
+
+def test_matches_brute_force_on_small_data():
+    torch.manual_seed(1)
+    centers = torch.tensor([[0.0, 0.0], [4.0, 0.0], [0.0, 5.0]])
+    points = (centers.repeat_interleave(3, 0) + 0.6 * torch.randn(9, 2))[None]
+    weights = torch.rand(1, 9) + 0.1
+    centroids, _, _ = weighted_kmeans(points, weights, 3, KMeansSettings(seed=0))
+    ours = float(weighted_inertia(points, weights, centroids))
+    assert ours == pytest.approx(brute_force_optimum(points[0], weights[0], 3), rel=1e-5)
+
+
+def test_weights_pull_centroids_and_are_the_weighted_mean():
+    points = torch.tensor([[[0.0], [1.0], [10.0], [11.0]]])
+    weights = torch.tensor([[1.0, 3.0, 1.0, 1.0]])
+    centroids, assign, _ = weighted_kmeans(points, weights, 2, KMeansSettings(seed=0))
+    assert sorted(centroids[0, :, 0].tolist()) == pytest.approx([0.75, 10.5])
+    assert assign[0, 0] == assign[0, 1] != assign[0, 2]
+
+
+def test_objective_never_increases_with_more_iterations():
+    torch.manual_seed(0)
+    points, weights = torch.randn(4, 300, 3), torch.rand(4, 300)
+    inertia = [
+        weighted_inertia(points, weights, weighted_kmeans(points, weights, 16, KMeansSettings(iters=i, tol=0))[0])
+        for i in (1, 2, 4, 8, 16)
+    ]
+    for before, after in zip(inertia, inertia[1:]):
+        assert (after <= before + 1e-4).all()
+    assert (inertia[-1] < inertia[0]).all()
+
+
+def test_empty_clusters_are_reseeded():
+    # 6 distinct locations, heavy duplicates: k-means++ may pick duplicates; no centroid may stay empty
+    torch.manual_seed(0)
+    base = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    points = base[torch.tensor([0] * 50 + [1, 2, 3, 4, 5])][None, :, None]
+    weights = torch.ones(1, points.shape[1])
+    weights[0, :50] = 0  # the duplicated point carries no weight: its cluster has zero mass
+    centroids, assign, _ = weighted_kmeans(points, weights, 6, KMeansSettings(seed=3, iters=20))
+    assert torch.unique(assign[0]).numel() == 6
+    assert float(weighted_inertia(points, weights, centroids)) == pytest.approx(0.0, abs=1e-8)
+
+
+def test_deterministic_under_a_seed_and_batched_like_separate():
+    torch.manual_seed(0)
+    points, weights = torch.randn(3, 200, 2), torch.rand(3, 200)
+    a = weighted_kmeans(points, weights, 8, KMeansSettings(seed=5))[0]
+    b = weighted_kmeans(points, weights, 8, KMeansSettings(seed=5))[0]
+    assert torch.equal(a, b)
+    c = weighted_kmeans(points, weights, 8, KMeansSettings(seed=6))[0]
+    assert not torch.equal(a, c)
+
+
+def test_nearest_centroid_matches_cdist_in_tiles():
+    torch.manual_seed(0)
+    points, centroids = torch.randn(5, 333, 4), torch.randn(5, 17, 4)
+    expected = torch.cdist(points, centroids).argmin(-1)
+    assert torch.equal(nearest_centroid(points, centroids, tile_elements=500), expected)
+
+
+def test_too_few_points_is_an_error():
+    with pytest.raises(ValueError, match="at least k=8"):
+        weighted_kmeans(torch.randn(1, 5, 2), torch.ones(1, 5), 8)
