@@ -158,7 +158,7 @@ def test_split_by_key_is_disjoint_and_deterministic():
 
 def test_load_corpus_rejects_unknown_names():
     with pytest.raises(ValueError, match="enwiki.*lee|lee.*enwiki"):
-        load_corpus("ptb", "calibration")
+        load_corpus("penn", "calibration")
     with pytest.raises(ValueError, match="calibration, evaluation"):
         load_corpus("enwiki", "train")
 
@@ -204,6 +204,26 @@ def test_hub_corpus_requests(monkeypatch):
     red = load_corpus("redpajama", "calibration", seed=3)
     assert calls[-1][0] == "json" and "RedPajama-Data-1T-Sample" in calls[-1][1]["data_files"]["train"]
     assert red and not set(red) & set(load_corpus("redpajama", "evaluation", seed=3))
+
+
+def test_ptb_reads_the_parquet_conversion_as_one_document(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        return datasets.Dataset.from_list([{"sentence": " no it was n't black monday "}, {"sentence": " "},
+                                           {"sentence": " but while the new york stock exchange "}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_corpus("ptb", "evaluation") == ["no it was n't black monday but while the new york stock exchange"]
+    path, kwargs = calls[-1]
+    assert path == "parquet" and kwargs["split"] == "test" and not kwargs["streaming"]
+    assert kwargs["data_files"] == {
+        "test": "hf://datasets/ptb-text-only/ptb_text_only@refs%2Fconvert%2Fparquet/penn_treebank/test/0000.parquet"}
+    load_corpus("ptb", "calibration")
+    assert calls[-1][1]["split"] == "train" and "/penn_treebank/train/" in calls[-1][1]["data_files"]["train"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ title for enwiki, the text for lee) and every 4th document in that order goes to
 the other three quarters to ``evaluation``. The two splits never share a document, the split does
 not depend on file order, and ``seed`` draws a different (still disjoint) split.
 
-Hub corpora (``wikitext2``, ``c4``, ``redpajama``, ``fineweb``) load through ``datasets``; they need
-the Hugging Face hub. ``calibration`` reads the train split; ``evaluation`` reads the test
-(wikitext2) or validation (c4) split. RedPajama and FineWeb publish only a train split: there each
-document goes to calibration when ``sha256(f"{seed}:{text}")`` is 0 modulo 4, else to evaluation.
+Hub corpora (``wikitext2``, ``c4``, ``ptb``, ``redpajama``, ``fineweb``) load through ``datasets``;
+they need the Hugging Face hub. ``calibration`` reads the train split; ``evaluation`` reads the test
+(wikitext2, ptb) or validation (c4) split. PTB (Penn Treebank, text only) has one sentence per row: a
+split is one document, its sentences joined by spaces (GPTQ's ``ptb-new`` protocol). RedPajama and
+FineWeb publish only a train split: there each document goes to calibration when
+``sha256(f"{seed}:{text}")`` is 0 modulo 4, else to evaluation.
 Large sets are streamed and only the first ``max_documents`` documents of a split are read.
 
 Token windows: :func:`token_windows` tokenizes the documents, joins them with the eos token, and
@@ -285,6 +287,7 @@ class _HubSpec:
     data_files: dict[str, str] | None = None
     streaming: bool = True
     shuffle_buffer: int = 0  # > 0: shuffle the stream (seeded), for sets stored source by source
+    text_field: str = "text"
 
 
 _HUB_CORPORA: dict[str, _HubSpec] = {
@@ -296,6 +299,13 @@ _HUB_CORPORA: dict[str, _HubSpec] = {
             "train": "en/c4-train.00000-of-01024.json.gz",
             "validation": "en/c4-validation.00000-of-00008.json.gz",
         },
+    ),
+    # ptb_text_only's loading script is not supported by datasets >= 4: read the hub's parquet conversion.
+    "ptb": _HubSpec(
+        "ptb-text-only/ptb_text_only", "parquet", None, "train", "test",
+        data_files={split: f"hf://datasets/ptb-text-only/ptb_text_only@refs%2Fconvert%2Fparquet/penn_treebank/"
+                           f"{split}/0000.parquet" for split in ("train", "test")},
+        streaming=False, text_field="sentence",
     ),
     # The repository's loading script is not supported by datasets >= 4: read its JSON-lines files
     # (one per source: arxiv, book, c4, common crawl, github, stackexchange, wikipedia) directly.
@@ -313,7 +323,7 @@ CORPORA = EMBEDDED_CORPORA + tuple(_HUB_CORPORA)
 def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | None = None) -> list[str]:
     """The documents of one corpus split, as plain strings.
 
-    ``name``: ``enwiki``, ``lee`` (embedded, offline) or ``wikitext2``, ``c4``, ``redpajama``,
+    ``name``: ``enwiki``, ``lee`` (embedded, offline) or ``wikitext2``, ``c4``, ``ptb``, ``redpajama``,
     ``fineweb`` (Hugging Face hub). ``split``: ``calibration`` or ``evaluation`` (disjoint by
     document, see the module docstring). ``seed`` picks the document split (and the RedPajama
     stream order). Hub sets read at most ``max_documents`` documents (default
@@ -354,9 +364,11 @@ def _load_hub_corpus(name: str, split: str, *, seed: int, max_documents: int) ->
         rows = datasets.load_dataset(spec.path, **kwargs)
         if spec.shuffle_buffer:
             rows = rows.shuffle(seed=seed, buffer_size=spec.shuffle_buffer)
-        texts = (row["text"] for row in rows)
+        texts = (row[spec.text_field] for row in rows)
         if name == "wikitext2":
             docs = _wikitext_articles(texts)
+        elif name == "ptb":
+            docs = [" ".join(text.strip() for text in texts if text.strip())]
         elif spec.evaluation_split is None:
             docs = _hashed_share(texts, split, seed=seed, limit=max_documents)
         else:

@@ -1,0 +1,1 @@
+"""Published results that experiments are compared with (plain data, no model code)."""
