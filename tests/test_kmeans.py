@@ -86,3 +86,19 @@ def test_nearest_centroid_matches_cdist_in_tiles():
 def test_too_few_points_is_an_error():
     with pytest.raises(ValueError, match="at least k=8"):
         weighted_kmeans(torch.randn(1, 5, 2), torch.ones(1, 5), 8)
+
+
+def test_scalar_codebooks_use_the_same_nearest_centroid():
+    torch.manual_seed(0)
+    points, centroids = torch.randn(4, 500, 1), torch.randn(4, 9, 1)
+    expected = (points - centroids.transpose(1, 2)).abs().argmin(-1)
+    assert torch.equal(nearest_centroid(points, centroids), expected)
+
+
+def test_seeding_samples_proportionally_to_squared_distance():
+    from kvcomp.stages.kmeans import _sample_proportional
+
+    mass = torch.tensor([[0.0, 1.0, 3.0, 0.0]]).expand(4000, -1)
+    picks = _sample_proportional(mass, torch.Generator().manual_seed(0))
+    counts = torch.bincount(picks, minlength=4).float() / 4000
+    assert counts[0] == 0 and counts[3] == 0 and abs(counts[2] - 0.75) < 0.03

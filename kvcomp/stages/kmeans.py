@@ -34,9 +34,12 @@ class KMeansSettings:
 def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, tile_elements: int = 1 << 19) -> torch.Tensor:
     """Index of the nearest centroid: ``points [C, N, d]``, ``centroids [C, k, d]`` -> ``[C, N]`` (int64).
 
-    Uses ``||u - c||^2 = ||u||^2 - 2 u.c + ||c||^2`` (Eq. 4-5), dropping the constant ``||u||^2``.
+    Uses ``||u - c||^2 = ||u||^2 - 2 u.c + ||c||^2`` (Eq. 4-5), dropping the constant ``||u||^2``;
+    scalar codebooks (``d = 1``) bisect the sorted centroids' midpoints instead.
     """
     points, centroids = points.float(), centroids.float()
+    if points.shape[-1] == 1:
+        return _nearest_scalar(points[..., 0], centroids[..., 0])
     count, n, _ = points.shape
     k = centroids.shape[1]
     c_norm = centroids.square().sum(-1).unsqueeze(1)  # [C, 1, k]
@@ -47,6 +50,14 @@ def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, tile_element
         scores = torch.baddbmm(c_norm, part, centroids.transpose(1, 2), alpha=-2.0)
         out[:, start : start + step] = scores.argmin(-1)
     return out
+
+
+def _nearest_scalar(values: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``values [C, N]``, ``centroids [C, k]`` -> nearest centroid index (ties to the lower centroid)."""
+    ordered, order = centroids.sort(-1)
+    midpoints = (ordered[:, 1:] + ordered[:, :-1]) / 2
+    rank = torch.searchsorted(midpoints.contiguous(), values.contiguous(), side="left")
+    return order.gather(1, rank)
 
 
 def _squared_distance_to(points: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
@@ -63,12 +74,20 @@ def kmeans_plus_plus(points: torch.Tensor, k: int, generator: torch.Generator) -
     centroids[:, 0] = points[rows, first]
     closest = _squared_distance_to(points, centroids[:, 0])
     for j in range(1, k):
-        # all points coincide with chosen centroids (duplicates): sample uniformly instead
-        probs = torch.where(closest.sum(-1, keepdim=True) > 0, closest, torch.ones_like(closest))
-        pick = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        pick = _sample_proportional(closest, generator)
         centroids[:, j] = points[rows, pick]
         closest = torch.minimum(closest, _squared_distance_to(points, centroids[:, j]))
     return centroids
+
+
+def _sample_proportional(mass: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of ``mass [C, N]``, drawn with probability proportional to it (uniformly
+    when a row is all zero, e.g. every point coincides with a chosen centroid)."""
+    mass = torch.where(mass.sum(-1, keepdim=True) > 0, mass, torch.ones_like(mass))
+    cumulative = mass.double().cumsum(-1)
+    u = torch.rand(mass.shape[0], 1, generator=generator, device=mass.device, dtype=torch.float64)
+    pick = torch.searchsorted(cumulative, u * cumulative[:, -1:], side="right")
+    return pick.squeeze(1).clamp_max(mass.shape[1] - 1)
 
 
 def weighted_kmeans(points: torch.Tensor, weights: torch.Tensor, k: int, settings: KMeansSettings = KMeansSettings()):
