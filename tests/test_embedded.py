@@ -102,7 +102,8 @@ def test_generate_through_compressed_cache(embedded):
 
 def test_temporalkv_end_to_end_calibrates_once(embedded, tmp_path):
     """`run.py codec=temporalkv` on a small calibration: sane perplexity, then the artifact is reused."""
-    args = ["codec=temporalkv", "codec.bits=2", "codec.kmeans_iters=5", "calibration.num_samples=4",
+    args = ["codec=temporalkv", "codec.bits=2", "codec.kmeans_iters=5", "codec.hybrid=off",
+            "calibration.num_samples=4", "calibration.seq_len=256", "benchmark.seq_len=256",
             "benchmark.num_windows=4", "hardware.threads=2"]
     first = _run(*args, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
