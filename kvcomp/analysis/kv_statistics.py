@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvcomp.stages.codebook import ChunkLayout
+
 AXES = ("temporal", "channel")
 
 
@@ -77,18 +79,16 @@ def chunk_vectors(x: torch.Tensor, chunk: int, axis: str) -> torch.Tensor:
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     x = _as_heads(x)
-    S, H, T, C = x.shape
+    _, _, T, C = x.shape
     if axis == "temporal":
         n = T // chunk
         if n == 0:
             raise ValueError(f"{T} tokens hold no temporal chunk of {chunk}")
-        v = x[:, :, : n * chunk].reshape(S, H, n, chunk, C)  # [S, H, n, s, C]
-        return v.permute(1, 4, 0, 2, 3).reshape(H, C, S * n, chunk)
+        return ChunkLayout(time_len=chunk, channel_len=1, group_channels=1).to_chunks(x[:, :, : n * chunk])
     g = C // chunk
     if g == 0:
         raise ValueError(f"{C} channels hold no channel chunk of {chunk}")
-    v = x[..., : g * chunk].reshape(S, H, T, g, chunk)  # [S, H, T, g, s]
-    return v.permute(1, 3, 0, 2, 4).reshape(H, g, S * T, chunk)
+    return ChunkLayout(time_len=1, channel_len=chunk, group_channels=chunk).to_chunks(x[..., : g * chunk])
 
 
 def _even_subsample(n: int, k: int) -> torch.Tensor:

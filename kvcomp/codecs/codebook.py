@@ -108,6 +108,7 @@ class CodebookCodec(Codec):
         self.outlier_selector = OutlierSelector(cfg.outliers)
         self.chosen: dict[tuple[int, str], str] = {}
         self.tensors: dict[str, torch.Tensor] = {}
+        self.stats: dict[tuple[int, str], ChannelStats] = {}  # built once from the loaded state
 
     def scheme(self, kind: str, layer_idx: int) -> Scheme:
         candidates = self.schemes(kind, layer_idx)
@@ -122,10 +123,9 @@ class CodebookCodec(Codec):
 
     # ----------------------------------------------------------------- coding
     def _stats(self, layer_idx: int, kind: str, device) -> ChannelStats:
-        try:
-            return ChannelStats.from_tensors(self.tensors, f"layer{layer_idx}.{kind}").to(device)
-        except KeyError:
-            raise ConfigError(f"{self.name}: no calibration state loaded (layer {layer_idx} {kind}s)") from None
+        if (layer_idx, kind) not in self.stats:
+            raise ConfigError(f"{self.name}: no calibration state loaded (layer {layer_idx} {kind}s)")
+        return self.stats[(layer_idx, kind)].to(device)
 
     def calibration_key(self) -> dict:
         """Outliers change the codebooks only when they are clamped or left out of k-means (KVQuant also
@@ -285,10 +285,16 @@ class CodebookCodec(Codec):
             for kind in KINDS:
                 names = list(self.schemes(kind, layer))
                 key = f"layer{layer}.{kind}.scheme"
-                if key not in tensors or f"layer{layer}.{kind}.codebooks" not in tensors:
+                needed = (key, f"layer{layer}.{kind}.codebooks", f"layer{layer}.{kind}.mean")
+                if any(name not in tensors for name in needed):
                     raise CalibrationMismatchError(f"{self.name}: calibration state lacks layer {layer} {kind}s")
                 chosen[(layer, kind)] = names[int(tensors.pop(key))]
         self.chosen, self.tensors = chosen, tensors
+        self.stats = {
+            (layer, kind): ChannelStats.from_tensors(tensors, f"layer{layer}.{kind}")
+            for layer in range(self.model.num_layers)
+            for kind in KINDS
+        }
 
     def describe(self) -> str:
         """``name(bits=..., outliers=..., <fields that differ from their defaults>)``."""
