@@ -8,6 +8,7 @@ fields are errors that name the group).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -50,6 +51,53 @@ class PerplexityConfig:
     include_reference: bool = True  # also evaluate the uncompressed model (cached across runs)
 
 
+RULER_TASKS = [
+    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+]
+
+
+@dataclass
+class RulerConfig:
+    """RULER's synthetic tasks generated offline (:mod:`kvcomp.benchmarks.ruler`), scored by generation
+    through the compressed cache (:mod:`kvcomp.benchmarks.generation`)."""
+
+    name: str = "ruler"
+    tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048])  # RULER's max_seq_length: prompt + generation budget
+    num_samples: int = 4  # per task and length
+    haystack: str = "enwiki"  # corpus (evaluation split) whose sentences replace RULER's essays
+    seed: int = 42
+    max_new_tokens: int | None = None  # None: RULER's budget per task (niah 128, vt 30, cwe 120, fwe 50); a number caps it
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+    batch_size: int = 4  # samples of one task and length have the same token count: batched without padding
+    protocol: str = "exact_prefill"  # exact_prefill | streaming | simulated (how the prefill sees its own tokens)
+    compress_generated: bool = True  # false: only the prompt is encoded ([REF] of the TemporalKV thesis)
+    include_reference: bool = True
+
+
+@dataclass
+class LMEvalConfig:
+    """Any lm-eval task list, every request through a fresh compressed cache
+    (:mod:`kvcomp.benchmarks.lm_eval_bridge`). Presets: ``longbench``, ``aime``, ``ruler_lmeval``."""
+
+    name: str = "lm_eval"
+    tasks: list[str] = field(default_factory=list)
+    data: str = "auto"  # auto: the hub when reachable, else the local fixtures | hub | fixtures
+    fixtures: dict[str, str] = field(default_factory=dict)  # task -> JSON-lines file (relative: kvcomp/benchmarks/fixtures)
+    limit: int | None = None  # documents per task (None: all)
+    num_fewshot: int | None = None
+    batch_size: int = 1  # > 1 left-pads generation batches: pad tokens then count as sinks
+    max_length: int | None = None  # context + generation tokens (None: the model config's max_context)
+    max_gen_toks: int | None = None  # caps each task's generation budget (None: the task's own)
+    truncation: str = "left"  # left (lm-eval) | middle (LongBench: keep the first and last halves)
+    chat_template: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)  # TaskManager metadata (RULER: max_seq_lengths)
+    protocol: str = "exact_prefill"
+    compress_generated: bool = True
+    include_reference: bool = True
+
+
 @dataclass
 class HardwareConfig:
     """Where and how the run computes."""
@@ -80,7 +128,15 @@ GROUPS = {
 }
 KERNEL_BACKENDS = ("torch", "triton")
 LOGGERS = ("none", "wandb")
-BENCHMARKS = {"perplexity": PerplexityConfig}
+BENCHMARKS = {
+    "perplexity": PerplexityConfig,
+    "ruler": RulerConfig,
+    "lm_eval": LMEvalConfig,
+    "longbench": LMEvalConfig,
+    "aime": LMEvalConfig,
+    "ruler_lmeval": LMEvalConfig,
+}
+BENCHMARK_SCHEMAS = {"schema_ruler": RulerConfig, "schema_lm_eval": LMEvalConfig}
 
 
 def structured(schema: type, config, label: str):
@@ -112,5 +168,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     for group, schema in GROUPS.items():
         store.store(group=group, name="schema", node=schema)
+    for name, schema in BENCHMARK_SCHEMAS.items():
+        store.store(group="benchmark", name=name, node=schema)
     for name, codec in CODECS.items():
         store.store(group="codec", name=f"schema_{name}", node=codec.config_class)

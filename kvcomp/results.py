@@ -23,6 +23,7 @@ TABLE_COLUMNS = [
     ("codec", "codec"),
     ("bits_per_value", "bits/value"),
     ("paper_bits_per_value", "paper bits/value"),
+    ("length", "length"),
     ("bits_per_value_measured", "measured bits/value"),
     ("cache_bytes_per_window", "cache bytes/window"),
     ("ppl_streaming", "PPL streaming"),
@@ -74,10 +75,16 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def scalar_columns(rows: list[dict]) -> list[str]:
+    """Every key of the rows except nested values (e.g. RULER's predictions, kept in results.json)."""
+    nested = {k for row in rows for k, v in row.items() if isinstance(v, (dict, list))}
+    return [k for k in dict.fromkeys(k for row in rows for k in row) if k not in nested]
+
+
 def csv_table(rows: list[dict]) -> str:
-    keys = list(dict.fromkeys(k for row in rows for k in row))
+    keys = scalar_columns(rows)
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=keys)
+    writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()
@@ -122,7 +129,7 @@ def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], grou
         config=config,
         reinit="finish_previous",
     )
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+    columns = scalar_columns(rows)
     run.log({"results": wandb.Table(columns=columns, data=[[_format(row.get(c)) for c in columns] for row in rows])})
     for row in rows:
         for key, value in row.items():

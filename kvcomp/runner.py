@@ -10,13 +10,12 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kvcomp.benchmarks.perplexity import evaluate_perplexity
+from kvcomp.benchmarks import Benchmark, build_benchmark
 from kvcomp.cache import install
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.codecs import Codec, ModelInfo, build_codec, codec_config
@@ -24,8 +23,6 @@ from kvcomp.config import BENCHMARKS, KERNEL_BACKENDS, LOGGERS, typed
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
 from kvcomp.results import RESULTS_FILE, log_to_wandb, markdown_table, versions, write_json_atomic
-
-WINDOW_SELECTIONS = ("spread", "first")
 
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict:
@@ -48,7 +45,8 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     calibration = typed("calibration", cfg.calibration)
     if cfg.benchmark.name not in BENCHMARKS:
         raise unknown_choice("benchmark", cfg.benchmark.name, BENCHMARKS)
-    benchmark = typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name])
+    benchmark_cfg = typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name])
+    benchmark = build_benchmark(benchmark_cfg)
     if hardware.kernel_backend not in KERNEL_BACKENDS:
         raise unknown_choice("kernel backend", hardware.kernel_backend, KERNEL_BACKENDS)
     if logger.name not in LOGGERS:
@@ -72,16 +70,16 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     if hardware.kernel_backend == "triton":  # fused kernels arrive with later codecs
         print(f"[kvcomp] no fused kernel for codec {codec.name} yet: attention uses the torch reference path")
 
-    windows = _evaluation_windows(benchmark, tokenizer, model_cfg)
+    benchmark.prepare(model, tokenizer, model_cfg)
     calibration_report = calibrate(
         codec, calibration, lambda: _calibration_data(model, tokenizer, calibration)
     )
     calibration_report.update(codec.summary())
     rows = []
-    if benchmark.include_reference and codec.name != "fp16":
+    if benchmark_cfg.include_reference and codec.name != "fp16":
         reference = build_codec({"name": "fp16"}, info)
-        rows.append(_reference_row(model, reference, windows, benchmark, model_cfg, hardware))
-    rows.append(_row(model, codec, windows, benchmark, model_cfg))
+        rows += _reference_rows(model, reference, benchmark, model_cfg, hardware)
+    rows += _rows(model, codec, benchmark, model_cfg)
     timings["total_seconds"] = round(time.perf_counter() - start, 2)
 
     results = {
@@ -92,30 +90,11 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
         "versions": versions(),
     }
     write_json_atomic(results_path, results)
-    print(f"\n[kvcomp] {benchmark.name} on {model_cfg.name} ({results_path}):")
+    print(f"\n[kvcomp] {benchmark_cfg.name} on {model_cfg.name} ({results_path}):")
     print(markdown_table(rows))
     if logger.name == "wandb":
         log_to_wandb(logger, f"{model_cfg.name}-{codec.describe()}", config, rows)
     return results
-
-
-def _evaluation_windows(benchmark, tokenizer, model_cfg) -> torch.Tensor:
-    """``num_windows`` non-overlapping windows of the evaluation split: the first ones, or (``spread``)
-    evenly spaced over the whole split so that a few windows represent all of its documents."""
-    from kvcomp.data import load_corpus, token_windows
-
-    if benchmark.seq_len > model_cfg.max_context:
-        raise ConfigError(f"benchmark.seq_len={benchmark.seq_len} exceeds {model_cfg.name}'s max_context={model_cfg.max_context}")
-    if benchmark.window_selection not in WINDOW_SELECTIONS:
-        raise unknown_choice("window_selection", benchmark.window_selection, WINDOW_SELECTIONS)
-    texts = load_corpus(benchmark.dataset, benchmark.split)
-    tag = f"{benchmark.dataset}-{benchmark.split}"
-    if benchmark.window_selection == "first":
-        return token_windows(texts, tokenizer, benchmark.seq_len, benchmark.num_windows, cache_tag=tag)
-    windows = token_windows(texts, tokenizer, benchmark.seq_len, None, cache_tag=tag)
-    if benchmark.num_windows <= 0 or benchmark.num_windows >= len(windows):
-        return windows
-    return windows[torch.linspace(0, len(windows) - 1, benchmark.num_windows).round().long()]
 
 
 def _calibration_data(model, tokenizer, calibration) -> CalibrationData:
@@ -129,35 +108,33 @@ def _calibration_data(model, tokenizer, calibration) -> CalibrationData:
     return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration)
 
 
-def _row(model, codec: Codec, windows, benchmark, model_cfg) -> dict:
-    metrics = evaluate_perplexity(model, codec, windows, benchmark)
-    return {
+def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg) -> list[dict]:
+    codec_columns = {
         "model": model_cfg.name,
         "codec": codec.describe(),
-        "benchmark": f"{benchmark.name}:{benchmark.dataset}/{benchmark.split} {len(windows)}x{windows.shape[1]}",
         "bits_per_value": round(codec.bits_per_value(), 4),
         "paper_bits_per_value": round(codec.paper_bits_per_value(), 4),
         "overhead_bits": codec.overhead_bits(),
-        **metrics,
     }
+    return [codec_columns | metrics for metrics in benchmark.evaluate(model, codec)]
 
 
-def _reference_row(model, reference: Codec, windows, benchmark, model_cfg, hardware) -> dict:
-    """The uncompressed row, cached across runs for the same model, dtype and windows."""
+def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, hardware) -> list[dict]:
+    """The uncompressed rows, cached across runs for the same model, dtype and benchmark data."""
     key = json.dumps(
         {
             "model": reference.model.name,
             "dtype": str(model.dtype),
             "device": hardware.device,
-            "windows": hashlib.sha256(windows.numpy().tobytes()).hexdigest(),
-            "benchmark": asdict(benchmark) | {"include_reference": None},
+            "benchmark": benchmark.fingerprint(),
             "versions": {k: v for k, v in versions().items() if k in ("torch", "transformers", "kvcomp")},
         },
         sort_keys=True,
+        default=str,
     )
     path = cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    row = _row(model, reference, windows, benchmark, model_cfg)
-    write_json_atomic(path, row)
-    return row
+    rows = _rows(model, reference, benchmark, model_cfg)
+    write_json_atomic(path, rows)
+    return rows

@@ -119,7 +119,7 @@ def test_pre_rope_keys_are_rerotated(tiny_llama):
     tiny_llama(ids, past_key_values=reference)
     cache = CompressedCache(codec)
     tiny_llama(ids, past_key_values=cache)
-    keys = cache.layers[1].key_stream.materialize(torch.float32, cache.layers[1].rope)
+    keys = cache.layers[1].key_stream.materialize()
     original = reference.layers[1].keys
     assert cache.layers[1].key_stream.num_encoded == 20
     assert (keys - original).abs().max() < 0.02 * original.abs().max()
@@ -175,3 +175,47 @@ def test_full_precision_copies_are_released_after_attention(tiny_llama):
     cache = CompressedCache(build_codec(SCHEDULES[0], info_of(tiny_llama)))
     tiny_llama(_ids(), past_key_values=cache)
     assert all(layer.last_update is None for layer in cache.layers)
+
+
+@torch.no_grad()
+def test_exact_prefill_sees_its_own_tokens_uncompressed_and_later_ones_stored(tiny_llama):
+    """exact_prefill: the prefill's logits are the plain model's even with a destructive codec; the next
+    forward reads the encoded prefix, stored exactly as the streaming protocol stores it."""
+    codec = build_codec({"name": "uniform", "bits": 1, "group_size": 4}, info_of(tiny_llama))
+    ids = _ids(length=24)
+    plain = tiny_llama(ids).logits
+    cache = CompressedCache(codec, "exact_prefill")
+    assert torch.allclose(tiny_llama(ids[:, :20], past_key_values=cache).logits, plain[:, :20], atol=1e-5)
+    after = tiny_llama(ids[:, 20:], past_key_values=cache).logits
+    assert not torch.allclose(after, plain[:, 20:], atol=1e-2)
+    streaming = CompressedCache(codec, "streaming")
+    tiny_llama(ids, past_key_values=streaming)
+    assert cache.nbytes == streaming.nbytes
+    exact, streamed = cache.layers[0], streaming.layers[0]  # deeper layers' inputs differ by design
+    assert torch.equal(exact.key_stream.decoded, streamed.key_stream.decoded)
+
+
+@torch.no_grad()
+def test_compress_generated_false_encodes_the_prompt_only(tiny_llama):
+    codec = build_codec(SCHEDULES[0], info_of(tiny_llama))
+    cache = CompressedCache(codec, "exact_prefill", compress_generated=False)
+    tiny_llama.generate(_ids(length=30), max_new_tokens=20, do_sample=False, past_key_values=cache, pad_token_id=0)
+    stream = cache.layers[0].key_stream
+    assert stream.num_encoded == codec.policy("key", 0).split(30)[1] > 0
+    assert stream.num_tail == stream.length - stream.num_encoded == 30 + 19 - stream.num_encoded
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_decoded_blocks_equal_decoding_the_whole_payload(tiny_llama, schedule):
+    """The reference path decodes each block once; that equals decoding the stored payload in one go."""
+    codec = build_codec(schedule, info_of(tiny_llama))
+    cache = CompressedCache(codec)
+    tiny_llama.generate(_ids(length=21), max_new_tokens=30, do_sample=False, past_key_values=cache, pad_token_id=0)
+    layer = cache.layers[1]
+    for stream in (layer.key_stream, layer.value_stream):
+        whole = codec.decode(stream.payload, stream.kind, 1, torch.float32)
+        if stream.pre_rope:
+            lo, hi = stream.num_sinks, stream.num_sinks + stream.num_encoded
+            whole = apply_rope(whole, layer.rope[0][:, lo:hi], layer.rope[1][:, lo:hi])
+        assert torch.allclose(stream.decoded, whole, atol=1e-6)

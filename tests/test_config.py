@@ -9,7 +9,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from kvcomp.codecs import CODECS, codec_config
-from kvcomp.config import GROUPS, register_configs, typed
+from kvcomp.config import BENCHMARKS, GROUPS, register_configs, typed
 from kvcomp.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -35,10 +35,13 @@ def test_default_is_the_embedded_model_on_cpu():
 def test_every_option_composes_and_matches_its_dataclass(group):
     for option in _options(group):
         node = _compose(f"{group}={option}")[group]
-        schema = CODECS[node.name].config_class if group == "codec" else GROUPS[group]
+        schema = (
+            CODECS[node.name].config_class if group == "codec"
+            else BENCHMARKS[node.name] if group == "benchmark" else GROUPS[group]
+        )
         yaml_keys = set(OmegaConf.load(CONF / group / f"{option}.yaml")) - {"defaults"}
         assert yaml_keys == {f.name for f in dataclasses.fields(schema)}, f"{group}/{option}.yaml vs {schema.__name__}"
-        parsed = codec_config(node) if group == "codec" else typed(group, node)
+        parsed = codec_config(node) if group == "codec" else typed(group, node, schema)
         assert isinstance(parsed, schema)
 
 

@@ -1,1 +1,43 @@
-"""Benchmarks that read the compressed cache: perplexity (here), RULER and lm-eval tasks (later)."""
+"""Benchmarks that read the compressed cache: perplexity, RULER (own generator) and lm-eval tasks.
+
+Each is a :class:`Benchmark`: ``prepare`` builds its data once per run (token windows, prompts, task
+objects), ``evaluate`` measures one codec and returns metric rows, ``fingerprint`` identifies what the
+rows depend on (the runner caches the uncompressed reference rows under it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from kvcomp.config import BENCHMARKS
+from kvcomp.errors import unknown_choice
+
+
+class Benchmark(ABC):
+    def __init__(self, config):
+        self.config = config
+
+    @abstractmethod
+    def prepare(self, model, tokenizer, model_cfg) -> None:
+        """Build the data (raises on bad settings before any slow work)."""
+
+    @abstractmethod
+    def fingerprint(self) -> dict:
+        """JSON-able identity of the prepared data and settings."""
+
+    @abstractmethod
+    def evaluate(self, model, codec) -> list[dict]:
+        """Metric rows for ``codec`` (each names its benchmark under ``"benchmark"``)."""
+
+
+def build_benchmark(config) -> Benchmark:
+    """The benchmark for a validated benchmark config (``config.name`` picks it)."""
+    if config.name not in BENCHMARKS:
+        raise unknown_choice("benchmark", config.name, BENCHMARKS)
+    if config.name == "perplexity":
+        from kvcomp.benchmarks.perplexity import PerplexityBenchmark as cls
+    elif config.name == "ruler":
+        from kvcomp.benchmarks.ruler import RulerBenchmark as cls
+    else:
+        from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark as cls
+    return cls(config)

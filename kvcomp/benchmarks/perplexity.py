@@ -11,16 +11,59 @@ once complete, see :mod:`kvcomp.cache.attention`), which equals feeding the wind
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
-from kvcomp.cache import PROTOCOLS, CompressedCache
+from kvcomp.benchmarks import Benchmark
+from kvcomp.cache import CompressedCache
 from kvcomp.codecs import Codec, expected_cache_bits
 from kvcomp.config import PerplexityConfig
-from kvcomp.errors import ConfigError
+from kvcomp.errors import ConfigError, unknown_choice
+
+PERPLEXITY_PROTOCOLS = ("streaming", "simulated")
+WINDOW_SELECTIONS = ("spread", "first")
+
+
+class PerplexityBenchmark(Benchmark):
+    """Perplexity on ``num_windows`` windows of a corpus split (one row)."""
+
+    def prepare(self, model, tokenizer, model_cfg) -> None:
+        self.windows = evaluation_windows(self.config, tokenizer, model_cfg)
+
+    def fingerprint(self) -> dict:
+        return {
+            "windows": hashlib.sha256(self.windows.numpy().tobytes()).hexdigest(),
+            "benchmark": asdict(self.config) | {"include_reference": None},
+        }
+
+    def evaluate(self, model, codec) -> list[dict]:
+        c, w = self.config, self.windows
+        label = f"{c.name}:{c.dataset}/{c.split} {len(w)}x{w.shape[1]}"
+        return [{"benchmark": label, **evaluate_perplexity(model, codec, w, c)}]
+
+
+def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.Tensor:
+    """``num_windows`` non-overlapping windows of the evaluation split: the first ones, or (``spread``)
+    evenly spaced over the whole split so that a few windows represent all of its documents."""
+    from kvcomp.data import load_corpus, token_windows
+
+    if config.seq_len > model_cfg.max_context:
+        raise ConfigError(f"benchmark.seq_len={config.seq_len} exceeds {model_cfg.name}'s max_context={model_cfg.max_context}")
+    if config.window_selection not in WINDOW_SELECTIONS:
+        raise unknown_choice("window_selection", config.window_selection, WINDOW_SELECTIONS)
+    texts = load_corpus(config.dataset, config.split)
+    tag = f"{config.dataset}-{config.split}"
+    if config.window_selection == "first":
+        return token_windows(texts, tokenizer, config.seq_len, config.num_windows, cache_tag=tag)
+    windows = token_windows(texts, tokenizer, config.seq_len, None, cache_tag=tag)
+    if config.num_windows <= 0 or config.num_windows >= len(windows):
+        return windows
+    return windows[torch.linspace(0, len(windows) - 1, config.num_windows).round().long()]
 
 
 def codec_never_encodes(codec: Codec) -> bool:
@@ -39,9 +82,11 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
     Also returns the cache bytes measured after one full window (batch 1), the bits per value they
     imply, and the bits the codec's formula predicts for the same window.
     """
-    unknown = [p for p in config.protocols if p not in PROTOCOLS]
+    unknown = [p for p in config.protocols if p not in PERPLEXITY_PROTOCOLS]
     if unknown or not config.protocols:
-        raise ConfigError(f"perplexity protocols {list(config.protocols)}: choose from {', '.join(PROTOCOLS)}")
+        raise ConfigError(
+            f"perplexity protocols {list(config.protocols)}: choose from {', '.join(PERPLEXITY_PROTOCOLS)}"
+        )
     device = next(model.parameters()).device
     metrics: dict = {}
     cache_stats: dict = {}

@@ -11,7 +11,7 @@ from kvcomp.cache.stream import FreshlyEncoded, KVStream
 from kvcomp.codecs.base import Codec
 from kvcomp.errors import ConfigError, NonFiniteKVError
 
-PROTOCOLS = ("streaming", "simulated")
+PROTOCOLS = ("streaming", "simulated", "exact_prefill")
 
 
 @dataclass
@@ -33,9 +33,11 @@ class CompressedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool = True):
+    def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool = True,
+                 compress_generated: bool = True):
         super().__init__()
         self.codec, self.layer_idx, self.protocol, self.check_finite = codec, layer_idx, protocol, check_finite
+        self.compress_generated = compress_generated
         self.attention_hooked = False  # set by the kvcomp attention pre-hook
         self.reset()
 
@@ -64,8 +66,15 @@ class CompressedLayer(CacheLayerMixin):
                     )
         self._record_rope(key_states)
         self.last_update = None
+        if self.protocol == "exact_prefill":  # this forward sees its own tokens uncompressed
+            history = (self.key_stream.materialize(), self.value_stream.materialize())
         fresh_keys = self.key_stream.append(key_states, self.rope)
         fresh_values = self.value_stream.append(value_states, self.rope)
+        if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
+            self.key_stream.freeze()
+            self.value_stream.freeze()
+        if self.protocol == "exact_prefill":
+            return tuple(x if h is None else torch.cat([h, x], dim=2) for h, x in zip(history, (key_states, value_states)))
         if self.protocol == "streaming" and key_states.shape[2] > 1 and (fresh_keys or fresh_values):
             if not self.attention_hooked:
                 raise ConfigError(
@@ -73,9 +82,7 @@ class CompressedLayer(CacheLayerMixin):
                     "call kvcomp.cache.install(model) first (or use protocol='simulated')"
                 )
             self.last_update = LastUpdate(fresh_keys, fresh_values)
-        keys = self.key_stream.materialize(self.dtype, self.rope)
-        values = self.value_stream.materialize(self.dtype, self.rope)
-        return keys, values
+        return self.key_stream.materialize(), self.value_stream.materialize()
 
     def _record_rope(self, key_states: torch.Tensor) -> None:
         """Keep cos/sin of the new positions (pre-RoPE codecs only); they come from the pre-hook."""
@@ -133,15 +140,28 @@ class CompressedLayer(CacheLayerMixin):
 
 
 class CompressedCache(Cache):
-    """KV cache compressed by ``codec``. ``protocol`` tells the kvcomp attention function how a
-    multi-token forward sees blocks encoded within it (see :mod:`kvcomp.cache.attention`)."""
+    """KV cache compressed by ``codec``.
+
+    ``protocol``: how a multi-token forward (prefill) sees the tokens it brings in:
+    ``streaming``: as a token-by-token feed would (blocks encoded within the forward are seen encoded
+    by the queries after the token that completed them; see :mod:`kvcomp.cache.attention`);
+    ``simulated``: encoded, by every query (the seeds' protocol); ``exact_prefill``: uncompressed (a
+    deployed prefill: attention runs on the fresh K/V, the cache stores them encoded for later
+    forwards). Earlier tokens are always seen as stored.
+    ``compress_generated=False`` encodes the first forward's tokens only and keeps every later
+    (generated) token in full precision.
+    """
 
     receives_position_embeddings = True
 
-    def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool = True):
+    def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool = True,
+                 compress_generated: bool = True):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
-        layers = [CompressedLayer(codec, i, protocol, check_finite) for i in range(codec.model.num_layers)]
+        layers = [
+            CompressedLayer(codec, i, protocol, check_finite, compress_generated)
+            for i in range(codec.model.num_layers)
+        ]
         super().__init__(layers=layers)
         self.codec, self.protocol = codec, protocol
 

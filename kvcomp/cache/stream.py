@@ -30,7 +30,14 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 
 
 class KVStream:
-    """Stores one stream following its codec policy; see :class:`~kvcomp.codecs.base.StreamPolicy`."""
+    """Stores one stream following its codec policy; see :class:`~kvcomp.codecs.base.StreamPolicy`.
+
+    The storage is ``sinks``, ``payload`` and ``tail`` (what :attr:`nbytes` counts). For the torch
+    reference attention path the stream also keeps ``decoded``, the payload's blocks decoded (and
+    re-rotated) once when they are encoded: blocks decode independently, so this equals decoding the
+    whole payload at every step, without the per-step cost. It is working memory of the reference
+    path, like the K/V tensor SDPA needs anyway, not cache storage.
+    """
 
     def __init__(self, codec: Codec, kind: str, layer_idx: int):
         self.codec, self.kind, self.layer_idx = codec, kind, layer_idx
@@ -38,8 +45,15 @@ class KVStream:
         self.pre_rope = codec.pre_rope and kind == "key"
         self.sinks: torch.Tensor | None = None
         self.payload: Payload | None = None
+        self.decoded: torch.Tensor | None = None
         self.tail: torch.Tensor | None = None
         self.length = 0
+        self.frozen = False  # True: keep every further token in the full-precision tail
+
+    def freeze(self) -> None:
+        """Stop encoding: tokens appended from now on stay in full precision (the [REF] protocol that
+        compresses the prompt only, never generated tokens)."""
+        self.frozen = True
 
     @property
     def num_sinks(self) -> int:
@@ -64,7 +78,7 @@ class KVStream:
         if x.shape[2]:
             self.tail = _cat(self.tail, x)
         block = self.policy.block_size
-        if block is None or self.num_tail < self.policy.window + block:
+        if block is None or self.frozen or self.num_tail < self.policy.window + block:
             return None
         count = (self.num_tail - self.policy.window) // block * block
         chunk, self.tail = self.tail[:, :, :count], self.tail[:, :, count:]
@@ -76,23 +90,18 @@ class KVStream:
             to_encode = undo_rope(chunk, cos[:, first : first + count], sin[:, first : first + count])
         encoded = self.codec.encode(to_encode, self.kind, self.layer_idx)
         self.payload = encoded if self.payload is None else self.payload.concat(encoded)
+        decoded = self.codec.decode(encoded, self.kind, self.layer_idx, x.dtype)
+        if self.pre_rope:
+            decoded = apply_rope(decoded, cos[:, first : first + count], sin[:, first : first + count])
+        self.decoded = _cat(self.decoded, decoded)
         block_end = first + (positions - first) // block * block + block
         visible_from = block_end + self.policy.window - 1
         return FreshlyEncoded(positions, chunk, visible_from)
 
-    def materialize(self, dtype: torch.dtype, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The stream as attention sees it now: ``[sinks, decode(blocks), tail]`` in ``dtype``."""
-        parts = [] if self.sinks is None else [self.sinks]
-        if self.payload is not None:
-            decoded = self.codec.decode(self.payload, self.kind, self.layer_idx, dtype)
-            if self.pre_rope:
-                cos, sin = rope
-                lo, hi = self.num_sinks, self.num_sinks + self.num_encoded
-                decoded = apply_rope(decoded, cos[:, lo:hi], sin[:, lo:hi])
-            parts.append(decoded)
-        if self.tail is not None:
-            parts.append(self.tail)
-        return torch.cat(parts, dim=2)
+    def materialize(self) -> torch.Tensor | None:
+        """The stream as attention sees it now: ``[sinks, decode(blocks), tail]`` (None when empty)."""
+        parts = [t for t in (self.sinks, self.decoded, self.tail) if t is not None]
+        return torch.cat(parts, dim=2) if parts else None
 
     @property
     def num_values(self) -> int:
@@ -116,3 +125,4 @@ class KVStream:
         self.sinks = None if self.sinks is None else fn(self.sinks)
         self.tail = None if self.tail is None else fn(self.tail)
         self.payload = None if self.payload is None else self.payload.map(fn)
+        self.decoded = None if self.decoded is None else fn(self.decoded)

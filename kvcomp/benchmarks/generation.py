@@ -1,0 +1,77 @@
+"""Greedy generation through a fresh compressed cache: the protocol of every generation benchmark.
+
+The prompt is prefilled into an empty :class:`~kvcomp.cache.CompressedCache` (how the prefill's own
+attention sees the tokens it brings in is the cache ``protocol``: ``exact_prefill`` as a deployed
+prefill, ``streaming`` token by token, ``simulated`` as the seeds), the cache policy encodes it
+(sinks, blocks, window), then tokens are decoded greedily through the cache; each new token enters the
+full-precision tail and is encoded when its block fills (``compress_generated=False``: never).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.cache import PROTOCOLS, CompressedCache
+from kvcomp.codecs import Codec
+from kvcomp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GenerationProtocol:
+    """How generation benchmarks use the cache (see the module docstring)."""
+
+    protocol: str = "exact_prefill"
+    compress_generated: bool = True
+
+    def __post_init__(self):
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"generation protocol {self.protocol!r}: choose from {', '.join(PROTOCOLS)}")
+
+    def new_cache(self, codec: Codec) -> CompressedCache:
+        """A fresh cache for one request (or one batch of requests)."""
+        return CompressedCache(codec, self.protocol, compress_generated=self.compress_generated)
+
+
+@torch.no_grad()
+def generate_greedy(
+    model,
+    codec: Codec,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    protocol: GenerationProtocol = GenerationProtocol(),
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Greedy continuation of ``input_ids [B, T]`` (left-padded when ``attention_mask`` is given) through
+    a fresh compressed cache; returns the new tokens ``[B, <= max_new_tokens]`` (padded with the first
+    EOS id after a row stops)."""
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask.to(device),
+        past_key_values=protocol.new_cache(codec),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=eos_token_ids,
+        pad_token_id=eos_token_ids[0],
+    )
+    return out[:, input_ids.shape[1]:]
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Token ids that end a generation: the tokenizer's EOS plus the model's generation-config EOS ids."""
+    ids = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        ids += source if isinstance(source, list) else [source] if source is not None else []
+    if not ids:
+        raise ConfigError("the tokenizer and model define no EOS token: generation could not stop")
+    return list(dict.fromkeys(ids))

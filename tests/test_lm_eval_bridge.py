@@ -1,0 +1,142 @@
+"""The lm-eval bridge: fixtures in the hub formats, middle truncation, and requests that read the cache."""
+
+import json
+
+import pytest
+import torch
+
+from kvcomp.benchmarks.lm_eval_bridge import FIXTURES, fixture_task_spec, hub_reachable, middle_truncate
+from kvcomp.config import LMEvalConfig
+from kvcomp.errors import ConfigError
+
+@pytest.fixture(scope="module")
+def task_manager():
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def _preset(name):
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "benchmark" / f"{name}.yaml")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LMEvalConfig), {k: v for k, v in raw.items() if k != "defaults"}))
+
+
+def test_middle_truncation_keeps_both_ends():
+    ids = list(range(10))
+    assert middle_truncate(ids, 6) == [0, 1, 2, 7, 8, 9]
+    assert middle_truncate(ids, 5) == [0, 1, 7, 8, 9]
+    assert middle_truncate(ids, 12) == ids
+
+
+def test_offline_environment_is_not_the_hub(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_reachable() is False
+
+
+@pytest.mark.parametrize("preset", ["longbench", "aime"])
+def test_every_fixture_loads_renders_and_scores_its_gold_answer(task_manager, preset):
+    """Each preset task runs on its fixture through lm-eval's own template and metric: the gold answer
+    scores high and a wrong one scores zero (so the fixtures exercise real scoring)."""
+    config = _preset(preset)
+    assert sorted(config.fixtures) == sorted(config.tasks)
+    if preset == "longbench":
+        assert len(config.tasks) == 16 and config.truncation == "middle"
+    for task in config.tasks:
+        spec = fixture_task_spec(task_manager, task, FIXTURES / config.fixtures[task])
+        built = task_manager.load([spec])["tasks"][task]
+        docs = list(built.test_docs())
+        assert len(docs) >= 2
+        for doc in docs:
+            prompt = built.doc_to_text(doc)
+            assert isinstance(prompt, str) and len(prompt) > 40
+            target = built.doc_to_target(doc)
+            gold = target[0] if isinstance(target, list) else str(target)
+            gold = f"\\boxed{{{gold}}}" if preset == "aime" else gold
+            right = built.process_results(doc, [gold])
+            wrong = built.process_results(doc, ["zzzz qqqq"])
+            key = next(iter(right))
+            assert right[key] > 0.5 and wrong[key] == 0, (task, right, wrong)
+
+
+def test_fixtures_are_in_the_hub_formats():
+    record = json.loads((FIXTURES / "longbench" / "hotpotqa.jsonl").read_text().splitlines()[0])
+    assert {"question", "context", "answers", "length", "dataset", "language", "all_classes", "_id"} <= set(record)
+    assert set(json.loads((FIXTURES / "aime" / "aime24.jsonl").read_text().splitlines()[0])) == {"ID", "Problem", "Solution", "Answer"}
+    assert set(json.loads((FIXTURES / "aime" / "aime25.jsonl").read_text().splitlines()[0])) == {"id", "problem", "answer"}
+
+
+def test_a_task_without_fixture_offline_is_a_clear_error():
+    from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
+    from kvcomp.config import ModelConfig
+
+    config = LMEvalConfig(tasks=["longbench_qasper", "mmlu"], data="fixtures", fixtures={"longbench_qasper": "longbench/qasper.jsonl"})
+    with pytest.raises(ConfigError, match="mmlu"):
+        LMEvalBenchmark(config).prepare(None, None, ModelConfig())
+
+
+# ------------------------------------------------------------------------------------------------
+# on the embedded model: requests really read the compressed cache
+# ------------------------------------------------------------------------------------------------
+def _lm(embedded, spec, **kwargs):
+    from kvcomp.benchmarks.generation import GenerationProtocol
+    from kvcomp.benchmarks.lm_eval_bridge import _lm_class
+    from kvcomp.codecs import ModelInfo, build_codec
+
+    model, tokenizer = embedded
+    codec = build_codec(spec, ModelInfo.from_hf_config(model.config))
+    return _lm_class()(model, tokenizer, codec, GenerationProtocol(), batch_size=1, max_length=1024, device="cpu", **kwargs)
+
+
+def _requests(kind, pairs):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(pairs)]
+
+
+CONTEXT = (
+    "The Nile is a major north-flowing river in northeastern Africa. It flows into the Mediterranean Sea. "
+    "The Nile is among the longest rivers in the world, and its drainage basin covers eleven countries. "
+) * 4
+
+
+@pytest.mark.integration
+def test_loglikelihood_reads_the_compressed_cache(embedded):
+    """fp16 through the cache equals lm-eval's plain cache-less forward; a 1-bit codec changes the score."""
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = embedded
+    pairs = [(CONTEXT + "The Nile flows into the", " Mediterranean Sea"), (CONTEXT + "The river is in", " Africa")]
+    plain = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=1024, device="cpu")
+    expected = [ll for ll, _ in plain.loglikelihood(_requests("loglikelihood", pairs))]
+    through_fp16 = [ll for ll, _ in _lm(embedded, {"name": "fp16"}).loglikelihood(_requests("loglikelihood", pairs))]
+    destroyed = [ll for ll, _ in _lm(embedded, {"name": "uniform", "bits": 1}).loglikelihood(_requests("loglikelihood", pairs))]
+    assert through_fp16 == pytest.approx(expected, abs=1e-3)
+    assert all(abs(d - e) > 1.0 for d, e in zip(destroyed, expected)), (destroyed, expected)
+
+
+@pytest.mark.integration
+def test_generate_until_reads_the_compressed_cache(embedded):
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = embedded
+    request = [(CONTEXT + "Question: Which sea does the Nile flow into?\nAnswer:", {"until": ["\n"], "max_gen_toks": 12})]
+    plain = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=1024, device="cpu")
+    expected = plain.generate_until(_requests("generate_until", request))
+    assert _lm(embedded, {"name": "fp16"}).generate_until(_requests("generate_until", request)) == expected
+    assert "Mediterranean" in expected[0]
+    destroyed = _lm(embedded, {"name": "uniform", "bits": 1}).generate_until(_requests("generate_until", request))
+    assert "Mediterranean" not in destroyed[0]
+
+
+@pytest.mark.integration
+def test_middle_truncation_reaches_the_model(embedded):
+    lm = _lm(embedded, {"name": "fp16"}, truncation="middle")
+    ids, mask = lm.tok_batch_encode(["a " * 300 + "END", "short"], left_truncate_len=100)
+    assert ids.shape == (2, 100) and mask[1].sum() < 10 and mask[0].all()
+    assert lm.tok_decode(ids[0, -3:].tolist()).endswith("END") and lm.tok_decode(ids[0, :3].tolist()).startswith("a")
+    with torch.no_grad():
+        assert lm._model_call(ids[:1]).shape[:2] == (1, 100)

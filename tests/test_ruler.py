@@ -1,0 +1,187 @@
+"""RULER generator (determinism, exact lengths, needle placement) and scoring on hand-written cases."""
+
+import random
+
+import pytest
+
+from kvcomp.benchmarks.ruler import (
+    TASKS,
+    RulerGenerator,
+    postprocess_prediction,
+    score,
+    string_match_all,
+    string_match_part,
+)
+from kvcomp.errors import ConfigError
+
+
+class ByteTokenizer:
+    """A tokenizer double: one token per UTF-8 byte (exactness must hold for any tokenizer)."""
+
+    chat_template = None
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode(errors="replace")
+
+
+class ChatByteTokenizer(ByteTokenizer):
+    chat_template = "chatml"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return f"<|user|>{messages[0]['content']}<|end|><|assistant|>"
+
+
+def _haystack():
+    rng = random.Random(0)
+    words = "alpha beta gamma delta river stone cloud field light north".split()
+    return [" ".join(" ".join(rng.choices(words, k=rng.randint(5, 15))).capitalize() + "." for _ in range(200))
+            for _ in range(5)]
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return RulerGenerator(ByteTokenizer(), _haystack(), seed=7)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [2000, 4000])
+def test_prompts_have_exactly_the_target_length(generator, task, length):
+    sample = generator.sample(task, length, 0)
+    assert len(sample.input_ids) == length - TASKS[task].tokens_to_generate
+    assert sample.answers and all(sample.answers)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_generation_is_deterministic(task):
+    a = RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample(task, 2000, 3)
+    b = RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample(task, 2000, 3)
+    other = RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample(task, 2000, 4)
+    assert a.input_ids == b.input_ids and a.answers == b.answers
+    assert other.input_ids != a.input_ids
+
+
+@pytest.mark.parametrize("task", [t for t, spec in TASKS.items() if spec.family == "niah"])
+def test_needles_sit_where_recorded_and_answer_is_in_them(generator, task):
+    tok = generator.tokenizer
+    sample = generator.sample(task, 3000, 1)
+    spec = TASKS[task]
+    assert len(sample.needle_spans) == spec.num_keys * spec.num_values
+    needles = [tok.decode(sample.input_ids[a:b]) for a, b in sample.needle_spans]
+    assert all("One of the special magic" in n for n in needles)
+    for answer in sample.answers:  # every reference is the value of a needle of a queried key
+        assert sum(answer in n for n in needles) == 1
+    prompt = tok.decode(sample.input_ids)
+    assert prompt.count("One of the special magic") == len(needles) or spec.haystack == "needle"
+
+
+def test_essay_needle_depth_follows_the_requested_depth(generator):
+    """At depth d% the needle starts about d% into the context (sentence granularity)."""
+    for index in range(6):
+        sample = generator.sample("niah_single_2", 3000, index)
+        (start, _), depth = sample.needle_spans[0], sample.depths[0]
+        prompt = generator.tokenizer.decode(sample.input_ids)
+        context_start = prompt.index("afterwards.\n") + len("afterwards.\n")
+        context_end = prompt.rindex("\nWhat is")
+        where = (start - context_start) / (context_end - context_start)
+        assert abs(where - depth / 100) < 0.1, (depth, where)
+
+
+def test_vt_chain_is_in_order_and_answer_is_the_chain():
+    generator = RulerGenerator(ByteTokenizer(), _haystack(), seed=1)
+    sample = generator.sample("vt", 2000, 0)
+    statements = [generator.tokenizer.decode(sample.input_ids[a:b]).strip() for a, b in sample.needle_spans]
+    value = statements[0].split("= ")[1].rstrip(".")
+    assert statements[0] == f"VAR {sample.answers[0]} = {value}."
+    for previous, name, statement in zip(sample.answers, sample.answers[1:], statements[1:]):
+        assert statement == f"VAR {name} = VAR {previous}."
+    assert f"assigned the value {value}" in generator.tokenizer.decode(sample.input_ids)
+
+
+def test_cwe_answer_words_are_the_most_frequent():
+    generator = RulerGenerator(ByteTokenizer(), _haystack(), seed=1)
+    sample = generator.sample("cwe", 3000, 0)
+    question = generator.tokenizer.decode(sample.input_ids).split("Memorize the ones that appear most often.\n")[-1]
+    words = question.split("\nQuestion")[0].split()
+    counts = {w: words.count(w) for w in set(words) if not w[0].isdigit()}
+    assert all(counts[w] == 6 for w in sample.answers)  # below 4096 tokens: common words x6
+    assert max(c for w, c in counts.items() if w not in sample.answers) == 1
+
+
+def test_fwe_answers_are_ranks_two_to_four():
+    generator = RulerGenerator(ByteTokenizer(), _haystack(), seed=1)
+    sample = generator.sample("fwe", 3000, 0)
+    text = generator.tokenizer.decode(sample.input_ids).split("coded words. ")[1].split("\nQuestion")[0].split()
+    ranked = sorted(set(text), key=text.count, reverse=True)
+    assert ranked[0] == "...."
+    assert set(ranked[1:4]) == set(sample.answers)
+
+
+def test_chat_template_wraps_the_task_and_prefix_opens_the_answer():
+    generator = RulerGenerator(ChatByteTokenizer(), _haystack(), seed=1)
+    sample = generator.sample("niah_single_1", 1500, 0)
+    prompt = generator.tokenizer.decode(sample.input_ids)
+    assert len(sample.input_ids) == 1500 - 128
+    assert prompt.startswith("<|user|>A special magic number is hidden")
+    assert prompt.endswith("<|end|><|assistant|> The special magic number for " + prompt.split("for ")[-1])
+    assert prompt.endswith("mentioned in the provided text is")
+
+
+def test_too_short_length_is_a_clear_error(generator):
+    with pytest.raises(ConfigError, match="no room"):
+        generator.sample("niah_single_2", 200, 0)
+    with pytest.raises(ConfigError, match="unknown RULER task|RULER task"):
+        generator.sample("qa_1", 2000, 0)
+
+
+def test_string_match_scores_hand_cases():
+    refs = [["7145122"], ["ABCDE", "FGHIJ"], ["apple", "pear", "plum", "fig"]]
+    preds = [" the number is 7145122.", "abcde and something", "Apple, PEAR"]
+    assert string_match_all(preds, refs) == pytest.approx(100 * (1 + 0.5 + 0.5) / 3)
+    assert string_match_part(preds, refs) == pytest.approx(100.0)
+    assert string_match_part(["nothing"], [["a1", "b2"]]) == 0.0
+    assert postprocess_prediction("  7145\x0b122 \n") == "7145\n122"
+    assert score("niah_single_1", [" 7145\x0b122"], [["7145122"]]) == 0.0
+    assert score("niah_multivalue", ["1111111 2222222"], [["1111111", "2222222", "3333333", "4444444"]]) == 50.0
+
+
+# ------------------------------------------------------------------------------------------------
+# on the embedded model and corpus
+# ------------------------------------------------------------------------------------------------
+def _ruler(tasks, lengths, num_samples, **overrides):
+    from kvcomp.benchmarks.ruler import RulerBenchmark
+    from kvcomp.config import ModelConfig, RulerConfig
+
+    return RulerBenchmark(RulerConfig(tasks=tasks, lengths=lengths, num_samples=num_samples, **overrides)), ModelConfig()
+
+
+@pytest.mark.integration
+def test_real_tokenizer_prompts_are_exact_with_the_chat_template(embedded):
+    model, tokenizer = embedded
+    benchmark, model_cfg = _ruler(list(TASKS), [1024, 2048], 1)
+    benchmark.prepare(model, tokenizer, model_cfg)
+    for (length, task), samples in benchmark.samples.items():
+        ids = samples[0].input_ids
+        assert len(ids) == length - TASKS[task].tokens_to_generate
+        assert tokenizer.decode(ids).startswith("<|im_start|>system")
+    with pytest.raises(ConfigError, match="max_context"):
+        _ruler(["vt"], [16384], 1)[0].prepare(model, tokenizer, model_cfg)
+
+
+@pytest.mark.integration
+def test_a_destructive_codec_collapses_niah(embedded):
+    """fp16 finds single needles at 1K; a 1-bit cache loses them: the benchmark reads the compressed cache."""
+    from kvcomp.codecs import ModelInfo, build_codec
+
+    model, tokenizer = embedded
+    benchmark, model_cfg = _ruler(["niah_single_1", "niah_single_2"], [1024], 3, max_new_tokens=24)
+    benchmark.prepare(model, tokenizer, model_cfg)
+    info = ModelInfo.from_hf_config(model.config)
+    (fp16,) = benchmark.evaluate(model, build_codec({"name": "fp16"}, info))
+    (one_bit,) = benchmark.evaluate(model, build_codec({"name": "uniform", "bits": 1}, info))
+    assert fp16["acc_niah_single_1"] >= 66 and fp16["acc_niah_single_2"] >= 66
+    assert one_bit["acc_avg"] == 0.0
+    assert fp16["length"] == 1024 and len(fp16["predictions"]["niah_single_1"]) == 3
