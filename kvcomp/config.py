@@ -65,10 +65,10 @@ class RulerConfig:
     name: str = "ruler"
     tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
     lengths: list[int] = field(default_factory=lambda: [1024, 2048])  # RULER's max_seq_length: prompt + generation budget
-    num_samples: int = 4  # per task and length
+    num_samples: int = 2  # per task and length
     haystack: str = "enwiki"  # corpus (evaluation split) whose sentences replace RULER's essays
     seed: int = 42
-    max_new_tokens: int | None = None  # None: RULER's budget per task (niah 128, vt 30, cwe 120, fwe 50); a number caps it
+    max_new_tokens: int | None = 64  # caps RULER's budget per task (niah 128, vt 30, cwe 120, fwe 50); None: uncapped
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
     batch_size: int = 4  # samples of one task and length have the same token count: batched without padding
     protocol: str = "exact_prefill"  # exact_prefill | streaming | simulated (how the prefill sees its own tokens)
