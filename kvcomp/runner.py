@@ -20,7 +20,7 @@ from kvcomp.cache import install
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.codecs import Codec, ModelInfo, build_codec, codec_config
 from kvcomp.config import BENCHMARKS, KERNEL_BACKENDS, LOGGERS, typed
-from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.errors import unknown_choice
 from kvcomp.paths import cache_dir
 from kvcomp.results import RESULTS_FILE, log_to_wandb, markdown_table, versions, write_json_atomic
 

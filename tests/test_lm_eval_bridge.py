@@ -140,3 +140,13 @@ def test_middle_truncation_reaches_the_model(embedded):
     assert lm.tok_decode(ids[0, -3:].tolist()).endswith("END") and lm.tok_decode(ids[0, :3].tolist()).startswith("a")
     with torch.no_grad():
         assert lm._model_call(ids[:1]).shape[:2] == (1, 100)
+
+
+def test_hub_only_benchmark_offline_is_a_clear_error(monkeypatch):
+    from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
+    from kvcomp.config import ModelConfig
+    from kvcomp.data import HubUnavailableError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnavailableError, match="benchmark=ruler"):
+        LMEvalBenchmark(_preset("ruler_lmeval")).prepare(None, None, ModelConfig())

@@ -29,6 +29,7 @@ import torch
 from kvcomp.benchmarks import Benchmark
 from kvcomp.benchmarks.generation import GenerationProtocol
 from kvcomp.cache import CompressedCache
+from kvcomp.data import HubUnavailableError
 from kvcomp.errors import ConfigError, unknown_choice
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -132,6 +133,11 @@ class LMEvalBenchmark(Benchmark):
         self.protocol = GenerationProtocol(c.protocol, c.compress_generated)
         self.tokenizer, self.max_length = tokenizer, c.max_length or model_cfg.max_context
         self.source = c.data if c.data != "auto" else ("hub" if hub_reachable() else "fixtures")
+        if c.data == "hub" and not hub_reachable():
+            raise HubUnavailableError(
+                f"benchmark {c.name} reads {list(c.tasks)} from the Hugging Face hub, which is unreachable; offline, "
+                "use benchmark=ruler (kvcomp's RULER generator) or benchmark.data=fixtures where fixtures exist"
+            )
         self.metadata = dict(c.metadata)
         if c.name == "ruler_lmeval":
             self.metadata.setdefault("pretrained", model_cfg.hub_id)
@@ -150,6 +156,8 @@ class LMEvalBenchmark(Benchmark):
             if not path.is_file():
                 raise ConfigError(f"fixture for {task} not found: {path}")
         self.tasks = [fixture_task_spec(self.task_manager, t, self.fixture_files[t]) for t in c.tasks]
+        print(f"[kvcomp] {c.name}: running the local fixtures (kvcomp/benchmarks/fixtures/), not the hub datasets: "
+              f"they exercise the pipeline, their scores say nothing about the benchmark")
 
     def fingerprint(self) -> dict:
         files = {t: p.read_text() for t, p in getattr(self, "fixture_files", {}).items()}
