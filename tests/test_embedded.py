@@ -11,13 +11,14 @@ import torch
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.paths import cache_dir
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+def _run(*args, cwd, **env_overrides):
+    env = {**os.environ, "OMP_NUM_THREADS": "2", **env_overrides}
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
     )
@@ -105,9 +106,13 @@ def test_temporalkv_end_to_end_calibrates_once(embedded, tmp_path):
     args = ["codec=temporalkv", "codec.bits=2", "codec.kmeans_iters=5", "codec.hybrid=off",
             "calibration.num_samples=4", "calibration.seq_len=256", "benchmark.seq_len=256",
             "benchmark.num_windows=4", "hardware.threads=2"]
-    first = _run(*args, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+    private = tmp_path / "cache"  # an empty artifact store that shares the fetched assets
+    private.mkdir()
+    for shared in ("models", "corpora", "tokens"):
+        (private / shared).symlink_to(cache_dir() / shared)
+    first = _run(*args, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path, KVCOMP_CACHE=str(private))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _run(*args, f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
+    second = _run(*args, f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path, KVCOMP_CACHE=str(private))
     assert second.returncode == 0, second.stderr[-3000:]
     results = [json.loads((tmp_path / d / "results.json").read_text()) for d in "ab"]
     assert results[0]["calibration"]["reused"] is False and results[1]["calibration"]["reused"] is True
