@@ -110,13 +110,8 @@ class RulerSample:
     index: int
     input_ids: list[int]
     answers: list[str]
-    max_new_tokens: int
     needle_spans: list[tuple[int, int]] = field(default_factory=list)  # token [start, end) of each needle
     depths: list[int] = field(default_factory=list)  # requested depth (%) of each needle (essay haystacks)
-
-    @property
-    def metric(self) -> str:
-        return TASKS[self.task].metric
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,7 +213,7 @@ class RulerGenerator:
         assert len(context) == budget, (len(context), budget)
         offset = len(head_ids)
         ids = head_ids + context + tail_ids
-        return RulerSample("", 0, 0, ids, [], 0, [(offset + a, offset + b) for a, b in spans])
+        return RulerSample("", 0, 0, ids, [], [(offset + a, offset + b) for a, b in spans])
 
     def _pieces(self, budget: int, haystack: list[list[int]], needles: list[list[int]], positions) -> tuple[list[int], list]:
         """Interleave needle ids into haystack pieces (``positions(n)`` -> insertion index per needle,
