@@ -473,9 +473,9 @@ class RulerBenchmark(Benchmark):
             row = {"benchmark": f"ruler:{c.haystack} {length} tokens x{c.num_samples}", "length": length}
             for task in c.tasks:
                 samples = self.samples[(length, task)]
+                budget = min(TASKS[task].tokens_to_generate, c.max_new_tokens or TASKS[task].tokens_to_generate)
                 predictions = []
                 for batch in [samples[i : i + c.batch_size] for i in range(0, len(samples), c.batch_size)]:
-                    budget = min(TASKS[task].tokens_to_generate, c.max_new_tokens or TASKS[task].tokens_to_generate)
                     new = generate_greedy(
                         model, codec, torch.tensor([s.input_ids for s in batch]),
                         max_new_tokens=budget, eos_token_ids=self.eos, protocol=self.protocol,

@@ -67,14 +67,14 @@ class CompressedLayer(CacheLayerMixin):
         self._record_rope(key_states)
         self.last_update = None
         if self.protocol == "exact_prefill":  # this forward sees its own tokens uncompressed
-            history = (self.key_stream.materialize(), self.value_stream.materialize())
+            history = (self.key_stream.parts(), self.value_stream.parts())
         fresh_keys = self.key_stream.append(key_states, self.rope)
         fresh_values = self.value_stream.append(value_states, self.rope)
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             self.key_stream.freeze()
             self.value_stream.freeze()
         if self.protocol == "exact_prefill":
-            return tuple(x if h is None else torch.cat([h, x], dim=2) for h, x in zip(history, (key_states, value_states)))
+            return tuple(torch.cat([*h, x], dim=2) for h, x in zip(history, (key_states, value_states)))
         if self.protocol == "streaming" and key_states.shape[2] > 1 and (fresh_keys or fresh_values):
             if not self.attention_hooked:
                 raise ConfigError(

@@ -98,9 +98,13 @@ class KVStream:
         visible_from = block_end + self.policy.window - 1
         return FreshlyEncoded(positions, chunk, visible_from)
 
+    def parts(self) -> list[torch.Tensor]:
+        """The held pieces in token order: sinks, decoded blocks, tail (appends replace, never mutate, them)."""
+        return [t for t in (self.sinks, self.decoded, self.tail) if t is not None]
+
     def materialize(self) -> torch.Tensor | None:
         """The stream as attention sees it now: ``[sinks, decode(blocks), tail]`` (None when empty)."""
-        parts = [t for t in (self.sinks, self.decoded, self.tail) if t is not None]
+        parts = self.parts()
         return torch.cat(parts, dim=2) if parts else None
 
     @property
