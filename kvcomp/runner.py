@@ -21,6 +21,7 @@ from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.codecs import Codec, ModelInfo, build_codec, codec_config
 from kvcomp.config import BENCHMARKS, KERNEL_BACKENDS, LOGGERS, typed
 from kvcomp.errors import unknown_choice
+from kvcomp.kernels import check_kernel_backend
 from kvcomp.paths import cache_dir
 from kvcomp.results import RESULTS_FILE, log_to_wandb, markdown_table, versions, write_json_atomic
 
@@ -52,6 +53,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     if logger.name not in LOGGERS:
         raise unknown_choice("logger", logger.name, LOGGERS)
     codec_cfg = codec_config(cfg.codec)  # validate before the slow model load
+    check_kernel_backend(hardware.kernel_backend, hardware.device)
 
     torch.manual_seed(cfg.get("seed", 0))
     if hardware.device == "cpu":
@@ -63,11 +65,11 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     model, tokenizer = load_model(
         model_cfg.source, hub_id=model_cfg.hub_id, dtype=model_cfg.dtype or hardware.dtype, device=hardware.device
     )
-    install(model)
+    install(model, hardware.kernel_backend)
     info = ModelInfo.from_hf_config(model.config, name=model_cfg.hub_id or model_cfg.name)
     codec = build_codec(codec_cfg, info)
     timings["load_seconds"] = round(time.perf_counter() - start, 2)
-    if hardware.kernel_backend == "triton":  # fused kernels arrive with later codecs
+    if hardware.kernel_backend == "triton" and not getattr(codec, "scores_from_payload", False):
         print(f"[kvcomp] no fused kernel for codec {codec.name} yet: attention uses the torch reference path")
 
     benchmark.prepare(model, tokenizer, model_cfg)

@@ -12,7 +12,9 @@ can be in up to three states (both full precision; one encoded; both encoded). T
 the earlier states as extra key/value columns and masks every column to the queries that would have
 seen it, which gives exactly the logits of feeding the tokens one by one.
 
-Later kernels plug in here: a codec with a fused path will serve decode steps from the payload.
+A codec with a fused score path (``payload_scores``, e.g. QJL) serves decode steps from its payload when
+``install(model, kernel_backend="triton")`` selected kernels: the layer hands over its key segments
+(sinks, payload, tail) and the logits of the encoded keys come from the kernel, never from decoded keys.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcomp.cache.compressed_cache import LastUpdate
+from kvcomp.codecs.base import Payload
+from kvcomp.config import KERNEL_BACKENDS
+from kvcomp.errors import unknown_choice
 
 ATTENTION_NAME = "kvcomp"
 
@@ -34,6 +39,9 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
     record: LastUpdate | None = None
     if layer is not None:
         record, layer.last_update = layer.last_update, None  # release the full-precision copies
+        segments, layer.key_segments = layer.key_segments, None
+        if segments is not None:
+            return _attention_from_segments(layer, query, segments, value, attention_mask, scaling)
     if record is None or (record.keys is None and record.values is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     key, value, mask = _streaming_columns(query, key, value, attention_mask, record)
@@ -42,6 +50,27 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_from_segments(layer, query, segments, value, attention_mask, scaling):
+    """Attention whose encoded keys are scored from their payload by the codec's kernel; full-precision
+    segments (sinks, tail, fresh tokens) by a matmul. Columns are in cache order, as the mask expects."""
+    b, hq, tq, d = query.shape
+    h = value.shape[1]
+    grouped = query.float().reshape(b, h, (hq // h) * tq, d)
+    columns = []
+    for segment in segments:
+        if isinstance(segment, Payload):
+            columns.append(layer.codec.payload_scores(query, segment, layer.layer_idx, layer.kernel_backend))
+        else:
+            columns.append((grouped @ segment.float().transpose(-1, -2)).reshape(b, hq, tq, -1))
+    logits = torch.cat(columns, dim=-1) * (d**-0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        mask = attention_mask[..., : logits.shape[-1]]
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    probs = torch.softmax(logits, dim=-1)
+    out = (probs.reshape(b, h, -1, logits.shape[-1]) @ value.float()).reshape(b, hq, tq, d)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 def _streaming_columns(query, key, value, attention_mask, record: LastUpdate):
@@ -102,6 +131,7 @@ def _capture_cache_layer(module, args, kwargs):
         layer = cache.layers[module.layer_idx]
         layer.incoming_rope = kwargs.get("position_embeddings")
         layer.attention_hooked = True
+        layer.kernel_backend = getattr(module, "_kvcomp_kernel_backend", "torch")
         module._kvcomp_layer = layer
     else:
         module._kvcomp_layer = None
@@ -122,9 +152,12 @@ def _check_full_attention(text_config) -> None:
         )
 
 
-def install(model) -> None:
+def install(model, kernel_backend: str = "torch") -> None:
     """Route ``model``'s attention through kvcomp (idempotent). Works with any cache; the compressed
-    path switches on when a :class:`CompressedCache` is passed as ``past_key_values``."""
+    path switches on when a :class:`CompressedCache` is passed as ``past_key_values``.
+    ``kernel_backend="triton"``: decode steps use a codec's fused kernel where it has one."""
+    if kernel_backend not in KERNEL_BACKENDS:
+        raise unknown_choice("kernel backend", kernel_backend, KERNEL_BACKENDS)
     AttentionInterface.register(ATTENTION_NAME, compressed_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     _check_full_attention(model.config.get_text_config(decoder=True))
@@ -133,6 +166,7 @@ def install(model) -> None:
     if not modules:
         raise NotImplementedError(f"{type(model).__name__}: no attention modules named '*self_attn' with a layer_idx")
     for module in modules:
+        module._kvcomp_kernel_backend = kernel_backend
         if not getattr(module, "_kvcomp_hooked", False):
             module.register_forward_pre_hook(_capture_cache_layer, with_kwargs=True)
             module._kvcomp_hooked = True

@@ -39,6 +39,7 @@ class CompressedLayer(CacheLayerMixin):
         self.codec, self.layer_idx, self.protocol, self.check_finite = codec, layer_idx, protocol, check_finite
         self.compress_generated = compress_generated
         self.attention_hooked = False  # set by the kvcomp attention pre-hook
+        self.kernel_backend = "torch"  # set by the pre-hook from install(model, kernel_backend)
         self.reset()
 
     def reset(self) -> None:
@@ -47,6 +48,7 @@ class CompressedLayer(CacheLayerMixin):
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin of every cached position
         self.incoming_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the attention pre-hook
         self.last_update: LastUpdate | None = None  # streaming multi-token forwards only; consumed by attention
+        self.key_segments: list | None = None  # decode steps scored from the key payload; consumed by attention
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -66,15 +68,24 @@ class CompressedLayer(CacheLayerMixin):
                     )
         self._record_rope(key_states)
         self.last_update = None
+        fused = self.scores_from_payload and key_states.shape[2] == 1
         if self.protocol == "exact_prefill":  # this forward sees its own tokens uncompressed
-            history = (self.key_stream.parts(), self.value_stream.parts())
+            key_history = self.key_stream.segments() if fused else self.key_stream.parts()
+            value_history = self.value_stream.parts()
         fresh_keys = self.key_stream.append(key_states, self.rope)
         fresh_values = self.value_stream.append(value_states, self.rope)
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             self.key_stream.freeze()
             self.value_stream.freeze()
         if self.protocol == "exact_prefill":
-            return tuple(torch.cat([*h, x], dim=2) for h, x in zip(history, (key_states, value_states)))
+            values = torch.cat([*value_history, value_states], dim=2)
+            if fused:
+                self.key_segments = [*key_history, key_states]
+                return key_states, values
+            return torch.cat([*key_history, key_states], dim=2), values
+        if fused:
+            self.key_segments = self.key_stream.segments()
+            return key_states, self.value_stream.materialize()
         if self.protocol == "streaming" and key_states.shape[2] > 1 and (fresh_keys or fresh_values):
             if not self.attention_hooked:
                 raise ConfigError(
@@ -83,6 +94,13 @@ class CompressedLayer(CacheLayerMixin):
                 )
             self.last_update = LastUpdate(fresh_keys, fresh_values)
         return self.key_stream.materialize(), self.value_stream.materialize()
+
+    @property
+    def scores_from_payload(self) -> bool:
+        """Decode steps score the encoded keys from their payload (a fused kernel) instead of decoding them:
+        the codec has such a path and ``install(model, kernel_backend="triton")`` selected kernels. ``update``
+        then returns the fresh keys only and leaves :attr:`key_segments` for the attention function."""
+        return self.kernel_backend == "triton" and getattr(self.codec, "scores_from_payload", False)
 
     def _record_rope(self, key_states: torch.Tensor) -> None:
         """Keep cos/sin of the new positions (pre-RoPE codecs only); they come from the pre-hook."""

@@ -34,9 +34,10 @@ class KVStream:
 
     The storage is ``sinks``, ``payload`` and ``tail`` (what :attr:`nbytes` counts). For the torch
     reference attention path the stream also keeps ``decoded``, the payload's blocks decoded (and
-    re-rotated) once when they are encoded: blocks decode independently, so this equals decoding the
-    whole payload at every step, without the per-step cost. It is working memory of the reference
-    path, like the K/V tensor SDPA needs anyway, not cache storage.
+    re-rotated) once, the first time attention reads them: blocks decode independently, so this equals
+    decoding the whole payload at every step, without the per-step cost. It is working memory of the
+    reference path, like the K/V tensor SDPA needs anyway, not cache storage; a stream whose attention
+    reads the payload directly (:meth:`segments`, fused score kernels) never builds it.
     """
 
     def __init__(self, codec: Codec, kind: str, layer_idx: int):
@@ -46,6 +47,7 @@ class KVStream:
         self.sinks: torch.Tensor | None = None
         self.payload: Payload | None = None
         self.decoded: torch.Tensor | None = None
+        self.undecoded: list[tuple[Payload, tuple[torch.Tensor, torch.Tensor] | None]] = []  # blocks not in decoded yet
         self.tail: torch.Tensor | None = None
         self.length = 0
         self.frozen = False  # True: keep every further token in the full-precision tail
@@ -84,23 +86,35 @@ class KVStream:
         chunk, self.tail = self.tail[:, :, :count], self.tail[:, :, count:]
         first = self.num_sinks + self.num_encoded
         positions = torch.arange(first, first + count, device=x.device)
-        to_encode = chunk
+        to_encode, block_rope = chunk, None
         if self.pre_rope:
-            cos, sin = rope
-            to_encode = undo_rope(chunk, cos[:, first : first + count], sin[:, first : first + count])
+            block_rope = tuple(t[:, first : first + count] for t in rope)
+            to_encode = undo_rope(chunk, *block_rope)
         encoded = self.codec.encode(to_encode, self.kind, self.layer_idx)
         self.payload = encoded if self.payload is None else self.payload.concat(encoded)
-        decoded = self.codec.decode(encoded, self.kind, self.layer_idx, x.dtype)
-        if self.pre_rope:
-            decoded = apply_rope(decoded, cos[:, first : first + count], sin[:, first : first + count])
-        self.decoded = _cat(self.decoded, decoded)
+        self.undecoded.append((encoded, block_rope))
+        self.dtype = x.dtype
         block_end = first + (positions - first) // block * block + block
         visible_from = block_end + self.policy.window - 1
         return FreshlyEncoded(positions, chunk, visible_from)
 
+    def decoded_blocks(self) -> torch.Tensor | None:
+        """The payload decoded (keys re-rotated for pre-RoPE codecs); decodes only blocks not decoded before."""
+        for encoded, block_rope in self.undecoded:
+            decoded = self.codec.decode(encoded, self.kind, self.layer_idx, self.dtype)
+            if block_rope is not None:
+                decoded = apply_rope(decoded, *block_rope)
+            self.decoded = _cat(self.decoded, decoded)
+        self.undecoded = []
+        return self.decoded
+
     def parts(self) -> list[torch.Tensor]:
         """The held pieces in token order: sinks, decoded blocks, tail (appends replace, never mutate, them)."""
-        return [t for t in (self.sinks, self.decoded, self.tail) if t is not None]
+        return [t for t in (self.sinks, self.decoded_blocks(), self.tail) if t is not None]
+
+    def segments(self) -> list[torch.Tensor | Payload]:
+        """The held pieces in token order with the encoded blocks as their payload (for fused kernels)."""
+        return [t for t in (self.sinks, self.payload, self.tail) if t is not None]
 
     def materialize(self) -> torch.Tensor | None:
         """The stream as attention sees it now: ``[sinks, decode(blocks), tail]`` (None when empty)."""
@@ -130,3 +144,7 @@ class KVStream:
         self.tail = None if self.tail is None else fn(self.tail)
         self.payload = None if self.payload is None else self.payload.map(fn)
         self.decoded = None if self.decoded is None else fn(self.decoded)
+        self.undecoded = [
+            (encoded.map(fn), None if block_rope is None else tuple(fn(t) for t in block_rope))
+            for encoded, block_rope in self.undecoded
+        ]

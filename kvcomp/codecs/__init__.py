@@ -2,7 +2,7 @@
 
 from kvcomp.codecs.base import Codec, CodecConfig, CodecState, ModelInfo, Payload, StreamPolicy, expected_cache_bits
 from kvcomp.codecs.registry import CODECS, codec_class
-from kvcomp.codecs import channelkv, fp16, kivi, kvquant, temporalkv, uniform  # noqa: F401  (registration)
+from kvcomp.codecs import channelkv, fp16, kivi, kvquant, qjl, temporalkv, uniform  # noqa: F401  (registration)
 
 
 def codec_config(config) -> CodecConfig:

@@ -1,0 +1,23 @@
+"""Kernels, each beside its torch reference. Triton modules are imported only when a kernel is used
+(triton is an optional dependency); the references run everywhere and are what the kernels are tested
+against (under ``TRITON_INTERPRET=1`` on a CPU)."""
+
+import os
+
+from kvcomp.errors import ConfigError
+
+
+def check_kernel_backend(backend: str, device: str) -> None:
+    """Raise :class:`ConfigError` when ``backend`` cannot run on ``device`` (Triton needs CUDA, or its
+    CPU interpreter switched on with ``TRITON_INTERPRET=1``)."""
+    if backend != "triton":
+        return
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("kernel_backend=triton needs the triton package: pip install 'kvcomp[triton]'") from exc
+    if not str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            f"kernel_backend=triton runs on a CUDA device, but the device is {device!r} "
+            "(use hardware=cpu, or TRITON_INTERPRET=1 to run the kernels slowly on the CPU)"
+        )
