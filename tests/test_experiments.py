@@ -68,8 +68,10 @@ def test_experiment_composes_and_its_sweep_parses(name):
         codec = codec_config(run.codec)  # validates against the codec's dataclass
         for item in job:  # every swept value reaches the composed config
             key, value = item.split("=", 1)
-            if key == "codec" or key == "model":
+            if key == "model":
                 assert run[key].name == value
+            elif key == "codec":  # a codec or one of its presets (qjl_3bit, kivi_4bit, ...)
+                assert value == run.codec.name or value.startswith(run.codec.name + "_")
             elif key.startswith("codec."):
                 assert str(getattr(codec, key.split(".", 1)[1])).lower() == value.lower()
         benchmark = typed("benchmark", run.benchmark, BENCHMARKS[run.benchmark.name])
@@ -194,3 +196,19 @@ def test_render_ablations_and_empty_tables(tmp_path):
     assert "| TempKV-4-2bit compressed sinks | 2.00 | 2.500 | 91.000 | 90.000 | 145.77 | 104.21 | 92.32 |" in text
     assert "| TempKV-4-2bit fp16 sinks | 2.00 | 2.500 | 26.000 | 25.000 | 10.82 |" in text
     assert "### Table 7: C4 PPL, 1 % outlier removal, 256 x 2048\n\n(no run below" in text
+
+
+QJL_PRESETS = [  # preset, target bits per value, model shape (layers, kv heads, head_dim)
+    ("qjl_3bit", 3.0, (32, 8, 128)), ("qjl_4.3bit", 4.3, (32, 8, 128)), ("qjl_5bit", 5.0, (32, 8, 128)),
+    ("qjl_3bit_d64", 3.0, (30, 3, 64)), ("qjl_4.3bit_d64", 4.3, (30, 3, 64)), ("qjl_5bit_d64", 5.0, (30, 3, 64)),
+    ("kivi_4bit", 5.0, (30, 3, 64)), ("kivi", 3.0, (30, 3, 64)),
+]
+
+
+@pytest.mark.parametrize("preset,bits,shape", QJL_PRESETS, ids=lambda p: str(p))
+def test_bit_matched_presets_cost_the_bits_they_claim(preset, bits, shape):
+    """QJL's paper settings (3 / 4.3 / 5 bits) and their KIVI partners, every stored bit counted."""
+    from kvcomp.codecs import ModelInfo, build_codec
+
+    codec = build_codec(_compose(f"codec={preset}").codec, ModelInfo("m", *shape))
+    assert codec.bits_per_value() == pytest.approx(bits, abs=0.015)

@@ -110,3 +110,17 @@ def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
 def test_install_rejects_an_unknown_backend(tiny_llama):
     with pytest.raises(ConfigError, match="valid choices: torch, triton"):
         install(tiny_llama, kernel_backend="cuda")
+
+
+def test_gpu_benchmark_script_runs_on_the_interpreter():
+    """scripts/bench_qjl_decode.py --smoke: the GPU benchmark's code path on a tiny CPU shape."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_qjl_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_qjl_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.main(["--smoke"])
+    assert table.count("| qjl scores (Triton) |") == 2
+    assert "| 68.2 |" in table  # authors' sketch: 512 sign bits + two fp16 norms + 8 uint8 ids per 32 tokens

@@ -1,0 +1,176 @@
+"""Decode-step timing of QJL's payload-scored attention vs PyTorch SDPA on bf16 K/V (GPU benchmark).
+
+Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), one decode query per sequence,
+contexts 8K..64K. For each shape it times, with CUDA events after a warm-up, the median over repetitions:
+
+- ``sdpa``: ``F.scaled_dot_product_attention`` over bf16 K/V (the flash / efficient kernel);
+- ``bf16 scores``: ``q K^T`` alone on bf16 keys (what the QJL kernel replaces);
+- ``qjl scores``: the Triton kernel's logits from the packed sign bits (``m`` bits + norms per key);
+- ``qjl step``: QJL scores + softmax + ``P V`` over the values decoded from their 2-bit payload
+  (a fused value kernel is issue 6's work, so values are read as bf16 here).
+
+Every repetition uses a fresh random query and rotates between several independently drawn K/V sets
+whose total size exceeds the L2 cache, so small shapes are not flattered. Payload bytes per key token are
+printed beside each row. ``--write`` replaces the QJL section of BENCHMARKS.md with the table.
+
+    python scripts/bench_qjl_decode.py --write          # on a CUDA GPU
+    TRITON_INTERPRET=1 python scripts/bench_qjl_decode.py --smoke   # CPU check of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvcomp.codecs import ModelInfo, build_codec
+
+SECTION = "## QJL decode-step scores (issue 5)"
+LLAMA31_8B = dict(query_heads=32, kv_heads=8, head_dim=128)
+SETTINGS = {  # name -> codec config (head_dim 128)
+    "qjl authors' general layer (m=256, m_o=256, 8 outliers)": {"name": "qjl", "initial_layers": 0},
+    "qjl_3bit general layer (m=224, m_o=64, 8 outliers)": {
+        "name": "qjl", "initial_layers": 0, "sketch_dim": 224, "outlier_sketch_dim": 64,
+    },
+}
+
+
+class Timer:
+    """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup``: CUDA events on a GPU, wall clock on a CPU."""
+
+    def __init__(self, device: torch.device, warmup: int, reps: int):
+        self.device, self.warmup, self.reps = device, warmup, reps
+
+    def __call__(self, fn, make_inputs) -> float:
+        for _ in range(self.warmup):
+            fn(*make_inputs())
+        times = []
+        for _ in range(self.reps):
+            inputs = make_inputs()
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn(*inputs)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                fn(*inputs)
+                times.append(1e3 * (time.perf_counter() - begin))
+        return statistics.median(times)
+
+
+def _buffer_sets(bytes_per_set: int, l2_bytes: int) -> int:
+    """How many independent input sets to rotate so that together they exceed twice the L2 cache."""
+    return max(2, -(-2 * l2_bytes // max(bytes_per_set, 1)))
+
+
+def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.device, l2_bytes: int) -> list[dict]:
+    h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    kv_bytes = 2 * batch * h * context * d * 2
+    sets = []
+    for _ in range(_buffer_sets(kv_bytes, l2_bytes)):
+        keys = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
+        keys[..., :4] *= 6  # a few large channels, as real keys have
+        values = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
+        sets.append((keys, values, codec.encode(keys, "key", 0), codec.encode(values, "value", 0)))
+    turn = iter(range(10**9))
+
+    def inputs():
+        keys, values, key_payload, value_payload = sets[next(turn) % len(sets)]
+        query = torch.randn(batch, hq, 1, d, device=device, dtype=torch.bfloat16)
+        return query, keys, values, key_payload, value_payload
+
+    def sdpa(q, k, v, *_):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def bf16_scores(q, k, *_):
+        return q.view(batch, h, hq // h, d) @ k.transpose(-1, -2)
+
+    def qjl_scores(q, _k, _v, key_payload, _vp):
+        return codec.payload_scores(q, key_payload, 0, "triton")
+
+    decoded_values = {id(s[3]): codec.decode(s[3], "value", 0, torch.bfloat16) for s in sets}
+
+    def qjl_step(q, _k, _v, key_payload, value_payload):
+        logits = codec.payload_scores(q, key_payload, 0, "triton") * d**-0.5
+        probs = torch.softmax(logits, dim=-1).to(torch.bfloat16)
+        return probs.view(batch, h, hq // h, context) @ decoded_values[id(value_payload)]
+
+    key_bytes = sets[0][2].nbytes / (batch * h * context)
+    rows = []
+    baseline = timer(sdpa, inputs)
+    for name, fn, bytes_per_key in (
+        ("sdpa (bf16 K/V)", sdpa, 2 * d * 2),
+        ("bf16 scores q.K^T", bf16_scores, d * 2),
+        ("qjl scores (Triton)", qjl_scores, key_bytes),
+        ("qjl step (scores+softmax+PV)", qjl_step, key_bytes + d * 2),
+    ):
+        ms = baseline if fn is sdpa else timer(fn, inputs)
+        rows.append({"batch": batch, "context": context, "method": name, "ms": ms, "vs_sdpa": baseline / ms,
+                     "bytes_per_token_head": bytes_per_key})
+    return rows
+
+
+def markdown(rows: list[dict], device_name: str, setting: str) -> str:
+    lines = [f"{setting} on {device_name}:", "", "| batch | context | method | median ms | speed vs SDPA | bytes read per token per KV head |",
+             "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['vs_sdpa']:.2f}x | {r['bytes_per_token_head']:.1f} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace (or append) the QJL section of BENCHMARKS.md, leaving other sections as they are."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(SECTION)
+    if start >= 0:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + text[end + 1 :] if end >= 0 else text[:start]
+    path.write_text(text.rstrip() + "\n\n" + SECTION + "\n\n" + body + "\n")
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--write", action="store_true", help="replace the QJL section of BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        device, contexts, batches, timer = torch.device("cpu"), [128], [1], Timer(torch.device("cpu"), 0, 1)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
+        device, contexts, batches = torch.device("cuda"), args.contexts, args.batches
+        timer = Timer(device, args.warmup, args.reps)
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    sections = [
+        "Command: `python scripts/bench_qjl_decode.py --write` (CUDA events, median of "
+        f"{timer.reps} after {timer.warmup} warm-up calls, fresh query each call, K/V sets rotated beyond L2)."
+    ]
+    for setting, config in SETTINGS.items():
+        codec = build_codec(config, info)
+        rows = [row for batch in batches for context in contexts for row in bench_shape(codec, batch, context, timer, device, l2_bytes)]
+        sections.append(markdown(rows, device_name, setting))
+    body = "\n\n".join(sections)
+    print(body)
+    if args.write and not args.smoke:
+        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", body)
+    return body
+
+
+if __name__ == "__main__":
+    main()
