@@ -144,3 +144,26 @@ def test_run_py_lm_eval_presets_on_fixtures(embedded, tmp_path, preset, tasks):
     assert len(rows) == 2 and all(r["benchmark"].startswith(f"{preset}:fixtures") for r in rows)
     task_names = tasks.strip("[]").split(",")
     assert all({f"score_{t}" for t in task_names} | {"score_avg"} <= set(r) for r in rows)
+
+
+@torch.no_grad()
+def test_qjl_presets_on_smollm2(embedded):
+    """QJL at the paper's 3 and 5 bits on the real model (streaming protocol): more bits, lower perplexity,
+    both within a sane distance of the uncompressed model, and the cache holds what the codec counts."""
+    from kvcomp.codecs import expected_cache_bits
+    from kvcomp.data import load_corpus
+    from tests.test_experiments import _compose
+
+    model, tokenizer = embedded
+    ids = tokenizer(" ".join(load_corpus("enwiki", "evaluation")[:2]), return_tensors="pt").input_ids[:, :384]
+    info = ModelInfo.from_hf_config(model.config)
+
+    def perplexity(codec):
+        cache = CompressedCache(codec, "streaming")
+        loss = model(ids, past_key_values=cache, labels=ids).loss
+        assert 8 * cache.nbytes == expected_cache_bits(codec, ids.shape[1], 1, 32)
+        return loss.exp().item()
+
+    plain = perplexity(build_codec({"name": "fp16"}, info))
+    three, five = (perplexity(build_codec(_compose(f"codec=qjl_{b}bit_d64").codec, info)) for b in (3, 5))
+    assert plain < five < three < 3 * plain

@@ -39,8 +39,9 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
     record: LastUpdate | None = None
     if layer is not None:
         record, layer.last_update = layer.last_update, None  # release the full-precision copies
-        segments, layer.key_segments = layer.key_segments, None
+        segments = getattr(layer, "key_segments", None)  # only CompressedLayer scores from payloads
         if segments is not None:
+            layer.key_segments = None
             return _attention_from_segments(layer, query, segments, value, attention_mask, scaling)
     if record is None or (record.keys is None and record.values is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
