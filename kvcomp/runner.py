@@ -69,7 +69,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     info = ModelInfo.from_hf_config(model.config, name=model_cfg.hub_id or model_cfg.name)
     codec = build_codec(codec_cfg, info)
     timings["load_seconds"] = round(time.perf_counter() - start, 2)
-    if hardware.kernel_backend == "triton" and not getattr(codec, "scores_from_payload", False):
+    if hardware.kernel_backend == "triton" and not codec.scores_from_payload:
         print(f"[kvcomp] no fused kernel for codec {codec.name} yet: attention uses the torch reference path")
 
     benchmark.prepare(model, tokenizer, model_cfg)

@@ -100,7 +100,7 @@ class CompressedLayer(CacheLayerMixin):
         """Decode steps score the encoded keys from their payload (a fused kernel) instead of decoding them:
         the codec has such a path and ``install(model, kernel_backend="triton")`` selected kernels. ``update``
         then returns the fresh keys only and leaves :attr:`key_segments` for the attention function."""
-        return self.kernel_backend == "triton" and getattr(self.codec, "scores_from_payload", False)
+        return self.kernel_backend == "triton" and self.codec.scores_from_payload
 
     def _record_rope(self, key_states: torch.Tensor) -> None:
         """Keep cos/sin of the new positions (pre-RoPE codecs only); they come from the pre-hook."""

@@ -158,6 +158,7 @@ class Codec(ABC):
     config_class: ClassVar[type[CodecConfig]]
     needs_calibration: ClassVar[bool] = False
     inference_only_fields: ClassVar[tuple[str, ...]] = ()  # config fields a calibration does not depend on
+    scores_from_payload: ClassVar[bool] = False  # True: payload_scores serves decode steps (fused kernels)
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
         self.config = config
@@ -189,6 +190,12 @@ class Codec(ABC):
     @abstractmethod
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         """Exact stored bits per encoded value of ``kind`` in layer ``layer_idx``: codes plus per-group parameters."""
+
+    def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
+        """Attention logits ``<q, k>`` of queries ``[B, Hq, Tq, D]`` against the encoded (post-RoPE) keys in
+        ``payload``, computed from the payload itself: float32 ``[B, Hq, Tq, T]``. Codecs that set
+        ``scores_from_payload`` implement it; ``backend`` picks the kernel ("torch" or "triton")."""
+        raise NotImplementedError(f"codec {self.name} has no payload score path")
 
     def overhead_bits(self) -> int:
         """Model-level storage amortised over all tokens (codebooks, dictionaries, predictors)."""
