@@ -154,7 +154,7 @@ def main(argv=None) -> str:
             raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
         device, contexts, batches = torch.device("cuda"), args.contexts, args.batches
         timer = Timer(device, args.warmup, args.reps)
-    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) if device.type == "cuda" else 0
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
     sections = [
