@@ -26,7 +26,7 @@ spec A6) is protocol ``simulated`` (or ``streaming``, as a token-by-token feed w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -70,16 +70,21 @@ class QJLConfig(CodecConfig):
     param_dtype: str = "float16"  # storage of the value scales and zero-points
 
 
-@dataclass(frozen=True)
+@dataclass
 class LayerSketch:
-    """Sketch sizes of one layer class and its projection (drawn once, moved to devices on demand)."""
+    """Sketch sizes of one layer class and its projection (drawn once on the CPU, copied once per device)."""
 
     sketch_dim: int
     outlier_sketch_dim: int
     projection: torch.Tensor  # [m, D] float32, CPU
+    device_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def on(self, device: torch.device) -> torch.Tensor:
-        return self.projection.to(device)
+        """The projection on ``device`` (no copy on every encode or decode step)."""
+        device = torch.device(device)
+        if device not in self.device_copies:
+            self.device_copies[device] = self.projection.to(device)
+        return self.device_copies[device]
 
 
 @register
@@ -94,9 +99,9 @@ class QJLCodec(Codec):
             raise unknown_choice("qjl projection", cfg.projection, PROJECTIONS)
         if cfg.row_norm not in ROW_NORMS:
             raise unknown_choice("qjl row_norm", cfg.row_norm, ROW_NORMS)
-        for field in ("norm_dtype", "param_dtype"):
-            if getattr(cfg, field) not in PARAM_DTYPES:
-                raise unknown_choice(f"qjl {field}", getattr(cfg, field), PARAM_DTYPES)
+        for name in ("norm_dtype", "param_dtype"):
+            if getattr(cfg, name) not in PARAM_DTYPES:
+                raise unknown_choice(f"qjl {name}", getattr(cfg, name), PARAM_DTYPES)
         if not 0 <= cfg.outlier_channels < min(d, 256):
             raise ConfigError(f"qjl: outlier_channels={cfg.outlier_channels} must be in 0..{min(d, 256) - 1} (head_dim={d})")
         if cfg.group_size < 1 or cfg.key_buffer < cfg.group_size or cfg.key_buffer % cfg.group_size:
@@ -202,11 +207,11 @@ class QJLCodec(Codec):
 
     def key_bits_per_token(self, layer_idx: int) -> float:
         """Stored bits of one key token of one head: sign bits, norms, amortised outlier channel ids."""
-        cfg, sketch = self.config, self.sketch_sizes(layer_idx)
+        cfg, (m, m_out) = self.config, self.sketch_sizes(layer_idx)
         norm_bits = torch.finfo(self.norm_dtype).bits
-        bits = sketch[0] + norm_bits
+        bits = m + norm_bits
         if cfg.outlier_channels:
-            bits += sketch[1] + norm_bits + cfg.outlier_channels * 8 / cfg.group_size
+            bits += m_out + norm_bits + cfg.outlier_channels * 8 / cfg.group_size
         return bits
 
     def sketch_sizes(self, layer_idx: int) -> tuple[int, int]:
