@@ -69,14 +69,15 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     info = ModelInfo.from_hf_config(model.config, name=model_cfg.hub_id or model_cfg.name)
     codec = build_codec(codec_cfg, info)
     timings["load_seconds"] = round(time.perf_counter() - start, 2)
-    if hardware.kernel_backend == "triton" and not codec.scores_from_payload:
-        print(f"[kvcomp] no fused kernel for codec {codec.name} yet: attention uses the torch reference path")
+    codec.kernel_backend = hardware.kernel_backend
 
     benchmark.prepare(model, tokenizer, model_cfg)
     calibration_report = calibrate(
         codec, calibration, lambda: _calibration_data(model, tokenizer, calibration)
     )
     calibration_report.update(codec.summary())
+    if hardware.kernel_backend == "triton":
+        _report_kernels(codec)
     rows = []
     if benchmark_cfg.include_reference and codec.name != "fp16":
         reference = build_codec({"name": "fp16"}, info)
@@ -97,6 +98,17 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict:
     if logger.name == "wandb":
         log_to_wandb(logger, f"{model_cfg.name}-{codec.describe()}", config, rows)
     return results
+
+
+def _report_kernels(codec) -> None:
+    """Say which layers' decode steps the Triton kernels serve (the others take the torch path)."""
+    layers = range(codec.model.num_layers)
+    fused = [i for i in layers if codec.scores_from_payload or codec.fused_attention_supported(i)]
+    if len(fused) < len(layers):
+        print(
+            f"[kvcomp] codec {codec.describe()}: no fused decode kernel for layers "
+            f"{sorted(set(layers) - set(fused))}; they use the torch reference path"
+        )
 
 
 def _calibration_data(model, tokenizer, calibration) -> CalibrationData:

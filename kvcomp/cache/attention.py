@@ -12,9 +12,15 @@ can be in up to three states (both full precision; one encoded; both encoded). T
 the earlier states as extra key/value columns and masks every column to the queries that would have
 seen it, which gives exactly the logits of feeding the tokens one by one.
 
-A codec with a fused score path (``payload_scores``, e.g. QJL) serves decode steps from its payload when
-``install(model, kernel_backend="triton")`` selected kernels: the layer hands over its key segments
-(sinks, payload, tail) and the logits of the encoded keys come from the kernel, never from decoded keys.
+Decode steps read the payloads directly when ``install(model, kernel_backend="triton")`` selected kernels
+(:attr:`~kvcomp.cache.compressed_cache.CompressedLayer.fused_decode`): the layer hands over its key and
+value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill``) and
+
+- codecs with a payload reader (uniform/KIVI, TemporalKV, ChannelKV, KVQuant) run the fused
+  decode-attention kernel (:mod:`kvcomp.kernels.decode_attention`): K and V decoded in registers,
+  never in memory;
+- codecs with a fused score path (``payload_scores``, QJL) score the encoded keys with their kernel and
+  decode the values.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from kvcomp.cache.compressed_cache import LastUpdate
 from kvcomp.codecs.base import Payload
 from kvcomp.config import KERNEL_BACKENDS
 from kvcomp.errors import unknown_choice
+from kvcomp.kernels.decode_attention import decode_attention
 
 ATTENTION_NAME = "kvcomp"
 
@@ -39,10 +46,13 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
     record: LastUpdate | None = None
     if layer is not None:
         record, layer.last_update = layer.last_update, None  # release the full-precision copies
-        segments = getattr(layer, "key_segments", None)  # only CompressedLayer scores from payloads
+        segments = getattr(layer, "decode_segments", None)  # only a CompressedLayer's fused decode steps
         if segments is not None:
-            layer.key_segments = None
-            return _attention_from_segments(layer, query, segments, value, attention_mask, scaling)
+            layer.decode_segments = None
+            mode, keys, values = segments
+            if mode == "scores":
+                return _attention_from_segments(layer, query, keys, torch.cat(values, dim=2), attention_mask, scaling)
+            return _fused_decode_attention(layer, query, keys, values, attention_mask, scaling)
     if record is None or (record.keys is None and record.values is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     key, value, mask = _streaming_columns(query, key, value, attention_mask, record)
@@ -72,6 +82,28 @@ def _attention_from_segments(layer, query, segments, value, attention_mask, scal
     probs = torch.softmax(logits, dim=-1)
     out = (probs.reshape(b, h, -1, logits.shape[-1]) @ value.float()).reshape(b, hq, tq, d)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _fused_decode_attention(layer, query, keys, values, attention_mask, scaling):
+    """One decode step read straight from the payloads by the fused decode-attention kernel
+    (:mod:`kvcomp.kernels.decode_attention`); the mask's valid tokens become one range per sequence."""
+    codec, index = layer.codec, layer.layer_idx
+
+    def readers(segments, kind):
+        return [codec.payload_reader(s, kind, index) if isinstance(s, Payload) else s for s in segments]
+
+    b, hq, _, d = query.shape
+    length = layer.get_seq_length()
+    valid = None
+    if attention_mask is not None:
+        mask = attention_mask[:, 0, -1, :length]
+        valid = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        valid = valid.expand(b, length)
+    out = decode_attention(
+        query[:, :, 0], readers(keys, "key"), readers(values, "value"), d**-0.5 if scaling is None else scaling,
+        valid, layer.key_rope(), layer.kernel_backend,
+    )
+    return out[:, None], None
 
 
 def _streaming_columns(query, key, value, attention_mask, record: LastUpdate):
@@ -133,6 +165,10 @@ def _capture_cache_layer(module, args, kwargs):
         layer.incoming_rope = kwargs.get("position_embeddings")
         layer.attention_hooked = True
         layer.kernel_backend = getattr(module, "_kvcomp_kernel_backend", "torch")
+        layer.incoming_positions = kwargs.get("position_ids")
+        rotary = getattr(module, "_kvcomp_rotary", (None,))[0]
+        if rotary is not None and layer.incoming_rope is not None:
+            layer.rotary = (rotary.inv_freq, float(rotary.attention_scaling), layer.incoming_rope[0].dtype)
         module._kvcomp_layer = layer
     else:
         module._kvcomp_layer = None
@@ -153,6 +189,19 @@ def _check_full_attention(text_config) -> None:
         )
 
 
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed for the whole sequence
+
+
+def _static_rotary_embedding(model):
+    """The model's rotary embedding when fused kernels can recompute its angles (``pos * inv_freq``, times
+    ``attention_scaling``); ``None`` for RoPE types whose frequencies change with the sequence length."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
+            if getattr(module, "rope_type", None) in STATIC_ROPE_TYPES:
+                return module
+    return None
+
+
 def install(model, kernel_backend: str = "torch") -> None:
     """Route ``model``'s attention through kvcomp (idempotent). Works with any cache; the compressed
     path switches on when a :class:`CompressedCache` is passed as ``past_key_values``.
@@ -166,8 +215,10 @@ def install(model, kernel_backend: str = "torch") -> None:
     modules = _attention_modules(model)
     if not modules:
         raise NotImplementedError(f"{type(model).__name__}: no attention modules named '*self_attn' with a layer_idx")
+    rotary = _static_rotary_embedding(model)
     for module in modules:
         module._kvcomp_kernel_backend = kernel_backend
+        module._kvcomp_rotary = (rotary,)  # in a tuple: not registered as a submodule
         if not getattr(module, "_kvcomp_hooked", False):
             module.register_forward_pre_hook(_capture_cache_layer, with_kwargs=True)
             module._kvcomp_hooked = True

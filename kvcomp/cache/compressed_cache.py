@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcomp.cache.stream import FreshlyEncoded, KVStream
 from kvcomp.codecs.base import Codec
 from kvcomp.errors import ConfigError, NonFiniteKVError
+from kvcomp.kernels.decode_attention import RotaryPositions
 
 PROTOCOLS = ("streaming", "simulated", "exact_prefill")
 
@@ -40,15 +41,18 @@ class CompressedLayer(CacheLayerMixin):
         self.compress_generated = compress_generated
         self.attention_hooked = False  # set by the kvcomp attention pre-hook
         self.kernel_backend = "torch"  # set by the pre-hook from install(model, kernel_backend)
+        self.rotary: tuple | None = None  # the model's RoPE (inv_freq, attention scaling, dtype), from the pre-hook
         self.reset()
 
     def reset(self) -> None:
         self.key_stream = KVStream(self.codec, "key", self.layer_idx)
         self.value_stream = KVStream(self.codec, "value", self.layer_idx)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin of every cached position
+        self.positions: torch.Tensor | None = None  # position id of every cached token [B, L] (pre-RoPE codecs)
         self.incoming_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the attention pre-hook
+        self.incoming_positions: torch.Tensor | None = None  # set by the attention pre-hook
         self.last_update: LastUpdate | None = None  # streaming multi-token forwards only; consumed by attention
-        self.key_segments: list | None = None  # decode steps scored from the key payload; consumed by attention
+        self.decode_segments: tuple[str, list, list] | None = None  # fused decode steps; consumed by attention
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -68,24 +72,23 @@ class CompressedLayer(CacheLayerMixin):
                     )
         self._record_rope(key_states)
         self.last_update = None
-        fused = self.scores_from_payload and key_states.shape[2] == 1
+        fused = self.fused_decode if key_states.shape[2] == 1 else None
+        key_view = KVStream.segments if fused else KVStream.parts
+        value_view = KVStream.segments if fused == "attention" else KVStream.parts
         if self.protocol == "exact_prefill":  # this forward sees its own tokens uncompressed
-            key_history = self.key_stream.segments() if fused else self.key_stream.parts()
-            value_history = self.value_stream.parts()
+            key_history, value_history = key_view(self.key_stream), value_view(self.value_stream)
         fresh_keys = self.key_stream.append(key_states, self.rope)
         fresh_values = self.value_stream.append(value_states, self.rope)
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             self.key_stream.freeze()
             self.value_stream.freeze()
         if self.protocol == "exact_prefill":
-            values = torch.cat([*value_history, value_states], dim=2)
-            if fused:
-                self.key_segments = [*key_history, key_states]
-                return key_states, values
-            return torch.cat([*key_history, key_states], dim=2), values
+            keys, values = [*key_history, key_states], [*value_history, value_states]
+        else:
+            keys, values = key_view(self.key_stream), value_view(self.value_stream)
         if fused:
-            self.key_segments = self.key_stream.segments()
-            return key_states, self.value_stream.materialize()
+            self.decode_segments = (fused, keys, values)
+            return key_states, value_states
         if self.protocol == "streaming" and key_states.shape[2] > 1 and (fresh_keys or fresh_values):
             if not self.attention_hooked:
                 raise ConfigError(
@@ -93,17 +96,33 @@ class CompressedLayer(CacheLayerMixin):
                     "call kvcomp.cache.install(model) first (or use protocol='simulated')"
                 )
             self.last_update = LastUpdate(fresh_keys, fresh_values)
-        return self.key_stream.materialize(), self.value_stream.materialize()
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     @property
-    def scores_from_payload(self) -> bool:
-        """Decode steps score the encoded keys from their payload (a fused kernel) instead of decoding them:
-        the codec has such a path and ``install(model, kernel_backend="triton")`` selected kernels. ``update``
-        then returns the fresh keys only and leaves :attr:`key_segments` for the attention function."""
-        return self.kernel_backend == "triton" and self.codec.scores_from_payload
+    def fused_decode(self) -> str | None:
+        """How decode steps read the cache when ``install(model, kernel_backend="triton")`` selected kernels:
+        ``"attention"``: the fused decode-attention kernel reads both payloads
+        (:meth:`~kvcomp.codecs.base.Codec.payload_reader`; pre-RoPE keys need the model's RoPE frequencies
+        and every token's position); ``"scores"``: the key payload is scored by the codec's kernel
+        (:meth:`~kvcomp.codecs.base.Codec.payload_scores`) and values are decoded; ``None``: the torch path.
+        When fused, ``update`` returns the fresh K/V only and leaves :attr:`decode_segments` to attention."""
+        if self.kernel_backend != "triton":
+            return None
+        if self.codec.scores_from_payload:
+            return "scores"
+        rope_ready = not self.codec.pre_rope or (self.rotary is not None and self.positions is not None)
+        if rope_ready and self.codec.fused_attention_supported(self.layer_idx):
+            return "attention"
+        return None
+
+    def key_rope(self) -> RotaryPositions | None:
+        """Positions and frequencies that rotate the key payload's decoded keys (pre-RoPE codecs)."""
+        if not self.codec.pre_rope:
+            return None
+        return RotaryPositions(self.positions, self.key_stream.num_sinks, *self.rotary)
 
     def _record_rope(self, key_states: torch.Tensor) -> None:
-        """Keep cos/sin of the new positions (pre-RoPE codecs only); they come from the pre-hook."""
+        """Keep cos/sin (and position ids) of the new positions (pre-RoPE codecs only); they come from the pre-hook."""
         if not self.codec.pre_rope:
             return
         if self.incoming_rope is None:
@@ -115,6 +134,12 @@ class CompressedLayer(CacheLayerMixin):
         cos, sin = (t.expand(batch, n, -1) for t in self.incoming_rope)
         self.incoming_rope = None
         self.rope = (cos, sin) if self.rope is None else tuple(torch.cat([a, b], 1) for a, b in zip(self.rope, (cos, sin)))
+        positions, self.incoming_positions = self.incoming_positions, None
+        if positions is None or (self.positions is None and self.key_stream.length):
+            self.positions = None  # some forward came without position ids: fused kernels cannot rotate keys
+            return
+        positions = positions.to(torch.int32).expand(batch, n)
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
 
     def get_seq_length(self) -> int:
         return self.key_stream.length
@@ -135,14 +160,17 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def bookkeeping_nbytes(self) -> int:
-        """Bytes held besides K/V storage (cos/sin of cached positions for pre-RoPE codecs)."""
-        return 0 if self.rope is None else sum(t.numel() * t.element_size() for t in self.rope)
+        """Bytes held besides K/V storage (cos/sin and position ids of cached tokens for pre-RoPE codecs)."""
+        held = [*(self.rope or ()), *(() if self.positions is None else (self.positions,))]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def _map_batch(self, fn) -> None:
         self.key_stream.map_batch(fn)
         self.value_stream.map_batch(fn)
         if self.rope is not None:
             self.rope = tuple(fn(t) for t in self.rope)
+        if self.positions is not None:
+            self.positions = fn(self.positions)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))

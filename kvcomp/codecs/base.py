@@ -159,6 +159,7 @@ class Codec(ABC):
     needs_calibration: ClassVar[bool] = False
     inference_only_fields: ClassVar[tuple[str, ...]] = ()  # config fields a calibration does not depend on
     scores_from_payload: ClassVar[bool] = False  # True: payload_scores serves decode steps (fused kernels)
+    kernel_backend: str = "torch"  # "triton": encode with the codec's kernel where it has one (set by the runner)
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
         self.config = config
@@ -196,6 +197,16 @@ class Codec(ABC):
         ``payload``, computed from the payload itself: float32 ``[B, Hq, Tq, T]``. Codecs that set
         ``scores_from_payload`` implement it; ``backend`` picks the kernel ("torch" or "triton")."""
         raise NotImplementedError(f"codec {self.name} has no payload score path")
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        """Whether the fused decode-attention kernel can read both payloads of layer ``layer_idx``
+        (:meth:`payload_reader`); codecs with a kernel format override this."""
+        return False
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int):
+        """A :class:`~kvcomp.kernels.decode_attention.PayloadReader`: how the fused decode-attention kernel
+        decodes ``payload`` in registers (pre-RoPE keys are rotated by the cache's positions)."""
+        raise NotImplementedError(f"codec {self.name} has no fused decode-attention format")
 
     def overhead_bits(self) -> int:
         """Model-level storage amortised over all tokens (codebooks, dictionaries, predictors)."""

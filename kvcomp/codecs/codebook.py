@@ -27,6 +27,7 @@ import torch
 
 from kvcomp.codecs.base import KINDS, Codec, CodecConfig, CodecState, Payload, StreamPolicy
 from kvcomp.errors import CalibrationMismatchError, ConfigError
+from kvcomp.kernels.decode_attention import CodebookReader
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
 from kvcomp.stages.normalization import ChannelStats, Normalizer
@@ -109,6 +110,7 @@ class CodebookCodec(Codec):
         self.chosen: dict[tuple[int, str], str] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.stats: dict[tuple[int, str], ChannelStats] = {}  # built once from the loaded state
+        self.device_state: dict[tuple[int, str, str], tuple[ChannelStats, torch.Tensor]] = {}
 
     def scheme(self, kind: str, layer_idx: int) -> Scheme:
         candidates = self.schemes(kind, layer_idx)
@@ -125,7 +127,18 @@ class CodebookCodec(Codec):
     def _stats(self, layer_idx: int, kind: str, device) -> ChannelStats:
         if (layer_idx, kind) not in self.stats:
             raise ConfigError(f"{self.name}: no calibration state loaded (layer {layer_idx} {kind}s)")
-        return self.stats[(layer_idx, kind)].to(device)
+        return self._on_device(layer_idx, kind, device)[0]
+
+    def _codebooks(self, layer_idx: int, kind: str, device) -> torch.Tensor:
+        return self._on_device(layer_idx, kind, device)[1]
+
+    def _on_device(self, layer_idx: int, kind: str, device) -> tuple[ChannelStats, torch.Tensor]:
+        """The stream's statistics and codebooks on ``device`` (one copy per device, not a transfer per call)."""
+        key = (layer_idx, kind, str(device))
+        if key not in self.device_state:
+            codebooks = self.tensors[f"layer{layer_idx}.{kind}.codebooks"]
+            self.device_state[key] = (self.stats[(layer_idx, kind)].to(device), codebooks.to(device))
+        return self.device_state[key]
 
     def calibration_key(self) -> dict:
         """Outliers change the codebooks only when they are clamped or left out of k-means (KVQuant also
@@ -143,7 +156,7 @@ class CodebookCodec(Codec):
                 x = self._clamped(x, stats, stored)
         z, _, params = scheme.normalizer.normalize(x, stats)
         stored.update(params)
-        stored["codes"] = scheme.quantizer.encode(z, codebooks)
+        stored["codes"] = scheme.quantizer.encode(z, codebooks, self.kernel_backend)
         return stored
 
     def _decode_with(self, scheme, stored, stats, codebooks) -> torch.Tensor:
@@ -160,14 +173,28 @@ class CodebookCodec(Codec):
 
     def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
         stats = self._stats(layer_idx, kind, x.device)
-        codebooks = self.tensors[f"layer{layer_idx}.{kind}.codebooks"].to(x.device)
+        codebooks = self._codebooks(layer_idx, kind, x.device)
         return Payload(self._encode_with(self.scheme(kind, layer_idx), x, stats, codebooks), num_tokens=x.shape[2])
 
     def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
         device = payload.tensors["codes"].device
         stats = self._stats(layer_idx, kind, device)
-        codebooks = self.tensors[f"layer{layer_idx}.{kind}.codebooks"].to(device)
+        codebooks = self._codebooks(layer_idx, kind, device)
         return self._decode_with(self.scheme(kind, layer_idx), payload.tensors, stats, codebooks).to(dtype)
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        """Codes within bytes and no sparse outliers (their scatter stays on the torch path)."""
+        schemes = (self.scheme(kind, layer_idx) for kind in KINDS)
+        return self.config.outliers == 0 and all(8 % scheme.quantizer.code_bits == 0 for scheme in schemes)
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> CodebookReader:
+        scheme, stored = self.scheme(kind, layer_idx), payload.tensors
+        device = stored["codes"].device
+        affine = scheme.normalizer.affine(self._stats(layer_idx, kind, device), stored)
+        return CodebookReader(
+            payload.num_tokens, self.model.head_dim, stored["codes"], self._codebooks(layer_idx, kind, device),
+            scheme.layout, *affine,
+        )
 
     # ----------------------------------------------------------------- bit accounting
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
@@ -290,6 +317,7 @@ class CodebookCodec(Codec):
                     raise CalibrationMismatchError(f"{self.name}: calibration state lacks layer {layer} {kind}s")
                 chosen[(layer, kind)] = names[int(tensors.pop(key))]
         self.chosen, self.tensors = chosen, tensors
+        self.device_state = {}
         self.stats = {
             (layer, kind): ChannelStats.from_tensors(tensors, f"layer{layer}.{kind}")
             for layer in range(self.model.num_layers)

@@ -12,6 +12,7 @@ import torch
 from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError
+from kvcomp.kernels.decode_attention import UniformReader
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 PARAM_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -73,3 +74,13 @@ class UniformCodec(Codec):
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.quantizers[kind].bits_per_value(self.model.head_dim)
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        return all(8 % quantizer.bits == 0 for quantizer in self.quantizers.values())  # codes within bytes
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> UniformReader:
+        q, t = self.quantizers[kind], payload.tensors
+        return UniformReader(
+            payload.num_tokens, self.model.head_dim, t["codes"], t["scale"], t["zero"], q.bits, q.group_size,
+            q.axis == "per_channel",
+        )

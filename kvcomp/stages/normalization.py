@@ -89,6 +89,17 @@ def _per_token_spread(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.T
     return spread[:, None], None
 
 
+def affine_denormalize(z, channel_scale, channel_center, token_scale=None, token_center=None) -> torch.Tensor:
+    """``z [B, H, T, D] * channel_scale * token_scale + channel_center + token_center`` (channel ``[H, D]``,
+    token ``[B, T]`` or ``None``): every normalisation's inverse."""
+    scale, center = _per_channel(channel_scale).to(z.device), _per_channel(channel_center).to(z.device)
+    if token_scale is not None:
+        scale = scale * token_scale.float()[:, None, :, None]
+    if token_center is not None:
+        center = center + token_center.float()[:, None, :, None]
+    return z * scale + center
+
+
 @dataclass(frozen=True)
 class Normalizer:
     mode: str
@@ -122,14 +133,22 @@ class Normalizer:
         return (x.float() - center) / scale, scale, stored
 
     def denormalize(self, z: torch.Tensor, stats: ChannelStats, stored: dict) -> torch.Tensor:
-        if self.mode == "none":
-            return z
+        return affine_denormalize(z, *self.affine(stats, stored))
+
+    def affine(self, stats: ChannelStats, stored: dict) -> tuple:
+        """The inverse as ``x = z * channel_scale * token_scale + channel_center + token_center``:
+        ``channel_*`` float32 ``[H, D]``, ``token_*`` ``[B, T]`` or ``None`` (what decode kernels read)."""
+        ones, zeros = torch.ones_like(stats.mean), torch.zeros_like(stats.mean)
+        token_scale = stored["token_scale"].squeeze(1) if self.mode in ("token_zscore", "token_range") else None
         if self.mode == "channel_zscore":
-            return z * _per_channel(stats.std.clamp_min(TINY)) + _per_channel(stats.mean)
+            return stats.std.clamp_min(TINY), stats.mean, None, None
         if self.mode == "channel_range":
-            return z * _per_channel(stats.half_range) + _per_channel(stats.mean)
-        center, scale = self._token_params(stats, stored)
-        return z * scale + center
+            return stats.half_range, stats.mean, None, None
+        if self.mode == "token_zscore":
+            return ones, zeros, token_scale, stored["token_center"].squeeze(1)
+        if self.mode == "token_range":
+            return ones, stats.mean, token_scale, None
+        return ones, zeros, None, None
 
     def _token_params(self, stats: ChannelStats, stored: dict) -> tuple[torch.Tensor, torch.Tensor]:
         scale = stored["token_scale"].float().unsqueeze(-1)  # [B, 1, T, 1]

@@ -1,0 +1,198 @@
+"""Decode-step attention read straight from compressed K/V payloads (flash-decoding over cache segments).
+
+A decode step has one query token per sequence. Its keys and values are each a list of *segments* in
+cache order: full-precision tensors ``[B, H, T, D]`` (sinks, the full-precision tail, the fresh token)
+and payload *readers* that say how a kernel decodes an encoded block in registers:
+
+- :class:`UniformReader`: packed 1/2/4/8-bit codes with per-group scale and zero-point
+  (``x = code * scale + zero``; KIVI keys per channel, values per token; ``uniform``);
+- :class:`CodebookReader`: packed indices into per-(KV head, channel group) centroid tables, then the
+  codec's normalisation undone (``x = z * scale_c * scale_t + center_c + center_t``; TemporalKV,
+  ChannelKV, KVQuant).
+
+Keys of pre-RoPE codecs carry :class:`RotaryPositions`: the kernel rotates each decoded key by its
+position's angle ``pos * inv_freq`` (as the model's rotary embedding does) before the dot product.
+
+:func:`decode_attention_reference` is the torch reference: it dequantizes every reader
+(:meth:`PayloadReader.dequantize`), concatenates the segments and runs softmax attention in float32.
+:func:`decode_attention` dispatches to the Triton kernels of
+:mod:`kvcomp.kernels.decode_attention_triton`, which never write decoded K/V to memory: split-K programs
+each reduce a slice of the tokens to a partial output and its log-sum-exp, and a merge kernel combines
+the partials of all slices and segments. The kernels take a contiguous valid token range per sequence
+(left padding, ragged batches); any other mask falls back to the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
+from kvcomp.stages.normalization import affine_denormalize
+from kvcomp.stages.uniform_quantizer import GroupQuantizer
+
+
+@dataclass
+class RotaryPositions:
+    """RoPE of the tokens of one key payload, recomputed from positions as the model's rotary embedding
+    does: ``cos = cos(pos * inv_freq) * scaling`` rounded to the model's ``dtype`` (HF's cos/sin dtype).
+
+    ``positions [B, L]``: the position id of every cached token; the payload's token ``t`` is cached
+    token ``first + t``.
+    """
+
+    positions: torch.Tensor
+    first: int
+    inv_freq: torch.Tensor  # [D/2] float32
+    scaling: float
+    dtype: torch.dtype
+
+    def cos_sin(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, T, D]`` (float32) of the payload's ``num_tokens`` tokens."""
+        pos = self.positions[:, self.first : self.first + num_tokens].float()
+        freqs = pos[..., None] * self.inv_freq.float().to(pos.device)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return tuple((f(angles) * self.scaling).to(self.dtype).float() for f in (torch.cos, torch.sin))
+
+
+@dataclass
+class PayloadReader:
+    """What a kernel needs to read one encoded segment; subclasses define the format."""
+
+    num_tokens: int
+    head_dim: int
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
+        """The segment decoded in torch, ``[B, H, T, D]`` float32 (rotated when ``rope`` is given)."""
+        from kvcomp.cache.rope import apply_rope
+
+        x = self.dequantize_unrotated()
+        if rope is None:
+            return x
+        return apply_rope(x, *rope.cos_sin(self.num_tokens))
+
+
+@dataclass
+class UniformReader(PayloadReader):
+    """A :class:`~kvcomp.stages.uniform_quantizer.GroupQuantizer` payload: ``codes`` uint8
+    ``[B, H, T, D*bits/8]``; ``scale``/``zero`` ``[B, H, T, D/G]`` (per token) or ``[B, H, T/G, D]``
+    (per channel)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    per_channel: bool
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
+        return quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
+
+
+@dataclass
+class CodebookReader(PayloadReader):
+    """A :class:`~kvcomp.stages.codebook.CodebookQuantizer` payload and the normalisation to undo:
+    ``codes`` uint8 ``[B, H, T/time_len, bytes]`` of ``code_bits``-bit indices into ``codebooks``
+    ``[H, G, k, dim]``; per-channel ``channel_scale``/``channel_center`` ``[H, D]`` and optional per-token
+    ``token_scale``/``token_center`` ``[B, T]``."""
+
+    codes: torch.Tensor
+    codebooks: torch.Tensor
+    layout: ChunkLayout
+    channel_scale: torch.Tensor
+    channel_center: torch.Tensor
+    token_scale: torch.Tensor | None = None
+    token_center: torch.Tensor | None = None
+
+    @property
+    def num_centroids(self) -> int:
+        return self.codebooks.shape[2]
+
+    @property
+    def code_bits(self) -> int:
+        return CodebookQuantizer(self.layout, self.num_centroids).code_bits
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        quantizer = CodebookQuantizer(self.layout, self.num_centroids)
+        z = quantizer.decode(self.codes, self.codebooks, self.head_dim)
+        return affine_denormalize(z, self.channel_scale, self.channel_center, self.token_scale, self.token_center)
+
+
+Segment = torch.Tensor | PayloadReader
+
+
+def segment_length(segment: Segment) -> int:
+    return segment.num_tokens if isinstance(segment, PayloadReader) else segment.shape[2]
+
+
+def materialize(segments: list[Segment], rope: RotaryPositions | None = None) -> torch.Tensor:
+    """Concatenate a stream's segments, readers dequantized (``rope``: the key rotation of readers)."""
+    parts = [s.dequantize(rope) if isinstance(s, PayloadReader) else s.float() for s in segments]
+    return torch.cat(parts, dim=2)
+
+
+def decode_attention_reference(
+    query: torch.Tensor,
+    key_segments: list[Segment],
+    value_segments: list[Segment],
+    scale: float,
+    valid: torch.Tensor | None = None,
+    key_rope: RotaryPositions | None = None,
+) -> torch.Tensor:
+    """Softmax attention of one query token per sequence, ``query [B, Hq, D]`` -> ``[B, Hq, D]`` (query
+    dtype), over the segments (GQA: query head ``j`` reads KV head ``j // (Hq / H)``). ``valid [B, L]``:
+    the cached tokens each sequence attends to (default all); ``key_rope``: rotation of key readers."""
+    keys, values = materialize(key_segments, key_rope), materialize(value_segments)
+    b, hq, d = query.shape
+    h, length = keys.shape[1], keys.shape[2]
+    grouped = query.float().reshape(b, h, hq // h, d)
+    logits = grouped @ keys.transpose(-1, -2) * scale  # [B, H, R, L]
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, None, :length], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a sequence with no valid token gets zeros
+    return (probs @ values).reshape(b, hq, d).to(query.dtype)
+
+
+def valid_ranges(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(start, end)`` int32 ``[B]`` when each row of ``valid [B, L]`` is one contiguous run of True
+    (or empty), else ``None``."""
+    length = valid.shape[1]
+    index = torch.arange(length, device=valid.device)
+    count = valid.sum(-1)
+    start = torch.where(valid, index, length).amin(-1)
+    end = torch.where(valid, index + 1, 0).amax(-1)
+    if not bool(((end - start).clamp_min(0) == count).all()):
+        return None
+    start = torch.where(count > 0, start, 0)
+    return start.to(torch.int32), end.to(torch.int32)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_segments: list[Segment],
+    value_segments: list[Segment],
+    scale: float,
+    valid: torch.Tensor | None = None,
+    key_rope: RotaryPositions | None = None,
+    backend: str = "torch",
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`decode_attention_reference` (``backend="torch"``) or the Triton kernels (``"triton"``; a
+    ``valid`` mask that is not one contiguous range per sequence takes the reference)."""
+    if backend == "triton":
+        length = sum(segment_length(s) for s in key_segments)
+        if valid is None:
+            ones = torch.ones(query.shape[0], dtype=torch.int32, device=query.device)
+            ranges = (torch.zeros_like(ones), ones * length)
+        else:
+            ranges = valid_ranges(valid[:, :length])
+        if ranges is not None:
+            from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
+            return decode_attention_triton(query, key_segments, value_segments, scale, *ranges, key_rope, num_splits)
+    return decode_attention_reference(query, key_segments, value_segments, scale, valid, key_rope)

@@ -1,0 +1,303 @@
+"""Triton kernels: decode attention reading packed K/V payloads (reference: :mod:`kvcomp.kernels.decode_attention`).
+
+Flash-decoding in two kernels:
+
+1. ``_split_kernel``: one program per (batch x KV head, slice of tokens). It loads the ``n_rep`` query
+   heads of its KV head once, then for each tile of ``BLOCK_T`` tokens decodes K and V *in registers*
+   (dense load, packed-int dequantization, or codebook gather + denormalisation; keys of pre-RoPE
+   codecs rotated by their position), and updates an online softmax (base-2 exponentials). It writes
+   the slice's normalised partial output and its log-sum-exp.
+2. ``_merge_kernel``: combines the partials of all slices of all segments per query head,
+   ``out = sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)``.
+
+The cache is cut at every segment boundary of either stream (keys and values follow different
+schedules), so each launch of the split kernel reads one key segment and one value segment, each of a
+format fixed at compile time. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
+is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcomp.kernels.decode_attention import CodebookReader, RotaryPositions, Segment, UniformReader, segment_length
+
+DENSE, UNIFORM, CODEBOOK = 0, 1, 2
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(
+    data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
+    b, h, H, t, t_ok, c, c_ok,
+    D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr,
+):
+    """Segment-local tokens ``t`` x channels ``c`` of one stream as a float32 tile (zero where masked)."""
+    ok = t_ok[:, None] & c_ok[None, :]
+    if FMT == 0:  # full precision, any strides
+        x = tl.load(data + b * s_b + h * s_h + t[:, None] * s_t + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    elif FMT == 1:  # packed ints: x = code * scale + zero
+        PER_BYTE: tl.constexpr = 8 // BITS
+        row = (b * H + h) * length + t
+        byte = tl.load(data + row[:, None] * (D // PER_BYTE) + c[None, :] // PER_BYTE, mask=ok, other=0).to(tl.int32)
+        code = (byte >> ((c[None, :] % PER_BYTE) * BITS)) & ((1 << BITS) - 1)
+        if PER_CHANNEL:
+            param = ((b * H + h) * (length // GROUP) + t[:, None] // GROUP) * D + c[None, :]
+        else:
+            param = row[:, None] * (D // GROUP) + c[None, :] // GROUP
+        s = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
+        x = code.to(tl.float32) * s + z
+    else:  # codebook: gather the centroid entry, then undo the normalisation
+        GROUPS: tl.constexpr = D // GC
+        ROW_BYTES: tl.constexpr = (D // CL) * CODE_BITS // 8
+        column = c // CL
+        byte = tl.load(
+            data + ((b * H + h) * (length // TL) + t[:, None] // TL) * ROW_BYTES + (column * CODE_BITS // 8)[None, :],
+            mask=ok, other=0,
+        ).to(tl.int32)
+        code = (byte >> ((column * CODE_BITS) % 8)[None, :]) & ((1 << CODE_BITS) - 1)
+        entry = (t % TL)[:, None] * CL + (c % CL)[None, :]
+        centroid = (h * GROUPS + (c // GC)[None, :]) * CENTROIDS + code
+        z = tl.load(codebooks + centroid * (TL * CL) + entry, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(ch_scale + h * D + c, mask=c_ok, other=0.0)[None, :]
+        center = tl.load(ch_center + h * D + c, mask=c_ok, other=0.0)[None, :]
+        if TOKEN_SCALE:
+            s = s * tl.load(tok_scale + b * length + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        if TOKEN_CENTER:
+            center = center + tl.load(tok_center + b * length + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        x = z * s + center
+    return x
+
+
+@triton.jit
+def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND: tl.constexpr):
+    """RoPE of the two channel halves at the positions of cached tokens ``g``; cos/sin rounded to the model's
+    dtype like the rotary embedding's output (ROUND 1: bfloat16, 2: float16)."""
+    pos = tl.load(positions + b * pos_stride + g, mask=g_ok, other=0).to(tl.float32)
+    angle = pos[:, None] * tl.load(inv_freq + c, mask=c_ok, other=0.0)[None, :]
+    cos = tl.cos(angle) * rope_scaling
+    sin = tl.sin(angle) * rope_scaling
+    if ROUND == 1:
+        cos, sin = cos.to(tl.bfloat16).to(tl.float32), sin.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        cos, sin = cos.to(tl.float16).to(tl.float32), sin.to(tl.float16).to(tl.float32)
+    return lo * cos - hi * sin, hi * cos + lo * sin
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, part_ptr, lse_ptr, start_ptr, end_ptr,
+    H, R, lo, hi, chunk, slot0, num_slots, qk_scale,
+    k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
+    k_s_b, k_s_h, k_s_t, k_length, k_first,
+    v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
+    v_s_b, v_s_h, v_s_t, v_length, v_first,
+    positions, pos_stride, inv_freq, rope_scaling,
+    D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
+    K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr,
+    V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
+    V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
+    V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
+    ROPE: tl.constexpr, ROUND: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    first = tl.maximum(lo, tl.load(start_ptr + b))
+    last = tl.minimum(hi, tl.load(end_ptr + b))
+    split_lo = lo + split * chunk
+    split_hi = tl.minimum(split_lo + chunk, hi)
+
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    c = tl.arange(0, HALF_PAD)
+    c_ok = c < D // 2
+    q_at = q_ptr + (bh * R + rows[:, None]) * D + c[None, :]
+    q_mask = row_ok[:, None] & c_ok[None, :]
+    q_lo = tl.load(q_at, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    q_hi = tl.load(q_at + D // 2, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+
+    m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
+    for g0 in range(split_lo, split_hi, BLOCK_T):
+        g = g0 + tl.arange(0, BLOCK_T)
+        g_ok = (g >= first) & (g < last) & (g < split_hi)
+        tk = g - k_first
+        k_lo = _tile(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
+                     k_s_b, k_s_h, k_s_t, k_length, b, h, H, tk, g_ok, c, c_ok, D, K_FMT, K_BITS, K_GROUP,
+                     K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER)
+        k_hi = _tile(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
+                     k_s_b, k_s_h, k_s_t, k_length, b, h, H, tk, g_ok, c + D // 2, c_ok, D, K_FMT, K_BITS, K_GROUP,
+                     K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER)
+        if ROPE:
+            k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
+        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
+        s = tl.where(g_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        tv = g - v_first
+        v_lo = _tile(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
+                     v_s_b, v_s_h, v_s_t, v_length, b, h, H, tv, g_ok, c, c_ok, D, V_FMT, V_BITS, V_GROUP,
+                     V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE, V_TOKEN_CENTER)
+        v_hi = _tile(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
+                     v_s_b, v_s_h, v_s_t, v_length, b, h, H, tv, g_ok, c + D // 2, c_ok, D, V_FMT, V_BITS, V_GROUP,
+                     V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE, V_TOKEN_CENTER)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+        m_i = m_new
+
+    filled = l_i > 0
+    inv_l = 1.0 / tl.where(filled, l_i, 1.0)
+    slot = bh * num_slots + slot0 + split
+    out_at = part_ptr + (slot * R + rows[:, None]) * D + c[None, :]
+    tl.store(out_at, acc_lo * inv_l[:, None], mask=q_mask)
+    tl.store(out_at + D // 2, acc_hi * inv_l[:, None], mask=q_mask)
+    tl.store(lse_ptr + slot * R + rows, tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf")), mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, R, num_slots, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    cols = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    for s in range(num_slots):
+        m = tl.maximum(m, tl.load(lse_ptr + (bh * num_slots + s) * R + rows, mask=row_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    weight = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s in range(num_slots):
+        slot = bh * num_slots + s
+        w = tl.exp2(tl.load(lse_ptr + slot * R + rows, mask=row_ok, other=float("-inf")) - m)
+        acc += w[:, None] * tl.load(part_ptr + (slot * R + rows[:, None]) * D + cols[None, :], mask=mask, other=0.0)
+        weight += w
+    out = acc / tl.where(weight > 0, weight, 1.0)[:, None]
+    tl.store(out_ptr + (bh * R + rows[:, None]) * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _stream_args(prefix: str, segment: Segment, first: int, placeholder: torch.Tensor) -> dict:
+    """Kernel arguments of one stream segment: runtime ``{prefix}_*`` and compile-time ``{PREFIX}_*``."""
+    runtime = dict(data=placeholder, scale=placeholder, zero=placeholder, codebooks=placeholder, ch_scale=placeholder,
+                   ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, s_b=0, s_h=0, s_t=0,
+                   length=segment_length(segment), first=first)
+    static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
+                  TOKEN_SCALE=False, TOKEN_CENTER=False)
+    if isinstance(segment, UniformReader):
+        if 8 % segment.bits:
+            raise ValueError(f"decode kernel: {segment.bits}-bit codes straddle bytes; supported: 1, 2, 4, 8 bits")
+        runtime.update(data=segment.codes.contiguous(), scale=segment.scale.contiguous(), zero=segment.zero.contiguous())
+        static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
+    elif isinstance(segment, CodebookReader):
+        layout = segment.layout
+        if 8 % segment.code_bits:
+            raise ValueError(f"decode kernel: {segment.code_bits}-bit codebook indices straddle bytes")
+        runtime.update(data=segment.codes.contiguous(), codebooks=segment.codebooks.contiguous(),
+                       ch_scale=segment.channel_scale.float().contiguous(),
+                       ch_center=segment.channel_center.float().contiguous())
+        for name in ("token_scale", "token_center"):
+            tensor = getattr(segment, name)
+            if tensor is not None:
+                runtime[name.replace("token", "tok")] = tensor.reshape(tensor.shape[0], -1).contiguous()
+        static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
+                      CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
+                      TOKEN_CENTER=segment.token_center is not None)
+    else:
+        if segment.stride(-1) != 1:
+            segment = segment.contiguous()
+        s_b, s_h, s_t, _ = segment.stride()
+        runtime.update(data=segment, s_b=s_b, s_h=s_h, s_t=s_t)
+    return {**{f"{prefix}_{k}": v for k, v in runtime.items()}, **{f"{prefix.upper()}_{k}": v for k, v in static.items()}}
+
+
+def _boundaries(segments: list[Segment]) -> list[int]:
+    bounds = [0]
+    for segment in segments:
+        bounds.append(bounds[-1] + segment_length(segment))
+    return bounds
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: a few slices, so that tests exercise the merge
+
+
+def decode_attention_triton(
+    query: torch.Tensor,
+    key_segments: list[Segment],
+    value_segments: list[Segment],
+    scale: float,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    key_rope: RotaryPositions | None = None,
+    num_splits: int | None = None,
+    block_tokens: int = 64,
+) -> torch.Tensor:
+    """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference` with the valid
+    tokens of sequence ``b`` the cached range ``[start[b], end[b])``. ``num_splits``: slices per segment
+    interval (default: enough programs for two waves over the GPU's multiprocessors)."""
+    b, hq, d = query.shape
+    if d % 2:
+        raise ValueError(f"decode kernel: head_dim={d} must be even")
+    first_key = key_segments[0]
+    h = first_key.codes.shape[1] if hasattr(first_key, "codes") else first_key.shape[1]
+    r = hq // h
+    q = query.reshape(b, h, r, d).contiguous()
+    device = query.device
+    key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
+    if key_bounds[-1] != value_bounds[-1]:
+        raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
+    cuts = sorted(set(key_bounds) | set(value_bounds))
+    waves = 2 * _multiprocessors(device)
+    launches = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        tiles = -(-(hi - lo) // block_tokens)
+        splits = min(tiles, num_splits or max(1, -(-waves // (b * h))))
+        chunk = -(-tiles // splits) * block_tokens
+        ki = max(i for i, bound in enumerate(key_bounds[:-1]) if bound <= lo)
+        vi = max(i for i, bound in enumerate(value_bounds[:-1]) if bound <= lo)
+        launches.append((lo, hi, ki, vi, chunk, -(-(hi - lo) // chunk)))
+    out = torch.zeros(b, hq, d, device=device, dtype=query.dtype)
+    total = sum(launch[-1] for launch in launches)
+    if total == 0:
+        return out
+    partial = torch.empty(b * h, total, r, d, device=device, dtype=torch.float32)
+    lse = torch.empty(b * h, total, r, device=device, dtype=torch.float32)
+    start, end = start.to(device, torch.int32).contiguous(), end.to(device, torch.int32).contiguous()
+    placeholder = torch.zeros(1, device=device, dtype=torch.float32)
+    rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
+    block_r = max(16, triton.next_power_of_2(r))
+    slot = 0
+    for lo, hi, ki, vi, chunk, splits in launches:
+        keys, values = key_segments[ki], value_segments[vi]
+        stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder)}
+        if key_rope is not None and not isinstance(keys, torch.Tensor):
+            positions = key_rope.positions.to(device, torch.int32).contiguous()
+            rope = dict(positions=positions, pos_stride=positions.shape[1], inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(),
+                        rope_scaling=float(key_rope.scaling), ROPE=True, ROUND=ROUNDING.get(key_rope.dtype, 0))
+        else:
+            rope = {**rope, "ROPE": False}
+        _split_kernel[(b * h, splits)](
+            q, partial, lse, start, end, h, r, lo, hi, chunk, slot, total, scale * LOG2E, **stream, **rope,
+            D=d, HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_R=block_r, BLOCK_T=block_tokens,
+        )
+        slot += splits
+    _merge_kernel[(b * h,)](partial, lse, out, r, total, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
+    return out
+
