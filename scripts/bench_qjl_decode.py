@@ -20,17 +20,15 @@ printed beside each row. ``--write`` replaces the QJL section of BENCHMARKS.md w
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
 
 SECTION = "## QJL decode-step scores (issue 5)"
-LLAMA31_8B = dict(query_heads=32, kv_heads=8, head_dim=128)
 SETTINGS = {  # name -> codec config (head_dim 128)
     "qjl authors' general layer (m=256, m_o=256, 8 outliers)": {"name": "qjl", "initial_layers": 0},
     "qjl_3bit general layer (m=224, m_o=64, 8 outliers)": {
@@ -39,43 +37,11 @@ SETTINGS = {  # name -> codec config (head_dim 128)
 }
 
 
-class Timer:
-    """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup``: CUDA events on a GPU, wall clock on a CPU."""
-
-    def __init__(self, device: torch.device, warmup: int, reps: int):
-        self.device, self.warmup, self.reps = device, warmup, reps
-
-    def __call__(self, fn, make_inputs) -> float:
-        for _ in range(self.warmup):
-            fn(*make_inputs())
-        times = []
-        for _ in range(self.reps):
-            inputs = make_inputs()
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                fn(*inputs)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                begin = time.perf_counter()
-                fn(*inputs)
-                times.append(1e3 * (time.perf_counter() - begin))
-        return statistics.median(times)
-
-
-def _buffer_sets(bytes_per_set: int, l2_bytes: int) -> int:
-    """How many independent input sets to rotate so that together they exceed twice the L2 cache."""
-    return max(2, -(-2 * l2_bytes // max(bytes_per_set, 1)))
-
-
 def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.device, l2_bytes: int) -> list[dict]:
     h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
     kv_bytes = 2 * batch * h * context * d * 2
     sets = []
-    for _ in range(_buffer_sets(kv_bytes, l2_bytes)):
+    for _ in range(buffer_sets(kv_bytes, l2_bytes)):
         keys = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
         keys[..., :4] *= 6  # a few large channels, as real keys have
         values = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
@@ -128,16 +94,6 @@ def markdown(rows: list[dict], device_name: str, setting: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace (or append) the QJL section of BENCHMARKS.md, leaving other sections as they are."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    if start >= 0:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + text[end + 1 :] if end >= 0 else text[:start]
-    path.write_text(text.rstrip() + "\n\n" + SECTION + "\n\n" + body + "\n")
-
-
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
@@ -154,8 +110,7 @@ def main(argv=None) -> str:
             raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
         device, contexts, batches = torch.device("cuda"), args.contexts, args.batches
         timer = Timer(device, args.warmup, args.reps)
-    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) if device.type == "cuda" else 0
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    l2_bytes, name = l2_cache_bytes(device), device_name(device)
     info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
     sections = [
         "Command: `python scripts/bench_qjl_decode.py --write` (CUDA events, median of "
@@ -164,11 +119,11 @@ def main(argv=None) -> str:
     for setting, config in SETTINGS.items():
         codec = build_codec(config, info)
         rows = [row for batch in batches for context in contexts for row in bench_shape(codec, batch, context, timer, device, l2_bytes)]
-        sections.append(markdown(rows, device_name, setting))
+        sections.append(markdown(rows, name, setting))
     body = "\n\n".join(sections)
     print(body)
     if args.write and not args.smoke:
-        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", body)
+        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)
     return body
 
 

@@ -1,0 +1,64 @@
+"""Shared pieces of the GPU kernel benchmarks in ``scripts/`` (timing, L2 rotation, BENCHMARKS.md sections)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA31_8B = dict(query_heads=32, kv_heads=8, head_dim=128)  # attention shapes of Llama-3.1-8B
+
+
+class Timer:
+    """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup``: CUDA events on a GPU, wall clock on a CPU.
+    ``make_inputs`` runs before each call, outside the timed region (fresh inputs every repetition)."""
+
+    def __init__(self, device: torch.device, warmup: int, reps: int):
+        self.device, self.warmup, self.reps = device, warmup, reps
+
+    def __call__(self, fn, make_inputs) -> float:
+        for _ in range(self.warmup):
+            fn(*make_inputs())
+        times = []
+        for _ in range(self.reps):
+            inputs = make_inputs()
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn(*inputs)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                fn(*inputs)
+                times.append(1e3 * (time.perf_counter() - begin))
+        return statistics.median(times)
+
+
+def buffer_sets(bytes_per_set: int, l2_bytes: int) -> int:
+    """How many independent input sets to rotate so that together they exceed twice the L2 cache."""
+    return max(2, -(-2 * l2_bytes // max(bytes_per_set, 1)))
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+
+
+def write_section(path: Path, section: str, body: str) -> None:
+    """Replace (or append) the section titled ``section`` of BENCHMARKS.md, leaving the others as they are."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(section)
+    if start >= 0:
+        end = text.find("\n## ", start + len(section))
+        text = text[:start] + text[end + 1 :] if end >= 0 else text[:start]
+    path.write_text(text.rstrip() + "\n\n" + section + "\n\n" + body + "\n")

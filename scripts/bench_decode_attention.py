@@ -1,0 +1,289 @@
+"""Decode-step attention of the fused Triton kernels vs PyTorch SDPA on bf16 K/V, encode throughput, and
+cache bytes / sequences that fit (GPU benchmark; writes the issue-6 section of BENCHMARKS.md).
+
+Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), one decode query per sequence.
+For every codec, batch and context the cache is in the state the codec's schedule gives after
+``context`` tokens (full-precision sinks and tail, encoded payload between; payload contents random, so
+every code and parameter is exercised and none is zero). Timings are CUDA-event medians after a warm-up,
+with a fresh random query every repetition and several independent K/V sets rotated so that together
+they exceed twice the L2 cache.
+
+- ``sdpa``: ``F.scaled_dot_product_attention`` on bf16 K/V with the ``n_rep`` query heads of each KV
+  head as query rows (GQA decode without repeating K/V), the faster of the flash and memory-efficient
+  backends;
+- each codec: :func:`kvcomp.kernels.decode_attention.decode_attention` with ``backend="triton"``
+  (split-K kernel + merge kernel over the sinks, payload and tail);
+- bandwidth: bytes the step must read (payload, full-precision segments, query) / time, beside the
+  device's copy bandwidth (``dst.copy_(src)`` of 1 GiB: read + write bytes / time);
+- encode: tokens per second compressing one layer's K and V of a 32K-token prefill, torch vs the fused
+  Triton encoder (codebook codecs);
+- memory: K/V cache bytes per sequence over the 32 layers (exact bit accounting) and how many sequences
+  fit next to the bf16 weights (16.06 GB) in the device memory.
+
+    python scripts/bench_decode_attention.py --write                  # on a CUDA GPU
+    TRITON_INTERPRET=1 python scripts/bench_decode_attention.py --smoke   # CPU check of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvcomp.codecs.codebook import CodebookCodec
+from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits
+from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
+from kvcomp.kernels.decode_attention import RotaryPositions, decode_attention
+
+SECTION = "## Fused decode attention over compressed caches (issue 6)"
+CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4)
+    "kivi-2": {"name": "kivi", "bits": 2, "group_size": 32, "residual_length": 128},
+    "kivi-4": {"name": "kivi", "bits": 4, "group_size": 32, "residual_length": 128},
+    "temporalkv-2": {"name": "temporalkv", "bits": 2, "hybrid": "off"},
+    "channelkv-2": {"name": "channelkv", "bits": 2},
+    "kvquant-2": {"name": "kvquant", "bits": 2},
+}
+WEIGHT_BYTES = 8.03e9 * 2  # Llama-3.1-8B in bf16
+ROPE_THETA = 500000.0
+
+
+def synthetic_state(codec, generator) -> None:
+    """Random codebooks and channel statistics for a calibrated codec (speed does not depend on them)."""
+    h, d = codec.model.num_kv_heads, codec.model.head_dim
+    tensors = {}
+    for layer in range(codec.model.num_layers):
+        for kind in ("key", "value"):
+            scheme = codec.scheme(kind, layer)
+            groups, dim = d // scheme.layout.group_channels, scheme.layout.dim
+            prefix = f"layer{layer}.{kind}"
+            tensors[f"{prefix}.codebooks"] = torch.randn(h, groups, scheme.num_centroids, dim, generator=generator).bfloat16()
+            tensors[f"{prefix}.scheme"] = torch.tensor([0])
+            tensors[f"{prefix}.mean"] = torch.randn(h, d, generator=generator)
+            tensors[f"{prefix}.std"] = torch.rand(h, d, generator=generator) + 0.5
+            tensors[f"{prefix}.low"] = -3 - torch.rand(h, d, generator=generator)
+            tensors[f"{prefix}.high"] = 3 + torch.rand(h, d, generator=generator)
+    codec.load_state(CodecState(tensors))
+
+
+def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload:
+    """A payload of ``tokens`` tokens shaped as the codec stores them, filled with random codes and
+    parameters (positive scales): the layout of a real one without encoding gigabytes first."""
+    block = codec.policy(kind, 0).block_size
+    probe = codec.encode(torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device), kind, 0)
+    tensors = {}
+    for name, t in probe.tensors.items():
+        shape = (batch, t.shape[1], t.shape[2] * tokens // block, *t.shape[3:])
+        if t.dtype == torch.uint8:
+            tensors[name] = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+        elif "scale" in name:
+            tensors[name] = (torch.rand(shape, device=device) * 0.2 + 0.05).to(t.dtype)
+        else:
+            tensors[name] = torch.randn(shape, device=device).to(t.dtype)
+    return Payload(tensors, tokens)
+
+
+def cache_state(codec, batch: int, context: int, device):
+    """Key and value segments (sinks, payload reader, tail) after ``context`` tokens, and their bytes."""
+    h, d = codec.model.num_kv_heads, codec.model.head_dim
+    streams, nbytes = {}, 0
+    for kind in ("key", "value"):
+        sinks, encoded, tail = codec.policy(kind, 0).split(context)
+        segments = [torch.randn(batch, h, n, d, device=device, dtype=torch.bfloat16) for n in (sinks, tail)]
+        nbytes += sum(s.numel() * s.element_size() for s in segments)
+        if encoded:
+            payload = random_payload(codec, kind, batch, encoded, device)
+            nbytes += payload.nbytes
+            segments.insert(1, codec.payload_reader(payload, kind, 0))
+        streams[kind] = [s for s in segments if not isinstance(s, torch.Tensor) or s.shape[2]]
+    rope = None
+    if codec.pre_rope:
+        positions = torch.arange(context, device=device, dtype=torch.int32).expand(batch, context)
+        inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device).float() / d)
+        rope = RotaryPositions(positions, codec.policy("key", 0).split(context)[0], inv_freq, 1.0, torch.bfloat16)
+    return streams["key"], streams["value"], rope, nbytes
+
+
+def sdpa_step(q, k, v):
+    """GQA decode with SDPA: the query heads of each KV head as rows, no K/V repeat."""
+    b, hq, d = q.shape
+    h = k.shape[1]
+    return F.scaled_dot_product_attention(q.view(b, h, hq // h, d), k, v).view(b, hq, d)
+
+
+def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str]:
+    """Median ms of the faster of SDPA's flash and memory-efficient kernels (math only if neither runs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    timings = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        if timings and backend == SDPBackend.MATH:
+            break
+        try:
+            with sdpa_kernel([backend]):
+                timings.append((timer(sdpa_step, inputs), backend.name.lower()))
+        except RuntimeError:  # this backend cannot run these inputs on this device
+            continue
+    return min(timings)
+
+
+def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l2_bytes: int) -> list[dict]:
+    h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    dense_bytes = 2 * batch * h * context * d * 2
+    dense_sets = [
+        (torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16),
+         torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16))
+        for _ in range(buffer_sets(dense_bytes, l2_bytes))
+    ]
+    turn = iter(range(10**9))
+
+    def dense_inputs():
+        k, v = dense_sets[next(turn) % len(dense_sets)]
+        return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), k, v
+
+    sdpa_ms, sdpa_backend = fastest_sdpa(timer, dense_inputs)
+    rows = [{"batch": batch, "context": context, "method": f"sdpa bf16 ({sdpa_backend})", "ms": sdpa_ms, "vs_sdpa": 1.0,
+             "bytes": dense_bytes, "error": 0.0}]
+    dense_sets.clear()  # free the bf16 sets before the payloads are built
+    for name, codec in codecs.items():
+        first = cache_state(codec, batch, context, device)
+        states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
+
+        def inputs():
+            keys, values, rope, _ = states[next(turn) % len(states)]
+            return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope
+
+        def step(q, keys, values, rope):
+            return decode_attention(q, keys, values, d**-0.5, None, rope, "triton")
+
+        ms = timer(step, inputs)
+        q, keys, values, rope = inputs()
+        reference = decode_attention(q, keys, values, d**-0.5, None, rope, "torch") if context <= 32768 else None
+        error = float("nan") if reference is None else (step(q, keys, values, rope).float() - reference.float()).abs().max().item()
+        rows.append({"batch": batch, "context": context, "method": name, "ms": ms, "vs_sdpa": sdpa_ms / ms,
+                     "bytes": first[3], "error": error})
+        states.clear()
+    return rows
+
+
+def copy_bandwidth(timer: Timer, device) -> float:
+    """Device copy bandwidth in GB/s (bytes read + written per second)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 20)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device).random_(), torch.empty(n, dtype=torch.uint8, device=device)
+    ms = timer(lambda: dst.copy_(src), lambda: ())
+    return 2 * n / ms / 1e6
+
+
+def bench_encode(codecs: dict, tokens: int, timer: Timer, device) -> list[dict]:
+    """Tokens/s encoding one layer's K and V (batch 1) with the torch path and, where it exists, the Triton encoder."""
+    h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
+    rows = []
+    for name, codec in codecs.items():
+        x = {kind: torch.randn(1, h, tokens, d, device=device, dtype=torch.bfloat16) for kind in ("key", "value")}
+
+        def encode():
+            for kind in ("key", "value"):
+                codec.encode(x[kind], kind, 0)
+
+        row = {"method": name, "fused": isinstance(codec, CodebookCodec)}
+        for backend in ("torch", "triton") if row["fused"] else ("torch",):
+            codec.kernel_backend = backend
+            row[backend] = tokens / timer(encode, lambda: ()) * 1e3
+        codec.kernel_backend = "torch"
+        rows.append(row)
+    return rows
+
+
+def memory_rows(configs: dict, context: int, memory_bytes: float) -> list[dict]:
+    """Cache bytes per sequence (32 layers, exact accounting; codebooks counted once) and sequences that fit."""
+    info = ModelInfo("llama31_8b", 32, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    rows = []
+    for name, config in {"bf16": {"name": "fp16"}, **configs}.items():
+        codec = build_codec(config, info)
+        per_sequence = expected_cache_bits(codec, context, 1, 16) / 8
+        tables = 0
+        if isinstance(codec, CodebookCodec):
+            for layer in range(info.num_layers):
+                for kind in ("key", "value"):
+                    scheme = codec.scheme(kind, layer)
+                    tables += info.num_kv_heads * (info.head_dim // scheme.layout.group_channels) * scheme.num_centroids * scheme.layout.dim * 2
+        free = memory_bytes - WEIGHT_BYTES - tables
+        rows.append({"method": name, "gib_per_sequence": per_sequence / 2**30, "tables_mib": tables / 2**20,
+                     "sequences": int(free // per_sequence)})
+    return rows
+
+
+def tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, name, memory_gb, timer) -> str:
+    out = [
+        f"Device: {name}; measured copy bandwidth {copy_gbps:.0f} GB/s. Command: `python scripts/bench_decode_attention.py "
+        f"--write` (CUDA events, median of {timer.reps} after {timer.warmup} warm-up calls, fresh query each call, "
+        "inputs rotated beyond twice the L2 cache).",
+        "",
+        "Decode-step attention (one layer, Llama-3.1-8B heads; error: max |kernel - torch reference|, bf16 output):",
+        "",
+        "| batch | context | method | median ms | speed vs SDPA | MB read | GB/s | % of copy bandwidth | max error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in decode_rows:
+        gbps = r["bytes"] / r["ms"] / 1e6
+        out.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['vs_sdpa']:.2f}x | "
+                   f"{r['bytes'] / 1e6:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | {r['error']:.2g} |")
+    out += ["", "Prefill encode throughput (one layer's K and V, batch 1, tokens/s):", "",
+            "| codec | torch | Triton encoder |", "|---|---|---|"]
+    for r in encode_rows:
+        fused = f"{r['triton']:.3g}" if r["fused"] else "(torch path)"
+        out.append(f"| {r['method']} | {r['torch']:.3g} | {fused} |")
+    out += ["", f"K/V cache per sequence at {context_mem} tokens (32 layers) and sequences that fit in {memory_gb:.0f} GB "
+            "beside the bf16 weights:", "", "| codec | GiB per sequence | codebooks MiB | sequences |", "|---|---|---|---|"]
+    out += [f"| {r['method']} | {r['gib_per_sequence']:.3f} | {r['tables_mib']:.1f} | {r['sequences']} |" for r in mem_rows]
+    return "\n".join(out)
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
+    parser.add_argument("--encode-tokens", type=int, default=32768)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        device = torch.device("cpu")
+        contexts, batches, encode_tokens, timer = [160], [1], 32, Timer(device, 0, 1)
+        memory_gb = 80.0
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
+        device, contexts, batches, encode_tokens = torch.device("cuda"), args.contexts, args.batches, args.encode_tokens
+        timer = Timer(device, args.warmup, args.reps)
+        memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    generator = torch.Generator().manual_seed(0)
+    info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    codecs = {}
+    for name in args.codecs:
+        codec = build_codec(CODECS[name], info)
+        if codec.needs_calibration:
+            synthetic_state(codec, generator)
+        codecs[name] = codec
+    copy_gbps = copy_bandwidth(timer, device)
+    decode_rows = []
+    for batch in batches:
+        for context in contexts:
+            decode_rows += bench_decode(codecs, batch, context, timer, device, l2_cache_bytes(device))
+            print(f"[bench] batch {batch} context {context} done", flush=True)
+    encode_rows = bench_encode(codecs, encode_tokens, timer, device)
+    context_mem = max(contexts)
+    mem_rows = memory_rows({name: CODECS[name] for name in args.codecs}, context_mem, memory_gb * 1e9)
+    body = tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, device_name(device), memory_gb, timer)
+    print(body)
+    if args.write and not args.smoke:
+        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)
+    return body
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The fused decode-attention kernel and the fused codebook encode kernel against their torch references
+(under TRITON_INTERPRET=1 on the CPU), the payload readers against the codecs' own decode, and the
+attention path that serves decode steps from the payloads."""
+
+import pytest
+import torch
+
+from kvcomp.cache import CompressedCache, install
+from kvcomp.codecs import build_codec
+from kvcomp.kernels.decode_attention import (
+    CodebookReader,
+    RotaryPositions,
+    UniformReader,
+    decode_attention,
+    decode_attention_reference,
+    valid_ranges,
+)
+from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
+from kvcomp.stages.uniform_quantizer import GroupQuantizer
+from tests.conftest import info_of
+from tests.test_codebook_codecs import fitted
+
+pytest.importorskip("triton")
+
+
+def _uniform(x, bits, group, axis):
+    quantizer = GroupQuantizer(bits, group, axis)
+    stored = quantizer.encode(x)
+    reader = UniformReader(x.shape[2], x.shape[3], stored["codes"], stored["scale"], stored["zero"], bits, group, axis == "per_channel")
+    return reader, quantizer.decode(stored, x.shape[3], torch.float32)
+
+
+def _mask(b, length, gen):
+    """Left padding on sequence 1, a shorter (ragged) sequence 0."""
+    valid = torch.ones(b, length, dtype=torch.bool)
+    valid[-1, : int(torch.randint(1, 9, (), generator=gen))] = False
+    valid[0, length - int(torch.randint(1, 9, (), generator=gen)) :] = False
+    return valid
+
+
+# (batch, kv heads, query heads per kv head, head_dim, key bits, value bits, kv group size)
+UNIFORM_SHAPES = [
+    (2, 2, 4, 32, 2, 2, 16),  # KIVI-2, GQA 4:1
+    (1, 1, 1, 128, 4, 4, 32),  # KIVI-4 at Llama's head_dim, one head
+    (2, 3, 5, 16, 1, 8, 8),  # odd GQA ratio and head count, 1- and 8-bit codes, head_dim below one tile
+]
+
+
+@pytest.mark.parametrize("shape", UNIFORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_uniform_kernel_matches_the_reference(shape):
+    """KIVI's layout: per-channel keys and per-token values whose payloads end at different tokens, between
+    full-precision sinks and tails (several segment intervals, several slices per interval)."""
+    b, h, r, d, key_bits, value_bits, group = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    sinks = torch.randn(b, h, 3, d, generator=gen)
+    key_reader, _ = _uniform(torch.randn(b, h, 6 * group, d, generator=gen), key_bits, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 6 * group + 5, d, generator=gen), value_bits, group, "per_token")
+    key_tail, value_tail = torch.randn(b, h, 11, d, generator=gen), torch.randn(b, h, 6, d, generator=gen)
+    keys, values = [sinks, key_reader, key_tail], [sinks, value_reader, value_tail]
+    length = 3 + 6 * group + 11
+    query = torch.randn(b, h * r, d, generator=gen)
+    valid = _mask(b, length, gen)
+    reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
+    for splits in (1, 3):
+        out = decode_attention(query, keys, values, d**-0.5, valid, backend="triton", num_splits=splits)
+        assert out.shape == (b, h * r, d)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+LAYOUTS = {  # name -> (layout, centroids): the three codebook codecs' schemes at 2 bits
+    "temporal": (ChunkLayout(4, 1, 4), 256),
+    "channel": (ChunkLayout(1, 4, 4), 256),
+    "scalar": (ChunkLayout(1, 1, 4), 4),
+}
+
+
+def _codebook_reader(b, h, d, tokens, layout, centroids, per_token, gen):
+    code_bits = (centroids - 1).bit_length()
+    codes = torch.randint(0, 256, (b, h, tokens // layout.time_len, d // layout.channel_len * code_bits // 8), generator=gen, dtype=torch.uint8)
+    codebooks = torch.randn(h, d // layout.group_channels, centroids, layout.dim, generator=gen).bfloat16()
+    token_scale = (torch.rand(b, tokens, generator=gen) + 0.5).half() if per_token else None
+    token_center = torch.randn(b, tokens, generator=gen).half() if per_token else None
+    return CodebookReader(
+        tokens, d, codes, codebooks, layout, torch.rand(h, d, generator=gen) + 0.5, torch.randn(h, d, generator=gen),
+        token_scale, token_center,
+    )
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["channel-norm", "token-norm"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
+    """Codebook gather + denormalisation + RoPE at each token's position (left-padded sequences have shifted
+    positions) for keys and values, GQA 2:1."""
+    b, h, r, d, tokens = 2, 2, 2, 32, 48
+    gen = torch.Generator().manual_seed(7)
+    reader = _codebook_reader(b, h, d, tokens, *LAYOUTS[layout], per_token, gen)
+    sinks, tail = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 5, d, generator=gen)
+    length = 3 + tokens + 5
+    valid = _mask(b, length, gen)
+    positions = (valid.cumsum(-1) - 1).clamp_min(0)  # as generate() derives them from the attention mask
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    query = torch.randn(b, h * r, d, generator=gen)
+    segments = [sinks, reader, tail]
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):  # bf16: cos/sin rounded like HF's
+        rope = RotaryPositions(positions, 3, inv_freq, 1.0, dtype)
+        reference = decode_attention_reference(query, segments, segments, d**-0.5, valid, rope)
+        out = decode_attention(query, segments, segments, d**-0.5, valid, rope, backend="triton", num_splits=2)
+        torch.testing.assert_close(out, reference, rtol=tolerance, atol=tolerance)
+
+
+def test_masks_that_are_not_one_range_fall_back_and_empty_rows_are_zero():
+    gen = torch.Generator().manual_seed(3)
+    b, h, d = 2, 1, 16
+    keys, values = [torch.randn(b, h, 20, d, generator=gen)], [torch.randn(b, h, 20, d, generator=gen)]
+    query = torch.randn(b, 2, d, generator=gen)
+    holes = torch.ones(b, 20, dtype=torch.bool)
+    holes[0, 5] = False
+    assert valid_ranges(holes) is None
+    reference = decode_attention_reference(query, keys, values, 0.25, holes)
+    torch.testing.assert_close(decode_attention(query, keys, values, 0.25, holes, backend="triton"), reference)
+    empty = torch.ones(b, 20, dtype=torch.bool)
+    empty[1] = False
+    start, end = valid_ranges(empty)
+    assert start.tolist() == [0, 0] and end.tolist() == [20, 0]
+    out = decode_attention(query, keys, values, 0.25, empty, backend="triton")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[0], decode_attention_reference(query, keys, values, 0.25, empty)[0])
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "temporal-2", "scalar-4bit"])
+def test_fused_encode_kernel_matches_the_torch_encoder(layout):
+    """Nearest centroid + packing in one kernel; codes may differ only between equal centroids (the torch
+    scalar path sorts), so the decoded values must be identical."""
+    extra = {"temporal-2": (ChunkLayout(2, 1, 8), 256), "scalar-4bit": (ChunkLayout(1, 1, 2), 16)}
+    chunk_layout, centroids = {**LAYOUTS, **extra}[layout]
+    from kvcomp.kernels.codebook_encode_triton import encode_codebook_triton
+
+    gen = torch.Generator().manual_seed(5)
+    b, h, d, t = 2, 2, 32, 40
+    z = torch.randn(b, h, t, d, generator=gen)
+    codebooks = torch.randn(h, d // chunk_layout.group_channels, centroids, chunk_layout.dim, generator=gen).bfloat16()
+    quantizer = CodebookQuantizer(chunk_layout, centroids)
+    reference = quantizer.encode(z, codebooks)
+    fused = encode_codebook_triton(z, codebooks, chunk_layout, quantizer.code_bits)
+    assert fused.shape == reference.shape and fused.dtype == torch.uint8
+    assert torch.equal(quantizer.decode(fused, codebooks, d), quantizer.decode(reference, codebooks, d))
+    assert torch.equal(quantizer.encode(z, codebooks, "triton"), fused)
+
+
+def test_readers_decode_exactly_what_the_codecs_decode(tiny_llama):
+    info = info_of(tiny_llama)
+    x = torch.randn(2, info.num_kv_heads, 32, info.head_dim, generator=torch.Generator().manual_seed(0))
+    kivi = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info)
+    codecs = [kivi, fitted(tiny_llama, "temporalkv"), fitted(tiny_llama, "kvquant"), fitted(tiny_llama, "channelkv")]
+    for codec in codecs:
+        for kind in ("key", "value"):
+            payload = codec.encode(x, kind, 1)
+            reader = codec.payload_reader(payload, kind, 1)
+            assert torch.equal(reader.dequantize(), codec.decode(payload, kind, 1, torch.float32)), (codec.name, kind)
+
+
+def test_layers_with_sparse_outliers_keep_the_torch_path(tiny_llama):
+    codec = fitted(tiny_llama, "kvquant", outliers=0.05)
+    assert not codec.fused_attention_supported(0)
+    assert fitted(tiny_llama, "kvquant").fused_attention_supported(0)
+
+
+def _generate(model, codec, protocol, backend):
+    ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    install(model, kernel_backend=backend)
+    codec.kernel_backend = backend
+    try:
+        cache = CompressedCache(codec, protocol)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=cache, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    finally:
+        install(model, kernel_backend="torch")
+        codec.kernel_backend = "torch"
+    return torch.stack(out.logits, dim=1), cache
+
+
+def _check_fused_generation(model, codec, protocol="exact_prefill"):
+    reference, _ = _generate(model, codec, protocol, "torch")
+    fused, cache = _generate(model, codec, protocol, "triton")
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    return cache.layers[1]
+
+
+@torch.no_grad()
+def test_kivi_decode_steps_read_the_payloads(tiny_model):
+    """Every generated token's logits equal the torch path's (decode + SDPA), with GQA and left padding, on
+    each family; under exact_prefill no block is ever decoded."""
+    codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_model))
+    layer = _check_fused_generation(tiny_model, codec)
+    assert layer.key_stream.num_encoded >= 16 and layer.key_stream.decoded is None and layer.value_stream.decoded is None
+
+
+@pytest.mark.parametrize("name", ["temporalkv", "kvquant", "channelkv"])
+@torch.no_grad()
+def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):
+    """Pre-RoPE keys rotated in the kernel from the recorded position ids; encoded with the fused kernel."""
+    codec = fitted(tiny_llama, name, sinks=4)
+    layer = _check_fused_generation(tiny_llama, codec)
+    assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded is None
+    assert layer.positions.shape == (2, 37 + 5) and layer.rotary is not None
+
+
+@torch.no_grad()
+def test_streaming_prefill_then_fused_decode(tiny_llama):
+    codec = build_codec({"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2}, info_of(tiny_llama))
+    layer = _check_fused_generation(tiny_llama, codec, "streaming")
+    assert layer.key_stream.decoded.shape[2] < layer.key_stream.num_encoded  # decode-step blocks never decoded
+
+
+def test_gpu_benchmark_script_runs_on_the_interpreter():
+    """scripts/bench_decode_attention.py --smoke: the GPU benchmark's code path on a tiny CPU shape, with the
+    kernel checked against the torch reference inside the script (bf16 outputs)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.main(["--smoke", "--codecs", "kivi-2", "temporalkv-2"])
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 160 |")]
+    assert [row[2] for row in rows][1:] == ["kivi-2", "temporalkv-2"]
+    assert all(float(row[-1].rstrip(" |")) < 0.05 for row in rows)  # kernel within bf16 rounding of the reference
+    assert "| temporalkv-2 |" in table.split("Prefill encode")[1]
