@@ -184,7 +184,7 @@ def test_fused_decode_attention_on_smollm2(embedded):
         install(model, kernel_backend=backend)
         try:
             cache = CompressedCache(codec, "exact_prefill")
-            out = model.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=cache,
+            out = model.generate(ids, max_new_tokens=2, do_sample=False, past_key_values=cache,
                                  output_logits=True, return_dict_in_generate=True)
         finally:
             install(model, kernel_backend="torch")
