@@ -168,7 +168,7 @@ def _capture_cache_layer(module, args, kwargs):
         layer.incoming_positions = kwargs.get("position_ids")
         rotary = getattr(module, "_kvcomp_rotary", (None,))[0]
         if rotary is not None and layer.incoming_rope is not None:
-            layer.rotary = (rotary.inv_freq, float(rotary.attention_scaling), layer.incoming_rope[0].dtype)
+            layer.rotary = (rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), layer.incoming_rope[0].dtype)
         module._kvcomp_layer = layer
     else:
         module._kvcomp_layer = None

@@ -1,6 +1,14 @@
 """Kernels, each beside its torch reference. Triton modules are imported only when a kernel is used
 (triton is an optional dependency); the references run everywhere and are what the kernels are tested
-against (under ``TRITON_INTERPRET=1`` on a CPU)."""
+against (under ``TRITON_INTERPRET=1`` on a CPU).
+
+- ``decode_attention`` (reference, payload readers) / ``decode_attention_triton``: decode-step attention
+  reading packed uniform/KIVI and codebook payloads, split-K + merge;
+- ``codebook_encode_triton``: nearest-centroid coding fused with packing (reference:
+  :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
+- ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;
+- ``benchmarking``: timing and L2 rotation shared by the GPU benchmarks in ``scripts/``.
+"""
 
 import os
 
