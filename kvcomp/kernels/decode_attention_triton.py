@@ -76,6 +76,24 @@ def _tile(
 
 
 @triton.jit
+def _halves(
+    data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
+    b, h, H, t, t_ok, c, c_ok,
+    D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr,
+):
+    """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one stream's tile (see :func:`_tile`)."""
+    lo = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
+               b, h, H, t, t_ok, c, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC,
+               TOKEN_SCALE, TOKEN_CENTER)
+    hi = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
+               b, h, H, t, t_ok, c + D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC,
+               TOKEN_SCALE, TOKEN_CENTER)
+    return lo, hi
+
+
+@triton.jit
 def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND: tl.constexpr):
     """RoPE of the two channel halves at the positions of cached tokens ``g``; cos/sin rounded to the model's
     dtype like the rotary embedding's output (ROUND 1: bfloat16, 2: float16)."""
@@ -133,13 +151,10 @@ def _split_kernel(
     for g0 in range(split_lo, split_hi, BLOCK_T):
         g = g0 + tl.arange(0, BLOCK_T)
         g_ok = (g >= first) & (g < last) & (g < split_hi)
-        tk = g - k_first
-        k_lo = _tile(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
-                     k_s_b, k_s_h, k_s_t, k_length, b, h, H, tk, g_ok, c, c_ok, D, K_FMT, K_BITS, K_GROUP,
-                     K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER)
-        k_hi = _tile(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
-                     k_s_b, k_s_h, k_s_t, k_length, b, h, H, tk, g_ok, c + D // 2, c_ok, D, K_FMT, K_BITS, K_GROUP,
-                     K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER)
+        k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
+                             k_s_b, k_s_h, k_s_t, k_length, b, h, H, g - k_first, g_ok, c, c_ok, D, K_FMT, K_BITS,
+                             K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE,
+                             K_TOKEN_CENTER)
         if ROPE:
             k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
         s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
@@ -149,13 +164,10 @@ def _split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        tv = g - v_first
-        v_lo = _tile(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
-                     v_s_b, v_s_h, v_s_t, v_length, b, h, H, tv, g_ok, c, c_ok, D, V_FMT, V_BITS, V_GROUP,
-                     V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE, V_TOKEN_CENTER)
-        v_hi = _tile(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
-                     v_s_b, v_s_h, v_s_t, v_length, b, h, H, tv, g_ok, c + D // 2, c_ok, D, V_FMT, V_BITS, V_GROUP,
-                     V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE, V_TOKEN_CENTER)
+        v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
+                             v_s_b, v_s_h, v_s_t, v_length, b, h, H, g - v_first, g_ok, c, c_ok, D, V_FMT, V_BITS,
+                             V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE,
+                             V_TOKEN_CENTER)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
         m_i = m_new
