@@ -14,6 +14,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvcomp.errors import ConfigError
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
+KERNEL_BACKENDS = ("torch", "triton")
+LOGGERS = ("none", "wandb")
+
+
+def at_least(config, minimum: int, *names: str, optional: bool = False) -> None:
+    """Raise :class:`ConfigError` naming the field when one of ``names`` of ``config`` is below ``minimum``
+    (``optional``: ``None`` is allowed too)."""
+    for name in names:
+        value = getattr(config, name)
+        if optional and value is None:
+            continue
+        if not isinstance(value, int) or value < minimum:
+            valid = f"an integer >= {minimum}" + (" or null" if optional else "")
+            raise ConfigError(f"{name}={value!r} is out of range; valid: {valid}")
+
+
+def one_of(config, name: str, choices) -> None:
+    """Raise :class:`ConfigError` when field ``name`` of ``config`` is not among ``choices``."""
+    value = getattr(config, name)
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is unknown; valid choices: {', '.join(map(str, choices))}")
+
 
 @dataclass
 class ModelConfig:
@@ -25,6 +48,13 @@ class ModelConfig:
     dtype: str | None = None  # None: the hardware profile's dtype
     max_context: int = 8192
 
+    def __post_init__(self):
+        at_least(self, 1, "max_context")
+        if self.dtype is not None:
+            one_of(self, "dtype", DTYPE_NAMES)
+        if self.source == "hub" and not self.hub_id:
+            raise ConfigError("source='hub' needs hub_id (e.g. model.hub_id=HuggingFaceTB/SmolLM2-135M-Instruct)")
+
 
 @dataclass
 class CalibrationConfig:
@@ -34,6 +64,10 @@ class CalibrationConfig:
     num_samples: int = 16
     seq_len: int = 512
     seed: int = 0
+
+    def __post_init__(self):
+        at_least(self, 1, "num_samples")
+        at_least(self, 2, "seq_len")
 
 
 @dataclass
@@ -49,6 +83,12 @@ class PerplexityConfig:
     batch_size: int = 1
     protocols: list[str] = field(default_factory=lambda: ["streaming", "simulated"])
     include_reference: bool = True  # also evaluate the uncompressed model (cached across runs)
+
+    def __post_init__(self):
+        at_least(self, 2, "seq_len")
+        at_least(self, 1, "batch_size")
+        if not isinstance(self.num_windows, int):
+            raise ConfigError(f"num_windows={self.num_windows!r}: valid: an integer (<= 0: every window)")
 
 
 RULER_TASKS = [
@@ -75,6 +115,12 @@ class RulerConfig:
     compress_generated: bool = True  # false: only the prompt is encoded ([REF] of the TemporalKV thesis)
     include_reference: bool = True
 
+    def __post_init__(self):
+        at_least(self, 1, "num_samples", "batch_size")
+        at_least(self, 1, "max_new_tokens", optional=True)
+        if not self.lengths or any(not isinstance(n, int) or n < 1 for n in self.lengths):
+            raise ConfigError(f"lengths={list(self.lengths)!r} is out of range; valid: a non-empty list of positive integers")
+
 
 @dataclass
 class LMEvalConfig:
@@ -97,6 +143,11 @@ class LMEvalConfig:
     compress_generated: bool = True
     include_reference: bool = True
 
+    def __post_init__(self):
+        at_least(self, 1, "batch_size")
+        at_least(self, 1, "limit", "max_length", "max_gen_toks", optional=True)
+        at_least(self, 0, "num_fewshot", optional=True)
+
 
 @dataclass
 class HardwareConfig:
@@ -108,6 +159,13 @@ class HardwareConfig:
     threads: int = 0  # torch CPU threads; 0 = all cores
     kernel_backend: str = "torch"  # torch | triton (fused kernels where a codec has them)
 
+    def __post_init__(self):
+        at_least(self, 0, "threads")
+        one_of(self, "dtype", DTYPE_NAMES)
+        one_of(self, "kernel_backend", KERNEL_BACKENDS)
+        if not (self.device == "cpu" or self.device == "mps" or self.device.startswith("cuda")):
+            raise ConfigError(f"device={self.device!r} is unknown; valid: cpu, cuda, cuda:<index>, mps")
+
 
 @dataclass
 class LoggerConfig:
@@ -118,6 +176,10 @@ class LoggerConfig:
     entity: str | None = None
     mode: str = "offline"  # offline | online | disabled
 
+    def __post_init__(self):
+        one_of(self, "name", LOGGERS)
+        one_of(self, "mode", ("offline", "online", "disabled"))
+
 
 GROUPS = {
     "model": ModelConfig,
@@ -126,8 +188,6 @@ GROUPS = {
     "hardware": HardwareConfig,
     "logger": LoggerConfig,
 }
-KERNEL_BACKENDS = ("torch", "triton")
-LOGGERS = ("none", "wandb")
 BENCHMARKS = {
     "perplexity": PerplexityConfig,
     "ruler": RulerConfig,
@@ -146,6 +206,8 @@ def structured(schema: type, config, label: str):
     raw = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    except ConfigError as exc:  # a range check of the dataclass (__post_init__)
+        raise ConfigError(f"{label}: {exc}") from exc
     except Exception as exc:  # omegaconf's several error types become one clear error
         field_name = getattr(exc, "full_key", None)
         where = f" field {field_name!r}" if field_name else ""

@@ -17,6 +17,10 @@ class NonFiniteKVError(KVCompError, FloatingPointError):
     """NaN or Inf reached the KV cache."""
 
 
+class NonFiniteStateError(KVCompError, FloatingPointError):
+    """A fitted or loaded codec state (codebooks, statistics, predictors) holds NaN or Inf."""
+
+
 def unknown_choice(kind: str, name: str, choices) -> ConfigError:
     """An error for an unknown name among known ones, listing the valid choices."""
     return ConfigError(f"unknown {kind} {name!r}; valid choices: {', '.join(sorted(choices))}")

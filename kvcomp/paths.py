@@ -20,3 +20,11 @@ def cache_dir() -> Path:
         path = base / "kvcomp"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def cache_relative(path: str | Path) -> str:
+    """``path`` as ``$KVCOMP_CACHE/...`` when it lies in the cache folder (results carry no machine paths)."""
+    try:
+        return str(Path("$KVCOMP_CACHE") / Path(path).resolve().relative_to(cache_dir().resolve()))
+    except ValueError:
+        return str(path)

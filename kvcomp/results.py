@@ -1,23 +1,27 @@
 """Results: ``results.json`` per run (written atomically), Markdown/CSV tables, sweep aggregation, W&B.
 
-A run's ``results.json`` holds the resolved config, one row per evaluated codec (the codec of the run
-and, by default, the uncompressed reference), bit accounting, measured cache bytes, timings and
-library versions. A Hydra multirun ends with :class:`AggregateSweep` writing ``summary.md`` and
-``summary.csv`` over every member of the sweep directory.
+A run's ``results.json`` holds the resolved config, its command-line overrides, the model's
+fingerprint, one row per evaluated codec (the codec of the run and, by default, the uncompressed
+reference), bit accounting, measured cache bytes, timings and library versions. A member of a sweep
+that fails writes ``error.json`` instead (its config, overrides and error). A Hydra multirun ends with
+:class:`AggregateSweep` writing ``summary.md`` and ``summary.csv``: one row per member, its overrides
+as columns, failed members marked with their error, and each shared reference row once.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 import platform
+import traceback
 from pathlib import Path
 
-from hydra.experimental.callback import Callback
+from kvcomp.artifacts import read_json, write_json_atomic
+from kvcomp.errors import KVCompError
 
 RESULTS_FILE = "results.json"
+ERROR_FILE = "error.json"
 TABLE_COLUMNS = [
     ("model", "model"),
     ("codec", "codec"),
@@ -29,15 +33,6 @@ TABLE_COLUMNS = [
     ("ppl_streaming", "PPL streaming"),
     ("ppl_simulated", "PPL simulated"),
 ]
-
-
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str))
-    tmp.replace(path)
 
 
 def versions() -> dict:
@@ -61,17 +56,23 @@ def _format(value) -> str:
     return "" if value is None else str(value)
 
 
-def table_columns(rows: list[dict]) -> list[tuple[str, str]]:
-    """The standard columns, plus any other metric the rows carry."""
+def table_columns(rows: list[dict], leading: list[str] = ()) -> list[tuple[str, str]]:
+    """Model and codec, then ``leading`` columns (a sweep's overrides), the other standard columns, any
+    other metric the rows carry, and ``status`` / ``error`` when some member failed."""
+    standard = [(k, h) for k, h in TABLE_COLUMNS if any(k in row for row in rows)]
     known = {key for key, _ in TABLE_COLUMNS}
-    extra = sorted({k for row in rows for k in row if k not in known and k.startswith(("ppl_", "acc_", "score_"))})
-    return [(k, h) for k, h in TABLE_COLUMNS if any(k in row for row in rows)] + [(k, k) for k in extra]
+    overrides = [(k, k) for k in leading if k not in known]
+    extra = sorted({
+        k for row in rows for k in row if k not in known | set(leading) and k.startswith(("ppl_", "acc_", "score_"))
+    })
+    failed = [("status", "status"), ("error", "error")] if any(row.get("status") == "failed" for row in rows) else []
+    return standard[:2] + overrides + standard[2:] + [(k, k) for k in extra] + failed
 
 
-def markdown_table(rows: list[dict]) -> str:
-    columns = table_columns(rows)
+def markdown_table(rows: list[dict], leading: list[str] = ()) -> str:
+    columns = table_columns(rows, leading)
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_format(row.get(k)) for k, _ in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(_format(row.get(k)).replace("|", "/") for k, _ in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -90,37 +91,96 @@ def csv_table(rows: list[dict]) -> str:
     return out.getvalue()
 
 
-def load_rows(directory: str | Path) -> list[dict]:
-    """Rows of every ``results.json`` below ``directory`` (reference rows once), sorted by path."""
-    rows, seen = [], set()
-    for path in sorted(Path(directory).rglob(RESULTS_FILE)):
-        for row in json.loads(path.read_text())["rows"]:
-            key = json.dumps({k: row.get(k) for k in ("model", "codec", "benchmark")}, sort_keys=True)
-            if key not in seen:
-                seen.add(key)
-                rows.append({**row, "run_dir": str(path.parent)})
-    return rows
+def parse_overrides(overrides: list[str]) -> dict[str, str]:
+    """``["codec=kivi", "codec.bits=2", "+x=1"]`` -> ``{"codec": "kivi", "codec.bits": "2", "x": "1"}``."""
+    parsed = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        parsed[key.lstrip("+~")] = value
+    return parsed
+
+
+def load_rows(directory: str | Path) -> tuple[list[dict], list[str]]:
+    """Every member below ``directory``: ``(rows, override columns)``.
+
+    A row per evaluated codec of each member with that member's overrides as columns (``run_dir``
+    relative to ``directory``); a row per failed member (``status: failed`` and its error); each
+    reference row once per reference it was computed for, with the overrides its members share."""
+    directory = Path(directory)
+    rows, references, columns = [], {}, {}
+    for path in sorted([*directory.rglob(RESULTS_FILE), *directory.rglob(ERROR_FILE)], key=lambda p: str(p.parent)):
+        member = read_json(path, "sweep member file", "delete it (the member then runs again)")
+        overrides = parse_overrides(member.get("overrides", []))
+        columns.update(dict.fromkeys(overrides))
+        where = {"run_dir": str(path.parent.relative_to(directory))}
+        if path.name == ERROR_FILE:
+            config = member.get("config", {})
+            rows.append({
+                **overrides, **where, "model": config.get("model", {}).get("name"),
+                "codec": config.get("codec", {}).get("name"), "benchmark": config.get("benchmark", {}).get("name"),
+                "status": "failed", "error": member.get("error"),
+            })
+            continue
+        for row in member["rows"]:
+            key = row.get("reference_key")
+            if key is None:
+                rows.append({**overrides, **row, **where, "status": "ok"})
+            elif key in references:  # keep only the overrides every member of this reference shares
+                shared = references[key]
+                for name in [k for k in shared["overrides"] if overrides.get(k) != shared["overrides"][k]]:
+                    del shared["overrides"][name]
+            else:
+                references[key] = {"row": {**row, **where, "status": "ok"}, "overrides": dict(overrides)}
+                rows.append(key)
+    resolved = [
+        {**references[r]["overrides"], **references[r]["row"]} if isinstance(r, str) else r for r in rows
+    ]
+    return resolved, list(columns)
 
 
 def write_summary(directory: str | Path) -> str:
-    """Write ``summary.md`` and ``summary.csv`` for all runs below ``directory``; return the Markdown."""
+    """Write ``summary.md`` and ``summary.csv`` for all members below ``directory``; return the Markdown."""
     directory = Path(directory)
-    rows = load_rows(directory)
+    rows, overrides = load_rows(directory)
     if not rows:
         return ""
-    table = markdown_table(rows)
-    for name, text in (("summary.md", table + "\n"), ("summary.csv", csv_table(rows))):
-        tmp = directory / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(directory / name)
+    table = markdown_table(rows, overrides)
+    write_text_atomic(directory / "summary.md", table + "\n")
+    write_text_atomic(directory / "summary.csv", csv_table(rows))
     return table
 
 
-def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], group: str | None = None) -> None:
-    """Log the rows as a W&B table (offline by default: files under ./wandb, ``wandb sync`` later)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_failure(output_dir: str | Path, config: dict, overrides: list[str], error: BaseException) -> None:
+    """Record a failed member (``error.json``): its config, overrides, error and, for bugs, the traceback."""
+    record = {"config": config, "overrides": list(overrides), "error": f"{type(error).__name__}: {error}"}
+    if not isinstance(error, KVCompError):
+        record["traceback"] = "".join(traceback.format_exception(error))
+    write_json_atomic(Path(output_dir) / ERROR_FILE, record)
+
+
+def clear_failure(output_dir: str | Path) -> None:
+    """Forget an earlier failure of this member (it has results now)."""
+    (Path(output_dir) / ERROR_FILE).unlink(missing_ok=True)
+
+
+def failed_members(directory: str | Path) -> list[Path]:
+    return sorted(p.parent for p in Path(directory).rglob(ERROR_FILE))
+
+
+def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], group: str | None = None,
+                 directory: str | Path | None = None) -> None:
+    """Log the rows as a W&B table (offline by default, ``wandb sync`` later). Its files go under
+    ``directory``/wandb (the run's output folder) unless ``$WANDB_DIR`` says otherwise."""
     import wandb
 
     run = wandb.init(
+        dir=None if os.environ.get("WANDB_DIR") or directory is None else str(directory),
         project=logger_cfg.project,
         entity=logger_cfg.entity,
         mode=logger_cfg.mode,
@@ -134,18 +194,5 @@ def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], grou
     for row in rows:
         for key, value in row.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                run.summary[f"{row['codec']}/{key}"] = value
+                run.summary["/".join(filter(None, (row.get("run_dir"), row["codec"], key)))] = value
     run.finish()
-
-
-class AggregateSweep(Callback):
-    """Hydra callback: after a multirun, aggregate every member's results into one table."""
-
-    def on_multirun_end(self, config, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        table = write_summary(sweep_dir)
-        if not table:
-            return
-        print(f"\nSweep summary ({sweep_dir / 'summary.md'}):\n{table}")
-        if config.logger.name == "wandb":
-            log_to_wandb(config.logger, f"sweep-{sweep_dir.name}", {"sweep_dir": str(sweep_dir)}, load_rows(sweep_dir), group="sweeps")

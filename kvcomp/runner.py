@@ -10,93 +10,140 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
 from kvcomp.benchmarks import Benchmark, build_benchmark
 from kvcomp.cache import install
 from kvcomp.calibration import CalibrationData, calibrate
-from kvcomp.codecs import Codec, ModelInfo, build_codec, codec_config
-from kvcomp.config import BENCHMARKS, KERNEL_BACKENDS, LOGGERS, typed
+from kvcomp.codecs import Codec, CodecConfig, ModelInfo, build_codec, codec_config
+from kvcomp.config import BENCHMARKS, CalibrationConfig, HardwareConfig, LoggerConfig, ModelConfig, typed
 from kvcomp.errors import unknown_choice
 from kvcomp.kernels import check_kernel_backend
+from kvcomp.models.fingerprint import model_fingerprint
+from kvcomp.models.loading import check_device, load_model, model_location
 from kvcomp.paths import cache_dir
-from kvcomp.results import RESULTS_FILE, log_to_wandb, markdown_table, versions, write_json_atomic
+from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, versions
 
 
-def run(cfg: DictConfig, output_dir: str | Path) -> dict:
-    """Run one configuration; write ``results.json`` in ``output_dir``; return the results."""
+@dataclass
+class RunPlan:
+    """A run's validated group configs (everything checked before the model is loaded)."""
+
+    model: ModelConfig
+    hardware: HardwareConfig
+    logger: LoggerConfig
+    calibration: CalibrationConfig
+    benchmark: Any
+    codec: CodecConfig
+
+
+def check_config(cfg: DictConfig) -> RunPlan:
+    """Validate every group of a composed config and the machine it needs; raise :class:`ConfigError`
+    naming the field and the valid choices. Needs no model (a sweep checks all members up front)."""
+    if cfg.benchmark.name not in BENCHMARKS:
+        raise unknown_choice("benchmark", cfg.benchmark.name, BENCHMARKS)
+    plan = RunPlan(
+        model=typed("model", cfg.model),
+        hardware=typed("hardware", cfg.hardware),
+        logger=typed("logger", cfg.logger),
+        calibration=typed("calibration", cfg.calibration),
+        benchmark=typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name]),
+        codec=codec_config(cfg.codec),
+    )
+    check_device(plan.hardware.device)
+    check_kernel_backend(plan.hardware.kernel_backend, plan.hardware.device)
+    model_location(plan.model.source, plan.model.hub_id, fetch=False)
+    return plan
+
+
+def check_codec_for_model(plan: RunPlan) -> None:
+    """Build the codec against the model's shapes when its config is at hand without loading weights
+    (embedded once fetched, local folders, hub models in the local cache); raise its ConfigError."""
+    from transformers import AutoConfig
+
+    location = model_location(plan.model.source, plan.model.hub_id, fetch=False)
+    try:
+        config = AutoConfig.from_pretrained(location, local_files_only=True)
+    except Exception:  # not fetched yet: the member checks its codec once the model is loaded
+        return
+    build_codec(plan.codec, ModelInfo.from_hf_config(config, name=plan.model.name))
+
+
+def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = None) -> dict:
+    """Run one configuration; write ``results.json`` in ``output_dir``; return the results.
+
+    ``overrides``: the command-line overrides that made this run (recorded; sweep summaries show them
+    as columns). ``force=true`` re-runs a finished run, recomputes the reference rows and refits the
+    calibration."""
     output_dir = Path(output_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
-    config.pop("force", None)
+    force = bool(config.pop("force", False))
     results_path = output_dir / RESULTS_FILE
-    if results_path.is_file() and not cfg.get("force", False):
-        previous = json.loads(results_path.read_text())
+    if results_path.is_file() and not force:
+        previous = read_json(results_path, "results file", "delete it, or run with force=true")
         if previous.get("config") == config:
             print(f"[kvcomp] {results_path} already holds this run (force=true re-runs it)")
             print(markdown_table(previous["rows"]))
+            clear_failure(output_dir)
             return previous
 
-    model_cfg = typed("model", cfg.model)
-    hardware = typed("hardware", cfg.hardware)
-    logger = typed("logger", cfg.logger)
-    calibration = typed("calibration", cfg.calibration)
-    if cfg.benchmark.name not in BENCHMARKS:
-        raise unknown_choice("benchmark", cfg.benchmark.name, BENCHMARKS)
-    benchmark_cfg = typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name])
-    benchmark = build_benchmark(benchmark_cfg)
-    if hardware.kernel_backend not in KERNEL_BACKENDS:
-        raise unknown_choice("kernel backend", hardware.kernel_backend, KERNEL_BACKENDS)
-    if logger.name not in LOGGERS:
-        raise unknown_choice("logger", logger.name, LOGGERS)
-    codec_cfg = codec_config(cfg.codec)  # validate before the slow model load
-    check_kernel_backend(hardware.kernel_backend, hardware.device)
-
+    plan = check_config(cfg)
+    check_codec_for_model(plan)  # before the (possibly slow) weights load
+    benchmark = build_benchmark(plan.benchmark)
+    hardware, model_cfg = plan.hardware, plan.model
     torch.manual_seed(cfg.get("seed", 0))
     if hardware.device == "cpu":
         torch.set_num_threads(hardware.threads or os.cpu_count() or 1)
     timings = {}
     start = time.perf_counter()
-    from kvcomp.models import load_model
-
     model, tokenizer = load_model(
         model_cfg.source, hub_id=model_cfg.hub_id, dtype=model_cfg.dtype or hardware.dtype, device=hardware.device
     )
     install(model, hardware.kernel_backend)
-    info = ModelInfo.from_hf_config(model.config, name=model_cfg.hub_id or model_cfg.name)
-    codec = build_codec(codec_cfg, info)
+    fingerprint = model_fingerprint(model, tokenizer)
+    info = ModelInfo.from_hf_config(
+        model.config, name=model_cfg.hub_id or model_cfg.name, fingerprint=fingerprint["fingerprint"]
+    )
+    codec = build_codec(plan.codec, info)
     timings["load_seconds"] = round(time.perf_counter() - start, 2)
     codec.kernel_backend = hardware.kernel_backend
 
     benchmark.prepare(model, tokenizer, model_cfg)
     calibration_report = calibrate(
-        codec, calibration, lambda: _calibration_data(model, tokenizer, calibration)
+        codec, plan.calibration, lambda: _calibration_data(model, tokenizer, plan.calibration, force), force=force
     )
     calibration_report.update(codec.summary())
     if hardware.kernel_backend == "triton":
         _report_kernels(codec)
     rows = []
-    if benchmark_cfg.include_reference and codec.name != "fp16":
+    if plan.benchmark.include_reference and codec.name != "fp16":
         reference = build_codec({"name": "fp16"}, info)
-        rows += _reference_rows(model, reference, benchmark, model_cfg, hardware)
+        rows += _reference_rows(model, reference, benchmark, model_cfg, hardware, force)
     rows += _rows(model, codec, benchmark, model_cfg)
     timings["total_seconds"] = round(time.perf_counter() - start, 2)
 
     results = {
         "config": config,
+        "overrides": list(overrides or []),
+        "model": {"name": model_cfg.name, **fingerprint},
         "rows": rows,
         "calibration": calibration_report,
         "timings": timings,
         "versions": versions(),
     }
     write_json_atomic(results_path, results)
-    print(f"\n[kvcomp] {benchmark_cfg.name} on {model_cfg.name} ({results_path}):")
+    clear_failure(output_dir)
+    print(f"\n[kvcomp] {plan.benchmark.name} on {model_cfg.name} ({results_path}):")
     print(markdown_table(rows))
-    if logger.name == "wandb":
-        log_to_wandb(logger, f"{model_cfg.name}-{codec.describe()}", config, rows)
+    if plan.logger.name == "wandb":
+        log_to_wandb(plan.logger, f"{model_cfg.name}-{codec.describe()}", config, rows, directory=output_dir)
     return results
 
 
@@ -111,7 +158,7 @@ def _report_kernels(codec) -> None:
         )
 
 
-def _calibration_data(model, tokenizer, calibration) -> CalibrationData:
+def _calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:
     from kvcomp.data import load_corpus, token_windows
 
     texts = load_corpus(calibration.name, "calibration", seed=calibration.seed)
@@ -119,7 +166,7 @@ def _calibration_data(model, tokenizer, calibration) -> CalibrationData:
         texts, tokenizer, calibration.seq_len, calibration.num_samples, seed=calibration.seed, mode="random",
         cache_tag=f"{calibration.name}-calibration",
     )
-    return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration)
+    return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration, force=force)
 
 
 def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg) -> list[dict]:
@@ -133,11 +180,12 @@ def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg) -> list[dict]:
     return [codec_columns | metrics for metrics in benchmark.evaluate(model, codec)]
 
 
-def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, hardware) -> list[dict]:
-    """The uncompressed rows, cached across runs for the same model, dtype and benchmark data."""
+def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, hardware, force: bool) -> list[dict]:
+    """The uncompressed rows, cached across runs for the same model (fingerprint), dtype and benchmark
+    data. Each row carries ``reference_key`` so that a sweep summary lists a shared reference once."""
     key = json.dumps(
         {
-            "model": reference.model.name,
+            "model": reference.model.identity,
             "dtype": str(model.dtype),
             "device": hardware.device,
             "benchmark": benchmark.fingerprint(),
@@ -146,9 +194,13 @@ def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, ha
         sort_keys=True,
         default=str,
     )
-    path = cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    rows = _rows(model, reference, benchmark, model_cfg)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = cache_dir() / "reference" / f"{digest}.json"
+    if path.is_file() and not force:
+        rows = read_json(path, "cached reference rows", REFIT)
+        if isinstance(rows, list) and all(isinstance(r, dict) and r.get("reference_key") == digest for r in rows):
+            return rows
+        raise ArtifactError(f"cached reference rows {path} do not hold this reference; {REFIT}")
+    rows = [{**row, "reference_key": digest} for row in _rows(model, reference, benchmark, model_cfg)]
     write_json_atomic(path, rows)
     return rows

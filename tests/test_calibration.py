@@ -11,7 +11,7 @@ from kvcomp.codecs.uniform import UniformCodec, UniformConfig
 from kvcomp.config import CalibrationConfig
 from kvcomp.errors import CalibrationMismatchError
 
-MODEL = ModelInfo(name="tiny", num_layers=2, num_kv_heads=2, head_dim=16)
+MODEL = ModelInfo(name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, fingerprint="aaaa")
 
 
 @dataclass
@@ -54,6 +54,17 @@ def test_fit_once_then_reuse(cache_home):
     assert report["reused"] is True and torch.equal(second.offset, first.offset)
 
 
+def test_same_name_other_weights_never_share_an_artifact(cache_home):
+    other = ModelInfo(name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, fingerprint="bbbb")
+    calibration = CalibrationConfig(num_samples=2, seq_len=4)
+    first = OffsetCodec(OffsetConfig(), MODEL)
+    calibrate(first, calibration, lambda: torch.zeros(2, 4))
+    second = OffsetCodec(OffsetConfig(), other)
+    report = calibrate(second, calibration, lambda: torch.ones(2, 4))
+    assert report["reused"] is False and second.offset[0] == 1 and first.offset[0] == 0
+    assert report["artifact"].startswith("$KVCOMP_CACHE/calibration/")  # no machine path in results
+
+
 def test_another_config_gets_its_own_artifact(cache_home):
     a = OffsetCodec(OffsetConfig(bits=2), MODEL)
     b = OffsetCodec(OffsetConfig(bits=4), MODEL)
@@ -66,8 +77,8 @@ def test_artifact_for_another_model_is_refused(cache_home):
     codec = OffsetCodec(OffsetConfig(), MODEL)
     path = cache_home / "given.safetensors"
     calibrate(codec, calibration, lambda: torch.ones(1, 4), path=path)
-    other_model = ModelInfo(name="other", num_layers=2, num_kv_heads=2, head_dim=16)
-    with pytest.raises(CalibrationMismatchError, match="model: artifact has 'tiny', run wants 'other'"):
+    other_model = ModelInfo(name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, fingerprint="bbbb")
+    with pytest.raises(CalibrationMismatchError, match="model: artifact has 'fingerprint:aaaa', run wants 'fingerprint:bbbb'"):
         calibrate(OffsetCodec(OffsetConfig(), other_model), calibration, lambda: None, path=path)
     with pytest.raises(CalibrationMismatchError, match="calibration"):
         calibrate(codec, CalibrationConfig(num_samples=99), lambda: None, path=path)

@@ -3,7 +3,17 @@ import json
 import pytest
 
 from kvcomp.config import LoggerConfig
-from kvcomp.results import load_rows, log_to_wandb, markdown_table, write_json_atomic, write_summary
+from kvcomp.errors import ConfigError
+from kvcomp.results import (
+    clear_failure,
+    failed_members,
+    load_rows,
+    log_to_wandb,
+    markdown_table,
+    write_failure,
+    write_json_atomic,
+    write_summary,
+)
 
 ROWS = [
     {"model": "m", "codec": "fp16()", "benchmark": "b", "bits_per_value": 16.0, "ppl_streaming": 20.0, "ppl_simulated": 20.0},
@@ -23,19 +33,63 @@ def test_markdown_table_has_both_protocols():
     assert "| m | kivi(bits=2) | 3.000 |" in table
 
 
-def test_summary_deduplicates_the_shared_reference(tmp_path):
-    write_json_atomic(tmp_path / "bits=2" / "results.json", {"rows": ROWS})
-    write_json_atomic(tmp_path / "bits=4" / "results.json", {"rows": [ROWS[0], {**ROWS[1], "codec": "kivi(bits=4)"}]})
-    assert len(load_rows(tmp_path)) == 3
+def _member(directory, overrides, rows):
+    write_json_atomic(directory / ",".join(overrides) / "results.json", {"overrides": overrides, "rows": rows})
+
+
+def test_summary_lists_every_member_and_a_shared_reference_once(tmp_path):
+    reference = {**ROWS[0], "reference_key": "r1"}
+    _member(tmp_path, ["codec.bits=2"], [reference, ROWS[1]])
+    _member(tmp_path, ["codec.bits=4"], [reference, {**ROWS[1], "codec": "kivi(bits=4)"}])
+    rows, columns = load_rows(tmp_path)
+    assert columns == ["codec.bits"] and len(rows) == 3
+    assert [(r["codec"], r.get("codec.bits")) for r in rows] == [("fp16()", None), ("kivi(bits=2)", "2"), ("kivi(bits=4)", "4")]
     table = write_summary(tmp_path)
-    assert table.count("\n| m |") == 3
+    assert table.count("\n| m |") == 3 and "| codec.bits |" in table
     assert (tmp_path / "summary.csv").read_text().count("\n") == 4
 
 
+def test_members_that_differ_only_in_an_override_keep_their_rows(tmp_path):
+    """calibration=enwiki,lee and hardware.dtype=float32,bfloat16 used to collapse to one row each."""
+    for calibration in ("enwiki", "lee"):
+        _member(tmp_path / "cal", [f"calibration={calibration}"], [{**ROWS[0], "reference_key": "r"}, ROWS[1]])
+    rows, columns = load_rows(tmp_path / "cal")
+    assert columns == ["calibration"]
+    assert [(r["codec"], r.get("calibration")) for r in rows] == [("fp16()", None), ("kivi(bits=2)", "enwiki"), ("kivi(bits=2)", "lee")]
+    for dtype in ("float32", "bfloat16"):  # each dtype has its own reference
+        _member(tmp_path / "dtype", [f"hardware.dtype={dtype}"], [{**ROWS[0], "reference_key": dtype}, ROWS[1]])
+    rows, _ = load_rows(tmp_path / "dtype")
+    assert sorted((r["codec"], r["hardware.dtype"]) for r in rows) == [
+        ("fp16()", "bfloat16"), ("fp16()", "float32"), ("kivi(bits=2)", "bfloat16"), ("kivi(bits=2)", "float32")]
+
+
+def test_failed_member_is_a_row_with_its_error(tmp_path):
+    _member(tmp_path, ["codec.bits=2"], ROWS)
+    config = {"model": {"name": "m"}, "codec": {"name": "kivi", "bits": 9}, "benchmark": {"name": "perplexity"}}
+    write_failure(tmp_path / "codec.bits=9", config, ["codec.bits=9"], ConfigError("bits=9 is not supported"))
+    rows, _ = load_rows(tmp_path)
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(failed) == 1 and failed[0]["codec.bits"] == "9" and "bits=9 is not supported" in failed[0]["error"]
+    assert failed_members(tmp_path) == [tmp_path / "codec.bits=9"]
+    assert "| failed | ConfigError: bits=9 is not supported |" in write_summary(tmp_path)
+    clear_failure(tmp_path / "codec.bits=9")
+    assert failed_members(tmp_path) == []
+
+
+def test_bug_failures_keep_their_traceback(tmp_path):
+    try:
+        raise ZeroDivisionError("boom")
+    except ZeroDivisionError as error:
+        write_failure(tmp_path, {}, [], error)
+    record = json.loads((tmp_path / "error.json").read_text())
+    assert "ZeroDivisionError" in record["traceback"]
+
+
 def test_wandb_offline_gets_the_table(tmp_path, monkeypatch):
+    """W&B files go under the run's output folder (not ./wandb of the checkout)."""
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    log_to_wandb(LoggerConfig(name="wandb", mode="offline"), "test-run", {"codec": "kivi"}, ROWS)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    log_to_wandb(LoggerConfig(name="wandb", mode="offline"), "test-run", {"codec": "kivi"}, ROWS, directory=tmp_path)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     table_files = list(runs[0].rglob("results_*.table.json"))

@@ -10,7 +10,9 @@ post-RoPE from the cache and un-rotated; since RoPE is a rotation ``R``, the pre
 The first ``drop_first`` tokens (attention sinks, kept in full precision) of every window are dropped.
 Everything is written, as it is produced, to file-backed tensors (``torch.from_file``) under the cache
 folder, so memory stays bounded by one window's activations (64 x 2048 tokens of an 8B model are
-~34 GB of bf16 on disk), and later codecs fitted on the same model and data reuse the files.
+~34 GB of bf16 on disk), and later codecs fitted on the same model (fingerprint) and data reuse the
+files. ``complete.json`` records every shard's size and sha256; a reused folder is verified first, so a
+truncated or altered shard is an error naming it, never zeros read back.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kvcomp
+from kvcomp.artifacts import ArtifactError, file_record, read_json, verify_file, write_json_atomic
 from kvcomp.cache import install
 from kvcomp.cache.rope import undo_rope
 from kvcomp.codecs import ModelInfo
+from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir
 
 FIELDS = ("key", "value", "key_grad2", "value_grad2")
@@ -94,13 +98,34 @@ class KVActivations:
         return {field: self.tensor(layer, field) for field in FIELDS}
 
     @property
+    def record_path(self) -> Path:
+        return self.folder / "complete.json"
+
+    @property
     def complete(self) -> bool:
-        return (self.folder / "complete.json").is_file()
+        return self.record_path.is_file()
+
+    def paths(self) -> list[Path]:
+        return [self.path(layer, field) for layer in range(self.num_layers) for field in FIELDS]
+
+    def seal(self, seconds: float) -> None:
+        """Record every shard's size and sha256 (written last: its presence marks the folder complete)."""
+        files = {p.name: file_record(p) for p in self.paths()}
+        write_json_atomic(self.record_path, {"shape": self.shape, "seconds": seconds, "files": files})
+
+    def verify(self) -> None:
+        """Raise :class:`~kvcomp.artifacts.ArtifactError` unless every shard matches its record."""
+        remedy = f"delete {self.folder}, or run with force=true to collect it again"
+        files = read_json(self.record_path, "calibration K/V record", remedy).get("files")
+        if not isinstance(files, dict) or set(files) != {p.name for p in self.paths()}:
+            raise ArtifactError(f"calibration K/V record {self.record_path} lists no or other shards; {remedy}")
+        for path in self.paths():
+            verify_file(path, files[path.name], "calibration K/V shard", remedy)
 
 
 def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int) -> str:
     spec = {
-        "model": info.name,
+        "model": info.identity,
         "shape": [info.num_layers, info.num_kv_heads, info.head_dim],
         "windows": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(),
         "drop_first": drop_first,
@@ -109,14 +134,20 @@ def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int) -> 
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 8, folder: Path | None = None) -> KVActivations:
-    """Record pre-RoPE K/V and squared loss gradients of every window (reusing a complete earlier run)."""
+def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 8, folder: Path | None = None,
+               force: bool = False) -> KVActivations:
+    """Record pre-RoPE K/V and squared loss gradients of every window (reusing a complete, verified
+    earlier run unless ``force``)."""
     samples, seq_len = windows.shape
     if seq_len <= drop_first:
-        raise ValueError(f"calibration windows of {seq_len} tokens leave nothing after dropping {drop_first} sink tokens")
+        raise ConfigError(
+            f"calibration.seq_len={seq_len} leaves nothing after dropping {drop_first} sink tokens; "
+            f"valid: calibration.seq_len > {drop_first}"
+        )
     folder = Path(folder) if folder is not None else cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first)
     store = KVActivations(folder, (samples, info.num_kv_heads, seq_len - drop_first, info.head_dim), info.num_layers)
-    if store.complete:
+    if store.complete and not force:
+        store.verify()
         return store
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -146,5 +177,6 @@ def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 
     finally:
         for p in trainable:
             p.requires_grad_(True)
-    (folder / "complete.json").write_text(json.dumps({"shape": store.shape, "seconds": time.perf_counter() - start}))
+    del tensors  # release the file mappings before hashing the shards
+    store.seal(time.perf_counter() - start)
     return store

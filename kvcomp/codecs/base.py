@@ -14,16 +14,21 @@ must match.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvcomp.errors import CalibrationMismatchError, ConfigError
+from kvcomp.artifacts import REFIT, ArtifactError
+from kvcomp.errors import CalibrationMismatchError, ConfigError, NonFiniteStateError
 
 KINDS = ("key", "value")
 
@@ -44,9 +49,10 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     has_rope: bool = True
+    fingerprint: str = ""  # :func:`kvcomp.models.fingerprint.model_fingerprint`; keys every cache when set
 
     @classmethod
-    def from_hf_config(cls, config, name: str | None = None) -> "ModelInfo":
+    def from_hf_config(cls, config, name: str | None = None, fingerprint: str = "") -> "ModelInfo":
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -63,7 +69,13 @@ class ModelInfo:
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             has_rope=has_rope,
+            fingerprint=fingerprint,
         )
+
+    @property
+    def identity(self) -> str:
+        """What cache keys use: the fingerprint (content), or the name when none was computed."""
+        return f"fingerprint:{self.fingerprint}" if self.fingerprint else f"name:{self.name}"
 
 
 @dataclass(frozen=True)
@@ -118,27 +130,53 @@ class Payload:
 
 @dataclass
 class CodecState:
-    """What ``fit`` learned (codebooks, statistics, ...) plus what it was fitted for."""
+    """What ``fit`` learned (codebooks, statistics, ...) plus what it was fitted for.
+
+    Saved as one safetensors file whose header holds ``fitted_for`` and a sha256 over ``fitted_for`` and
+    every tensor, so a truncated, altered or re-labelled file is refused on load (:meth:`load`)."""
 
     tensors: dict[str, torch.Tensor]
     fitted_for: dict[str, Any] = field(default_factory=dict)
 
+    def checksum(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.fitted_for, sort_keys=True).encode())
+        for name in sorted(self.tensors):
+            tensor = self.tensors[name].detach().contiguous().cpu()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def check_finite(self, where: str) -> None:
+        """Raise :class:`NonFiniteStateError` naming the first tensor (layer and field) with NaN or Inf."""
+        for name, tensor in self.tensors.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                layer = re.match(r"layer(\d+)\.(.+)", name)
+                what = f"layer {layer[1]}, field {layer[2]!r}" if layer else f"field {name!r}"
+                raise NonFiniteStateError(f"{where}: {what} holds NaN or Inf")
+
     def save(self, path: str | Path) -> None:
-        """Write ``path`` (safetensors, metadata in its header) atomically."""
+        """Write ``path`` (safetensors, metadata and checksum in its header) atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tensors = {k: v.contiguous().cpu() for k, v in self.tensors.items()}
-        save_file(tensors, str(tmp), metadata={"fitted_for": json.dumps(self.fitted_for, sort_keys=True)})
+        metadata = {"fitted_for": json.dumps(self.fitted_for, sort_keys=True), "sha256": self.checksum()}
+        save_file(tensors, str(tmp), metadata=metadata)
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: str | Path, expected_for: dict[str, Any]) -> "CodecState":
-        """Load ``path``; raise :class:`CalibrationMismatchError` listing every field that differs."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            fitted_for = json.loads((f.metadata() or {}).get("fitted_for", "{}"))
+        """Load ``path``; raise :class:`CalibrationMismatchError` listing every field that differs, and
+        :class:`~kvcomp.artifacts.ArtifactError` (naming the file and the remedy) when it is damaged."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+            fitted_for = json.loads(metadata["fitted_for"])
+            tensors = load_file(str(path))
+        except Exception as err:  # truncated or garbled file / header
+            raise ArtifactError(
+                f"calibration artifact {path} is unreadable ({type(err).__name__}: {err}); {REFIT}"
+            ) from err
         differences = [
             f"{key}: artifact has {fitted_for.get(key)!r}, run wants {expected_for.get(key)!r}"
             for key in sorted(set(fitted_for) | set(expected_for))
@@ -148,7 +186,11 @@ class CodecState:
             raise CalibrationMismatchError(
                 f"calibration artifact {path} was fitted for something else:\n  " + "\n  ".join(differences)
             )
-        return cls(tensors=load_file(str(path)), fitted_for=fitted_for)
+        state = cls(tensors=tensors, fitted_for=fitted_for)
+        if metadata.get("sha256") != state.checksum():
+            raise ArtifactError(f"calibration artifact {path} fails its sha256 checksum (altered or damaged); {REFIT}")
+        state.check_finite(f"calibration artifact {path}")
+        return state
 
 
 class Codec(ABC):

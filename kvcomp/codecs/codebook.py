@@ -262,7 +262,8 @@ class CodebookCodec(Codec):
 
         cfg = self.config
         start = time.perf_counter()
-        acts = collect_kv(calibration.model, self.model, calibration.windows, cfg.calibration_drop_first)
+        acts = collect_kv(calibration.model, self.model, calibration.windows, cfg.calibration_drop_first,
+                          force=calibration.force)
         collected = time.perf_counter()
         device = next(calibration.model.parameters()).device
         samples, _, tokens, _ = acts.shape

@@ -15,7 +15,6 @@ half-written asset behind. A second call finds the asset and returns at once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from kvcomp.artifacts import sha256_file
 from kvcomp.errors import KVCompError
 from kvcomp.paths import cache_dir
 
@@ -65,15 +65,6 @@ CORPUS_FILES: dict[str, tuple[str, str]] = {
 
 class AssetError(KVCompError, RuntimeError):
     """An embedded asset could not be downloaded, or failed its checksum."""
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def embedded_model_dir() -> Path:

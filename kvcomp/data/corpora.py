@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from kvcomp.artifacts import ArtifactError
 from kvcomp.errors import KVCompError, unknown_choice
 from kvcomp.paths import cache_dir
 
@@ -442,11 +443,11 @@ def tokenize_documents(texts: Sequence[str], tokenizer, *, separator: str | None
     sep_ids = _separator_ids(tokenizer, separator)
     path = None
     if cache:
-        key = _hash("\x00".join([_tokenizer_fingerprint(tokenizer), repr(sep_ids), *texts]))[:24]
+        key = _hash("\x00".join([tokenizer_fingerprint(tokenizer), repr(sep_ids), *texts]))[:24]
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", cache_tag).strip("-")
         path = cache_dir() / "tokens" / f"{tag + '-' if tag else ''}{key}.pt"
         if path.is_file():
-            return torch.load(path)
+            return _load_token_ids(path)
     ids: list[int] = []
     batch = 64
     for start in range(0, len(texts), batch):
@@ -513,13 +514,24 @@ def _separator_ids(tokenizer, separator: str | None) -> list[int]:
     return list(tokenizer([text], add_special_tokens=False)["input_ids"][0])
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer) -> str:
     """A string that changes whenever the tokenizer would produce different ids."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "to_str"):
         return _hash(backend.to_str())
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return _hash(f"{type(tokenizer).__name__}:{getattr(tokenizer, 'name_or_path', '')}:{sorted(vocab.items())}")
+
+
+def _load_token_ids(path: Path) -> torch.Tensor:
+    """Cached token ids (tensors only: ``weights_only=True``), or a clear error naming the file."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # truncated zip, pickle garbage, ...
+        raise ArtifactError(
+            f"token cache {path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "delete it and it is rebuilt from the text"
+        ) from err
 
 
 def _atomic_torch_save(obj, path: Path) -> None:

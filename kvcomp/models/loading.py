@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 
 from kvcomp.data.corpora import HubUnavailableError
-from kvcomp.errors import unknown_choice
+from kvcomp.errors import ConfigError, unknown_choice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-SOURCES = ("embedded", "hub", "<path to a local model folder>")
 
 
 def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32", device: str = "cpu",
@@ -24,20 +23,8 @@ def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32"
     """
     if dtype not in DTYPES:
         raise unknown_choice("dtype", dtype, DTYPES)
-    if source == "embedded":
-        from kvcomp.data.assets import ensure_embedded_model
-
-        location = str(ensure_embedded_model())
-    elif source == "hub":
-        if not hub_id:
-            raise ValueError("source='hub' needs hub_id (e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct')")
-        location = hub_id
-    elif Path(source).expanduser().is_dir():
-        location = str(Path(source).expanduser())
-    else:
-        raise ValueError(
-            f"unknown model source {source!r}: expected 'embedded', 'hub' (with hub_id) or an existing model folder"
-        )
+    check_device(device)
+    location = model_location(source, hub_id)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,9 +37,14 @@ def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32"
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(location)
     except Exception as err:
-        if source != "hub":
-            raise
-        raise _hub_error(hub_id, err) from err
+        if source == "hub":
+            raise _hub_error(hub_id, err) from err
+        if source != "embedded" and isinstance(err, (OSError, ValueError, KeyError)):
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise ConfigError(
+                f"model.source={source!r}: transformers cannot load this folder ({type(err).__name__}: {first_line})"
+            ) from err
+        raise
     if "device_map" not in kwargs:
         model.to(device)
     model.eval()
@@ -60,6 +52,46 @@ def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32"
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def model_location(source: str, hub_id: str | None = None, fetch: bool = True) -> str:
+    """Where ``from_pretrained`` reads the model: the embedded folder, the hub id, or a checked local folder.
+
+    Raises :class:`ConfigError` for a missing folder or one without a ``config.json``. ``fetch=False``
+    does not download the embedded model (its folder may then not exist yet)."""
+    if source == "embedded":
+        from kvcomp.data.assets import embedded_model_dir, ensure_embedded_model
+
+        return str(ensure_embedded_model() if fetch else embedded_model_dir())
+    if source == "hub":
+        if not hub_id:
+            raise ConfigError("model source 'hub' needs model.hub_id (e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct')")
+        return hub_id
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(
+            f"model.source={source!r} is neither 'embedded', 'hub' (with model.hub_id) nor an existing folder"
+        )
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model.source={source!r} is a folder without config.json, not a Hugging Face model folder "
+            "(save one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder))"
+        )
+    return str(folder)
+
+
+def check_device(device: str) -> None:
+    """Raise :class:`ConfigError` when ``device`` is not usable on this machine (checked before loading)."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device {device!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}); use hardware=cpu, or install a CUDA build of torch on a GPU machine"
+        )
+    if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r} needs Apple MPS, which this machine lacks; use hardware=cpu")
 
 
 def _hub_error(hub_id: str, err: Exception) -> HubUnavailableError:

@@ -1,0 +1,68 @@
+"""Checked files: what kvcomp computes once and reuses is verified before it is trusted.
+
+Every cached file (calibration K/V shards, codec artifacts, reference rows, token ids) records its size
+and sha256 when written; :func:`verify_file` checks both on load, and :func:`read_json` turns unreadable
+metadata into an :class:`ArtifactError`. Each error names the file, the problem and the remedy, so a
+damaged file never yields a silent result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from kvcomp.errors import KVCompError
+
+REFIT = "delete it, or run with force=true to recompute it"
+
+
+class ArtifactError(KVCompError, RuntimeError):
+    """A cached file is missing, truncated, altered or unreadable."""
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_record(path: str | Path) -> dict:
+    """``{"bytes": size, "sha256": digest}`` of ``path``, as stored beside it."""
+    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+def verify_file(path: str | Path, record: dict, what: str, remedy: str = REFIT) -> None:
+    """Raise :class:`ArtifactError` unless ``path`` has the size and sha256 in ``record``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{what} {path} is missing; {remedy}")
+    size = path.stat().st_size
+    if size != record.get("bytes"):
+        raise ArtifactError(
+            f"{what} {path} has {size} bytes, its record says {record.get('bytes')} (truncated or altered); {remedy}"
+        )
+    if sha256_file(path) != record.get("sha256"):
+        raise ArtifactError(f"{what} {path} fails its sha256 checksum (altered or damaged); {remedy}")
+
+
+def read_json(path: str | Path, what: str, remedy: str = REFIT):
+    """Parse a JSON file, or raise :class:`ArtifactError` naming it when it cannot be read."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ArtifactError(f"{what} {path} is unreadable ({type(err).__name__}: {err}); {remedy}") from err
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str))
+    tmp.replace(path)
