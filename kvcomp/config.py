@@ -53,7 +53,7 @@ class ModelConfig:
         if self.dtype is not None:
             one_of(self, "dtype", DTYPE_NAMES)
         if self.source == "hub" and not self.hub_id:
-            raise ConfigError("source='hub' needs hub_id (e.g. model.hub_id=HuggingFaceTB/SmolLM2-135M-Instruct)")
+            raise ConfigError("source='hub' needs hub_id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
 
 
 @dataclass
@@ -199,15 +199,16 @@ BENCHMARKS = {
 BENCHMARK_SCHEMAS = {"schema_ruler": RulerConfig, "schema_lm_eval": LMEvalConfig}
 
 
-def structured(schema: type, config, label: str):
+def structured(schema: type, config, label: str, group: str = ""):
     """``config`` (DictConfig or mapping) merged onto ``schema``'s defaults, as a ``schema`` instance.
 
-    Unknown or mistyped fields raise :class:`ConfigError` naming ``label`` and the field."""
+    Unknown or mistyped fields raise :class:`ConfigError` naming ``label`` and the field; a value out of
+    range (the dataclass' ``__post_init__``) names it as ``<group>.<field>``."""
     raw = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
     except ConfigError as exc:  # a range check of the dataclass (__post_init__)
-        raise ConfigError(f"{label}: {exc}") from exc
+        raise ConfigError(f"{group}.{exc}" if group else f"{label}: {exc}") from exc
     except Exception as exc:  # omegaconf's several error types become one clear error
         field_name = getattr(exc, "full_key", None)
         where = f" field {field_name!r}" if field_name else ""
@@ -216,7 +217,7 @@ def structured(schema: type, config, label: str):
 
 def typed(group: str, config, schema: type | None = None):
     """Validate ``config`` against its group's dataclass (or ``schema``) and return the dataclass."""
-    return structured(schema or GROUPS[group], config, f"{group} config")
+    return structured(schema or GROUPS[group], config, f"{group} config", group)
 
 
 def register_configs() -> None:

@@ -1,5 +1,7 @@
 """Integration tests on the embedded SmolLM2-135M (fetched by scripts/setup.sh)."""
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -195,3 +197,60 @@ def test_fused_decode_attention_on_smollm2(embedded):
     torch.testing.assert_close(fused, reference, rtol=1e-3, atol=1e-3)
     assert all(layer.key_stream.decoded is None and layer.value_stream.decoded is None for layer in cache.layers)
     assert cache.layers[0].key_stream.num_encoded == 128
+
+
+SMALL = ["benchmark.num_windows=2", "benchmark.seq_len=128", "hardware.threads=2"]
+
+
+def test_sweep_survives_a_bad_member_and_keeps_every_dtype(embedded, tmp_path):
+    """`-m codec.bits=9,2 hardware.dtype=float32,bfloat16`: the invalid members are recorded as failed, the
+    valid ones run, the summary holds a row per member (each dtype with its own reference), exit code 1."""
+    sweep = tmp_path / "sweep"
+    result = _run("-m", "codec=kivi", "codec.bits=9,2", "hardware.dtype=float32,bfloat16", *SMALL,
+                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "is invalid: kivi (keys): bits=9 is not supported" in result.stderr  # checked before any member ran
+    assert "Traceback" not in result.stderr
+    rows = list(csv.DictReader(io.StringIO((sweep / "summary.csv").read_text())))
+    kept = sorted((r["codec"].split("(")[0], r["codec.bits"], r["hardware.dtype"], r["status"]) for r in rows)
+    assert kept == [("fp16", "2", "bfloat16", "ok"), ("fp16", "2", "float32", "ok"),
+                    ("kivi", "2", "bfloat16", "ok"), ("kivi", "2", "float32", "ok"),
+                    ("kivi", "9", "bfloat16", "failed"), ("kivi", "9", "float32", "failed")]
+    ppl = {(r["codec"][:4], r["hardware.dtype"]): float(r["ppl_streaming"]) for r in rows if r["status"] == "ok"}
+    assert ppl[("fp16", "float32")] != ppl[("fp16", "bfloat16")]
+    assert "bits=9 is not supported" in (sweep / "summary.md").read_text()
+    assert str(tmp_path) not in (sweep / "summary.md").read_text()  # paths relative to the sweep folder
+
+
+def test_a_perturbed_model_under_the_same_name_gets_its_own_reference(embedded, tmp_path):
+    """SmolLM2 with 4 MLP layers zeroed, run as `model.source=<folder>` under the embedded model's name:
+    its own fp16 perplexity (not the cached one of the real model) and its own fingerprint."""
+    model, tokenizer = embedded
+    folder = tmp_path / "perturbed"
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for layer in model.model.layers[10:14]:
+            layer.mlp.down_proj.weight.zero_()
+    try:
+        model.save_pretrained(folder)
+    finally:
+        model.load_state_dict(state)
+    tokenizer.save_pretrained(folder)
+    runs = {}
+    for name, source in (("real", "embedded"), ("perturbed", str(folder))):
+        result = _run("codec=kivi", f"model.source={source}", *SMALL, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    assert runs["real"]["model"]["name"] == runs["perturbed"]["model"]["name"] == "smollm2_135m"
+    assert runs["real"]["model"]["fingerprint"] != runs["perturbed"]["model"]["fingerprint"]
+    real, perturbed = (runs[n]["rows"][0] for n in ("real", "perturbed"))
+    assert real["codec"] == perturbed["codec"] == "fp16()" and real["reference_key"] != perturbed["reference_key"]
+    assert perturbed["ppl_streaming"] > 1.5 * real["ppl_streaming"]
+
+
+def test_user_errors_print_one_line_and_bugs_keep_tracebacks(tmp_path):
+    result = _run("benchmark.batch_size=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "kvcomp error: benchmark.batch_size=0 is out of range; valid: an integer >= 1" in result.stderr
+    full = _run("benchmark.batch_size=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path, HYDRA_FULL_ERROR="1")
+    assert full.returncode != 0 and "Traceback" in full.stderr

@@ -198,7 +198,51 @@ def test_calibration_needs_a_positive_sample_count_and_windows_longer_than_the_s
 
     from .conftest import info_of
 
-    with pytest.raises(ConfigError, match="calibration config: num_samples=0 is out of range"):
+    with pytest.raises(ConfigError, match="calibration.num_samples=0 is out of range; valid: an integer >= 1"):
         typed("calibration", {"num_samples": 0})
     with pytest.raises(ConfigError, match=r"calibration.seq_len=8 .* valid: calibration.seq_len > 8"):
         collect_kv(tiny_llama, info_of(tiny_llama), torch.zeros(1, 8, dtype=torch.long), drop_first=8)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("benchmark.seq_len=1", "benchmark.seq_len=1 is out of range; valid: an integer >= 2"),
+    ("benchmark.batch_size=0", "benchmark.batch_size=0 is out of range"),
+    ("hardware.threads=-1", "hardware.threads=-1 is out of range; valid: an integer >= 0"),
+    ("calibration.num_samples=0", "calibration.num_samples=0 is out of range"),
+    ("model.source=/no/such/folder", "neither 'embedded', 'hub' .* nor an existing folder"),
+    ("hardware.dtype=float8", r"hardware.dtype='float8' is unknown; valid choices: float32, bfloat16, float16, auto"),
+    ("benchmark=ruler benchmark.num_samples=0", "benchmark.num_samples=0 is out of range"),
+])
+def test_bad_input_is_a_config_error_naming_the_field(override, message):
+    from kvcomp.runner import check_config
+
+    from .test_config import _compose
+
+    with pytest.raises(ConfigError, match=message):
+        check_config(_compose(*override.split()))
+
+
+def test_a_cuda_profile_on_a_machine_without_cuda_says_so(tmp_path):
+    from kvcomp.runner import check_config
+
+    from .test_config import _compose
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r"needs CUDA, but torch.cuda.is_available\(\) is False.*hardware=cpu"):
+        check_config(_compose("hardware=h100"))
+    with pytest.raises(ConfigError, match="without config.json"):
+        check_config(_compose(f"model.source={tmp_path}"))
+
+
+def test_sweep_members_are_checked_before_they_run():
+    from omegaconf import OmegaConf
+
+    from kvcomp.sweep import sweep_members
+
+    config = OmegaConf.create({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": {"seed": "0,1"}},
+        "overrides": {"task": ["codec=kivi", "codec.bits=9,2"]},
+    }})
+    members = sweep_members(config)
+    assert len(members) == 4 and ["seed=0", "codec=kivi", "codec.bits=9"] in members

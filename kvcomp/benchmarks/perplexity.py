@@ -62,6 +62,8 @@ def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.
         return token_windows(texts, tokenizer, config.seq_len, config.num_windows, cache_tag=tag)
     windows = token_windows(texts, tokenizer, config.seq_len, None, cache_tag=tag)
     if config.num_windows <= 0 or config.num_windows >= len(windows):
+        print(f"[kvcomp] perplexity: all {len(windows)} windows of {config.seq_len} tokens of {tag} "
+              f"(num_windows={config.num_windows}), {len(config.protocols)} protocol(s) each", flush=True)
         return windows
     return windows[torch.linspace(0, len(windows) - 1, config.num_windows).round().long()]
 
@@ -95,9 +97,9 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         if shortcut and i > 0:  # nothing is ever encoded: the protocols cannot differ
             metrics[f"ppl_{protocol}"] = metrics[f"ppl_{config.protocols[0]}"]
             continue
-        start = time.perf_counter()
+        start = last_report = time.perf_counter()
         nll, count = 0.0, 0
-        for batch in windows.split(config.batch_size):
+        for done, batch in enumerate(windows.split(config.batch_size), 1):
             batch = batch.to(device)
             cache = CompressedCache(codec, protocol)
             logits = model(batch, past_key_values=cache, use_cache=True).logits.float()
@@ -105,10 +107,23 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
             count += batch[:, 1:].numel()
             if not cache_stats:
                 cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype)
+            last_report = _report_progress(protocol, codec, done * config.batch_size, len(windows), start, last_report)
         metrics[f"ppl_{protocol}"] = math.exp(nll / count)
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
     metrics["tokens_scored"] = int(windows[:, 1:].numel())
     return {**metrics, **cache_stats}
+
+
+def _report_progress(protocol: str, codec: Codec, done: int, total: int, start: float, last: float,
+                     every: float = 30.0) -> float:
+    """Print windows done, elapsed and estimated remaining time at most every ``every`` seconds."""
+    now = time.perf_counter()
+    if now - last < every or done >= total:
+        return last
+    elapsed = now - start
+    print(f"[kvcomp] perplexity {codec.name} ({protocol}): {done}/{total} windows, {elapsed:.0f}s, "
+          f"~{elapsed / done * (total - done):.0f}s left", flush=True)
+    return now
 
 
 def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int, dtype: torch.dtype) -> dict:
