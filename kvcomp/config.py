@@ -64,6 +64,7 @@ class CalibrationConfig:
     num_samples: int = 16
     seq_len: int = 512
     seed: int = 0
+    artifact: str | None = None  # a fitted codec state to use instead of the cache's (refused if fitted for another model)
 
     def __post_init__(self):
         at_least(self, 1, "num_samples")

@@ -317,7 +317,7 @@ def test_load_model_argument_errors(tmp_path):
         load_model("embedded", dtype="int8", device="cpu")
     with pytest.raises(ValueError, match="hub_id"):
         load_model("hub", hub_id=None, dtype="float32", device="cpu")
-    with pytest.raises(ValueError, match="existing model folder"):
+    with pytest.raises(ValueError, match="nor an existing folder"):
         load_model(str(tmp_path / "missing"), hub_id=None, dtype="float32", device="cpu")
 
 

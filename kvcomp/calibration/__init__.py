@@ -40,7 +40,7 @@ def fitted_for(codec: Codec, calibration: CalibrationConfig) -> dict:
         "model": codec.model.identity,
         "model_shape": [codec.model.num_layers, codec.model.num_kv_heads, codec.model.head_dim],
         "codec": codec.calibration_key(),
-        "calibration": asdict(calibration),
+        "calibration": {k: v for k, v in asdict(calibration).items() if k != "artifact"},
         "kvcomp_version": kvcomp.__version__,
     }
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from kvcomp.artifacts import ArtifactError
-from kvcomp.errors import KVCompError, unknown_choice
+from kvcomp.errors import ConfigError, KVCompError, unknown_choice
 from kvcomp.paths import cache_dir
 
 SPLITS = ("calibration", "evaluation")
@@ -472,27 +472,27 @@ def token_windows(texts: Sequence[str], tokenizer, seq_len: int, num_windows: in
     ``contiguous``: consecutive, non-overlapping windows from the start of the token stream; the
     first ``num_windows`` of them, or all of them when ``num_windows`` is None or <= 0.
     ``random``: ``num_windows`` windows at seeded random offsets (may overlap), for calibration.
-    Raises ValueError when the text has too few tokens for what is asked.
+    Raises :class:`ConfigError` when the text has too few tokens for what is asked.
     """
     if mode not in WINDOW_MODES:
         raise unknown_choice("window mode", mode, WINDOW_MODES)
     if seq_len <= 0:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
+        raise ConfigError(f"seq_len must be positive, got {seq_len}")
     tokens = tokenize_documents(texts, tokenizer, separator=separator, cache=cache, cache_tag=cache_tag)
     total = tokens.numel()
     available = total // seq_len
     if mode == "contiguous":
         n = available if not num_windows or num_windows <= 0 else num_windows
         if available == 0 or n > available:
-            raise ValueError(
+            raise ConfigError(
                 f"not enough text for {n or 1} windows of {seq_len} tokens: the corpus has {total} tokens, "
                 f"enough for {available} contiguous windows"
             )
         return tokens[: n * seq_len].view(n, seq_len).clone()
     if not num_windows or num_windows <= 0:
-        raise ValueError("mode='random' needs num_windows > 0")
+        raise ConfigError(f"random windows need num_windows > 0 (calibration.num_samples), got {num_windows}")
     if total < seq_len:
-        raise ValueError(f"not enough text for a window of {seq_len} tokens: the corpus has {total} tokens")
+        raise ConfigError(f"not enough text for a window of {seq_len} tokens: the corpus has {total} tokens")
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, total - seq_len + 1, (num_windows,), generator=generator)
     return torch.stack([tokens[s: s + seq_len] for s in starts.tolist()])

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcomp.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class KMeansSettings:
@@ -98,7 +100,10 @@ def weighted_kmeans(points: torch.Tensor, weights: torch.Tensor, k: int, setting
     """
     count, n, d = points.shape
     if n < k:
-        raise ValueError(f"k-means needs at least k={k} points per codebook, got {n}")
+        raise ConfigError(
+            f"k-means needs at least k={k} points per codebook, got {n}: "
+            "use more calibration data (calibration.num_samples, calibration.seq_len)"
+        )
     device = points.device
     points, weights = points.float(), weights.float()
     generator = torch.Generator(device=device).manual_seed(settings.seed)
