@@ -9,8 +9,12 @@ Two group shapes over a ``[batch, heads, tokens, head_dim]`` block:
 - ``per_token``: groups of ``group_size`` adjacent channels of one token (KIVI's values);
 - ``per_channel``: groups of ``group_size`` adjacent tokens of one channel (KIVI's keys).
 
-Scale and zero-point are stored in ``param_dtype`` (16 bits, as the papers count them) and the codes
-are computed with the stored, rounded parameters, so encode and decode agree exactly. Codes are packed
+Scale and zero-point are computed in float32 and stored in ``param_dtype`` (16 bits, as the papers
+count them); the codes are computed with the stored, rounded parameters, so encode and decode agree
+exactly. A block whose parameters do not fit ``param_dtype`` (float16 beyond 65504, e.g. inputs of
+magnitude 1e5) stores that block's scale and zero in float32 instead: the cache's measured bytes grow
+accordingly (consecutive blocks concatenate to float32), while ``bits_per_value`` stays the nominal
+16-bit count. Inputs whose range overflows even float32 raise :class:`NonFiniteKVError`. Codes are packed
 along the channel axis of each token, so every stored tensor has tokens (or token groups) on dim 2
 and payloads of consecutive blocks concatenate along that dim.
 """
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.errors import ConfigError
+from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
 
 AXES = ("per_token", "per_channel")
@@ -70,11 +74,25 @@ class GroupQuantizer:
             groups = x.float().reshape(b, h, t // self.group_size, self.group_size, d)
             lo, hi = groups.amin(-2), groups.amax(-2)  # [B,H,T/G,D]
         levels = (1 << self.bits) - 1
-        scale = ((hi - lo) / levels).to(self.param_dtype)
-        zero = lo.to(self.param_dtype)
+        scale = (hi - lo) / levels
+        scale = torch.where(torch.isfinite(scale), scale, hi / levels - lo / levels)  # hi - lo overflowed
+        scale, zero = self._stored(scale, lo)
         s, z = self._expand(scale), self._expand(zero)
         q = torch.round((x.float() - z) / s.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, levels)
         return {"codes": pack_bits(q.to(torch.uint8), self.bits), "scale": scale, "zero": zero}
+
+    def _stored(self, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero as stored: ``param_dtype`` when every value fits it, else float32."""
+        if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+            peak = max(scale.abs().max().item(), zero.abs().max().item())
+            raise NonFiniteKVError(
+                f"uniform quantizer: a group's range overflows float32 (scale or zero {peak:.3g}); "
+                "inputs this large cannot be quantized"
+            )
+        rounded = scale.to(self.param_dtype), zero.to(self.param_dtype)
+        if all(torch.isfinite(t).all() for t in rounded):
+            return rounded
+        return scale, zero
 
     def decode(self, payload: dict[str, torch.Tensor], head_dim: int, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``x_hat = code * scale + zero`` as ``[B, H, T, D]`` in ``dtype``."""
