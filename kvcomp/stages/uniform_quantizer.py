@@ -14,11 +14,13 @@ count them); the codes are computed with the stored, rounded parameters, so enco
 exactly. A block whose parameters do not fit ``param_dtype`` (float16 beyond 65504, e.g. inputs of
 magnitude 1e5) stores that block's scale and zero in float32 instead: the cache's measured bytes grow
 accordingly (consecutive blocks concatenate to float32), while ``bits_per_value`` stays the nominal
-16-bit count. Inputs whose range overflows even float32 raise :class:`NonFiniteKVError`. Codes are packed
+16-bit count. Inputs whose group range ``max - min`` overflows even float32 (the top code would decode
+to Inf) raise :class:`NonFiniteKVError`. Codes are packed
 along the channel axis of each token, so every stored tensor has tokens (or token groups) on dim 2
 and payloads of consecutive blocks concatenate along that dim.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,25 +76,29 @@ class GroupQuantizer:
             groups = x.float().reshape(b, h, t // self.group_size, self.group_size, d)
             lo, hi = groups.amin(-2), groups.amax(-2)  # [B,H,T/G,D]
         levels = (1 << self.bits) - 1
-        scale = (hi - lo) / levels
-        scale = torch.where(torch.isfinite(scale), scale, hi / levels - lo / levels)  # hi - lo overflowed
-        scale, zero = self._stored(scale, lo)
+        scale, zero = self._stored((hi - lo) / levels, lo, hi, levels)
         s, z = self._expand(scale), self._expand(zero)
         q = torch.round((x.float() - z) / s.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, levels)
         return {"codes": pack_bits(q.to(torch.uint8), self.bits), "scale": scale, "zero": zero}
 
-    def _stored(self, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and zero as stored: ``param_dtype`` when every value fits it, else float32."""
-        if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
-            peak = max(scale.abs().max().item(), zero.abs().max().item())
-            raise NonFiniteKVError(
-                f"uniform quantizer: a group's range overflows float32 (scale or zero {peak:.3g}); "
-                "inputs this large cannot be quantized"
-            )
-        rounded = scale.to(self.param_dtype), zero.to(self.param_dtype)
-        if all(torch.isfinite(t).all() for t in rounded):
-            return rounded
-        return scale, zero
+    def _stored(
+        self, scale: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero as stored: in ``param_dtype`` when the top code of every group then decodes to a
+        finite value (``levels * s + z``, as :meth:`decode` and the fused kernel compute it), else in
+        float32; raise :class:`NonFiniteKVError` when not even float32 holds the range."""
+        for dtype in (self.param_dtype, torch.float32):
+            s, z = scale.to(dtype), lo.to(dtype)
+            if torch.isfinite(levels * s.float() + z.float()).all():  # also false for Inf/NaN s or z
+                return s, z
+        peak = torch.maximum(lo.abs(), hi.abs()).max().item()
+        if not math.isfinite(peak):
+            raise NonFiniteKVError("uniform quantizer: the input holds NaN or Inf")
+        raise NonFiniteKVError(
+            f"uniform quantizer: a group's range (max - min) overflows float32 "
+            f"(largest input magnitude {peak:.3g}, float32 max {torch.finfo(torch.float32).max:.3g}); "
+            "inputs this large cannot be quantized"
+        )
 
     def decode(self, payload: dict[str, torch.Tensor], head_dim: int, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``x_hat = code * scale + zero`` as ``[B, H, T, D]`` in ``dtype``."""
