@@ -220,5 +220,5 @@ def test_decoded_blocks_equal_decoding_the_whole_payload(tiny_llama, schedule):
         whole = codec.decode(stream.payload, stream.kind, 1, torch.float32)
         if stream.pre_rope:
             lo, hi = stream.num_sinks, stream.num_sinks + stream.num_encoded
-            whole = apply_rope(whole, layer.rope[0][:, lo:hi], layer.rope[1][:, lo:hi])
+            whole = apply_rope(whole, *layer.rope(lo, hi - lo))
         assert torch.allclose(stream.decoded_blocks(), whole, atol=1e-6)

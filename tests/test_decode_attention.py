@@ -196,7 +196,7 @@ def test_kivi_decode_steps_read_the_payloads(tiny_model):
     each family; under exact_prefill no block is ever decoded."""
     codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_model))
     layer = _check_fused_generation(tiny_model, codec)
-    assert layer.key_stream.num_encoded >= 16 and layer.key_stream.decoded is None and layer.value_stream.decoded is None
+    assert layer.key_stream.num_encoded >= 16 and layer.key_stream.decoded.length == 0 and layer.value_stream.decoded.length == 0
 
 
 @pytest.mark.parametrize("name", ["temporalkv", "kvquant", "channelkv"])
@@ -205,7 +205,7 @@ def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):
     """Pre-RoPE keys rotated in the kernel from the recorded position ids; encoded with the fused kernel."""
     codec = fitted(tiny_llama, name, sinks=4)
     layer = _check_fused_generation(tiny_llama, codec)
-    assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded is None
+    assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded.length == 0
     assert layer.positions.shape == (2, 37 + 5) and layer.rotary is not None
 
 
@@ -213,7 +213,7 @@ def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):
 def test_streaming_prefill_then_fused_decode(tiny_llama):
     codec = build_codec({"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2}, info_of(tiny_llama))
     layer = _check_fused_generation(tiny_llama, codec, "streaming")
-    assert layer.key_stream.decoded.shape[2] < layer.key_stream.num_encoded  # decode-step blocks never decoded
+    assert layer.key_stream.decoded.length < layer.key_stream.num_encoded  # decode-step blocks never decoded
 
 
 def test_gpu_benchmark_script_runs_on_the_interpreter():

@@ -195,7 +195,7 @@ def test_fused_decode_attention_on_smollm2(embedded):
     reference, _ = generate("torch")
     fused, cache = generate("triton")
     torch.testing.assert_close(fused, reference, rtol=1e-3, atol=1e-3)
-    assert all(layer.key_stream.decoded is None and layer.value_stream.decoded is None for layer in cache.layers)
+    assert all(layer.key_stream.decoded.length == 0 and layer.value_stream.decoded.length == 0 for layer in cache.layers)
     assert cache.layers[0].key_stream.num_encoded == 128
 
 

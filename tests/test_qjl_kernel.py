@@ -88,7 +88,7 @@ def test_decode_steps_scored_from_the_payload_match_the_reference_path(tiny_mode
     """kernel_backend=triton scores encoded keys with the kernel (keys never decoded); the logits of every
     generated token equal the torch reference path (decode + SDPA), with GQA and left padding."""
     keys = _check_fused_decode_matches_reference(tiny_model, "exact_prefill")
-    assert keys.num_encoded >= 32 and keys.decoded is None  # scored from the payload, never decoded
+    assert keys.num_encoded >= 32 and keys.decoded.length == 0  # scored from the payload, never decoded
 
 
 @torch.no_grad()
@@ -96,7 +96,7 @@ def test_streaming_prefill_then_payload_scored_decode(tiny_llama):
     """A streaming prefill takes the reference path (it needs per-query states); the decode steps after it
     read the payload, so blocks encoded while decoding are never decoded."""
     keys = _check_fused_decode_matches_reference(tiny_llama, "streaming")
-    assert keys.decoded.shape[2] == 24 < keys.num_encoded
+    assert keys.decoded.length == 24 < keys.num_encoded
 
 
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):

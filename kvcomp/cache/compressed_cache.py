@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvcomp.cache.growing import GrowingTensor
 from kvcomp.cache.stream import FreshlyEncoded, KVStream
 from kvcomp.codecs.base import Codec
 from kvcomp.errors import ConfigError, NonFiniteKVError
@@ -35,20 +36,22 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool = True,
-                 compress_generated: bool = True):
+                 compress_generated: bool = True, decode_per_step: bool = False):
         super().__init__()
         self.codec, self.layer_idx, self.protocol, self.check_finite = codec, layer_idx, protocol, check_finite
-        self.compress_generated = compress_generated
+        self.compress_generated, self.decode_per_step = compress_generated, decode_per_step
         self.attention_hooked = False  # set by the kvcomp attention pre-hook
         self.kernel_backend = "torch"  # set by the pre-hook from install(model, kernel_backend)
         self.rotary: tuple | None = None  # the model's RoPE (inv_freq, attention scaling, dtype), from the pre-hook
         self.reset()
 
     def reset(self) -> None:
-        self.key_stream = KVStream(self.codec, "key", self.layer_idx)
-        self.value_stream = KVStream(self.codec, "value", self.layer_idx)
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin of every cached position
-        self.positions: torch.Tensor | None = None  # position id of every cached token [B, L] (pre-RoPE codecs)
+        self.key_stream = KVStream(self.codec, "key", self.layer_idx, self.rope, self.decode_per_step)
+        self.value_stream = KVStream(self.codec, "value", self.layer_idx, self.rope, self.decode_per_step)
+        self.position_ids = GrowingTensor(1)  # of every cached token [B, L] (pre-RoPE codecs)
+        self.positions_known = True  # False once a forward came without position ids
+        # cos/sin [B, L, D] of every cached token, kept only when they cannot be recomputed from position ids
+        self.cos, self.sin = GrowingTensor(1), GrowingTensor(1)
         self.incoming_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the attention pre-hook
         self.incoming_positions: torch.Tensor | None = None  # set by the attention pre-hook
         self.last_update: LastUpdate | None = None  # streaming multi-token forwards only; consumed by attention
@@ -77,8 +80,8 @@ class CompressedLayer(CacheLayerMixin):
         value_view = KVStream.segments if fused == "attention" else KVStream.parts
         if self.protocol == "exact_prefill":  # this forward sees its own tokens uncompressed
             key_history, value_history = key_view(self.key_stream), value_view(self.value_stream)
-        fresh_keys = self.key_stream.append(key_states, self.rope)
-        fresh_values = self.value_stream.append(value_states, self.rope)
+        fresh_keys = self.key_stream.append(key_states)
+        fresh_values = self.value_stream.append(value_states)
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             self.key_stream.freeze()
             self.value_stream.freeze()
@@ -122,8 +125,13 @@ class CompressedLayer(CacheLayerMixin):
         return RotaryPositions(self.positions, self.key_stream.num_sinks, *self.rotary)
 
     def _record_rope(self, key_states: torch.Tensor) -> None:
-        """Keep cos/sin (and position ids) of the new positions (pre-RoPE codecs only); they come from the pre-hook."""
+        """Keep the position ids of the new tokens (pre-RoPE codecs only; they come from the pre-hook).
+
+        cos/sin are recomputed from them by :meth:`rope` when the model's RoPE has fixed frequencies
+        (:attr:`rotary`); otherwise (RoPE types whose frequencies change with the length, or forwards
+        without position ids) the cos/sin the model used are kept instead."""
         if not self.codec.pre_rope:
+            self.incoming_rope = self.incoming_positions = None  # do not keep the forward's cos/sin alive
             return
         if self.incoming_rope is None:
             raise ConfigError(
@@ -132,14 +140,34 @@ class CompressedLayer(CacheLayerMixin):
             )
         batch, n = key_states.shape[0], key_states.shape[2]
         cos, sin = (t.expand(batch, n, -1) for t in self.incoming_rope)
-        self.incoming_rope = None
-        self.rope = (cos, sin) if self.rope is None else tuple(torch.cat([a, b], 1) for a, b in zip(self.rope, (cos, sin)))
-        positions, self.incoming_positions = self.incoming_positions, None
-        if positions is None or (self.positions is None and self.key_stream.length):
-            self.positions = None  # some forward came without position ids: fused kernels cannot rotate keys
-            return
-        positions = positions.to(torch.int32).expand(batch, n)
-        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
+        positions = self.incoming_positions
+        self.incoming_rope = self.incoming_positions = None
+        if positions is not None and self.positions_known:
+            self.position_ids.append(positions.to(torch.int32).expand(batch, n))
+        elif self.positions_known:  # from now on, fused kernels cannot rotate keys: keep the angles
+            if self.angles_recomputed and self.position_ids.length:
+                for grown, earlier in zip((self.cos, self.sin), self.rope(0, self.position_ids.length)):
+                    grown.append(earlier.to(cos.dtype))
+            self.positions_known = False
+        if not self.angles_recomputed:
+            self.cos.append(cos)
+            self.sin.append(sin)
+
+    @property
+    def angles_recomputed(self) -> bool:
+        """Whether :meth:`rope` recomputes cos/sin from position ids (nothing but the ids is kept)."""
+        return self.rotary is not None and self.positions_known
+
+    def rope(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, count, D]`` of cached tokens ``first .. first + count - 1`` (pre-RoPE codecs)."""
+        if self.angles_recomputed:
+            return RotaryPositions(self.positions, first, *self.rotary).cos_sin(count)
+        return self.cos.view.narrow(1, first, count), self.sin.view.narrow(1, first, count)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Position id of every cached token ``[B, L]`` (pre-RoPE codecs), when every forward gave them."""
+        return self.position_ids.view if self.positions_known else None
 
     def get_seq_length(self) -> int:
         return self.key_stream.length
@@ -160,17 +188,21 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def bookkeeping_nbytes(self) -> int:
-        """Bytes held besides K/V storage (cos/sin and position ids of cached tokens for pre-RoPE codecs)."""
-        held = [*(self.rope or ()), *(() if self.positions is None else (self.positions,))]
-        return sum(t.numel() * t.element_size() for t in held)
+        """Bytes held besides K/V storage: position ids (and, when not recomputable, cos/sin) of cached
+        tokens (pre-RoPE codecs)."""
+        return sum(g.nbytes for g in (self.cos, self.sin, self.position_ids))
+
+    @property
+    def working_nbytes(self) -> int:
+        """Working memory: the torch path's decoded blocks and spare capacity of the growing buffers."""
+        reserved = sum(g.reserved_nbytes for g in (self.cos, self.sin, self.position_ids))
+        return self.key_stream.working_nbytes + self.value_stream.working_nbytes + reserved
 
     def _map_batch(self, fn) -> None:
         self.key_stream.map_batch(fn)
         self.value_stream.map_batch(fn)
-        if self.rope is not None:
-            self.rope = tuple(fn(t) for t in self.rope)
-        if self.positions is not None:
-            self.positions = fn(self.positions)
+        for growing in (self.cos, self.sin, self.position_ids):
+            growing.map(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -194,6 +226,8 @@ class CompressedCache(Cache):
     ``simulated``: encoded, by every query (the seeds' protocol); ``exact_prefill``: uncompressed (a
     deployed prefill: attention runs on the fresh K/V, the cache stores them encoded for later
     forwards). Earlier tokens are always seen as stored.
+    ``decode_per_step=True``: the torch path keeps no decoded copy of the blocks and decodes them at
+    every read (memory-true, slower); otherwise that copy is working memory (:attr:`working_nbytes`).
     ``compress_generated=False`` encodes the first forward's tokens only and keeps every later
     (generated) token in full precision.
     """
@@ -201,11 +235,11 @@ class CompressedCache(Cache):
     receives_position_embeddings = True
 
     def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool = True,
-                 compress_generated: bool = True):
+                 compress_generated: bool = True, decode_per_step: bool = False):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
         layers = [
-            CompressedLayer(codec, i, protocol, check_finite, compress_generated)
+            CompressedLayer(codec, i, protocol, check_finite, compress_generated, decode_per_step)
             for i in range(codec.model.num_layers)
         ]
         super().__init__(layers=layers)
@@ -219,6 +253,11 @@ class CompressedCache(Cache):
     @property
     def bookkeeping_nbytes(self) -> int:
         return sum(layer.bookkeeping_nbytes for layer in self.layers)
+
+    @property
+    def working_nbytes(self) -> int:
+        """Bytes held besides storage and bookkeeping (decoded copies, spare capacity)."""
+        return sum(layer.working_nbytes for layer in self.layers)
 
     def measured_bits_per_value(self) -> float:
         """Stored bits per cached K/V element, from the bytes actually held."""
