@@ -1,0 +1,139 @@
+"""Memory truth: what a compressed cache reports equals what it holds.
+
+After a left-padded prefill and 300 greedy decode steps (60 when decoding per step), every tensor reachable from the cache is
+collected (unique storages, so views count once) and its bytes must equal the cache's reported storage
+(:attr:`nbytes`) + bookkeeping (position ids) + working memory (the torch path's decoded copy, spare
+capacity of growing buffers) within 1 %. Model-level tensors (the codec and its fitted state, the
+model's weights and RoPE buffers) are not the cache's and are left out.
+
+The fused path runs with the kernels' torch references (``backend="torch"`` inside the attention
+function): what the cache keeps does not depend on which backend computes the step, and the Triton
+interpreter would make 300 steps slow; the kernels themselves are tested against the references in
+``test_decode_attention.py`` / ``test_qjl_kernel.py``.
+"""
+
+import types
+from functools import partial
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvcomp.cache.attention as attention
+from kvcomp.cache import CompressedCache, install
+from kvcomp.codecs import Codec, build_codec
+from tests.conftest import TINY, info_of
+from tests.test_codebook_codecs import fitted
+from tests.test_qjl_kernel import QJL_TINY
+
+STEPS = 300
+STEPS_DECODING_PER_STEP = 60  # decode_per_step decodes every block at every step: quadratic, so fewer
+CODECS = {
+    "fp16": {"name": "fp16"},
+    "uniform": {"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2},
+    "kivi": {"name": "kivi", "group_size": 8, "residual_length": 16},
+    "qjl": QJL_TINY,
+    "temporalkv": {"sinks": 4},
+    "channelkv": {"sinks": 4},
+    "kvquant": {"sinks": 4},
+}
+PATHS = ("torch", "fused", "decode_per_step")
+
+
+def held_bytes(root, exclude: set[int]) -> int:
+    """Bytes of every distinct tensor storage reachable from ``root`` (attributes, containers, bound
+    methods, closures), except storages in ``exclude`` and anything inside a :class:`Codec` or module."""
+    storages, seen, stack = {}, set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (Codec, torch.nn.Module, type, types.ModuleType, str, bytes)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in exclude:
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        elif isinstance(obj, types.FunctionType):
+            stack.extend(cell.cell_contents for cell in obj.__closure__ or ())
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            stack.extend(getattr(obj, slot) for slot in getattr(type(obj), "__slots__", ()) if hasattr(obj, slot))
+    return sum(storages.values())
+
+
+@pytest.fixture(scope="module")
+def long_llama():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "max_position_embeddings": 512})).eval()
+    install(model)
+    return model
+
+
+def _codec(model, name):
+    config = CODECS[name]
+    return fitted(model, name, **config) if name in ("temporalkv", "channelkv", "kvquant") else build_codec(config, info_of(model))
+
+
+def _run(model, codec, path, monkeypatch) -> CompressedCache:
+    ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    if path == "fused":  # the fused cache path, steps computed by the kernels' torch references
+        monkeypatch.setattr(attention, "decode_attention", partial(_reference_decode_attention, attention.decode_attention))
+        monkeypatch.setattr(codec, "payload_scores", partial(_reference_scores, codec.payload_scores), raising=False)
+        install(model, kernel_backend="triton")
+    cache = CompressedCache(codec, "exact_prefill", decode_per_step=path == "decode_per_step")
+    try:
+        with torch.no_grad():
+            steps = STEPS_DECODING_PER_STEP if path == "decode_per_step" else STEPS
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                past_key_values=cache, pad_token_id=0,
+            )
+    finally:
+        install(model, kernel_backend="torch")
+    return cache
+
+
+def _reference_decode_attention(original, query, keys, values, scale, valid=None, key_rope=None, backend="torch", num_splits=None):
+    return original(query, keys, values, scale, valid, key_rope, "torch")
+
+
+def _reference_scores(original, query, payload, layer_idx, backend="torch"):
+    return original(query, payload, layer_idx, "torch")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", list(CODECS))
+def test_reported_memory_equals_held_memory(long_llama, name, path, monkeypatch):
+    codec = _codec(long_llama, name)
+    if path == "fused" and not (codec.scores_from_payload or codec.fused_attention_supported(0)):
+        pytest.skip(f"{name} has no fused decode path")
+    cache = _run(long_llama, codec, path, monkeypatch)
+    assert cache.get_seq_length() == 37 + (STEPS_DECODING_PER_STEP if path == "decode_per_step" else STEPS) - 1
+    model_storages = {t.untyped_storage().data_ptr() for t in (*long_llama.parameters(), *long_llama.buffers())}
+    held = held_bytes(cache, model_storages)
+    reported = cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes
+    assert held == pytest.approx(reported, rel=0.01), (held, cache.nbytes, cache.bookkeeping_nbytes, cache.working_nbytes)
+    streams = [s for layer in cache.layers for s in (layer.key_stream, layer.value_stream)]
+    if name != "fp16":
+        assert all(s.num_encoded > 0 for s in streams)
+    decodes_values = path == "fused" and codec.scores_from_payload  # QJL's fused path scores keys, decodes values
+    if path != "torch":  # no decoded copy: everything held besides storage is spare capacity
+        assert all(s.decoded.length == 0 for s in streams if not (decodes_values and s.kind == "value"))
+    if name != "fp16" and path != "torch" and not decodes_values:
+        # what the compressed cache holds is less than the full-precision K/V it replaces (fp32 tiny model)
+        assert held < sum(s.num_values for s in streams) * 4
+
+
+def test_walker_counts_views_once_and_finds_closures():
+    base = torch.zeros(100)
+    holder = types.SimpleNamespace(a=base[:10], b=[base[50:]], c=(lambda: base), d={"x": torch.ones(3)})
+    assert held_bytes(holder, set()) == 400 + 12
+    assert held_bytes(holder, {base.untyped_storage().data_ptr()}) == 12
