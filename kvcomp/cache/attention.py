@@ -25,6 +25,8 @@ value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -166,12 +168,29 @@ def _capture_cache_layer(module, args, kwargs):
         layer.attention_hooked = True
         layer.kernel_backend = getattr(module, "_kvcomp_kernel_backend", "torch")
         layer.incoming_positions = kwargs.get("position_ids")
+        if layer.get_seq_length() == 0:
+            layer.incoming_pads = _leading_pads(cache, kwargs.get("attention_mask"))
         rotary = getattr(module, "_kvcomp_rotary", (None,))[0]
         if rotary is not None and layer.incoming_rope is not None:
             layer.rotary = (rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), layer.incoming_rope[0].dtype)
         module._kvcomp_layer = layer
     else:
         module._kvcomp_layer = None
+
+
+def _leading_pads(cache, mask) -> int:
+    """The most left padding of any row in a first forward's 4-D mask (bool, or additive float): pad
+    columns are masked for the row's last query. Computed once per forward (one host sync), not per layer."""
+    if mask is None:
+        return 0
+    memo = getattr(cache, "_kvcomp_pads", None)
+    if memo is not None and memo[0]() is mask:
+        return memo[1]
+    valid = mask[:, 0, -1, :]
+    valid = valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
+    pads = int(valid.int().argmax(-1).max()) if valid.any() else 0
+    cache._kvcomp_pads = (weakref.ref(mask), pads)  # a weak reference: the cache does not keep the mask
+    return pads
 
 
 def _attention_modules(model):

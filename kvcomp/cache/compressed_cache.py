@@ -54,6 +54,7 @@ class CompressedLayer(CacheLayerMixin):
         self.cos, self.sin = GrowingTensor(1), GrowingTensor(1)
         self.incoming_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the attention pre-hook
         self.incoming_positions: torch.Tensor | None = None  # set by the attention pre-hook
+        self.incoming_pads = 0  # left padding of the first forward's batch, set by the attention pre-hook
         self.last_update: LastUpdate | None = None  # streaming multi-token forwards only; consumed by attention
         self.decode_segments: tuple[str, list, list] | None = None  # fused decode steps; consumed by attention
         self.keys = self.values = None
@@ -74,6 +75,9 @@ class CompressedLayer(CacheLayerMixin):
                         f"(cache positions {self.get_seq_length()}..{self.get_seq_length() + x.shape[2] - 1})"
                     )
         self._record_rope(key_states)
+        if self.get_seq_length() == 0:  # the first forward: its left padding stays out of the encoded blocks
+            self.key_stream.leading_pads = max(self.key_stream.leading_pads, self.incoming_pads)
+            self.value_stream.leading_pads = max(self.value_stream.leading_pads, self.incoming_pads)
         self.last_update = None
         fused = self.fused_decode if key_states.shape[2] == 1 else None
         key_view = KVStream.segments if fused else KVStream.parts

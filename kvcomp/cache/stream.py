@@ -83,6 +83,11 @@ class PayloadStore:
 class KVStream:
     """Stores one stream following its codec policy; see :class:`~kvcomp.codecs.base.StreamPolicy`.
 
+    Left padding: the first ``leading_pads`` cache positions (the most any row of the batch is padded)
+    are kept with the sinks, so every row keeps at least ``policy.sinks`` real tokens in full precision
+    and no pad token is ever encoded; a row padded by ``p`` keeps ``leading_pads - p`` more of its first
+    tokens in full precision than it would alone (per-row schedules would make blocks ragged).
+
     The storage is ``sinks``, the encoded blocks (a :class:`PayloadStore`) and ``tail``; :attr:`nbytes`
     counts exactly these. Working memory, reported apart by :attr:`working_nbytes`: the store's spare
     capacity and, for the torch reference attention path, ``decoded``, the blocks decoded (and
@@ -108,6 +113,7 @@ class KVStream:
         self.tail: torch.Tensor | None = None
         self.length = 0
         self.frozen = False  # True: keep every further token in the full-precision tail
+        self.leading_pads = 0  # left padding of the batch: kept with the sinks, never encoded (set by the layer)
 
     def freeze(self) -> None:
         """Stop encoding: tokens appended from now on stay in full precision (the [REF] protocol that
@@ -135,7 +141,7 @@ class KVStream:
         """Add ``x [B, H, n, D]``; encode every block the policy now allows."""
         self.length += x.shape[2]
         self.dtype = x.dtype
-        take = min(x.shape[2], self.policy.sinks - self.num_sinks)
+        take = min(x.shape[2], self.leading_pads + self.policy.sinks - self.num_sinks)
         if take > 0:
             self.sinks = _cat(self.sinks, x[:, :, :take])
             x = x[:, :, take:]
