@@ -12,17 +12,16 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import build_codec
+from tests.codec_matrix import MATRIX, make_codec
 from tests.conftest import info_of
-from tests.test_codebook_codecs import fitted
-from tests.test_qjl_kernel import QJL_TINY
 
 LENGTHS = (30, 22)  # row 0 unpadded, row 1 padded by 8
 STEPS = 40
-CODECS = {
-    "uniform": {"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2},
-    "kivi": {"name": "kivi", "group_size": 8, "residual_length": 16},
-    "qjl": QJL_TINY,
-}
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
 
 
 def _inputs():
@@ -80,24 +79,20 @@ def _check_rows(model, codec, protocol="streaming"):
     torch.testing.assert_close(batch[padded], _alone(model, codec, rows[padded], steps[padded], 0, protocol), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name", [name for name in MATRIX if name != "fp16"])
 def test_rows_of_a_left_padded_batch_equal_each_row_alone(tiny_model, name):
-    _check_rows(tiny_model, build_codec(CODECS[name], info_of(tiny_model)))
+    _check_rows(tiny_model, make_codec(tiny_model, name))
 
 
 @pytest.mark.parametrize("protocol", ["exact_prefill", "simulated"])
 def test_left_padding_under_other_protocols(tiny_llama, protocol):
-    _check_rows(tiny_llama, build_codec(CODECS["kivi"], info_of(tiny_llama)), protocol)
-
-
-def test_pre_rope_codebook_codec_with_left_padding(tiny_llama):
-    _check_rows(tiny_llama, fitted(tiny_llama, "temporalkv", sinks=2))
+    _check_rows(tiny_llama, make_codec(tiny_llama, "kivi"), protocol)
 
 
 def test_pads_are_never_encoded(tiny_llama):
     """Without the rule, KIVI's first key block would hold the pad tokens' keys (and their range)."""
     rows, ids, mask, steps = _inputs()
-    cache = CompressedCache(build_codec(CODECS["kivi"], info_of(tiny_llama)))
+    cache = CompressedCache(make_codec(tiny_llama, "kivi"))
     _logits(tiny_llama, cache, ids, mask, steps[:, :1])
     stream = cache.layers[0].key_stream
     assert stream.num_sinks == max(LENGTHS) - min(LENGTHS) and stream.num_encoded > 0

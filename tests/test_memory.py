@@ -21,22 +21,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcomp.cache.attention as attention
 from kvcomp.cache import CompressedCache, install
-from kvcomp.codecs import Codec, build_codec
-from tests.conftest import TINY, info_of
-from tests.test_codebook_codecs import fitted
-from tests.test_qjl_kernel import QJL_TINY
+from kvcomp.codecs import Codec
+from tests.codec_matrix import MATRIX, make_codec
+from tests.conftest import TINY
 
 STEPS = 300
 STEPS_DECODING_PER_STEP = 60  # decode_per_step decodes every block at every step: quadratic, so fewer
-CODECS = {
-    "fp16": {"name": "fp16"},
-    "uniform": {"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2},
-    "kivi": {"name": "kivi", "group_size": 8, "residual_length": 16},
-    "qjl": QJL_TINY,
-    "temporalkv": {"sinks": 4},
-    "channelkv": {"sinks": 4},
-    "kvquant": {"sinks": 4},
-}
 PATHS = ("torch", "fused", "decode_per_step")
 
 
@@ -67,17 +57,17 @@ def held_bytes(root, exclude: set[int]) -> int:
     return sum(storages.values())
 
 
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+
+
 @pytest.fixture(scope="module")
 def long_llama():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**TINY, "max_position_embeddings": 512})).eval()
     install(model)
     return model
-
-
-def _codec(model, name):
-    config = CODECS[name]
-    return fitted(model, name, **config) if name in ("temporalkv", "channelkv", "kvquant") else build_codec(config, info_of(model))
 
 
 def _run(model, codec, path, monkeypatch) -> CompressedCache:
@@ -110,9 +100,9 @@ def _reference_scores(original, query, payload, layer_idx, backend="torch"):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name", list(MATRIX))
 def test_reported_memory_equals_held_memory(long_llama, name, path, monkeypatch):
-    codec = _codec(long_llama, name)
+    codec = make_codec(long_llama, name)
     if path == "fused" and not (codec.scores_from_payload or codec.fused_attention_supported(0)):
         pytest.skip(f"{name} has no fused decode path")
     cache = _run(long_llama, codec, path, monkeypatch)

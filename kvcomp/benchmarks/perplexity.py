@@ -127,10 +127,18 @@ def _report_progress(protocol: str, codec: Codec, done: int, total: int, start: 
 
 
 def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int, dtype: torch.dtype) -> dict:
+    """Measured storage of one window's cache, apart: encoded payload bits per encoded value, per-sequence
+    state, everything per cached value, and the codec's model-level overhead amortised over one window."""
     fp_bits = torch.finfo(dtype).bits
+    try:
+        expected = expected_cache_bits(codec, seq_len, batch, fp_bits) / 8 / batch
+    except NotImplementedError:  # variable-rate codecs: only measured bytes
+        expected = None
+    values = 2 * codec.model.num_layers * codec.model.num_kv_heads * codec.model.head_dim * seq_len
     return {
         "cache_bytes_per_window": cache.nbytes // batch,
-        "cache_bytes_expected": expected_cache_bits(codec, seq_len, batch, fp_bits) / 8 / batch,
-        "bits_per_value_measured": cache.measured_bits_per_value(),
+        "cache_bytes_expected": expected,
+        **cache.bits_breakdown(),
+        "overhead_bits_per_value_per_window": codec.overhead_bits() / values,
         "full_precision_bits": fp_bits,
     }

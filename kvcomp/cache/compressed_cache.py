@@ -8,8 +8,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcomp.cache.growing import GrowingTensor
-from kvcomp.cache.stream import FreshlyEncoded, KVStream
-from kvcomp.codecs.base import Codec
+from kvcomp.cache.stream import Block, FreshlyEncoded, KVStream, PayloadStore
+from kvcomp.codecs.base import Codec, SequenceState, Unit
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.kernels.decode_attention import RotaryPositions
 
@@ -24,6 +24,47 @@ class LastUpdate:
     values: FreshlyEncoded | None
 
 
+class ModelUnit:
+    """The encoding unit of a model-scope codec: a token block of every layer's keys and values is encoded
+    as one payload once the last layer has appended it (after that layer's attention, so every layer of
+    the forward that completed the block saw it in full precision). Holds those payloads and the
+    per-sequence state."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.store = PayloadStore(codec.payload_layout)
+        self.state: SequenceState | None = None
+        self.layers: list[CompressedLayer] = []
+
+    def encode_ready(self) -> None:
+        streams = [s for layer in self.layers for s in (layer.key_stream, layer.value_stream)]
+        counts = {s.ready() for s in streams}
+        if len(counts) > 1:
+            raise RuntimeError(f"model-scope codec {self.codec.name}: layers are ready to encode different token counts {counts}")
+        count = counts.pop()
+        if not count:
+            return
+        if self.codec.stateful and self.state is None:
+            self.state = self.codec.init_state(Unit(), {(s.layer_idx, s.kind): s.held() for s in streams})
+        taken = [s.take(count) for s in streams]
+        payload = self.codec.encode_model([t[2] for t in taken[0::2]], [t[2] for t in taken[1::2]], self.state)
+        block = self.store.append(payload, taken[0][0])
+        for stream, (_, chunk, _) in zip(streams, taken):
+            stream.add_block(block, chunk)
+
+    def decode(self, layer_idx: int, block: Block, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.codec.decode_model(self.store.block(block), layer_idx, dtype, self.state)
+
+    @property
+    def state_nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.store.select_rows(index)
+        if self.state is not None:
+            self.state.select_rows(index)
+
+
 class CompressedLayer(CacheLayerMixin):
     """One decoder layer: a key stream and a value stream, each following the codec's policy.
 
@@ -36,18 +77,30 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool = True,
-                 compress_generated: bool = True, decode_per_step: bool = False):
+                 compress_generated: bool = True, decode_per_step: bool = False, previous: "CompressedLayer | None" = None,
+                 model_unit: ModelUnit | None = None):
         super().__init__()
         self.codec, self.layer_idx, self.protocol, self.check_finite = codec, layer_idx, protocol, check_finite
         self.compress_generated, self.decode_per_step = compress_generated, decode_per_step
+        self.previous, self.model_unit = previous, model_unit  # layer-scope predecessor; model-scope unit
+        self.is_last = layer_idx == codec.model.num_layers - 1
         self.attention_hooked = False  # set by the kvcomp attention pre-hook
         self.kernel_backend = "torch"  # set by the pre-hook from install(model, kernel_backend)
         self.rotary: tuple | None = None  # the model's RoPE (inv_freq, attention scaling, dtype), from the pre-hook
         self.reset()
 
     def reset(self) -> None:
-        self.key_stream = KVStream(self.codec, "key", self.layer_idx, self.rope, self.decode_per_step)
-        self.value_stream = KVStream(self.codec, "value", self.layer_idx, self.rope, self.decode_per_step)
+        joint = self.codec.scope != "stream"  # K and V blocks decode together, through the layer
+        self.key_stream, self.value_stream = (
+            KVStream(self.codec, kind, self.layer_idx, self.rope, self.decode_per_step,
+                     (lambda block, kind=kind: self._decode_jointly(kind, block)) if joint else None)
+            for kind in ("key", "value")
+        )
+        self.state: SequenceState | None = None  # stateful layer-scope codecs
+        self.layer_blocks: dict[int, tuple[Block, Block]] = {}  # layer scope: (key, value) block by first token
+        self.decoded_other: dict[tuple[str, int], torch.Tensor] = {}  # the half of a joint decode not asked for yet
+        self.encode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's encode
+        self.decode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's decode
         self.position_ids = GrowingTensor(1)  # of every cached token [B, L] (pre-RoPE codecs)
         self.positions_known = True  # False once a forward came without position ids
         # cos/sin [B, L, D] of every cached token, kept only when they cannot be recomputed from position ids
@@ -84,15 +137,22 @@ class CompressedLayer(CacheLayerMixin):
         value_view = KVStream.segments if fused == "attention" else KVStream.parts
         if self.protocol == "exact_prefill":  # this forward sees its own tokens uncompressed
             key_history, value_history = key_view(self.key_stream), value_view(self.value_stream)
-        fresh_keys = self.key_stream.append(key_states)
-        fresh_values = self.value_stream.append(value_states)
-        if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
-            self.key_stream.freeze()
-            self.value_stream.freeze()
+        self.key_stream.append(key_states)
+        self.value_stream.append(value_states)
+        fresh_keys = fresh_values = None
+        if self.codec.scope == "stream":
+            fresh_keys, fresh_values = self.key_stream.encode_ready(), self.value_stream.encode_ready()
+        elif self.codec.scope == "layer":
+            fresh_keys, fresh_values = self._encode_layer_ready()
         if self.protocol == "exact_prefill":
             keys, values = [*key_history, key_states], [*value_history, value_states]
         else:
             keys, values = key_view(self.key_stream), value_view(self.value_stream)
+        if self.codec.scope == "model" and self.is_last:  # every layer has appended: encode after attention's view
+            self.model_unit.encode_ready()
+        if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
+            self.key_stream.freeze()
+            self.value_stream.freeze()
         if fused:
             self.decode_segments = (fused, keys, values)
             return key_states, value_states
@@ -104,6 +164,53 @@ class CompressedLayer(CacheLayerMixin):
                 )
             self.last_update = LastUpdate(fresh_keys, fresh_values)
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def _encode_layer_ready(self) -> tuple[FreshlyEncoded | None, FreshlyEncoded | None]:
+        """Layer scope: encode the block both streams have ready, with the previous layer's reconstruction."""
+        keys, values = self.key_stream, self.value_stream
+        count = keys.ready()
+        if count != values.ready():
+            raise RuntimeError(f"layer-scope codec {self.codec.name}: keys and values are ready to encode different token counts")
+        if not count:
+            return None, None
+        if self.codec.stateful and self.state is None:
+            self.state = self.codec.init_state(Unit(self.layer_idx), {(self.layer_idx, s.kind): s.held() for s in (keys, values)})
+        first, key_chunk, k = keys.take(count)
+        _, value_chunk, v = values.take(count)
+        previous = None if self.previous is None else self._handed(self.previous.encode_handoff, first, "encoded")
+        encoding = self.codec.encode_layer(k, v, self.layer_idx, previous, self.state)
+        if not self.is_last:
+            self.encode_handoff[first] = (encoding.keys, encoding.values)
+        key_block, value_block = keys.store.append(encoding.key, first), values.store.append(encoding.value, first)
+        self.layer_blocks[first] = (key_block, value_block)
+        return keys.add_block(key_block, key_chunk), values.add_block(value_block, value_chunk)
+
+    def _handed(self, handoff: dict, first: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if first not in handoff:
+            raise RuntimeError(
+                f"layer-scope codec {self.codec.name}: layer {self.layer_idx - 1} has not {what} the block at "
+                f"cache index {first} before layer {self.layer_idx} (layers must run in order over one cache)"
+            )
+        return handoff.pop(first)
+
+    def _decode_jointly(self, kind: str, block: Block) -> torch.Tensor:
+        """One stream's half of a layer- or model-scope block decode (both halves come from one call; the
+        other is kept until its stream asks). Layer scope hands the reconstruction to the next layer."""
+        other = self.decoded_other.pop((kind, block.first), None)
+        if other is not None:
+            return other
+        dtype = self.key_stream.dtype
+        if self.codec.scope == "model":
+            k, v = self.model_unit.decode(self.layer_idx, block, dtype)
+        else:
+            key_block, value_block = self.layer_blocks[block.first]
+            previous = None if self.previous is None else self._handed(self.previous.decode_handoff, block.first, "decoded")
+            k, v = self.codec.decode_layer(self.key_stream.store.block(key_block), self.value_stream.store.block(value_block),
+                                           self.layer_idx, previous, dtype, self.state)
+            if not self.is_last:
+                self.decode_handoff[block.first] = (k, v)
+        self.decoded_other[("value" if kind == "key" else "key", block.first)] = v if kind == "key" else k
+        return k if kind == "key" else v
 
     @property
     def fused_decode(self) -> str | None:
@@ -186,9 +293,28 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     @property
+    def streams(self) -> tuple[KVStream, KVStream]:
+        return self.key_stream, self.value_stream
+
+    @property
+    def full_precision_nbytes(self) -> int:
+        """Bytes of full-precision sinks and tails."""
+        return sum(s.full_precision_nbytes for s in self.streams)
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of the encoded payloads this layer holds (a model-scope codec's are the cache's)."""
+        return sum(s.store.nbytes for s in self.streams)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of per-sequence codec state (stream- and layer-scope)."""
+        return sum(s.state_nbytes for s in self.streams) + (0 if self.state is None else self.state.nbytes)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of K/V storage held (sinks, payloads, tails)."""
-        return self.key_stream.nbytes + self.value_stream.nbytes
+        """Bytes of K/V storage held: sinks, tails, payloads and per-sequence state."""
+        return self.full_precision_nbytes + self.payload_nbytes + self.state_nbytes
 
     @property
     def bookkeeping_nbytes(self) -> int:
@@ -202,20 +328,23 @@ class CompressedLayer(CacheLayerMixin):
         reserved = sum(g.reserved_nbytes for g in (self.cos, self.sin, self.position_ids))
         return self.key_stream.working_nbytes + self.value_stream.working_nbytes + reserved
 
-    def _map_batch(self, fn) -> None:
-        self.key_stream.map_batch(fn)
-        self.value_stream.map_batch(fn)
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` of everything held (beam reorder, batch select / repeat)."""
+        for stream in self.streams:
+            stream.select_rows(index)
+        if self.state is not None:
+            self.state.select_rows(index)
         for growing in (self.cos, self.sin, self.position_ids):
-            growing.map(fn)
+            growing.map(lambda t: t.index_select(0, index.to(t.device)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self.select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.select_rows(torch.arange(self.key_stream.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
+        self.select_rows(indices.nonzero().squeeze(-1) if indices.dtype == torch.bool else indices)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed cache cannot drop encoded tokens (no assisted decoding)")
@@ -234,6 +363,13 @@ class CompressedCache(Cache):
     every read (memory-true, slower); otherwise that copy is working memory (:attr:`working_nbytes`).
     ``compress_generated=False`` encodes the first forward's tokens only and keeps every later
     (generated) token in full precision.
+
+    Scheduling follows the codec's scope (:mod:`kvcomp.codecs.base`): stream- and layer-scope blocks are
+    encoded in the layer's ``update`` (a layer-scope encode receives the previous layer's reconstruction
+    of the same block, handed over by that layer); model-scope blocks once the last layer has appended
+    them, after its attention, so the forward that completes a block sees it in full precision under
+    every protocol. Bytes are reported apart: :attr:`full_precision_nbytes`, :attr:`payload_nbytes`,
+    :attr:`state_nbytes` (their sum is :attr:`nbytes`), :attr:`bookkeeping_nbytes`, :attr:`working_nbytes`.
     """
 
     receives_position_embeddings = True
@@ -242,17 +378,54 @@ class CompressedCache(Cache):
                  compress_generated: bool = True, decode_per_step: bool = False):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
-        layers = [
-            CompressedLayer(codec, i, protocol, check_finite, compress_generated, decode_per_step)
-            for i in range(codec.model.num_layers)
-        ]
+        self.model_unit = ModelUnit(codec) if codec.scope == "model" else None
+        layers = []
+        for i in range(codec.model.num_layers):
+            previous = layers[-1] if layers and codec.scope == "layer" else None
+            layers.append(CompressedLayer(codec, i, protocol, check_finite, compress_generated, decode_per_step,
+                                          previous, self.model_unit))
+        if self.model_unit is not None:
+            self.model_unit.layers = layers
         super().__init__(layers=layers)
         self.codec, self.protocol = codec, protocol
 
     @property
+    def full_precision_nbytes(self) -> int:
+        return sum(layer.full_precision_nbytes for layer in self.layers)
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of every encoded payload (per layer, or the model-scope unit's)."""
+        model = 0 if self.model_unit is None else self.model_unit.store.nbytes
+        return sum(layer.payload_nbytes for layer in self.layers) + model
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of per-sequence codec state, e.g. dictionaries sampled from the prompt."""
+        model = 0 if self.model_unit is None else self.model_unit.state_nbytes
+        return sum(layer.state_nbytes for layer in self.layers) + model
+
+    @property
     def nbytes(self) -> int:
-        """Measured bytes of K/V storage over all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        """Measured bytes of K/V storage: full-precision tokens, encoded payloads, per-sequence state."""
+        return self.full_precision_nbytes + self.payload_nbytes + self.state_nbytes
+
+    def _select_model_rows(self, index: torch.Tensor) -> None:
+        if self.model_unit is not None:
+            self.model_unit.select_rows(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._select_model_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        batch = self.layers[0].key_stream.batch
+        super().batch_repeat_interleave(repeats)
+        self._select_model_rows(torch.arange(batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select_model_rows(indices.nonzero().squeeze(-1) if indices.dtype == torch.bool else indices)
 
     @property
     def bookkeeping_nbytes(self) -> int:
@@ -263,7 +436,16 @@ class CompressedCache(Cache):
         """Bytes held besides storage and bookkeeping (decoded copies, spare capacity)."""
         return sum(layer.working_nbytes for layer in self.layers)
 
-    def measured_bits_per_value(self) -> float:
-        """Stored bits per cached K/V element, from the bytes actually held."""
-        values = sum(layer.key_stream.num_values + layer.value_stream.num_values for layer in self.layers)
-        return 8 * self.nbytes / max(values, 1)
+    def bits_breakdown(self) -> dict[str, float]:
+        """Measured storage apart: ``code_bits_per_value`` (payload bits per encoded value),
+        ``state_bits_per_value`` (per-sequence state per cached value) and ``bits_per_value_measured``
+        (everything, full-precision tokens included, per cached value). Model-level overhead is the
+        codec's (:meth:`~kvcomp.codecs.base.Codec.overhead_bits`)."""
+        streams = [s for layer in self.layers for s in layer.streams]
+        values = max(sum(s.num_values for s in streams), 1)
+        encoded = sum(s.batch * self.codec.model.num_kv_heads * self.codec.model.head_dim * s.num_encoded for s in streams)
+        return {
+            "code_bits_per_value": 8 * self.payload_nbytes / encoded if encoded else 0.0,
+            "state_bits_per_value": 8 * self.state_nbytes / values,
+            "bits_per_value_measured": 8 * self.nbytes / values,
+        }

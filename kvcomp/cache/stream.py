@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kvcomp.cache.growing import GrowingTensor
 from kvcomp.cache.rope import apply_rope, undo_rope
-from kvcomp.codecs.base import Codec, Payload
+from kvcomp.codecs.base import Codec, Payload, SequenceState, Unit
 
 
 @dataclass
@@ -36,9 +37,11 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Block:
-    """Where one encoded block lies in a :class:`PayloadStore`: its first row of every payload tensor,
-    its row counts, and its tokens (cache index of the first one, count). Holds no tensors."""
+    """Where one encoded block lies in a :class:`PayloadStore`: its index in the store, its first row of
+    every payload tensor and row counts (``payload_layout="tokens"``), and its tokens (cache index of
+    the first one, count). Holds no tensors."""
 
+    index: int
     rows: dict[str, int]
     sizes: dict[str, int]
     first: int
@@ -46,34 +49,53 @@ class Block:
 
 
 class PayloadStore:
-    """A stream's encoded blocks, appended in place (:class:`GrowingTensor` per payload tensor): an
-    append never copies what is stored, and :meth:`view` is the whole payload without a copy."""
+    """Encoded blocks, appended without copying what is stored.
 
-    def __init__(self):
+    ``layout="tokens"``: one :class:`GrowingTensor` per payload tensor (blocks concatenate along dim 2),
+    so :meth:`view` is every block as one payload without a copy (what fused kernels read).
+    ``layout="blocks"``: a list of payloads, each kept as encoded (variable-length, ragged rows).
+    """
+
+    def __init__(self, layout: str = "tokens"):
+        self.layout = layout
         self.tensors: dict[str, GrowingTensor] = {}
-        self.num_tokens = 0
+        self.payloads: list[Payload] = []
+        self.num_tokens = self.num_blocks = 0
 
     def append(self, payload: Payload, first: int) -> Block:
-        rows = {k: self.tensors.setdefault(k, GrowingTensor(2)).length for k in payload.tensors}
-        for k, t in payload.tensors.items():
-            self.tensors[k].append(t)
+        rows, sizes = {}, {}
+        if self.layout == "blocks":
+            self.payloads.append(payload)
+        else:
+            if payload.ragged:
+                raise ValueError("a payload with ragged rows needs payload_layout='blocks'")
+            for k, t in payload.tensors.items():
+                grown = self.tensors.setdefault(k, GrowingTensor(2))
+                rows[k], sizes[k] = grown.length, t.shape[2]
+                grown.append(t)
         self.num_tokens += payload.num_tokens
-        return Block(rows, {k: t.shape[2] for k, t in payload.tensors.items()}, first, payload.num_tokens)
+        self.num_blocks += 1
+        return Block(self.num_blocks - 1, rows, sizes, first, payload.num_tokens)
 
     def view(self) -> Payload:
+        if self.layout == "blocks":
+            raise ValueError("payload_layout='blocks' keeps blocks apart: read them with block()")
         return Payload({k: g.view for k, g in self.tensors.items()}, self.num_tokens)
 
     def block(self, block: Block) -> Payload:
         """One block's payload (views into the store)."""
+        if self.layout == "blocks":
+            return self.payloads[block.index]
         return Payload({k: g.view.narrow(2, block.rows[k], block.sizes[k]) for k, g in self.tensors.items()}, block.count)
 
-    def map(self, fn) -> None:
+    def select_rows(self, index: torch.Tensor) -> None:
         for g in self.tensors.values():
-            g.map(fn)
+            g.map(lambda t: t.index_select(0, index.to(t.device)))
+        self.payloads = [p.select_rows(index) for p in self.payloads]
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.tensors.values())
+        return sum(g.nbytes for g in self.tensors.values()) + sum(p.nbytes for p in self.payloads)
 
     @property
     def reserved_nbytes(self) -> int:
@@ -83,35 +105,43 @@ class PayloadStore:
 class KVStream:
     """Stores one stream following its codec policy; see :class:`~kvcomp.codecs.base.StreamPolicy`.
 
+    The storage is ``sinks``, the encoded blocks and ``tail``: a stream-scope codec's blocks (and
+    per-sequence state) live in the stream's own :class:`PayloadStore`, a layer-scope codec's too (its
+    state in the layer), a model-scope codec's in the cache; :attr:`blocks` lists them in token order
+    either way, and :attr:`nbytes` counts what the stream itself holds. Working memory, reported apart by
+    :attr:`working_nbytes`: spare capacity of growing buffers and, for the torch reference attention path,
+    ``decoded``, the blocks decoded (and re-rotated) once, the first time attention reads them (blocks
+    decode independently, so this equals decoding every block at every step, without the per-step cost).
+    ``decode_per_step=True`` keeps no decoded copy: every read decodes every block again (memory-true,
+    slower). A stream whose attention reads the payload directly (:meth:`segments`, fused kernels)
+    never decodes it.
+
+    ``rope(first, count)`` returns the layer's cos/sin of cached tokens ``first .. first + count - 1``
+    (pre-RoPE keys only): blocks are un-rotated before encoding and re-rotated when decoded, with the
+    positions' own angles. ``decoder(block)`` decodes one block (un-rotated); layer- and model-scope
+    codecs decode through their layer, stream-scope ones from this stream's store.
+
     Left padding: the first ``leading_pads`` cache positions (the most any row of the batch is padded)
     are kept with the sinks, so every row keeps at least ``policy.sinks`` real tokens in full precision
     and no pad token is ever encoded; a row padded by ``p`` keeps ``leading_pads - p`` more of its first
     tokens in full precision than it would alone (per-row schedules would make blocks ragged).
-
-    The storage is ``sinks``, the encoded blocks (a :class:`PayloadStore`) and ``tail``; :attr:`nbytes`
-    counts exactly these. Working memory, reported apart by :attr:`working_nbytes`: the store's spare
-    capacity and, for the torch reference attention path, ``decoded``, the blocks decoded (and
-    re-rotated) once, the first time attention reads them (blocks decode independently, so this equals
-    decoding the whole payload at every step, without the per-step cost). ``decode_per_step=True``
-    keeps no decoded copy: every read decodes the whole payload again (memory-true, slower). A stream
-    whose attention reads the payload directly (:meth:`segments`, fused kernels) never decodes it.
-
-    ``rope(first, count)`` returns the layer's cos/sin of cached tokens ``first .. first + count - 1``
-    (pre-RoPE keys only): blocks are un-rotated before encoding and re-rotated when decoded, with the
-    positions' own angles.
     """
 
-    def __init__(self, codec: Codec, kind: str, layer_idx: int, rope=None, decode_per_step: bool = False):
+    def __init__(self, codec: Codec, kind: str, layer_idx: int, rope=None, decode_per_step: bool = False,
+                 decoder: Callable[[Block], torch.Tensor] | None = None):
         self.codec, self.kind, self.layer_idx = codec, kind, layer_idx
         self.rope, self.decode_per_step = rope, decode_per_step
+        self.decoder = decoder or self._decode_own
         self.policy = codec.policy(kind, layer_idx)
         self.pre_rope = codec.pre_rope and kind == "key"
         self.sinks: torch.Tensor | None = None
-        self.store = PayloadStore()
+        self.store = PayloadStore(codec.payload_layout)
+        self.state: SequenceState | None = None  # stateful stream-scope codecs
+        self.blocks: list[Block] = []  # every encoded block, in token order
         self.decoded = GrowingTensor(2)  # the torch path's decoded blocks (working memory)
         self.pending: list[Block] = []  # encoded blocks not in ``decoded`` yet
         self.tail: torch.Tensor | None = None
-        self.length = 0
+        self.length = self.num_encoded = self.batch = 0
         self.frozen = False  # True: keep every further token in the full-precision tail
         self.leading_pads = 0  # left padding of the batch: kept with the sinks, never encoded (set by the layer)
 
@@ -130,46 +160,76 @@ class KVStream:
         return 0 if self.sinks is None else self.sinks.shape[2]
 
     @property
-    def num_encoded(self) -> int:
-        return self.store.num_tokens
-
-    @property
     def num_tail(self) -> int:
         return 0 if self.tail is None else self.tail.shape[2]
 
-    def append(self, x: torch.Tensor) -> FreshlyEncoded | None:
-        """Add ``x [B, H, n, D]``; encode every block the policy now allows."""
+    def append(self, x: torch.Tensor) -> None:
+        """Add ``x [B, H, n, D]`` to the sinks and the tail (encoding is :meth:`encode_ready`'s)."""
         self.length += x.shape[2]
-        self.dtype = x.dtype
+        self.dtype, self.batch = x.dtype, x.shape[0]
         take = min(x.shape[2], self.leading_pads + self.policy.sinks - self.num_sinks)
         if take > 0:
             self.sinks = _cat(self.sinks, x[:, :, :take])
             x = x[:, :, take:]
         if x.shape[2]:
             self.tail = _cat(self.tail, x)
+
+    def ready(self) -> int:
+        """How many of the oldest tail tokens the policy encodes now (a multiple of the block size)."""
         block = self.policy.block_size
         if block is None or self.frozen or self.num_tail < self.policy.window + block:
-            return None
-        count = (self.num_tail - self.policy.window) // block * block
+            return 0
+        return (self.num_tail - self.policy.window) // block * block
+
+    def held(self) -> torch.Tensor:
+        """Every full-precision token held (sinks, tail) before the first encode, keys un-rotated: what a
+        stateful codec's :meth:`~kvcomp.codecs.base.Codec.init_state` sees (e.g. the prompt)."""
+        x = torch.cat([t for t in (self.sinks, self.tail) if t is not None], dim=2)
+        return undo_rope(x, *self.rope(0, x.shape[2])) if self.pre_rope else x
+
+    def take(self, count: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Remove the ``count`` oldest tail tokens: ``(first cache index, tokens as stored, tokens to encode)``
+        (the latter un-rotated for pre-RoPE keys)."""
         chunk, self.tail = self.tail[:, :, :count], self.tail[:, :, count:].clone()  # drop the encoded tokens
         first = self.num_sinks + self.num_encoded
-        positions = torch.arange(first, first + count, device=x.device)
         to_encode = undo_rope(chunk, *self.rope(first, count)) if self.pre_rope else chunk
-        encoded = self.codec.encode(to_encode, self.kind, self.layer_idx)
-        self.pending.append(self.store.append(encoded, first))
-        block_end = first + (positions - first) // block * block + block
-        visible_from = block_end + self.policy.window - 1
-        return FreshlyEncoded(positions, chunk, visible_from)
+        return first, chunk, to_encode
+
+    def add_block(self, block: Block, chunk: torch.Tensor) -> FreshlyEncoded:
+        """Record an encoded block (its payload already stored) that replaces ``chunk``."""
+        self.blocks.append(block)
+        self.pending.append(block)
+        self.num_encoded += block.count
+        positions = torch.arange(block.first, block.first + block.count, device=chunk.device)
+        size = self.policy.block_size
+        block_end = block.first + (positions - block.first) // size * size + size
+        return FreshlyEncoded(positions, chunk, block_end + self.policy.window - 1)
+
+    def encode_ready(self) -> FreshlyEncoded | None:
+        """Encode every block the policy now allows (stream-scope codecs)."""
+        count = self.ready()
+        if not count:
+            return None
+        if self.codec.stateful and self.state is None:
+            self.state = self.codec.init_state(Unit(self.layer_idx, self.kind), {(self.layer_idx, self.kind): self.held()})
+        first, chunk, x = self.take(count)
+        extra = {"state": self.state} if self.codec.stateful else {}
+        payload = self.codec.encode(x, self.kind, self.layer_idx, **extra)
+        return self.add_block(self.store.append(payload, first), chunk)
+
+    def _decode_own(self, block: Block) -> torch.Tensor:
+        extra = {"state": self.state} if self.codec.stateful else {}
+        return self.codec.decode(self.store.block(block), self.kind, self.layer_idx, self.dtype, **extra)
 
     def _decode(self, block: Block) -> torch.Tensor:
-        decoded = self.codec.decode(self.store.block(block), self.kind, self.layer_idx, self.dtype)
+        decoded = self.decoder(block)
         return apply_rope(decoded, *self.rope(block.first, block.count)) if self.pre_rope else decoded
 
     def decoded_blocks(self) -> torch.Tensor | None:
-        """The payload decoded (keys re-rotated for pre-RoPE codecs); decodes only blocks not decoded
+        """The encoded blocks decoded (keys re-rotated for pre-RoPE codecs); decodes only blocks not decoded
         before, or (``decode_per_step``) all of them, keeping nothing."""
         if self.decode_per_step:
-            blocks = [self._decode(block) for block in self.pending]
+            blocks = [self._decode(block) for block in self.blocks]
             return torch.cat(blocks, dim=2) if blocks else None
         for block in self.pending:
             self.decoded.append(self._decode(block))
@@ -192,26 +252,34 @@ class KVStream:
     @property
     def num_values(self) -> int:
         """Number of K or V elements represented (batch x heads x tokens x head_dim)."""
-        held = [t for t in (self.sinks, self.tail, *self.store.tensors.values()) if t is not None]
-        if not held:
-            return 0
-        batch = (held[0].view if isinstance(held[0], GrowingTensor) else held[0]).shape[0]
-        return batch * self.codec.model.num_kv_heads * self.codec.model.head_dim * self.length
+        return self.batch * self.codec.model.num_kv_heads * self.codec.model.head_dim * self.length
+
+    @property
+    def full_precision_nbytes(self) -> int:
+        """Bytes of the full-precision sinks and tail."""
+        return sum(t.numel() * t.element_size() for t in (self.sinks, self.tail) if t is not None)
+
+    @property
+    def state_nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
 
     @property
     def nbytes(self) -> int:
-        """Bytes of storage: full-precision sinks and tail plus the encoded payload."""
-        held = [t for t in (self.sinks, self.tail) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held) + self.store.nbytes
+        """Bytes of storage held by the stream: full-precision sinks and tail, its encoded payloads, its state."""
+        return self.full_precision_nbytes + self.store.nbytes + self.state_nbytes
 
     @property
     def working_nbytes(self) -> int:
-        """Bytes held besides storage: the decoded copy of the torch path and the store's spare capacity."""
+        """Bytes held besides storage: the decoded copy of the torch path and spare capacity."""
         return self.decoded.nbytes + self.decoded.reserved_nbytes + self.store.reserved_nbytes
 
-    def map_batch(self, fn) -> None:
-        """Apply a batch-dimension transform (beam reorder, repeat) to everything held."""
-        self.sinks = None if self.sinks is None else fn(self.sinks)
-        self.tail = None if self.tail is None else fn(self.tail)
-        self.store.map(fn)
-        self.decoded.map(fn)
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (beam reorder, batch select / repeat) of everything held."""
+        pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
+        self.sinks = None if self.sinks is None else pick(self.sinks)
+        self.tail = None if self.tail is None else pick(self.tail)
+        self.store.select_rows(index)
+        self.decoded.map(pick)
+        self.batch = len(index)
+        if self.state is not None:
+            self.state.select_rows(index)

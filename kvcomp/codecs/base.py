@@ -1,15 +1,31 @@
 """The codec contract shared by every KV-cache compression method.
 
-A codec turns blocks of keys or values ``[batch, kv_heads, tokens, head_dim]`` of one layer into a
-:class:`Payload` of packed integer tensors and back. The cache (not the codec) decides when a block is
-encoded, following each stream's :class:`StreamPolicy`: full-precision sink tokens, blocks of
-``block_size`` tokens, and a full-precision window of recent tokens.
+A codec turns blocks of cached keys and values ``[batch, kv_heads, tokens, head_dim]`` into a
+:class:`Payload` and back. The cache (not the codec) decides when a block is encoded, following each
+stream's :class:`StreamPolicy`: full-precision sink tokens, blocks of ``block_size`` tokens, and a
+full-precision window of recent tokens. What one encode call sees is the codec's **scope**:
 
-Bit accounting: :meth:`Codec.code_bits_per_value` is the exact storage of one encoded value (codes,
-scales, zero-points, norms, outliers, ...); amortised, model-level overheads (codebooks, dictionaries,
-predictors) are reported apart by :meth:`Codec.overhead_bits`. :func:`expected_stream_bits` turns a
-policy and a token count into the exact bits the cache will hold, which the cache's measured bytes
-must match.
+- ``"stream"``: one layer's keys *or* values (:meth:`Codec.encode` / :meth:`Codec.decode`);
+- ``"layer"``: keys and values of one layer together, with the previous layer's reconstruction of the
+  same tokens (:meth:`Codec.encode_layer` / :meth:`Codec.decode_layer`; AQUA-KV's predictors);
+- ``"model"``: every layer's keys and values of a token block at once, encoded once the last layer has
+  appended it (:meth:`Codec.encode_model` / :meth:`Codec.decode_model`; kvtc's cross-layer PCA).
+
+A ``stateful`` codec keeps a :class:`SequenceState` per sequence and encoding unit (e.g. CSR's
+dictionary of atoms sampled from the prompt), created by :meth:`Codec.init_state` at the unit's first
+encode, held (and counted, and batch-reordered) by the cache, and passed to every encode and decode.
+
+Payloads are stored as a list of blocks; appending never copies what is stored. With
+``payload_layout = "tokens"`` their tensors have tokens on dim 2 and consecutive blocks read as one
+payload (what fused kernels read); ``"blocks"`` keeps each block's payload apart, which allows
+variable-length (entropy-coded) and ragged per-row data (:attr:`Payload.ragged`).
+
+Bit accounting: the cache's measured bytes are the numbers reported, split into encoded payloads,
+full-precision tokens and per-sequence state. For fixed-rate codecs :meth:`Codec.code_bits_per_value`
+is the exact storage of one encoded value (codes, scales, zero-points, norms, outliers, ...) and
+:func:`expected_cache_bits` turns a policy and a token count into the bits the cache must hold;
+amortised model-level overheads (codebooks, dictionaries, predictors, PCA bases) are reported apart by
+:meth:`Codec.overhead_bits`.
 """
 
 from __future__ import annotations
@@ -31,6 +47,8 @@ from kvcomp.artifacts import REFIT, ArtifactError
 from kvcomp.errors import CalibrationMismatchError, ConfigError, NonFiniteStateError
 
 KINDS = ("key", "value")
+SCOPES = ("stream", "layer", "model")
+PAYLOAD_LAYOUTS = ("tokens", "blocks")
 
 
 @dataclass
@@ -101,21 +119,33 @@ class StreamPolicy:
         return sinks, encoded, rest - encoded
 
 
+def _select_rows(tensors: dict[str, torch.Tensor], ragged: dict[str, list[torch.Tensor]], index: torch.Tensor):
+    rows = index.tolist() if ragged else None
+    return (
+        {k: v.index_select(0, index.to(v.device)) for k, v in tensors.items()},
+        {k: [v[i] for i in rows] for k, v in ragged.items()},
+    )
+
+
+def _nbytes(tensors: dict[str, torch.Tensor], ragged: dict[str, list[torch.Tensor]]) -> int:
+    held = [*tensors.values(), *(t for rows in ragged.values() for t in rows)]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
 @dataclass
 class Payload:
-    """Encoded tokens of one stream: named tensors whose dim 2 runs over tokens (or token groups).
-
-    Consecutive payloads concatenate along dim 2, so a stream keeps one payload however many blocks
-    it has encoded.
-    """
+    """Encoded tokens: named tensors with the batch on dim 0 (and, for ``payload_layout="tokens"``, tokens
+    or token groups on dim 2, so consecutive payloads concatenate along it), plus ``ragged`` data: per
+    batch row, one tensor of any length (entropy-coded bytes, a variable number of atoms, ...)."""
 
     tensors: dict[str, torch.Tensor]
     num_tokens: int
+    ragged: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually held by the tensors."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes actually held by the tensors (ragged rows included)."""
+        return _nbytes(self.tensors, self.ragged)
 
     def concat(self, other: "Payload") -> "Payload":
         return Payload(
@@ -124,8 +154,55 @@ class Payload:
         )
 
     def map(self, fn) -> "Payload":
-        """Apply ``fn`` to every tensor (batch reordering, device moves)."""
-        return Payload({k: fn(v) for k, v in self.tensors.items()}, self.num_tokens)
+        """Apply ``fn`` to every tensor, ragged rows included (device moves, dtype casts)."""
+        return Payload(
+            {k: fn(v) for k, v in self.tensors.items()},
+            self.num_tokens,
+            {k: [fn(t) for t in rows] for k, rows in self.ragged.items()},
+        )
+
+    def select_rows(self, index: torch.Tensor) -> "Payload":
+        """The payload of batch rows ``index`` (beam reorder, batch select / repeat)."""
+        tensors, ragged = _select_rows(self.tensors, self.ragged, index)
+        return Payload(tensors, self.num_tokens, ragged)
+
+
+@dataclass
+class SequenceState:
+    """What a ``stateful`` codec keeps per sequence (e.g. CSR's atoms sampled from the prompt): tensors with
+    the batch on dim 0 and ragged per-row tensors. Held by the cache, counted in its bytes, moved with
+    the batch; the codec may grow it (replace entries) during :meth:`Codec.encode`."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    ragged: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.tensors, self.ragged)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.tensors, self.ragged = _select_rows(self.tensors, self.ragged, index)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One encoding unit of a codec's scope: a stream (``layer`` and ``kind`` set), a layer (``kind`` None)
+    or the whole model (both None)."""
+
+    layer: int | None = None
+    kind: str | None = None
+
+
+@dataclass
+class LayerEncoding:
+    """What :meth:`Codec.encode_layer` returns: both payloads and the layer's reconstruction of the block
+    (``keys``/``values`` as :meth:`Codec.decode_layer` would give them), which the next layer's encode
+    receives as ``previous``."""
+
+    key: Payload
+    value: Payload
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclass
@@ -198,6 +275,9 @@ class Codec(ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type[CodecConfig]]
+    scope: ClassVar[str] = "stream"  # see SCOPES and the module docstring
+    payload_layout: ClassVar[str] = "tokens"  # see PAYLOAD_LAYOUTS
+    stateful: ClassVar[bool] = False  # True: init_state, and encode/decode take ``state``
     needs_calibration: ClassVar[bool] = False
     inference_only_fields: ClassVar[tuple[str, ...]] = ()  # config fields a calibration does not depend on
     scores_from_payload: ClassVar[bool] = False  # True: payload_scores serves decode steps (fused kernels)
@@ -207,6 +287,7 @@ class Codec(ABC):
         self.config = config
         self.model = model
         self.validate()
+        self.check_contract()
         if self.pre_rope and not model.has_rope:
             raise ConfigError(f"codec {self.name} works on pre-RoPE keys but model {model.name} has no RoPE")
 
@@ -218,21 +299,67 @@ class Codec(ABC):
     def validate(self) -> None:
         """Raise :class:`ConfigError` for settings this codec cannot do on this model."""
 
+    def check_contract(self) -> None:
+        """Raise :class:`ConfigError` when the class declares an unknown scope or layout, or when a layer-
+        or model-scope codec's streams do not share one policy (their blocks must line up)."""
+        if self.scope not in SCOPES or self.payload_layout not in PAYLOAD_LAYOUTS:
+            raise ConfigError(
+                f"codec {self.name}: scope {self.scope!r} / payload_layout {self.payload_layout!r}; "
+                f"valid scopes: {', '.join(SCOPES)}; valid layouts: {', '.join(PAYLOAD_LAYOUTS)}"
+            )
+        layers = range(self.model.num_layers)
+        groups = [[(layer, kind) for kind in KINDS] for layer in layers] if self.scope == "layer" else (
+            [[(layer, kind) for layer in layers for kind in KINDS]] if self.scope == "model" else [])
+        for group in groups:
+            policies = {self.policy(kind, layer) for layer, kind in group}
+            if len(policies) > 1:
+                raise ConfigError(f"codec {self.name}: a {self.scope}-scope codec needs one policy for {group}, got {policies}")
+
     @abstractmethod
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         """The cache schedule of layer ``layer_idx``'s ``kind`` ("key" or "value") stream."""
 
-    @abstractmethod
+    # --- scope "stream" (``state=`` is passed only to stateful codecs) ---
     def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
         """Encode ``x [B, H, T, D]`` (T a multiple of the policy's block size)."""
+        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no stream encode")
 
-    @abstractmethod
     def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
         """Decode a payload back to ``[B, H, T, D]`` in ``dtype``."""
+        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no stream decode")
 
-    @abstractmethod
+    # --- scope "layer" ---
+    def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,
+                     previous: tuple[torch.Tensor, torch.Tensor] | None, state: SequenceState | None = None) -> LayerEncoding:
+        """Encode one layer's block ``[B, H, T, D]`` of keys and values; ``previous``: the previous layer's
+        reconstructed ``(keys, values)`` of the same tokens (None for layer 0)."""
+        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no layer encode")
+
+    def decode_layer(self, key: Payload, value: Payload, layer_idx: int, previous: tuple[torch.Tensor, torch.Tensor] | None,
+                     dtype: torch.dtype, state: SequenceState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reconstructed ``(keys, values)`` of one layer's block, from its payloads and ``previous``."""
+        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no layer decode")
+
+    # --- scope "model" ---
+    def encode_model(self, keys: list[torch.Tensor], values: list[torch.Tensor], state: SequenceState | None = None) -> Payload:
+        """Encode one token block of every layer (``keys[l]``, ``values[l]``: ``[B, H, T, D]``) as one payload."""
+        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no model encode")
+
+    def decode_model(self, payload: Payload, layer_idx: int, dtype: torch.dtype,
+                     state: SequenceState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s ``(keys, values)`` of a model-scope block (per-layer decompression)."""
+        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no model decode")
+
+    # --- stateful codecs ---
+    def init_state(self, unit: Unit, held: dict[tuple[int, str], torch.Tensor]) -> SequenceState:
+        """The per-sequence state of ``unit``, from the full-precision tokens it holds at its first encode
+        (``held[(layer, kind)]``: ``[B, H, T, D]``, pre-RoPE keys for pre-RoPE codecs; e.g. the prompt)."""
+        raise NotImplementedError(f"codec {self.name} is not stateful")
+
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
-        """Exact stored bits per encoded value of ``kind`` in layer ``layer_idx``: codes plus per-group parameters."""
+        """Exact stored bits per encoded value of ``kind`` in layer ``layer_idx``: codes plus per-group
+        parameters (fixed-rate codecs; variable-rate ones report measured bytes only)."""
+        raise NotImplementedError(f"codec {self.name} has no fixed rate: its bits are measured")
 
     def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
         """Attention logits ``<q, k>`` of queries ``[B, Hq, Tq, D]`` against the encoded (post-RoPE) keys in

@@ -1,0 +1,61 @@
+"""The codec test matrix: one entry per registered codec, read by every test that runs all codecs.
+
+A new codec joins with one entry here (``tests/test_codec_matrix.py`` fails until it does); it is then
+checked for the round trip through the cache, formula vs measured bytes, state save/load and the
+mismatch error, batch maps and beam search (``test_codec_matrix.py``), generation with left padding on
+tiny Llama / Qwen2 / Mistral (``test_left_padding.py``), the memory walk on the torch, fused and
+decode-per-step paths (``test_memory.py``), and the fused decode path against the torch path where the
+codec has one (``test_decode_attention.py``, ``test_qjl_kernel.py``).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcomp.calibration import CalibrationData, calibrate
+from kvcomp.codecs import build_codec
+from kvcomp.config import CalibrationConfig
+from tests.conftest import info_of
+
+QJL_TINY = {
+    "name": "qjl", "sketch_dim": 32, "outlier_sketch_dim": 16, "initial_layers": 1, "initial_sketch_dim": 48,
+    "initial_outlier_sketch_dim": 8, "outlier_channels": 2, "group_size": 4, "key_buffer": 8,
+    "value_group_size": 8, "value_window": 6,
+}
+CALIBRATION = CalibrationConfig(num_samples=8, seq_len=72)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """``config``: the codec on tiny models (small blocks, so that 40 tokens encode several);
+    ``fitted``: calibrated on the tiny model first; ``error``: bound on the relative RMS error of cached
+    keys and values after a round trip through the cache."""
+
+    config: dict = field(default_factory=dict)
+    fitted: bool = False
+    error: float = 0.0
+
+
+MATRIX = {
+    "fp16": Entry({"name": "fp16"}),
+    "uniform": Entry({"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2}, error=0.3),
+    "kivi": Entry({"name": "kivi", "group_size": 8, "residual_length": 16}, error=0.3),
+    "qjl": Entry(QJL_TINY, error=0.5),
+    "temporalkv": Entry({"name": "temporalkv", "sinks": 4, "kmeans_iters": 10}, fitted=True, error=0.3),
+    "channelkv": Entry({"name": "channelkv", "sinks": 4, "kmeans_iters": 10}, fitted=True, error=0.3),
+    "kvquant": Entry({"name": "kvquant", "sinks": 4, "kmeans_iters": 10}, fitted=True, error=0.4),
+}
+
+
+def calibration_windows(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 96, (8, 72), generator=torch.Generator().manual_seed(seed))
+
+
+def make_codec(model, name: str, path=None, **overrides):
+    """The matrix entry's codec for ``model`` (calibrated on it when the entry says so)."""
+    entry = MATRIX[name]
+    codec = build_codec({**entry.config, **overrides}, info_of(model))
+    if entry.fitted:
+        windows = calibration_windows()
+        calibrate(codec, CALIBRATION, lambda: CalibrationData(model, None, windows, None), path)
+    return codec
