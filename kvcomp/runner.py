@@ -117,7 +117,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
 
     benchmark.prepare(model, tokenizer, model_cfg)
     calibration_report = calibrate(
-        codec, plan.calibration, lambda: _calibration_data(model, tokenizer, plan.calibration, force),
+        codec, plan.calibration, lambda: _calibration_data(model, tokenizer, plan.calibration, force).activations(codec),
         path=plan.calibration.artifact, force=force,
     )
     calibration_report.update(codec.summary())

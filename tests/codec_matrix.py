@@ -57,5 +57,5 @@ def make_codec(model, name: str, path=None, **overrides):
     codec = build_codec({**entry.config, **overrides}, info_of(model))
     if entry.fitted:
         windows = calibration_windows()
-        calibrate(codec, CALIBRATION, lambda: CalibrationData(model, None, windows, None), path)
+        calibrate(codec, CALIBRATION, lambda: CalibrationData(model, None, windows, None).activations(codec), path)
     return codec

@@ -3,9 +3,9 @@ import torch
 from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
-from kvcomp.cache.rope import apply_rope, undo_rope
 from kvcomp.codecs import build_codec, expected_cache_bits
 from kvcomp.errors import NonFiniteKVError
+from kvcomp.stages.rope import apply_rope, undo_rope
 from tests.conftest import info_of
 
 SCHEDULES = [

@@ -5,12 +5,12 @@ import torch
 from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
-from kvcomp.cache.rope import apply_rope
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.calibration.collect import collect_kv
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
 from kvcomp.config import CalibrationConfig
 from kvcomp.errors import CalibrationMismatchError, ConfigError
+from kvcomp.stages.rope import apply_rope
 
 from .conftest import info_of
 
@@ -29,7 +29,7 @@ def calibration_windows(seed=0):
 def fitted(model, name, **overrides):
     codec = build_codec({"name": name, "kmeans_iters": 10, **overrides}, info_of(model))
     windows = calibration_windows()
-    calibrate(codec, CalibrationConfig(num_samples=8, seq_len=72), lambda: CalibrationData(model, None, windows, None))
+    calibrate(codec, CalibrationConfig(num_samples=8, seq_len=72), lambda: CalibrationData(model, None, windows, None).activations(codec))
     return codec
 
 
@@ -139,24 +139,26 @@ def test_hybrid_preset_and_auto(tiny_llama):
 def test_artifacts_are_reused_shared_across_outlier_settings_and_checked(tiny_llama, tmp_path):
     info = info_of(tiny_llama)
     windows = calibration_windows()
-    data = lambda: CalibrationData(tiny_llama, None, windows, None)  # noqa: E731
+    def data(codec):
+        return lambda: CalibrationData(tiny_llama, None, windows, None).activations(codec)
+
     calibration = CalibrationConfig(num_samples=8, seq_len=72)
     first = build_codec({"name": "temporalkv", "bits": 2, "kmeans_iters": 5}, info)
-    assert calibrate(first, calibration, data)["reused"] is False
+    assert calibrate(first, calibration, data(first))["reused"] is False
     second = build_codec({"name": "temporalkv", "bits": 2, "kmeans_iters": 5, "outliers": 0.01, "sinks": 0}, info)
-    report = calibrate(second, calibration, data)
+    report = calibrate(second, calibration, data(second))
     assert report["reused"] is True  # outliers (not clamped) and sinks do not change the codebooks
     x = torch.randn(1, 2, 16, 16)
     assert torch.equal(first.encode(x, "key", 1).tensors["codes"], second.encode(x, "key", 1).tensors["codes"])
     kvquant = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5}, info)
     kvquant_outliers = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5, "outliers": 0.01}, info)
-    assert calibrate(kvquant, calibration, data, path=tmp_path / "a.safetensors")["reused"] is False
+    assert calibrate(kvquant, calibration, data(kvquant), path=tmp_path / "a.safetensors")["reused"] is False
     with pytest.raises(CalibrationMismatchError, match="outliers"):
-        calibrate(kvquant_outliers, calibration, data, path=tmp_path / "a.safetensors")
+        calibrate(kvquant_outliers, calibration, data(kvquant_outliers), path=tmp_path / "a.safetensors")
     other_model = ModelInfo(name="other", num_layers=2, num_kv_heads=2, head_dim=16)
     with pytest.raises(CalibrationMismatchError, match="model"):
-        calibrate(build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5}, other_model), calibration, data,
-                  path=tmp_path / "a.safetensors")
+        calibrate(build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5}, other_model), calibration,
+                  lambda: pytest.fail("must not fit"), path=tmp_path / "a.safetensors")
 
 
 def test_bad_configurations_are_clear_errors():
@@ -179,4 +181,43 @@ def test_too_little_calibration_data_is_a_clear_error(tiny_llama):
     codec = build_codec({"name": "channelkv", "bits": 2}, info_of(tiny_llama))
     windows = calibration_windows()[:2, :40]
     with pytest.raises(ConfigError, match="raise calibration.num_samples"):
-        codec.fit(CalibrationData(tiny_llama, None, windows, None))
+        codec.fit(CalibrationData(tiny_llama, None, windows, None).activations(codec))
+
+
+def test_fisher_weights_are_collected_only_for_codecs_that_ask(tiny_llama, monkeypatch):
+    """No backward pass for a codec that uses no Fisher weights; a collection with them serves it too."""
+    windows = calibration_windows(seed=5)
+    plain = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5, "fisher": False}, info_of(tiny_llama))
+    assert not plain.needs_fisher and fitted(tiny_llama, "temporalkv").needs_fisher
+    backward = torch.Tensor.backward
+    monkeypatch.setattr(torch.Tensor, "backward", lambda *a, **k: pytest.fail("no backward pass without Fisher"))
+    acts = CalibrationData(tiny_llama, None, windows, None).activations(plain)
+    assert not acts.fisher and set(acts.layer(1)) == {"key", "value"}
+    assert plain.fit(acts).tensors  # fits on forward passes alone
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    weighted = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5}, info_of(tiny_llama))
+    rich = CalibrationData(tiny_llama, None, windows, None).activations(weighted)
+    assert rich.fisher and {"key_grad2", "value_grad2"} <= set(rich.layer(0)) and rich.folder != acts.folder
+    # the no-Fisher keys/values equal those of the Fisher collection, which later requests reuse
+    assert torch.equal(acts.layer(1)["key"], rich.layer(1)["key"])
+    monkeypatch.setattr(torch.Tensor, "backward", lambda *a, **k: pytest.fail("reused, not collected"))
+    assert CalibrationData(tiny_llama, None, calibration_windows(seed=5), None).activations(plain).folder == rich.folder
+
+
+def test_closed_loop_fitting_sees_earlier_reconstructions():
+    from kvcomp.codecs import fit_layer_by_layer
+
+    class Fake:
+        num_layers = 3
+
+        def layer(self, layer):
+            return {"key": torch.full((1,), float(layer))}
+
+    seen = []
+
+    def fit_layer(layer, fields, previous):
+        seen.append(previous)
+        return f"fitted{layer}", fields["key"] + (0 if previous is None else previous) + 0.5
+
+    assert fit_layer_by_layer(Fake(), fit_layer) == ["fitted0", "fitted1", "fitted2"]
+    assert seen[0] is None and seen[1].item() == 0.5 and seen[2].item() == 2.0  # 1 + 0.5 + 0.5

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvcomp.cache import CompressedCache
-from kvcomp.cache.rope import apply_rope
 from kvcomp.codecs.base import Codec, CodecConfig, LayerEncoding, ModelInfo, Payload, SequenceState, StreamPolicy
 from kvcomp.errors import ConfigError
+from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 from tests.conftest import info_of
 from tests.test_memory import held_bytes

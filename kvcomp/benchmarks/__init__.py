@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from kvcomp.config import BENCHMARKS
+from kvcomp.benchmarks.configs import BENCHMARKS
 from kvcomp.errors import unknown_choice
 
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from kvcomp.benchmarks import Benchmark
+from kvcomp.benchmarks.configs import PerplexityConfig
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import Codec, expected_cache_bits
-from kvcomp.config import PerplexityConfig
 from kvcomp.errors import ConfigError, unknown_choice
 
 PERPLEXITY_PROTOCOLS = ("streaming", "simulated")

@@ -25,8 +25,6 @@ value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -35,9 +33,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcomp.cache.compressed_cache import LastUpdate
 from kvcomp.codecs.base import Payload
-from kvcomp.config import KERNEL_BACKENDS
 from kvcomp.errors import unknown_choice
-from kvcomp.kernels.decode_attention import decode_attention
+from kvcomp.kernels import KERNEL_BACKENDS
+from kvcomp.kernels.decode_attention import ValidTokens, decode_attention
 
 ATTENTION_NAME = "kvcomp"
 
@@ -48,13 +46,12 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
     record: LastUpdate | None = None
     if layer is not None:
         record, layer.last_update = layer.last_update, None  # release the full-precision copies
-        segments = getattr(layer, "decode_segments", None)  # only a CompressedLayer's fused decode steps
-        if segments is not None:
-            layer.decode_segments = None
-            mode, keys, values = segments
-            if mode == "scores":
-                return _attention_from_segments(layer, query, keys, torch.cat(values, dim=2), attention_mask, scaling)
-            return _fused_decode_attention(layer, query, keys, values, attention_mask, scaling)
+        step = getattr(layer, "fused_step", None)  # only a CompressedLayer's fused decode steps
+        if step is not None:
+            layer.fused_step = None
+            if step.mode == "scores":
+                return _attention_from_segments(layer, query, step.keys, torch.cat(step.values, dim=2), attention_mask, scaling)
+            return _fused_decode_attention(layer, query, step.keys, step.values, attention_mask, scaling)
     if record is None or (record.keys is None and record.values is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     key, value, mask = _streaming_columns(query, key, value, attention_mask, record)
@@ -88,24 +85,35 @@ def _attention_from_segments(layer, query, segments, value, attention_mask, scal
 
 def _fused_decode_attention(layer, query, keys, values, attention_mask, scaling):
     """One decode step read straight from the payloads by the fused decode-attention kernel
-    (:mod:`kvcomp.kernels.decode_attention`); the mask's valid tokens become one range per sequence."""
+    (:mod:`kvcomp.kernels.decode_attention`); the mask's valid tokens become one range per sequence,
+    computed by the step's first layer and reused by the others."""
     codec, index = layer.codec, layer.layer_idx
 
     def readers(segments, kind):
         return [codec.payload_reader(s, kind, index) if isinstance(s, Payload) else s for s in segments]
 
-    b, hq, _, d = query.shape
-    length = layer.get_seq_length()
-    valid = None
-    if attention_mask is not None:
-        mask = attention_mask[:, 0, -1, :length]
-        valid = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        valid = valid.expand(b, length)
+    b, _, _, d = query.shape
     out = decode_attention(
         query[:, :, 0], readers(keys, "key"), readers(values, "value"), d**-0.5 if scaling is None else scaling,
-        valid, layer.key_rope(), layer.kernel_backend,
+        _valid_tokens(layer, attention_mask, b), layer.key_rope(), layer.kernel_backend,
     )
     return out[:, None], None
+
+
+def _valid_tokens(layer, attention_mask, batch: int) -> ValidTokens | None:
+    """The step's :class:`ValidTokens` from its 4-D mask (bool or additive). Every layer of a step receives
+    the same mask object, so the result is kept on it: one host sync per step, freed with the mask."""
+    if attention_mask is None:
+        return None
+    length = layer.get_seq_length()
+    memo = getattr(attention_mask, "_kvcomp_valid", None)
+    if memo is not None and memo[0] == length:
+        return memo[1]
+    mask = attention_mask[:, 0, -1, :length]
+    valid = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    tokens = ValidTokens.of(valid.expand(batch, length))
+    attention_mask._kvcomp_valid = (length, tokens)
+    return tokens
 
 
 def _streaming_columns(query, key, value, attention_mask, record: LastUpdate):
@@ -169,28 +177,26 @@ def _capture_cache_layer(module, args, kwargs):
         layer.kernel_backend = getattr(module, "_kvcomp_kernel_backend", "torch")
         layer.incoming_positions = kwargs.get("position_ids")
         if layer.get_seq_length() == 0:
-            layer.incoming_pads = _leading_pads(cache, kwargs.get("attention_mask"))
+            layer.incoming_pads = _leading_pads(kwargs.get("attention_mask"))
         rotary = getattr(module, "_kvcomp_rotary", (None,))[0]
         if rotary is not None and layer.incoming_rope is not None:
             layer.rotary = (rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), layer.incoming_rope[0].dtype)
-        module._kvcomp_layer = layer
+        module.__dict__["_kvcomp_layer"] = layer  # not nn.Module.__setattr__: a plain attribute, set every forward
     else:
-        module._kvcomp_layer = None
+        module.__dict__["_kvcomp_layer"] = None
 
 
-def _leading_pads(cache, mask) -> int:
+def _leading_pads(mask) -> int:
     """The most left padding of any row in a first forward's 4-D mask (bool, or additive float): pad
-    columns are masked for the row's last query. Computed once per forward (one host sync), not per layer."""
+    columns are masked for the row's last query. One host sync per forward (kept on the mask object,
+    which every layer receives), not per layer."""
     if mask is None:
         return 0
-    memo = getattr(cache, "_kvcomp_pads", None)
-    if memo is not None and memo[0]() is mask:
-        return memo[1]
-    valid = mask[:, 0, -1, :]
-    valid = valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
-    pads = int(valid.int().argmax(-1).max()) if valid.any() else 0
-    cache._kvcomp_pads = (weakref.ref(mask), pads)  # a weak reference: the cache does not keep the mask
-    return pads
+    if not hasattr(mask, "_kvcomp_pads"):
+        valid = mask[:, 0, -1, :]
+        valid = valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
+        mask._kvcomp_pads = int(valid.int().argmax(-1).max()) if valid.any() else 0
+    return mask._kvcomp_pads
 
 
 def _attention_modules(model):

@@ -24,6 +24,22 @@ class LastUpdate:
     values: FreshlyEncoded | None
 
 
+@dataclass
+class FusedStep:
+    """What a fused decode step's attention reads, handed over by ``update`` (see
+    :attr:`CompressedLayer.fused_decode`): the mode and the key and value segments (full-precision
+    tensors and payloads, in token order)."""
+
+    mode: str
+    keys: list
+    values: list
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts along tokens; a single part as it is (no copy: e.g. the fp16 codec's tail)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 class ModelUnit:
     """The encoding unit of a model-scope codec: a token block of every layer's keys and values is encoded
     as one payload once the last layer has appended it (after that layer's attention, so every layer of
@@ -109,7 +125,7 @@ class CompressedLayer(CacheLayerMixin):
         self.incoming_positions: torch.Tensor | None = None  # set by the attention pre-hook
         self.incoming_pads = 0  # left padding of the first forward's batch, set by the attention pre-hook
         self.last_update: LastUpdate | None = None  # streaming multi-token forwards only; consumed by attention
-        self.decode_segments: tuple[str, list, list] | None = None  # fused decode steps; consumed by attention
+        self.fused_step: FusedStep | None = None  # fused decode steps; consumed by attention
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -120,13 +136,12 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.check_finite:
-            for kind, x in (("keys", key_states), ("values", value_states)):
-                if not torch.isfinite(x).all():
-                    raise NonFiniteKVError(
-                        f"layer {self.layer_idx}: NaN or Inf in incoming {kind} "
-                        f"(cache positions {self.get_seq_length()}..{self.get_seq_length() + x.shape[2] - 1})"
-                    )
+        if self.check_finite and not torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32)):
+            kind = "keys" if not torch.isfinite(key_states).all() else "values"  # (sums of finite K/V cannot overflow float32)
+            raise NonFiniteKVError(
+                f"layer {self.layer_idx}: NaN or Inf in incoming {kind} "
+                f"(cache positions {self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1})"
+            )
         self._record_rope(key_states)
         if self.get_seq_length() == 0:  # the first forward: its left padding stays out of the encoded blocks
             self.key_stream.leading_pads = max(self.key_stream.leading_pads, self.incoming_pads)
@@ -135,7 +150,10 @@ class CompressedLayer(CacheLayerMixin):
         fused = self.fused_decode if key_states.shape[2] == 1 else None
         key_view = KVStream.segments if fused else KVStream.parts
         value_view = KVStream.segments if fused == "attention" else KVStream.parts
-        if self.protocol == "exact_prefill":  # this forward sees its own tokens uncompressed
+        n = key_states.shape[2]
+        history = self.protocol == "exact_prefill" and self.codec.scope != "model" and any(
+            s.ready_after(n) for s in self.streams)  # this forward sees its own tokens uncompressed
+        if history:
             key_history, value_history = key_view(self.key_stream), value_view(self.value_stream)
         self.key_stream.append(key_states)
         self.value_stream.append(value_states)
@@ -144,7 +162,7 @@ class CompressedLayer(CacheLayerMixin):
             fresh_keys, fresh_values = self.key_stream.encode_ready(), self.value_stream.encode_ready()
         elif self.codec.scope == "layer":
             fresh_keys, fresh_values = self._encode_layer_ready()
-        if self.protocol == "exact_prefill":
+        if history:
             keys, values = [*key_history, key_states], [*value_history, value_states]
         else:
             keys, values = key_view(self.key_stream), value_view(self.value_stream)
@@ -154,7 +172,7 @@ class CompressedLayer(CacheLayerMixin):
             self.key_stream.freeze()
             self.value_stream.freeze()
         if fused:
-            self.decode_segments = (fused, keys, values)
+            self.fused_step = FusedStep(fused, keys, values)
             return key_states, value_states
         if self.protocol == "streaming" and key_states.shape[2] > 1 and (fresh_keys or fresh_values):
             if not self.attention_hooked:
@@ -163,7 +181,7 @@ class CompressedLayer(CacheLayerMixin):
                     "call kvcomp.cache.install(model) first (or use protocol='simulated')"
                 )
             self.last_update = LastUpdate(fresh_keys, fresh_values)
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        return _joined(keys), _joined(values)
 
     def _encode_layer_ready(self) -> tuple[FreshlyEncoded | None, FreshlyEncoded | None]:
         """Layer scope: encode the block both streams have ready, with the previous layer's reconstruction."""
@@ -219,7 +237,7 @@ class CompressedLayer(CacheLayerMixin):
         (:meth:`~kvcomp.codecs.base.Codec.payload_reader`; pre-RoPE keys need the model's RoPE frequencies
         and every token's position); ``"scores"``: the key payload is scored by the codec's kernel
         (:meth:`~kvcomp.codecs.base.Codec.payload_scores`) and values are decoded; ``None``: the torch path.
-        When fused, ``update`` returns the fresh K/V only and leaves :attr:`decode_segments` to attention."""
+        When fused, ``update`` returns the fresh K/V only and leaves :attr:`fused_step` to attention."""
         if self.kernel_backend != "triton":
             return None
         if self.codec.scores_from_payload:

@@ -1,14 +1,19 @@
-"""Tensors that grow along one dimension without copying what they hold on every append.
+"""Tensors that grow at one end (and may shrink at the other) along one dimension without copying what
+they hold on every append.
 
-A :class:`GrowingTensor` keeps a buffer with spare capacity (doubling when full), so appending ``n``
-entries costs ``O(n)`` amortised instead of the ``O(length)`` of ``torch.cat``. :attr:`view` is the used
-part (a view, no copy); :attr:`nbytes` counts the used part (storage) and :attr:`reserved_nbytes` the
-spare capacity (working memory), so the two together are exactly what the buffer occupies.
+A :class:`GrowingTensor` keeps a buffer with spare capacity (growing by :data:`GROWTH` when full), so
+appending ``n`` entries costs ``O(n)`` amortised instead of the ``O(length)`` of ``torch.cat``;
+:meth:`drop_front` forgets the oldest entries without a copy. Written entries are never overwritten, so a
+:attr:`view` handed out earlier stays valid after later appends and drops. :attr:`nbytes` counts the
+live entries (storage) and :attr:`reserved_nbytes` the rest of the buffer (spare capacity and dropped
+entries: working memory), so the two together are exactly what the buffer occupies.
 """
 
 from __future__ import annotations
 
 import torch
+
+GROWTH = 1.25  # capacity after a reallocation, relative to the entries kept: at most 20 % spare
 
 
 class GrowingTensor:
@@ -17,33 +22,41 @@ class GrowingTensor:
     def __init__(self, dim: int):
         self.dim = dim
         self.buffer: torch.Tensor | None = None
-        self.length = 0
+        self.start = 0  # first live entry of the buffer
+        self.end = 0  # one past the last written entry
+
+    @property
+    def length(self) -> int:
+        """Number of live entries."""
+        return self.end - self.start
 
     @property
     def view(self) -> torch.Tensor | None:
-        return None if self.buffer is None else self.buffer.narrow(self.dim, 0, self.length)
+        return None if self.buffer is None else self.buffer.narrow(self.dim, self.start, self.length)
 
     def append(self, x: torch.Tensor) -> None:
         n = x.shape[self.dim]
         dtype = x.dtype if self.buffer is None else torch.promote_types(self.buffer.dtype, x.dtype)
-        if self.buffer is not None and dtype != self.buffer.dtype:  # e.g. float16 params promoted by one block
-            self.buffer = self.buffer.to(dtype)
-        if self.buffer is None or self.length + n > self.buffer.shape[self.dim]:
-            capacity = max(2 * self.length, self.length + n, 16)
+        if self.buffer is None or dtype != self.buffer.dtype or self.end + n > self.buffer.shape[self.dim]:
+            live = self.view
             shape = list(x.shape)
-            shape[self.dim] = capacity
-            grown = torch.empty(shape, dtype=dtype, device=x.device)
+            shape[self.dim] = max(int(GROWTH * (self.length + n)), self.length + n, 16)
+            grown = torch.empty(shape, dtype=dtype, device=x.device)  # a new buffer: earlier views keep the old one
             if self.length:
-                grown.narrow(self.dim, 0, self.length).copy_(self.view)
-            self.buffer = grown
-        self.buffer.narrow(self.dim, self.length, n).copy_(x)
-        self.length += n
+                grown.narrow(self.dim, 0, self.length).copy_(live)
+            self.buffer, self.start, self.end = grown, 0, self.length
+        self.buffer.narrow(self.dim, self.end, n).copy_(x)
+        self.end += n
+
+    def drop_front(self, n: int) -> None:
+        """Forget the ``n`` oldest entries (no copy; their memory is reused at the next reallocation)."""
+        self.start += min(n, self.length)
 
     def map(self, fn) -> None:
         """Replace the content by ``fn(view)`` (batch reorder / select / repeat), without spare capacity."""
         if self.buffer is not None:
             self.buffer = fn(self.view).contiguous()
-            self.length = self.buffer.shape[self.dim]
+            self.start, self.end = 0, self.buffer.shape[self.dim]
 
     @property
     def nbytes(self) -> int:
@@ -52,5 +65,5 @@ class GrowingTensor:
 
     @property
     def reserved_nbytes(self) -> int:
-        """Spare capacity: allocated but holding nothing yet."""
+        """Spare capacity and dropped entries: allocated but holding nothing live."""
         return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size() - self.nbytes

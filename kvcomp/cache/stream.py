@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 
 from kvcomp.cache.growing import GrowingTensor
-from kvcomp.cache.rope import apply_rope, undo_rope
 from kvcomp.codecs.base import Codec, Payload, SequenceState, Unit
+from kvcomp.stages.rope import apply_rope, undo_rope
 
 
 @dataclass
@@ -140,7 +140,7 @@ class KVStream:
         self.blocks: list[Block] = []  # every encoded block, in token order
         self.decoded = GrowingTensor(2)  # the torch path's decoded blocks (working memory)
         self.pending: list[Block] = []  # encoded blocks not in ``decoded`` yet
-        self.tail: torch.Tensor | None = None
+        self.tail_buffer = GrowingTensor(2)  # appended in place: no copy of the tail per step
         self.length = self.num_encoded = self.batch = 0
         self.frozen = False  # True: keep every further token in the full-precision tail
         self.leading_pads = 0  # left padding of the batch: kept with the sinks, never encoded (set by the layer)
@@ -160,8 +160,13 @@ class KVStream:
         return 0 if self.sinks is None else self.sinks.shape[2]
 
     @property
+    def tail(self) -> torch.Tensor | None:
+        """The full-precision tail (a view of its buffer); None when empty."""
+        return self.tail_buffer.view if self.tail_buffer.length else None
+
+    @property
     def num_tail(self) -> int:
-        return 0 if self.tail is None else self.tail.shape[2]
+        return self.tail_buffer.length
 
     def append(self, x: torch.Tensor) -> None:
         """Add ``x [B, H, n, D]`` to the sinks and the tail (encoding is :meth:`encode_ready`'s)."""
@@ -172,7 +177,7 @@ class KVStream:
             self.sinks = _cat(self.sinks, x[:, :, :take])
             x = x[:, :, take:]
         if x.shape[2]:
-            self.tail = _cat(self.tail, x)
+            self.tail_buffer.append(x)
 
     def ready(self) -> int:
         """How many of the oldest tail tokens the policy encodes now (a multiple of the block size)."""
@@ -180,6 +185,14 @@ class KVStream:
         if block is None or self.frozen or self.num_tail < self.policy.window + block:
             return 0
         return (self.num_tail - self.policy.window) // block * block
+
+    def ready_after(self, n: int) -> bool:
+        """Whether appending ``n`` more tokens would let :meth:`ready` encode (decided before the append)."""
+        block = self.policy.block_size
+        if block is None or self.frozen:
+            return False
+        to_sinks = max(0, min(n, self.leading_pads + self.policy.sinks - self.num_sinks))
+        return self.num_tail + n - to_sinks >= self.policy.window + block
 
     def held(self) -> torch.Tensor:
         """Every full-precision token held (sinks, tail) before the first encode, keys un-rotated: what a
@@ -190,7 +203,8 @@ class KVStream:
     def take(self, count: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Remove the ``count`` oldest tail tokens: ``(first cache index, tokens as stored, tokens to encode)``
         (the latter un-rotated for pre-RoPE keys)."""
-        chunk, self.tail = self.tail[:, :, :count], self.tail[:, :, count:].clone()  # drop the encoded tokens
+        chunk = self.tail[:, :, :count]  # stays valid: the buffer never overwrites what it holds
+        self.tail_buffer.drop_front(count)
         first = self.num_sinks + self.num_encoded
         to_encode = undo_rope(chunk, *self.rope(first, count)) if self.pre_rope else chunk
         return first, chunk, to_encode
@@ -271,13 +285,14 @@ class KVStream:
     @property
     def working_nbytes(self) -> int:
         """Bytes held besides storage: the decoded copy of the torch path and spare capacity."""
-        return self.decoded.nbytes + self.decoded.reserved_nbytes + self.store.reserved_nbytes
+        buffers = (self.decoded, self.tail_buffer)
+        return self.decoded.nbytes + sum(g.reserved_nbytes for g in buffers) + self.store.reserved_nbytes
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam reorder, batch select / repeat) of everything held."""
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
         self.sinks = None if self.sinks is None else pick(self.sinks)
-        self.tail = None if self.tail is None else pick(self.tail)
+        self.tail_buffer.map(pick)
         self.store.select_rows(index)
         self.decoded.map(pick)
         self.batch = len(index)

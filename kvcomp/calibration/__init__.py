@@ -18,20 +18,46 @@ from pathlib import Path
 import torch
 
 import kvcomp
+from kvcomp.calibration.collect import KVActivations, collect_kv
 from kvcomp.codecs import Codec, CodecState
-from kvcomp.config import CalibrationConfig
 from kvcomp.paths import cache_dir, cache_relative
+from kvcomp.schema import at_least
+
+
+@dataclass
+class CalibrationConfig:
+    """Text a codec is fitted on (ignored by codecs that need no calibration)."""
+
+    name: str = "enwiki"
+    num_samples: int = 16
+    seq_len: int = 512
+    seed: int = 0
+    artifact: str | None = None  # a fitted codec state to use instead of the cache's (refused if fitted for another model)
+
+    def __post_init__(self):
+        at_least(self, 1, "num_samples")
+        at_least(self, 2, "seq_len")
 
 
 @dataclass
 class CalibrationData:
-    """What ``Codec.fit`` receives: the model, its tokenizer and the calibration token windows."""
+    """The calibration windows and the model they run through: :meth:`activations` collects what
+    ``Codec.fit`` receives (codecs never see the model, nor import calibration)."""
 
     model: torch.nn.Module
     tokenizer: object
     windows: torch.Tensor  # [num_samples, seq_len]
     config: CalibrationConfig
     force: bool = False  # collect again even when a verified collection is cached
+
+    def activations(self, codec: Codec) -> KVActivations:
+        """What ``codec.fit`` receives: pre-RoPE keys and values of every window, without the codec's
+        :attr:`~kvcomp.codecs.base.Codec.calibration_drop_first` leading tokens, with Fisher weights only
+        when it :attr:`~kvcomp.codecs.base.Codec.needs_fisher` (:func:`~kvcomp.calibration.collect.collect_kv`:
+        reused from the cache folder when a verified collection of the same model and windows exists,
+        unless ``force``)."""
+        return collect_kv(self.model, codec.model, self.windows, codec.calibration_drop_first,
+                          force=self.force, fisher=codec.needs_fisher)
 
 
 def fitted_for(codec: Codec, calibration: CalibrationConfig) -> dict:
@@ -51,11 +77,12 @@ def artifact_path(codec: Codec, calibration: CalibrationConfig) -> Path:
     return cache_dir() / "calibration" / f"{codec.name}-{key}.safetensors"
 
 
-def calibrate(codec: Codec, calibration: CalibrationConfig, load_data, path: Path | None = None,
+def calibrate(codec: Codec, calibration: CalibrationConfig, load_activations, path: Path | None = None,
               force: bool = False) -> dict:
     """Install a fitted state into ``codec``: load the cached artifact or fit and save one.
 
-    ``load_data()`` returns the :class:`CalibrationData` (called only when fitting). ``path``: an
+    ``load_activations()`` returns what ``codec.fit`` receives, e.g.
+    ``CalibrationData(...).activations(codec)`` (called only when fitting). ``path``: an
     artifact to use instead of the cache's (refused if fitted for another model or config); ``force``
     refits and overwrites it. A state with NaN or Inf is refused (not saved). Returns a small report
     (``{"artifact": ..., "reused": bool, "seconds": float}``; the artifact path relative to the cache
@@ -70,7 +97,7 @@ def calibrate(codec: Codec, calibration: CalibrationConfig, load_data, path: Pat
     if reused:
         codec.load_state(CodecState.load(path, expected))
     else:
-        state = codec.fit(load_data())
+        state = codec.fit(load_activations())
         state.check_finite(f"{codec.name} calibration (fitted on {calibration.name})")
         state.fitted_for = expected
         state.save(path)

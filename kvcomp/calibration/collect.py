@@ -1,11 +1,12 @@
-"""Collect what codebook codecs are fitted on: pre-RoPE keys, values and their Fisher weights.
+"""Collect what codecs are fitted on: pre-RoPE keys, values and (on request) their Fisher weights.
 
-For each calibration window, one forward and one backward pass of the mean next-token cross-entropy
-(HF ``labels=input_ids``) give, per layer and KV head, the keys and values exactly as the compressed
-cache will see them (keys un-rotated, i.e. pre-RoPE) and the squared gradients of the loss with
-respect to them, the diagonal Fisher weights of the TemporalKV thesis (Eq. 3). Keys are recorded
-post-RoPE from the cache and un-rotated; since RoPE is a rotation ``R``, the pre-RoPE gradient is
-``R^T`` times the post-RoPE one, i.e. the same un-rotation.
+For each calibration window, one forward pass gives, per layer and KV head, the keys and values exactly
+as the compressed cache will see them (keys un-rotated, i.e. pre-RoPE). With ``fisher=True`` a backward
+pass of the mean next-token cross-entropy (HF ``labels=input_ids``) also gives the squared gradients of
+the loss with respect to them, the diagonal Fisher weights of the TemporalKV thesis (Eq. 3). Keys are
+recorded post-RoPE from the cache and un-rotated; since RoPE is a rotation ``R``, the pre-RoPE gradient
+is ``R^T`` times the post-RoPE one, i.e. the same un-rotation. A collection with Fisher weights also
+serves requests without them.
 
 The first ``drop_first`` tokens (attention sinks, kept in full precision) of every window are dropped.
 Everything is written, as it is produced, to file-backed tensors (``torch.from_file``) under the cache
@@ -29,12 +30,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import kvcomp
 from kvcomp.artifacts import ArtifactError, file_record, read_json, verify_file, write_json_atomic
 from kvcomp.cache import install
-from kvcomp.cache.rope import undo_rope
-from kvcomp.codecs import ModelInfo
+from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir
+from kvcomp.stages.rope import undo_rope
 
-FIELDS = ("key", "value", "key_grad2", "value_grad2")
+FIELDS = ("key", "value")
+FISHER_FIELDS = ("key_grad2", "value_grad2")
 
 
 class _RecordingLayer(CacheLayerMixin):
@@ -52,8 +54,9 @@ class _RecordingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        key_states.retain_grad()
-        value_states.retain_grad()
+        if key_states.requires_grad:
+            key_states.retain_grad()
+            value_states.retain_grad()
         self.recorded = (key_states, value_states, self.incoming_rope)
         return key_states, value_states
 
@@ -79,11 +82,15 @@ class _RecordingCache(Cache):
         super().__init__(layers=[_RecordingLayer() for _ in range(num_layers)])
 
 
-class KVActivations:
-    """File-backed per-layer tensors ``[samples, kv_heads, tokens, head_dim]`` for each of :data:`FIELDS`."""
+class KVActivations(Activations):
+    """File-backed per-layer tensors ``[samples, kv_heads, tokens, head_dim]`` for each of :data:`FIELDS`
+    (and :data:`FISHER_FIELDS` when collected with ``fisher``)."""
 
-    def __init__(self, folder: Path, shape: tuple[int, int, int, int], num_layers: int, dtype=torch.bfloat16):
+    def __init__(self, folder: Path, shape: tuple[int, int, int, int], num_layers: int, fisher: bool,
+                 device: torch.device = torch.device("cpu"), dtype=torch.bfloat16):
         self.folder, self.shape, self.num_layers, self.dtype = Path(folder), tuple(shape), num_layers, dtype
+        self.fisher, self.device = fisher, torch.device(device)
+        self.fields = FIELDS + FISHER_FIELDS if fisher else FIELDS
 
     def path(self, layer: int, field: str) -> Path:
         return self.folder / f"layer{layer:03d}.{field}.bin"
@@ -95,7 +102,7 @@ class KVActivations:
         return torch.from_file(str(self.path(layer, field)), shared=True, size=numel, dtype=self.dtype).view(self.shape)
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
-        return {field: self.tensor(layer, field) for field in FIELDS}
+        return {field: self.tensor(layer, field) for field in self.fields}
 
     @property
     def record_path(self) -> Path:
@@ -106,7 +113,7 @@ class KVActivations:
         return self.record_path.is_file()
 
     def paths(self) -> list[Path]:
-        return [self.path(layer, field) for layer in range(self.num_layers) for field in FIELDS]
+        return [self.path(layer, field) for layer in range(self.num_layers) for field in self.fields]
 
     def seal(self, seconds: float) -> None:
         """Record every shard's size and sha256 (written last: its presence marks the folder complete)."""
@@ -123,8 +130,9 @@ class KVActivations:
             verify_file(path, files[path.name], "calibration K/V shard", remedy)
 
 
-def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int) -> str:
+def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int, fisher: bool = True) -> str:
     spec = {
+        "fisher": fisher,
         "model": info.identity,
         "shape": [info.num_layers, info.num_kv_heads, info.head_dim],
         "windows": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(),
@@ -135,17 +143,25 @@ def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int) -> 
 
 
 def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 8, folder: Path | None = None,
-               force: bool = False) -> KVActivations:
-    """Record pre-RoPE K/V and squared loss gradients of every window (reusing a complete, verified
-    earlier run unless ``force``)."""
+               force: bool = False, fisher: bool = True) -> KVActivations:
+    """Record pre-RoPE K/V (and, with ``fisher``, squared loss gradients) of every window, reusing a complete,
+    verified earlier collection unless ``force`` (one with Fisher weights serves one without)."""
     samples, seq_len = windows.shape
     if seq_len <= drop_first:
         raise ConfigError(
             f"calibration.seq_len={seq_len} leaves nothing after dropping {drop_first} sink tokens; "
             f"valid: calibration.seq_len > {drop_first}"
         )
-    folder = Path(folder) if folder is not None else cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first)
-    store = KVActivations(folder, (samples, info.num_kv_heads, seq_len - drop_first, info.head_dim), info.num_layers)
+    shape = (samples, info.num_kv_heads, seq_len - drop_first, info.head_dim)
+    device = next(model.parameters()).device
+    if folder is None and not fisher and not force:
+        richer = KVActivations(cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first, True),
+                               shape, info.num_layers, True, device)
+        if richer.complete:
+            richer.verify()
+            return richer
+    folder = Path(folder) if folder is not None else cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first, fisher)
+    store = KVActivations(folder, shape, info.num_layers, fisher, device)
     if store.complete and not force:
         store.verify()
         return store
@@ -153,27 +169,31 @@ def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 
     folder.mkdir(parents=True)
     tensors = [store.layer(i) for i in range(info.num_layers)]
     install(model)
-    device = next(model.parameters()).device
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)
     start = time.perf_counter()
     try:
         for s, window in enumerate(windows):
             ids = window[None].to(device)
-            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
             cache = _RecordingCache(info.num_layers)
-            loss = model(inputs_embeds=embeds, labels=ids, past_key_values=cache, use_cache=True).loss
-            loss.backward()
+            with torch.set_grad_enabled(fisher):
+                embeds = model.get_input_embeddings()(ids).detach().requires_grad_(fisher)
+                loss = model(inputs_embeds=embeds, labels=ids, past_key_values=cache, use_cache=True).loss
+            if fisher:
+                loss.backward()
             for layer, out in zip(cache.layers, tensors):
                 keys, values, rope = layer.recorded
-                key_grad = keys.grad
+                grads = (keys.grad, values.grad) if fisher else ()
+                keys, values = keys.detach(), values.detach()
                 if rope is not None:
                     cos, sin = (t.expand(1, seq_len, -1) for t in rope)
-                    keys, key_grad = undo_rope(keys.detach(), cos, sin), undo_rope(key_grad, cos, sin)
-                for field, x in zip(FIELDS, (keys, values, key_grad.square(), values.grad.square())):
+                    keys = undo_rope(keys, cos, sin)
+                    grads = (undo_rope(grads[0], cos, sin), grads[1]) if fisher else ()
+                for field, x in zip(store.fields, (keys, values, *(g.square() for g in grads))):
                     out[field][s] = x[0, :, drop_first:].detach().to(store.dtype).cpu()
             if (s + 1) % 4 == 0 or s + 1 == samples:
-                print(f"[kvcomp] calibration K/V + Fisher: {s + 1}/{samples} windows ({time.perf_counter() - start:.0f}s)", flush=True)
+                what = "K/V + Fisher" if fisher else "K/V"
+                print(f"[kvcomp] calibration {what}: {s + 1}/{samples} windows ({time.perf_counter() - start:.0f}s)", flush=True)
     finally:
         for p in trainable:
             p.requires_grad_(True)

@@ -1,16 +1,26 @@
 """Codecs: one file per method family, all registered by name in :data:`CODECS`."""
 
-from kvcomp.codecs.base import Codec, CodecConfig, CodecState, ModelInfo, Payload, StreamPolicy, expected_cache_bits
+from kvcomp.codecs.base import (
+    Activations,
+    Codec,
+    CodecConfig,
+    CodecState,
+    ModelInfo,
+    Payload,
+    StreamPolicy,
+    expected_cache_bits,
+    fit_layer_by_layer,
+)
 from kvcomp.codecs.registry import CODECS, codec_class
 from kvcomp.codecs import channelkv, fp16, kivi, kvquant, qjl, temporalkv, uniform  # noqa: F401  (registration)
+from kvcomp.schema import structured
 
 
 def codec_config(config) -> CodecConfig:
-    """Turn a mapping (Hydra group or dict) into the codec's dataclass; unknown or mistyped fields are errors."""
+    """Turn a mapping (Hydra group or dict) into the codec's dataclass; unknown or mistyped fields are errors
+    (a mapping needs omegaconf; a :class:`CodecConfig` is returned as it is)."""
     if isinstance(config, CodecConfig):
         return config
-    from kvcomp.config import structured
-
     cls = codec_class(config.get("name", ""))
     return structured(cls.config_class, config, f"codec {cls.name}")
 
@@ -23,6 +33,7 @@ def build_codec(config, model: ModelInfo) -> Codec:
 
 __all__ = [
     "CODECS",
+    "Activations",
     "Codec",
     "CodecConfig",
     "CodecState",
@@ -32,4 +43,5 @@ __all__ = [
     "build_codec",
     "codec_config",
     "expected_cache_bits",
+    "fit_layer_by_layer",
 ]

@@ -270,6 +270,39 @@ class CodecState:
         return state
 
 
+class Activations(ABC):
+    """What :meth:`Codec.fit` receives: activations of the calibration windows, collected once, cached on
+    disk and shared by every codec fitted on the same model and windows.
+
+    :meth:`layer` gives, for one decoder layer, ``"key"`` (pre-RoPE) and ``"value"`` tensors
+    ``[samples, kv_heads, tokens, head_dim]`` and, for codecs whose :attr:`Codec.needs_fisher`, their
+    Fisher weights ``"key_grad2"`` / ``"value_grad2"`` (squared gradients of the mean next-token loss).
+    ``device``: where fitting should compute (the model's device). Closed-loop fits, which see earlier
+    layers' reconstructions, run :func:`fit_layer_by_layer` over them.
+    """
+
+    num_layers: int
+    shape: tuple[int, int, int, int]
+    device: torch.device
+
+    @abstractmethod
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """The fields of layer ``layer`` (see the class docstring)."""
+
+
+def fit_layer_by_layer(activations: Activations, fit_layer) -> list:
+    """Closed-loop fitting (AQUA-KV Alg. 1): ``fit_layer(layer, fields, previous)`` fits layer ``layer`` on
+    its activations and ``previous``, what the call for layer ``layer - 1`` returned as its
+    reconstruction (None for layer 0), and returns ``(fitted, reconstruction)``; the fitted parts come
+    back in layer order. Each layer is fitted on what inference will give it: earlier layers' decoded,
+    not original, K/V."""
+    fitted, previous = [], None
+    for layer in range(activations.num_layers):
+        part, previous = fit_layer(layer, activations.layer(layer), previous)
+        fitted.append(part)
+    return fitted
+
+
 class Codec(ABC):
     """Base class of every codec. Subclasses set ``name`` and ``config_class`` and register themselves."""
 
@@ -387,8 +420,20 @@ class Codec(ABC):
         total = sum(self.code_bits_per_value(kind, layer) for kind in KINDS for layer in layers)
         return total / (len(KINDS) * self.model.num_layers)
 
-    def fit(self, calibration) -> CodecState | None:
-        """Learn from calibration data; codecs without parameters return ``None``."""
+    @property
+    def needs_fisher(self) -> bool:
+        """Whether :meth:`fit` uses Fisher weights (squared loss gradients; collecting them costs a
+        backward pass per calibration window, so only codecs that ask get them)."""
+        return False
+
+    @property
+    def calibration_drop_first(self) -> int:
+        """Leading tokens of every calibration window left out of the activations (attention sinks)."""
+        return 0
+
+    def fit(self, activations: "Activations") -> CodecState | None:
+        """Learn from the calibration windows' :class:`Activations` (never the model); codecs without
+        parameters return ``None``."""
         return None
 
     def load_state(self, state: CodecState) -> None:

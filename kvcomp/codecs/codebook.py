@@ -5,7 +5,8 @@ their *schemes*: how a ``[B, H, T, D]`` block is cut into chunks (:class:`ChunkL
 normalised first (:class:`Normalizer`), and how many centroids a codebook has. Everything else is here,
 identical for all three, as the thesis requires for a fair comparison (§6.3.3):
 
-- calibration: pre-RoPE K/V and squared gradients from :func:`collect_kv`; offline per-channel
+- calibration: pre-RoPE K/V and their squared gradients, the :class:`~kvcomp.codecs.base.Activations`
+  ``fit`` receives (Fisher weights are collected only when ``fisher`` or a hybrid choice uses them); offline per-channel
   statistics; per (layer, K/V, KV head, channel group) a Fisher-weighted k-means codebook (Eq. 3),
   fitted on the first ``train_fraction`` of the calibration windows, the rest held out;
 - chunk weights in normalised space ``sum_{elements} scale^2 * g^2`` (``fisher: false`` drops ``g^2``);
@@ -25,8 +26,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcomp.codecs.base import KINDS, Codec, CodecConfig, CodecState, Payload, StreamPolicy
+from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, StreamPolicy
 from kvcomp.errors import CalibrationMismatchError, ConfigError
+from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import CodebookReader
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
@@ -156,7 +158,7 @@ class CodebookCodec(Codec):
                 x = self._clamped(x, stats, stored)
         z, _, params = scheme.normalizer.normalize(x, stats)
         stored.update(params)
-        stored["codes"] = scheme.quantizer.encode(z, codebooks, self.kernel_backend)
+        stored["codes"] = encode_codebook(scheme.quantizer, z, codebooks, self.kernel_backend)
         return stored
 
     def _decode_with(self, scheme, stored, stats, codebooks) -> torch.Tensor:
@@ -221,8 +223,9 @@ class CodebookCodec(Codec):
         cfg = self.config
         return KMeansSettings(iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, seed=cfg.kmeans_seed)
 
-    def _fit_codebooks(self, scheme: Scheme, x: torch.Tensor, grad2: torch.Tensor, stats: ChannelStats) -> torch.Tensor:
-        """Fisher-weighted k-means codebooks ``[H, G, k, dim]`` of one stream from ``x, grad2 [S, H, T, D]``."""
+    def _fit_codebooks(self, scheme: Scheme, x: torch.Tensor, grad2: torch.Tensor | None, stats: ChannelStats) -> torch.Tensor:
+        """Fisher-weighted k-means codebooks ``[H, G, k, dim]`` of one stream from ``x, grad2 [S, H, T, D]``
+        (``grad2`` None: ``fisher`` off)."""
         keep = torch.ones_like(x, dtype=torch.bool)
         if self.config.outliers > 0:
             selected = self.outlier_selector.select(x, stats)
@@ -232,7 +235,7 @@ class CodebookCodec(Codec):
             if self.config.exclude_outliers_from_kmeans:
                 keep = ~mask
         z, scale, _ = scheme.normalizer.normalize(x, stats)
-        weight = scale.square().expand_as(z) * (grad2 if self.config.fisher else 1.0) * keep
+        weight = scale.square().expand_as(z) * (grad2 if self.config.fisher and grad2 is not None else 1.0) * keep
         chunks = scheme.layout.to_chunks(z)
         chunk_weight = scheme.layout.to_chunks(weight).sum(-1)
         h, g, n, dim = chunks.shape
@@ -257,15 +260,23 @@ class CodebookCodec(Codec):
         """Pick each stream's scheme from held-out errors ``{kind: {scheme: mse}}``: the lowest per stream."""
         return {kind: min(per_scheme, key=per_scheme.get) for kind, per_scheme in errors.items()}
 
-    def fit(self, calibration) -> CodecState:
-        from kvcomp.calibration.collect import collect_kv
+    @property
+    def needs_fisher(self) -> bool:
+        """Fisher weights serve Fisher-weighted k-means (``fisher``) and the held-out errors of hybrid
+        scheme choices; without either, calibration runs forward passes only."""
+        hybrid = any(len(self.schemes(kind, layer)) > 1 for layer in range(self.model.num_layers) for kind in KINDS)
+        return self.config.fisher or hybrid
 
+    @property
+    def calibration_drop_first(self) -> int:
+        return self.config.calibration_drop_first
+
+    def fit(self, acts: Activations) -> CodecState:
+        """Per layer and stream: channel statistics, codebooks of each candidate scheme, and the scheme
+        with the lowest held-out Fisher-weighted error."""
         cfg = self.config
         start = time.perf_counter()
-        acts = collect_kv(calibration.model, self.model, calibration.windows, cfg.calibration_drop_first,
-                          force=calibration.force)
-        collected = time.perf_counter()
-        device = next(calibration.model.parameters()).device
+        device = acts.device
         samples, _, tokens, _ = acts.shape
         train = max(1, round(cfg.train_fraction * samples))
         usable = tokens // 8 * 8  # whole chunks for every chunk length
@@ -276,13 +287,13 @@ class CodebookCodec(Codec):
             fitted, errors = {}, {}
             for kind in KINDS:
                 x = data[kind][:, :, :usable].to(device, torch.float32)
-                grad2 = data[f"{kind}_grad2"][:, :, :usable].to(device, torch.float32)
+                grad2 = data[f"{kind}_grad2"][:, :, :usable].to(device, torch.float32) if self.needs_fisher else None
                 stats = ChannelStats.of(x)
                 tensors.update(stats.as_tensors(f"layer{layer}.{kind}"))
-                held_x, held_g = (x[train:], grad2[train:]) if train < samples else (x, grad2)
+                held_x, held_g = (x[train:], None if grad2 is None else grad2[train:]) if train < samples else (x, grad2)
                 candidates = self.schemes(kind, layer)
                 for name, scheme in candidates.items():
-                    codebooks = self._fit_codebooks(scheme, x[:train], grad2[:train], stats)
+                    codebooks = self._fit_codebooks(scheme, x[:train], None if grad2 is None else grad2[:train], stats)
                     fitted[(kind, name)] = codebooks
                     if len(candidates) > 1:
                         mse = self._heldout_mse(scheme, codebooks, held_x, held_g, stats)
@@ -300,8 +311,8 @@ class CodebookCodec(Codec):
                 flush=True,
             )
         print(
-            f"[kvcomp] {self.name} calibration: K/V + Fisher collection {collected - start:.1f}s, "
-            f"codebooks {time.perf_counter() - collected:.1f}s (k-means iterations: max {max(self._fit_iterations)})",
+            f"[kvcomp] {self.name} calibration: codebooks {time.perf_counter() - start:.1f}s "
+            f"(k-means iterations: max {max(self._fit_iterations)})",
             flush=True,
         )
         return CodecState(tensors)

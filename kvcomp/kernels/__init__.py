@@ -4,8 +4,8 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
 
 - ``decode_attention`` (reference, payload readers) / ``decode_attention_triton``: decode-step attention
   reading packed uniform/KIVI and codebook payloads, split-K + merge;
-- ``codebook_encode_triton``: nearest-centroid coding fused with packing (reference:
-  :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
+- ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
+  packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
 - ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;
 - ``benchmarking``: timing and L2 rotation shared by the GPU benchmarks in ``scripts/``.
 """
@@ -13,6 +13,8 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
 import os
 
 from kvcomp.errors import ConfigError
+
+KERNEL_BACKENDS = ("torch", "triton")  # "torch": the references; "triton": the fused kernels where they exist
 
 
 def check_kernel_backend(backend: str, device: str) -> None:

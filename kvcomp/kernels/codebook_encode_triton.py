@@ -1,5 +1,6 @@
 """Triton kernel: nearest-centroid coding fused with bit packing (reference:
-:meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`, torch).
+:meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`, torch; dispatch:
+:func:`kvcomp.kernels.codebook_encode.encode_codebook`).
 
 One program per (batch x KV head, block of ``BLOCK_N`` code rows, codebook group). For each chunk column
 of its group it gathers the chunk vectors ``[BLOCK_N, dim]`` straight from the normalised block, finds
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcomp.kernels.codebook_encode import fused_encode_supported
 from kvcomp.stages.codebook import ChunkLayout
 
 
@@ -56,11 +58,6 @@ def _encode_kernel(
             byte = (group * COLUMNS + j) * CODE_BITS // 8
             tl.store(out_ptr + (bh * (T // TL) + n) * ROW_BYTES + byte, packed.to(tl.uint8), mask=n_ok)
             packed = tl.zeros((BLOCK_N,), dtype=tl.int32)
-
-
-def fused_encode_supported(layout: ChunkLayout, code_bits: int) -> bool:
-    """Whether every codebook group fills whole bytes (then a program packs its group alone)."""
-    return 8 % code_bits == 0 and (layout.group_channels // layout.channel_len * code_bits) % 8 == 0
 
 
 def encode_codebook_triton(z: torch.Tensor, codebooks: torch.Tensor, layout: ChunkLayout, code_bits: int) -> torch.Tensor:

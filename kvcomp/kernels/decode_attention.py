@@ -30,6 +30,7 @@ import torch
 
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.normalization import affine_denormalize
+from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
@@ -68,8 +69,6 @@ class PayloadReader:
 
     def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
         """The segment decoded in torch, ``[B, H, T, D]`` float32 (rotated when ``rope`` is given)."""
-        from kvcomp.cache.rope import apply_rope
-
         x = self.dequantize_unrotated()
         if rope is None:
             return x
@@ -172,27 +171,44 @@ def valid_ranges(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     return start.to(torch.int32), end.to(torch.int32)
 
 
+@dataclass
+class ValidTokens:
+    """The cached tokens each sequence attends to in one decode step: ``mask [B, L]`` and, when every row
+    is one contiguous run, its ``(start, end)`` ranges (:func:`valid_ranges`, one host sync). Computed once
+    per step and shared by every layer."""
+
+    mask: torch.Tensor
+    ranges: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> "ValidTokens":
+        return cls(mask, valid_ranges(mask))
+
+
 def decode_attention(
     query: torch.Tensor,
     key_segments: list[Segment],
     value_segments: list[Segment],
     scale: float,
-    valid: torch.Tensor | None = None,
+    valid: torch.Tensor | ValidTokens | None = None,
     key_rope: RotaryPositions | None = None,
     backend: str = "torch",
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """:func:`decode_attention_reference` (``backend="torch"``) or the Triton kernels (``"triton"``; a
-    ``valid`` mask that is not one contiguous range per sequence takes the reference)."""
+    ``valid`` mask that is not one contiguous range per sequence takes the reference). ``valid`` covers
+    exactly the cached tokens (``[B, L]``, or the step's precomputed :class:`ValidTokens`)."""
+    if isinstance(valid, torch.Tensor):
+        valid = ValidTokens.of(valid)
     if backend == "triton":
-        length = sum(segment_length(s) for s in key_segments)
         if valid is None:
+            length = sum(segment_length(s) for s in key_segments)
             ones = torch.ones(query.shape[0], dtype=torch.int32, device=query.device)
             ranges = (torch.zeros_like(ones), ones * length)
         else:
-            ranges = valid_ranges(valid[:, :length])
+            ranges = valid.ranges
         if ranges is not None:
             from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
             return decode_attention_triton(query, key_segments, value_segments, scale, *ranges, key_rope, num_splits)
-    return decode_attention_reference(query, key_segments, value_segments, scale, valid, key_rope)
+    return decode_attention_reference(query, key_segments, value_segments, scale, None if valid is None else valid.mask, key_rope)

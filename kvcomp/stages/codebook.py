@@ -101,15 +101,9 @@ class CodebookQuantizer:
         columns = head_dim // self.layout.channel_len
         return 8 * packed_length(columns, self.code_bits) / (columns * self.layout.dim)
 
-    def encode(self, z: torch.Tensor, codebooks: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-        """``z [B, H, T, D]`` (normalised) -> packed uint8 codes ``[B, H, T/tl, bytes]``. ``backend="triton"``:
-        the fused nearest-centroid + packing kernel (:mod:`kvcomp.kernels.codebook_encode_triton`) where
-        every codebook group fills whole bytes."""
-        if backend == "triton":
-            from kvcomp.kernels.codebook_encode_triton import encode_codebook_triton, fused_encode_supported
-
-            if fused_encode_supported(self.layout, self.code_bits):
-                return encode_codebook_triton(z, codebooks, self.layout, self.code_bits)
+    def encode(self, z: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+        """``z [B, H, T, D]`` (normalised) -> packed uint8 codes ``[B, H, T/tl, bytes]`` (torch; the fused
+        kernel beside it: :func:`kvcomp.kernels.codebook_encode.encode_codebook`)."""
         b, h, t, _ = z.shape
         chunks = self.layout.to_chunks(z.float())
         hh, g, n, dim = chunks.shape

@@ -3,7 +3,8 @@
 Transformers applies RoPE as ``k_rot = k * cos + rotate_half(k) * sin`` (a rotation of each channel
 pair by the token's angle). Its inverse is the rotation by the opposite angle:
 ``k = k_rot * cos - rotate_half(k_rot) * sin``. The cache un-rotates keys before a pre-RoPE codec
-encodes them and re-rotates decoded keys with the same ``cos``/``sin``.
+encodes them and re-rotates decoded keys with the same ``cos``/``sin``; calibration records keys
+un-rotated, and the decode-attention reference rotates decoded keys (a stage: every layer above uses it).
 """
 
 import torch

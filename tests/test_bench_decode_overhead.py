@@ -1,0 +1,24 @@
+"""scripts/bench_decode_overhead.py --smoke: the decode-step overhead benchmark runs and fills its table."""
+
+import importlib.util
+from pathlib import Path
+
+
+def _script():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_overhead.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_table_has_baseline_and_fp16_rows_with_positive_times():
+    table = _script().main(["--smoke"])
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[2]] = (float(cells[4]), float(cells[6].rstrip("x")))
+    assert "DynamicCache" in rows
+    assert "CompressedCache fp16, exact_prefill" in rows and "CompressedCache fp16, streaming" in rows
+    assert rows["DynamicCache"][1] == 1.0
+    assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())

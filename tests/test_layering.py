@@ -1,0 +1,190 @@
+"""The package's layering: no import cycle between kvcomp's packages (every import statement counts, those
+inside functions too), every import goes down the layer order, and everything below :mod:`kvcomp.config`
+(the codecs, the cache, the kernels, calibration, the benchmarks' base) imports without omegaconf or Hydra."""
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvcomp"
+
+# Lowest first; a unit may import units of its own layer or of layers below it, never above.
+LAYERS = [
+    {"kvcomp", "kvcomp.errors", "kvcomp.artifacts", "kvcomp.paths", "kvcomp.schema"},
+    {"kvcomp.stages"},
+    {"kvcomp.kernels"},
+    {"kvcomp.codecs"},
+    {"kvcomp.cache"},
+    {"kvcomp.calibration"},
+    {"kvcomp.models", "kvcomp.data", "kvcomp.benchmarks", "kvcomp.analysis", "kvcomp.results", "kvcomp.experiments"},
+    {"kvcomp.config"},
+    {"kvcomp.runner", "kvcomp.sweep"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit(module: str) -> str:
+    """The graph node of a module: ``kvcomp`` itself, a subpackage (``kvcomp.cache``) or a top-level
+    module (``kvcomp.config``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+    """Every module ``source`` imports, at any depth (functions, methods, ``if`` blocks, ``try``), with
+    relative imports resolved; ``from a import b`` counts ``a.b`` when ``b`` is a module of ``a``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names if _is_module(f"{target}.{alias.name}"))
+    return found
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """``{unit: {imported unit: [where, ...]}}`` over every module under ``kvcomp/`` (edges to kvcomp
+    only, self-edges left out); ``where`` names the importing module."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        edges = graph.setdefault(unit(module), {})
+        for target in imported_modules(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if target == "kvcomp" or target.startswith("kvcomp."):
+                if unit(target) != unit(module):
+                    edges.setdefault(unit(target), []).append(f"{module} -> {target}")
+    return graph
+
+
+def find_cycle(graph) -> list[str] | None:
+    """One cycle of ``graph`` (``{node: iterable of successors}``) as ``[a, b, ..., a]``, or ``None``."""
+    state: dict[str, str] = {}  # "active" while on the depth-first path, then "done"
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = "active"
+        path.append(node)
+        for succ in sorted(graph.get(node, ())):
+            if state.get(succ) == "active":
+                return path[path.index(succ):] + [succ]
+            if succ not in state:
+                cycle = visit(succ)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["a"]}) == ["a", "a"]
+    assert find_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
+
+
+def test_imports_inside_functions_and_relative_imports_are_seen():
+    source = textwrap.dedent("""
+        import torch
+        from kvcomp.stages.codebook import ChunkLayout
+        def f():
+            from kvcomp.calibration.collect import collect_kv
+            if True:
+                import kvcomp.config
+        from . import base
+        from .registry import register
+        from kvcomp import cache
+    """)
+    found = imported_modules(source, "kvcomp.codecs.codebook", is_package=False)
+    assert {"kvcomp.stages.codebook", "kvcomp.calibration.collect", "kvcomp.config", "kvcomp.codecs",
+            "kvcomp.codecs.base", "kvcomp.codecs.registry", "kvcomp.cache"} <= found
+    assert {unit(m) for m in found if m.startswith("kvcomp")} == {
+        "kvcomp", "kvcomp.stages", "kvcomp.calibration", "kvcomp.config", "kvcomp.codecs", "kvcomp.cache"}
+
+
+def test_no_import_cycle_between_packages():
+    graph = import_graph()
+    assert {"kvcomp.codecs", "kvcomp.cache", "kvcomp.kernels", "kvcomp.stages", "kvcomp.config"} <= set(graph)
+    cycle = find_cycle(graph)
+    if cycle:
+        hops = "\n".join(f"  {a} -> {b}: {', '.join(graph[a][b])}" for a, b in zip(cycle, cycle[1:]))
+        raise AssertionError(f"import cycle {' -> '.join(cycle)}:\n{hops}")
+
+
+def test_imports_go_down_the_layers():
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    graph = import_graph()
+    unplaced = sorted(set(graph) - set(rank))
+    assert not unplaced, f"place {unplaced} in LAYERS of {__file__}"
+    upward = [
+        f"{where} (layer {rank[source]} imports layer {rank[target]})"
+        for source, edges in graph.items()
+        for target, wheres in edges.items()
+        if rank[target] > rank[source]
+        for where in wheres
+    ]
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+BLOCKED_IMPORT = """
+import sys
+
+
+class Blocked:
+    '''A meta path finder for which omegaconf and hydra are not installed.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("omegaconf", "hydra"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Blocked())
+for name in ("omegaconf", "hydra"):
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+    else:
+        raise SystemExit(f"the block does not work: {name} imported")
+
+import kvcomp.cache
+import kvcomp.codecs
+import kvcomp.kernels
+import kvcomp.calibration
+import kvcomp.benchmarks
+
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("omegaconf", "hydra"))
+assert not loaded, loaded
+print("imported without omegaconf and hydra")
+"""
+
+
+def test_the_library_below_config_imports_without_omegaconf_and_hydra():
+    done = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "imported without omegaconf and hydra" in done.stdout
