@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcomp.cache.attention as attention
 from kvcomp.cache import CompressedCache, install
+from kvcomp.cache.memory import held_nbytes, model_storages
 from kvcomp.codecs import Codec
 from tests.codec_matrix import MATRIX, make_codec
 from tests.conftest import TINY
@@ -31,30 +32,8 @@ PATHS = ("torch", "fused", "decode_per_step")
 
 
 def held_bytes(root, exclude: set[int]) -> int:
-    """Bytes of every distinct tensor storage reachable from ``root`` (attributes, containers, bound
-    methods, closures), except storages in ``exclude`` and anything inside a :class:`Codec` or module."""
-    storages, seen, stack = {}, set(), [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (Codec, torch.nn.Module, type, types.ModuleType, str, bytes)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in exclude:
-                storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif isinstance(obj, types.MethodType):
-            stack.append(obj.__self__)
-        elif isinstance(obj, types.FunctionType):
-            stack.extend(cell.cell_contents for cell in obj.__closure__ or ())
-        else:
-            stack.extend(getattr(obj, "__dict__", {}).values())
-            stack.extend(getattr(obj, slot) for slot in getattr(type(obj), "__slots__", ()) if hasattr(obj, slot))
-    return sum(storages.values())
+    """Bytes the cache holds, the codec (model-level state) left out."""
+    return held_nbytes(root, exclude, skip=(Codec,))
 
 
 @pytest.fixture(autouse=True)
@@ -107,8 +86,7 @@ def test_reported_memory_equals_held_memory(long_llama, name, path, monkeypatch)
         pytest.skip(f"{name} has no fused decode path")
     cache = _run(long_llama, codec, path, monkeypatch)
     assert cache.get_seq_length() == 37 + (STEPS_DECODING_PER_STEP if path == "decode_per_step" else STEPS) - 1
-    model_storages = {t.untyped_storage().data_ptr() for t in (*long_llama.parameters(), *long_llama.buffers())}
-    held = held_bytes(cache, model_storages)
+    held = held_bytes(cache, model_storages(long_llama))
     reported = cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes
     assert held == pytest.approx(reported, rel=0.01), (held, cache.nbytes, cache.bookkeeping_nbytes, cache.working_nbytes)
     streams = [s for layer in cache.layers for s in (layer.key_stream, layer.value_stream)]
