@@ -100,6 +100,11 @@ def _fused_decode_attention(layer, query, keys, values, attention_mask, scaling)
     return out[:, None], None
 
 
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Which positions a bool or additive (0 / -inf-like) attention mask lets through, as bool."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def _valid_tokens(layer, attention_mask, batch: int) -> ValidTokens | None:
     """The step's :class:`ValidTokens` from its 4-D mask (bool or additive). Every layer of a step receives
     the same mask object, so the result is kept on it: one host sync per step, freed with the mask."""
@@ -109,9 +114,7 @@ def _valid_tokens(layer, attention_mask, batch: int) -> ValidTokens | None:
     memo = getattr(attention_mask, "_kvcomp_valid", None)
     if memo is not None and memo[0] == length:
         return memo[1]
-    mask = attention_mask[:, 0, -1, :length]
-    valid = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    tokens = ValidTokens.of(valid.expand(batch, length))
+    tokens = ValidTokens(_allowed(attention_mask[:, 0, -1, :length]).expand(batch, length))
     attention_mask._kvcomp_valid = (length, tokens)
     return tokens
 
@@ -193,8 +196,7 @@ def _leading_pads(mask) -> int:
     if mask is None:
         return 0
     if not hasattr(mask, "_kvcomp_pads"):
-        valid = mask[:, 0, -1, :]
-        valid = valid if valid.dtype == torch.bool else valid > torch.finfo(valid.dtype).min / 2
+        valid = _allowed(mask[:, 0, -1, :])
         mask._kvcomp_pads = int(valid.int().argmax(-1).max()) if valid.any() else 0
     return mask._kvcomp_pads
 

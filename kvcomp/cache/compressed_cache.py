@@ -35,6 +35,11 @@ class FusedStep:
     values: list
 
 
+def _row_index(indices: torch.Tensor) -> torch.Tensor:
+    """Batch rows to keep, from transformers' indices or boolean mask."""
+    return indices.nonzero().squeeze(-1) if indices.dtype == torch.bool else indices
+
+
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts along tokens; a single part as it is (no copy: e.g. the fp16 codec's tail)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
@@ -362,7 +367,7 @@ class CompressedLayer(CacheLayerMixin):
         self.select_rows(torch.arange(self.key_stream.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(indices.nonzero().squeeze(-1) if indices.dtype == torch.bool else indices)
+        self.select_rows(_row_index(indices))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed cache cannot drop encoded tokens (no assisted decoding)")
@@ -443,7 +448,7 @@ class CompressedCache(Cache):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._select_model_rows(indices.nonzero().squeeze(-1) if indices.dtype == torch.bool else indices)
+        self._select_model_rows(_row_index(indices))
 
     @property
     def bookkeeping_nbytes(self) -> int:

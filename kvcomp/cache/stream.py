@@ -179,20 +179,21 @@ class KVStream:
         if x.shape[2]:
             self.tail_buffer.append(x)
 
-    def ready(self) -> int:
-        """How many of the oldest tail tokens the policy encodes now (a multiple of the block size)."""
+    def _encodable(self, tail: int) -> int:
+        """How many of the oldest of ``tail`` tail tokens the policy encodes (a multiple of the block size)."""
         block = self.policy.block_size
-        if block is None or self.frozen or self.num_tail < self.policy.window + block:
+        if block is None or self.frozen or tail < self.policy.window + block:
             return 0
-        return (self.num_tail - self.policy.window) // block * block
+        return (tail - self.policy.window) // block * block
+
+    def ready(self) -> int:
+        """How many of the oldest tail tokens the policy encodes now."""
+        return self._encodable(self.num_tail)
 
     def ready_after(self, n: int) -> bool:
         """Whether appending ``n`` more tokens would let :meth:`ready` encode (decided before the append)."""
-        block = self.policy.block_size
-        if block is None or self.frozen:
-            return False
         to_sinks = max(0, min(n, self.leading_pads + self.policy.sinks - self.num_sinks))
-        return self.num_tail + n - to_sinks >= self.policy.window + block
+        return self._encodable(self.num_tail + n - to_sinks) > 0
 
     def held(self) -> torch.Tensor:
         """Every full-precision token held (sinks, tail) before the first encode, keys un-rotated: what a

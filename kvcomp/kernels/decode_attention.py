@@ -25,6 +25,7 @@ the partials of all slices and segments. The kernels take a contiguous valid tok
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -174,15 +175,14 @@ def valid_ranges(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 @dataclass
 class ValidTokens:
     """The cached tokens each sequence attends to in one decode step: ``mask [B, L]`` and, when every row
-    is one contiguous run, its ``(start, end)`` ranges (:func:`valid_ranges`, one host sync). Computed once
-    per step and shared by every layer."""
+    is one contiguous run, its ``(start, end)`` :attr:`ranges` (:func:`valid_ranges`, one host sync, on
+    first use only: the torch reference never needs them). Made once per step and shared by every layer."""
 
     mask: torch.Tensor
-    ranges: tuple[torch.Tensor, torch.Tensor] | None
 
-    @classmethod
-    def of(cls, mask: torch.Tensor) -> "ValidTokens":
-        return cls(mask, valid_ranges(mask))
+    @cached_property
+    def ranges(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return valid_ranges(self.mask)
 
 
 def decode_attention(
@@ -199,7 +199,7 @@ def decode_attention(
     ``valid`` mask that is not one contiguous range per sequence takes the reference). ``valid`` covers
     exactly the cached tokens (``[B, L]``, or the step's precomputed :class:`ValidTokens`)."""
     if isinstance(valid, torch.Tensor):
-        valid = ValidTokens.of(valid)
+        valid = ValidTokens(valid)
     if backend == "triton":
         if valid is None:
             length = sum(segment_length(s) for s in key_segments)
