@@ -32,6 +32,7 @@ TABLE_COLUMNS = [
     ("cache_bytes_per_window", "cache bytes/window"),
     ("ppl_streaming", "PPL streaming"),
     ("ppl_simulated", "PPL simulated"),
+    ("ppl_chunked", "PPL chunked"),
 ]
 
 

@@ -44,6 +44,8 @@ MATRIX = {
     "temporalkv": Entry({"name": "temporalkv", "sinks": 4, "kmeans_iters": 10}, fitted=True, error=0.3),
     "channelkv": Entry({"name": "channelkv", "sinks": 4, "kmeans_iters": 10}, fitted=True, error=0.3),
     "kvquant": Entry({"name": "kvquant", "sinks": 4, "kmeans_iters": 10}, fitted=True, error=0.4),
+    "higgs": Entry({"name": "higgs", "bits": 2, "sinks": 2, "buffer": 8}, error=0.4),
+    "aquakv": Entry({"name": "aquakv", "bits": 2, "sinks": 2, "buffer": 8}, fitted=True, error=0.4),
 }
 
 

@@ -28,7 +28,7 @@ def _options(group):
 def test_default_is_the_embedded_model_on_cpu():
     cfg = _compose()
     assert cfg.model.source == "embedded" and cfg.hardware.device == "cpu" and cfg.codec.name == "kivi"
-    assert cfg.benchmark.protocols == ["streaming", "simulated"]
+    assert cfg.benchmark.protocols == ["streaming", "simulated"] and cfg.benchmark.chunk_tokens == 32
 
 
 @pytest.mark.parametrize("group", list(GROUPS) + ["codec"])

@@ -207,6 +207,7 @@ def test_calibration_needs_a_positive_sample_count_and_windows_longer_than_the_s
 @pytest.mark.parametrize("override, message", [
     ("benchmark.seq_len=1", "benchmark.seq_len=1 is out of range; valid: an integer >= 2"),
     ("benchmark.batch_size=0", "benchmark.batch_size=0 is out of range"),
+    ("benchmark.chunk_tokens=0", "benchmark.chunk_tokens=0 is out of range; valid: an integer >= 1"),
     ("hardware.threads=-1", "hardware.threads=-1 is out of range; valid: an integer >= 0"),
     ("calibration.num_samples=0", "calibration.num_samples=0 is out of range"),
     ("model.source=/no/such/folder", "neither 'embedded', 'hub' .* nor an existing folder"),

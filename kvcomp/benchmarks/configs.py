@@ -22,12 +22,13 @@ class PerplexityConfig:
     num_windows: int = 32  # <= 0: every window of the split
     window_selection: str = "spread"  # spread (evenly over the split) | first
     batch_size: int = 1
-    protocols: list[str] = field(default_factory=lambda: ["streaming", "simulated"])
+    protocols: list[str] = field(default_factory=lambda: ["streaming", "simulated"])  # | chunked
+    chunk_tokens: int = 32  # tokens per forward under the chunked protocol (AQUA-KV: 32)
     include_reference: bool = True  # also evaluate the uncompressed model (cached across runs)
 
     def __post_init__(self):
         at_least(self, 2, "seq_len")
-        at_least(self, 1, "batch_size")
+        at_least(self, 1, "batch_size", "chunk_tokens")
         if not isinstance(self.num_windows, int):
             raise ConfigError(f"num_windows={self.num_windows!r}: valid: an integer (<= 0: every window)")
 

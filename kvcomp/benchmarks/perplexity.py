@@ -1,10 +1,13 @@
-"""Perplexity through the compressed cache, under both evaluation protocols.
+"""Perplexity through the compressed cache, under three evaluation protocols.
 
 ``streaming``: each window is one forward through an empty :class:`CompressedCache`; the kvcomp
 attention function shows every query the cache as it was when its token arrived (blocks encoded only
 once complete, see :mod:`kvcomp.cache.attention`), which equals feeding the window token by token.
 ``simulated``: the seeds' protocol; every query attends to the cache state after the whole window
 (blocks quantized with statistics that include later tokens).
+``chunked``: AQUA-KV's protocol (arXiv 2501.19392, ``evaluate_perplexity.py``): the window is fed in
+forwards of ``chunk_tokens`` tokens through an ``exact_prefill`` cache, so each forward attends to its
+own tokens in full precision and to everything cached before it as stored (a deployed chunked prefill).
 
 ``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows.
 """
@@ -25,7 +28,7 @@ from kvcomp.cache import CompressedCache
 from kvcomp.codecs import Codec, expected_cache_bits
 from kvcomp.errors import ConfigError, unknown_choice
 
-PERPLEXITY_PROTOCOLS = ("streaming", "simulated")
+PERPLEXITY_PROTOCOLS = ("streaming", "simulated", "chunked")
 WINDOW_SELECTIONS = ("spread", "first")
 
 
@@ -69,7 +72,7 @@ def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.
 
 
 def codec_never_encodes(codec: Codec) -> bool:
-    """True when no stream ever encodes a block (both protocols then give identical numbers)."""
+    """True when no stream ever encodes a block (all protocols then give identical numbers)."""
     return all(
         codec.policy(kind, layer).block_size is None
         for kind in ("key", "value")
@@ -101,8 +104,7 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         nll, count = 0.0, 0
         for done, batch in enumerate(windows.split(config.batch_size), 1):
             batch = batch.to(device)
-            cache = CompressedCache(codec, protocol)
-            logits = model(batch, past_key_values=cache, use_cache=True).logits.float()
+            logits, cache = _window_logits(model, codec, batch, protocol, config.chunk_tokens)
             nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
             count += batch[:, 1:].numel()
             if not cache_stats:
@@ -112,6 +114,16 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
     metrics["tokens_scored"] = int(windows[:, 1:].numel())
     return {**metrics, **cache_stats}
+
+
+def _window_logits(model, codec: Codec, batch: torch.Tensor, protocol: str, chunk_tokens: int):
+    """Float logits of ``batch [B, L]`` through a fresh cache, and that cache: one forward, or (``chunked``)
+    forwards of ``chunk_tokens`` tokens through an ``exact_prefill`` cache, logits joined along tokens."""
+    chunked = protocol == "chunked"
+    cache = CompressedCache(codec, "exact_prefill" if chunked else protocol)
+    parts = batch.split(chunk_tokens if chunked else batch.shape[1], dim=1)
+    logits = [model(part, past_key_values=cache, use_cache=True).logits.float() for part in parts]
+    return torch.cat(logits, dim=1), cache
 
 
 def _report_progress(protocol: str, codec: Codec, done: int, total: int, start: float, last: float,

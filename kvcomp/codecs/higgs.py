@@ -1,0 +1,119 @@
+"""HIGGS as a KV codec (AQUA-KV's baseline quantizer, spec §3.4; "HIGGS-b-gs1024" in its tables).
+
+Every token's keys (or values) over all KV heads of a layer, ``D = kv_heads x head_dim`` values, are
+coded by :class:`~kvcomp.stages.higgs.HiggsQuantizer`: Hadamard groups of ``g`` values, one 16-bit L2
+scale per group, pairs (``grid_dim = 2``) of rotated coordinates on a ``2^(bits x grid_dim)``-point
+Gaussian grid. ``g`` is ``group_size`` (1024, the paper's) when it divides ``D``; otherwise the largest
+power of two that divides ``D`` and is at most ``group_size`` (``D = 192`` for SmolLM2 gives ``g = 64``:
+the scales then cost 0.25 bit per value, which every row reports), or, with ``pad_groups``, ``D`` is
+zero-padded to whole groups of ``min(group_size, next power of two >= D)`` as the reference code does,
+and the padded codes are stored and counted. Same cache schedule as AQUA-KV (spec §3.6): 4 full-precision
+sinks, pre-RoPE keys, recent tokens kept in a 128-token full-precision buffer and encoded 128 at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.codecs.base import Codec, CodecConfig, ModelInfo, Payload, StreamPolicy
+from kvcomp.codecs.registry import register
+from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.stages.grids import gaussian_grid
+from kvcomp.stages.hadamard import is_power_of_two
+from kvcomp.stages.higgs import HiggsQuantizer
+
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def higgs_group(dim: int, group_size: int, pad_groups: bool) -> int:
+    """The Hadamard group for ``dim``-vectors (see the module docstring)."""
+    if pad_groups:
+        return min(group_size, 1 << (dim - 1).bit_length())
+    return max(g for g in (1 << i for i in range(group_size.bit_length())) if g <= group_size and dim % g == 0)
+
+
+def build_higgs(owner: str, model: ModelInfo, bits: int, grid_dim: int, group_size: int, pad_groups: bool,
+                scale_dtype: str, grid_seed: int) -> HiggsQuantizer:
+    """The HIGGS quantizer of ``bits`` per value for one layer's tokens of ``model``."""
+    if scale_dtype not in SCALE_DTYPES:
+        raise unknown_choice(f"{owner} scale_dtype", scale_dtype, SCALE_DTYPES)
+    if grid_dim < 1 or not 1 <= bits * grid_dim <= 8:
+        raise ConfigError(f"{owner}: bits={bits} x grid_dim={grid_dim} must give 1..8 bits per grid index "
+                          "(valid: bits 2, 3, 4 with grid_dim 2)")
+    if not is_power_of_two(group_size) or group_size < grid_dim:
+        raise ConfigError(f"{owner}: group_size={group_size} must be a power of two >= grid_dim={grid_dim}")
+    dim = model.num_kv_heads * model.head_dim
+    group = higgs_group(dim, group_size, pad_groups)
+    if group % grid_dim:
+        raise ConfigError(f"{owner}: the Hadamard group {group} of D={dim} is not a multiple of grid_dim={grid_dim}; "
+                          "use pad_groups=true or another grid_dim")
+    grid = gaussian_grid(2 ** (bits * grid_dim), grid_dim, grid_seed)
+    return HiggsQuantizer(grid, group, SCALE_DTYPES[scale_dtype])
+
+
+class TokenHiggs:
+    """A :class:`HiggsQuantizer` over ``[B, H, T, head_dim]`` blocks: each token's ``H x head_dim`` values
+    (head-major, as the reference concatenates them) form one vector; payload tensors ``[B, 1, T, ...]``."""
+
+    def __init__(self, quantizer: HiggsQuantizer, model: ModelInfo):
+        self.quantizer, self.heads, self.head_dim = quantizer, model.num_kv_heads, model.head_dim
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, h, t, d = x.shape
+        tensors = self.quantizer.encode(x.transpose(1, 2).reshape(b, t, h * d))
+        return {k: v.unsqueeze(1) for k, v in tensors.items()}
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Float32 ``[B, H, T, head_dim]``."""
+        x = self.quantizer.decode({k: v.squeeze(1) for k, v in tensors.items()}, self.heads * self.head_dim)
+        return x.view(*x.shape[:2], self.heads, self.head_dim).transpose(1, 2)
+
+    def bits_per_value(self) -> float:
+        return self.quantizer.bits_per_value(self.heads * self.head_dim)
+
+
+@dataclass
+class HiggsConfig(CodecConfig):
+    name: str = "higgs"
+    bits: int = 2  # grid of 2^(bits x grid_dim) points: 16 / 64 / 256 for 2 / 3 / 4 bits
+    grid_dim: int = 2
+    group_size: int = 1024
+    pad_groups: bool = False
+    scale_dtype: str = "float16"
+    grid_seed: int = 0
+    sinks: int = 4
+    buffer: int = 128
+    pre_rope: bool = True
+
+
+@register
+class HiggsCodec(Codec):
+    """Per-token HIGGS of keys and values (stream scope; no calibration: the grids depend on nothing)."""
+
+    name = "higgs"
+    config_class = HiggsConfig
+
+    def validate(self) -> None:
+        cfg = self.config
+        if cfg.sinks < 0 or cfg.buffer < 1:
+            raise ConfigError(f"{self.name}: sinks must be >= 0 and buffer >= 1, got {cfg.sinks} and {cfg.buffer}")
+        self.tokens = TokenHiggs(build_higgs(self.name, self.model, cfg.bits, cfg.grid_dim, cfg.group_size,
+                                             cfg.pad_groups, cfg.scale_dtype, cfg.grid_seed), self.model)
+
+    def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
+        return StreamPolicy(self.config.sinks, self.config.buffer, 0)
+
+    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
+        return Payload(self.tokens.encode(x), x.shape[2])
+
+    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.tokens.decode(payload.tensors).to(dtype)
+
+    def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
+        return self.tokens.bits_per_value()
+
+    def overhead_bits(self) -> int:
+        """The grid (float32), shared by every layer."""
+        return 32 * self.tokens.quantizer.grid.numel()

@@ -1,0 +1,103 @@
+"""MSE-optimal grids for the standard Gaussian and nearest-point search (HIGGS, AQUA-KV spec §3.4).
+
+A grid ``C`` of ``n`` points in ``R^d`` quantizes ``u ~ N(0, I_d)`` to its nearest point
+``argmax_c (2 u.c - |c|^2)``. :func:`lloyd_grid` finds a locally MSE-optimal ``C`` by stochastic Lloyd
+iterations: at step ``t`` a fresh batch of Gaussian samples is assigned to the Voronoi cells of ``C``
+and every point moves toward its cell's centroid by ``gamma_t = gamma_0 A / (A + gamma_0 B t)``, with
+``A = 4 n^(1/d)``, ``B = pi^2 n^(-2/d)`` and ``gamma_0 = 2``; steps are capped at 1 (a full Lloyd step:
+a step past the centroid only overshoots). The reference used 10 M samples x 600 steps; the defaults
+here (:data:`GRID_SAMPLES` x :data:`GRID_STEPS`) reach the same MSE to 3 digits on this machine's CPU in
+well under a minute, and :func:`gaussian_grid` computes each grid once (seeded) and caches it as a small
+safetensors file under ``cache_dir()/grids`` with its per-coordinate MSE in the header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kvcomp.paths import cache_dir
+
+GRID_SAMPLES = 100_000
+GRID_STEPS = 300
+CHUNK = 1 << 16  # points per nearest-search chunk (bounds the [points, n] score matrix)
+_LOADED: dict[tuple, torch.Tensor] = {}  # grids already read or computed by this process
+
+
+def nearest(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest grid point of every ``x [..., d]`` (``grid [n, d]``), as int64 ``[...]``."""
+    flat = x.reshape(-1, grid.shape[1])
+    grid = grid.to(flat.dtype)
+    half_norm = 0.5 * grid.square().sum(1)
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=x.device)
+    for start in range(0, flat.shape[0], CHUNK):
+        part = flat[start:start + CHUNK]
+        out[start:start + CHUNK] = (part @ grid.T - half_norm).argmax(1)
+    return out.view(x.shape[:-1])
+
+
+def grid_mse(grid: torch.Tensor, samples: int = 200_000, seed: int = 1) -> float:
+    """Mean squared error per coordinate of quantizing ``N(0, I_d)`` samples to their nearest grid point."""
+    x = torch.randn(samples, grid.shape[1], generator=torch.Generator().manual_seed(seed))
+    return (x - grid[nearest(x, grid)]).square().mean().item()
+
+
+def lloyd_grid(n: int, d: int = 2, samples: int = GRID_SAMPLES, steps: int = GRID_STEPS, seed: int = 0) -> torch.Tensor:
+    """An MSE-optimal ``[n, d]`` float32 grid for ``N(0, I_d)`` by stochastic Lloyd iterations (seeded, CPU)."""
+    generator = torch.Generator().manual_seed(seed)
+    grid = torch.randn(n, d, generator=generator)
+    a, b, gamma0 = 4 * n ** (1 / d), math.pi ** 2 * n ** (-2 / d), 2.0
+    for t in range(steps):
+        x = torch.randn(samples, d, generator=generator)
+        cell = nearest(x, grid)
+        counts = torch.bincount(cell, minlength=n)
+        sums = torch.zeros(n, d).index_add_(0, cell, x)
+        occupied = counts > 0
+        step = min(1.0, gamma0 * a / (a + gamma0 * b * t))
+        centroid = sums[occupied] / counts[occupied, None]
+        grid[occupied] += step * (centroid - grid[occupied])
+    return grid
+
+
+def _checksum(grid: torch.Tensor, meta: dict) -> str:
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    digest.update(grid.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def gaussian_grid(n: int, d: int = 2, seed: int = 0, samples: int = GRID_SAMPLES, steps: int = GRID_STEPS) -> torch.Tensor:
+    """The cached :func:`lloyd_grid` (computed and written atomically on first use; a file that fails its
+    checksum is computed again and replaced); kept in memory once read."""
+    meta = {"n": n, "d": d, "seed": seed, "samples": samples, "steps": steps}
+    key = tuple(meta.values())
+    if key not in _LOADED:
+        _LOADED[key] = _cached_grid(meta)
+    return _LOADED[key]
+
+
+def _cached_grid(meta: dict) -> torch.Tensor:
+    n, d, seed, samples, steps = meta.values()
+    path = cache_dir() / "grids" / f"gauss-d{d}-n{n}-seed{seed}-{samples}x{steps}.safetensors"
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+            grid = load_file(str(path))["grid"]
+            if header.get("sha256") == _checksum(grid, meta):
+                return grid
+        except Exception:  # noqa: BLE001  (an unreadable file is recomputed below)
+            pass
+        print(f"[kvcomp] grid file {path} is damaged; computing it again", flush=True)
+    grid = lloyd_grid(n, d, samples, steps, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    header = {"sha256": _checksum(grid, meta), "mse_per_coordinate": f"{grid_mse(grid):.6f}", **{k: str(v) for k, v in meta.items()}}
+    save_file({"grid": grid}, str(tmp), metadata=header)
+    tmp.replace(path)
+    return grid

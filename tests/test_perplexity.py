@@ -1,0 +1,77 @@
+"""The perplexity protocols on a tiny random model: ``chunked`` (AQUA-KV's) against ``streaming`` and the
+uncompressed model; bad settings are clear errors."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcomp.benchmarks.perplexity import _window_logits, evaluate_perplexity
+from kvcomp.cache import CompressedCache
+from kvcomp.codecs import build_codec
+from kvcomp.config import PerplexityConfig
+from kvcomp.errors import ConfigError
+from tests.conftest import info_of
+from tests.test_contract import DeflatedModelCodec, _codec
+
+SEQ_LEN = 40
+KIVI = {"name": "kivi", "group_size": 8, "residual_length": 16}  # 40 tokens encode several blocks
+
+
+def _windows(count=3):
+    return torch.randint(0, 96, (count, SEQ_LEN), generator=torch.Generator().manual_seed(2))
+
+
+def _ppl(model, codec_config, protocol, **config):
+    codec = build_codec(codec_config, info_of(model))
+    config = PerplexityConfig(seq_len=SEQ_LEN, protocols=[protocol], **config)
+    return evaluate_perplexity(model, codec, _windows(), config)[f"ppl_{protocol}"]
+
+
+def test_chunked_with_the_fp16_codec_is_streaming(tiny_model):
+    streaming = _ppl(tiny_model, {"name": "fp16"}, "streaming")
+    for chunk_tokens in (1, 7, 32):
+        assert _ppl(tiny_model, {"name": "fp16"}, "chunked", chunk_tokens=chunk_tokens) == pytest.approx(streaming, rel=1e-5)
+    # nothing is ever encoded: the later protocol copies the first one's number
+    codec = build_codec({"name": "fp16"}, info_of(tiny_model))
+    both = evaluate_perplexity(tiny_model, codec, _windows(), PerplexityConfig(seq_len=SEQ_LEN, protocols=["streaming", "chunked"]))
+    assert both["ppl_chunked"] == both["ppl_streaming"]
+
+
+@torch.no_grad()
+def test_chunked_one_token_at_a_time_departs_from_streaming_at_the_first_encode(tiny_llama):
+    """One token per forward is not ``streaming``: a forward that encodes tokens attends to them in full
+    precision (AQUA-KV's cache returns the original K/V for that step), while under ``streaming`` the
+    query of the token that completes a block already sees it encoded. Logits agree up to that token."""
+    codec = build_codec(KIVI, info_of(tiny_llama))
+    windows = _windows()
+    chunked, cache = _window_logits(tiny_llama, codec, windows, "chunked", 1)
+    streaming, _ = _window_logits(tiny_llama, codec, windows, "streaming", 1)
+    first = KIVI["residual_length"] - 1  # the token that completes KIVI's first key block (residual_length tokens)
+    torch.testing.assert_close(chunked[:, :first], streaming[:, :first], rtol=1e-5, atol=1e-5)
+    assert (chunked[:, first] - streaming[:, first]).abs().max() > 1e-4
+    assert cache.payload_nbytes > 0
+    # a model-scope codec encodes after the forward's last layer: there one token per forward is a token-by-token feed
+    toy = _codec(DeflatedModelCodec, tiny_llama)
+    fed = CompressedCache(toy, "streaming")
+    by_token = torch.cat([tiny_llama(windows[:, i : i + 1], past_key_values=fed).logits for i in range(SEQ_LEN)], dim=1)
+    assert torch.equal(_window_logits(tiny_llama, toy, windows, "chunked", 1)[0], by_token)
+
+
+@torch.no_grad()
+def test_one_chunk_per_window_is_the_uncompressed_model(tiny_llama):
+    """A single exact_prefill forward never reads the compressed cache."""
+    windows = _windows()
+    logits = tiny_llama(windows).logits.float()
+    plain = math.exp(F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()).item())
+    assert _ppl(tiny_llama, KIVI, "chunked", chunk_tokens=SEQ_LEN) == pytest.approx(plain, rel=1e-5)
+    assert _ppl(tiny_llama, KIVI, "streaming") != pytest.approx(plain, rel=1e-5)  # the codec is lossy
+
+
+def test_bad_chunk_tokens_and_unknown_protocols_are_config_errors(tiny_llama):
+    with pytest.raises(ConfigError, match="chunk_tokens=0 is out of range; valid: an integer >= 1"):
+        PerplexityConfig(chunk_tokens=0)
+    codec = build_codec({"name": "fp16"}, info_of(tiny_llama))
+    with pytest.raises(ConfigError, match="choose from streaming, simulated, chunked"):
+        evaluate_perplexity(tiny_llama, codec, _windows(), PerplexityConfig(seq_len=SEQ_LEN, protocols=["aqua"]))
