@@ -210,3 +210,22 @@ def test_ablation_options(tiny_llama):
 def test_tokens_major_layout():
     x = torch.arange(2 * 3 * 4 * 5).view(2, 3, 4, 5)
     assert tokens_major(x)[1, 2].tolist() == torch.cat([x[1, h, 2] for h in range(3)]).tolist()
+
+
+def test_post_rope_calibration_sees_the_keys_the_model_caches(tiny_llama):
+    from transformers import DynamicCache
+
+    from kvcomp.calibration import CalibrationData
+    from kvcomp.stages.rope import apply_rope
+    from tests.codec_matrix import calibration_windows
+
+    post = make_codec(tiny_llama, "aquakv", pre_rope=False)
+    windows = calibration_windows()
+    activations = CalibrationData(tiny_llama, None, windows, None).activations(post)
+    cache = DynamicCache(config=tiny_llama.config)
+    with torch.no_grad():
+        tiny_llama(windows[:1], past_key_values=cache)
+    rotated = apply_rope(activations.layer(1)["key"][:1].float(), *(t[None] for t in activations.rope))
+    torch.testing.assert_close(rotated, cache.layers[1].keys, atol=0.02, rtol=0.02)  # bf16 activations
+    pre = make_codec(tiny_llama, "aquakv")
+    assert not torch.allclose(post.predictors[(1, "key")].weight, pre.predictors[(1, "key")].weight)

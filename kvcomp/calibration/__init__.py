@@ -56,8 +56,22 @@ class CalibrationData:
         when it :attr:`~kvcomp.codecs.base.Codec.needs_fisher` (:func:`~kvcomp.calibration.collect.collect_kv`:
         reused from the cache folder when a verified collection of the same model and windows exists,
         unless ``force``)."""
-        return collect_kv(self.model, codec.model, self.windows, codec.calibration_drop_first,
-                          force=self.force, fisher=codec.needs_fisher)
+        activations = collect_kv(self.model, codec.model, self.windows, codec.calibration_drop_first,
+                                 force=self.force, fisher=codec.needs_fisher)
+        activations.rope = window_rope(self.model, self.windows.shape[1], codec.calibration_drop_first)
+        return activations
+
+
+def window_rope(model, seq_len: int, drop_first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos/sin ``[seq_len - drop_first, head_dim]`` (float32) of a window's kept positions, from the model's
+    rotary embedding (None for models without one)."""
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is None:
+        return None
+    parameter = next(model.parameters())
+    with torch.no_grad():
+        cos, sin = rotary(parameter[:1], torch.arange(seq_len, device=parameter.device)[None])
+    return cos[0, drop_first:].float(), sin[0, drop_first:].float()
 
 
 def fitted_for(codec: Codec, calibration: CalibrationConfig) -> dict:

@@ -220,14 +220,14 @@ class AquaKVCodec(Codec):
         heldout = self._heldout(activations.shape[0]).to(activations.device)
         self.predictors = {}
         metrics = torch.ones(self.model.num_layers, 2, len(METRICS))
-        rope = getattr(activations, "rope", None) if not self.pre_rope else None
+        rope = None if self.pre_rope else activations.rope
         if not self.pre_rope and self.model.has_rope and rope is None:
             raise ConfigError(f"{self.name}: pre_rope=false needs the calibration windows' RoPE angles (Activations.rope)")
 
         def fit_layer(layer_idx, fields, previous):
             k, v = (fields[kind].to(activations.device).float() for kind in ("key", "value"))
             if rope is not None:
-                k = apply_rope(k, *(t.to(k.device)[None] for t in rope))
+                k = apply_rope(k, *(t.to(k.device)[None] for t in rope))  # the keys inference will see
             hats = []
             for i, (kind, target) in enumerate((("key", k), ("value", v))):
                 if previous is not None and getattr(self.config, f"{kind}_predictor"):

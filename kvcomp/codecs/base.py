@@ -277,13 +277,16 @@ class Activations(ABC):
     :meth:`layer` gives, for one decoder layer, ``"key"`` (pre-RoPE) and ``"value"`` tensors
     ``[samples, kv_heads, tokens, head_dim]`` and, for codecs whose :attr:`Codec.needs_fisher`, their
     Fisher weights ``"key_grad2"`` / ``"value_grad2"`` (squared gradients of the mean next-token loss).
-    ``device``: where fitting should compute (the model's device). Closed-loop fits, which see earlier
-    layers' reconstructions, run :func:`fit_layer_by_layer` over them.
+    ``device``: where fitting should compute (the model's device). ``rope``: cos/sin ``[tokens, head_dim]``
+    of the windows' positions (the same for every window; None without RoPE), for codecs that fit on
+    post-RoPE keys (``apply_rope``). Closed-loop fits, which see earlier layers' reconstructions, run
+    :func:`fit_layer_by_layer` over them.
     """
 
     num_layers: int
     shape: tuple[int, int, int, int]
     device: torch.device
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @abstractmethod
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
