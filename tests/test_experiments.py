@@ -77,6 +77,12 @@ def test_experiment_composes_and_its_sweep_parses(name):
         benchmark = typed("benchmark", run.benchmark, BENCHMARKS[run.benchmark.name])
         if run.benchmark.name != "perplexity":
             continue
+        if name.startswith("aquakv/"):  # the paper's protocol: 32-token steps; 256 x 8192 RedPajama, 8192 windows
+            assert "chunked" in benchmark.protocols and benchmark.chunk_tokens == 32
+            if run.model.source != "embedded":
+                assert (run.calibration.name, run.calibration.num_samples, run.calibration.seq_len) == ("redpajama", 256, 8192)
+                assert benchmark.seq_len == 8192 and benchmark.dataset == "wikitext2" and run.hardware.name == "h100"
+            continue
         assert set(benchmark.protocols) == {"simulated", "streaming"}
         if run.model.source == "embedded":  # the offline counterparts run with the defaults
             assert run.hardware.device == "cpu" and run.calibration.name == "enwiki" and benchmark.dataset == "enwiki"
