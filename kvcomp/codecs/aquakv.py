@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Activations, Codec, CodecConfig, CodecState, LayerEncoding, Payload, StreamPolicy, fit_layer_by_layer
-from kvcomp.codecs.higgs import TokenHiggs, build_higgs
+from kvcomp.codecs.base import Activations, Codec, CodecState, LayerEncoding, Payload, StreamPolicy, fit_layer_by_layer
+from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.ridge import LinearPredictor, RidgeFit
@@ -88,16 +88,12 @@ def heads_major(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 @dataclass
-class AquaKVConfig(CodecConfig):
+class AquaKVConfig(HiggsConfig):
+    """HIGGS's fields (``bits``, grid, groups, sinks, buffer, ``pre_rope``) plus the predictors'."""
+
     name: str = "aquakv"
-    bits: int = 2  # residual quantizer: HIGGS grid of 2^(bits x grid_dim) points, or quanto int-bits
-    quantizer: str = "higgs"  # higgs | quanto
-    grid_dim: int = 2
-    group_size: int = 1024  # HIGGS Hadamard group (see kvcomp.codecs.higgs)
-    pad_groups: bool = False
+    quantizer: str = "higgs"  # higgs | quanto (int-bits per-token groups of quanto_group_size)
     quanto_group_size: int = 64
-    scale_dtype: str = "float16"
-    grid_seed: int = 0
     first_layer_bits: int = 4  # HIGGS bits of layer 0 (2 | 3 | 4), or 16: kept in bf16
     key_predictor: bool = True
     value_predictor: bool = True
@@ -107,9 +103,6 @@ class AquaKVConfig(CodecConfig):
     predictor_dtype: str = "bfloat16"
     heldout_fraction: float = 0.125  # calibration windows kept out of the fit (relative MSE per layer)
     calibration_drop_first: int = 0  # the reference fits on every position (spec A9)
-    sinks: int = 4
-    buffer: int = 128
-    pre_rope: bool = True
 
 
 @register
