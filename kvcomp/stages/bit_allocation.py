@@ -1,0 +1,110 @@
+"""kvtc's quantization types and its dynamic-programming bit allocation (kvtc spec §3.5, K5, K6, K8, K9).
+
+PCA coefficients of one token (a row of ``P [N, r]``, leading components first) are coded in contiguous
+groups. Every group has a type and a per-row 16-bit shift and scale (32 bits per group and row, K5):
+
+- ``none``: the coefficients are dropped (0 bits, no shift/scale);
+- ``int2`` / ``int4``: min-max uniform, ``shift = min``, ``scale = (max - min) / (2^b - 1)`` (KIVI's scheme);
+- ``fp8``: E4M3 of ``(x - shift) / scale`` with ``shift = (max + min) / 2``, ``scale = (max - min) / (2 * 448)``.
+
+Shift and scale are rounded to fp16 before coding, as they will be stored (spec §5.2).
+
+:func:`allocate` chooses the groups (sizes ``1, 16, 64, 256, 1024``) and types that minimise the squared
+error ``|P - P_hat|_F^2`` under a budget of ``B`` bits per row. Since the PCA basis is orthonormal, this is
+the error in feature space too (Eq. 5). ``E[i, b]`` is the least error when only the first ``i``
+coefficients may be kept, using at most ``b`` bits:
+
+    E[0, b] = |P|^2
+    E[i, b] = min over (s, t) with s <= i and cost(s, t) <= b of  E[i - s, b - cost(s, t)] + delta(i, s, t),
+              and E[i, b - 1]
+    cost(s, none) = 0,  cost(s, t) = s * bits(t) + 32,  delta(i, s, t) = |Q_t(P_blk) - P_blk|^2 - |P_blk|^2
+
+with ``P_blk = P[:, i - s : i]``. Every cost is even, so the budget runs in 2-bit units (exact, K8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TYPE_BITS = {"none": 0, "int2": 2, "int4": 4, "fp8": 8}
+GROUP_SIZES = (1, 16, 64, 256, 1024)
+GROUP_OVERHEAD_BITS = 32  # fp16 shift + fp16 scale per group and row
+FP8_MAX = 448.0  # largest E4M3 value
+
+
+def quantize_group(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The reconstruction of ``x [N, s]`` coded as one group per row with type ``kind`` (float32)."""
+    if kind == "none":
+        return torch.zeros_like(x, dtype=torch.float32)
+    x = x.float()
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    if kind == "fp8":
+        shift = ((hi + lo) / 2).half().float()
+        scale = ((hi - lo) / (2 * FP8_MAX)).half().float().clamp_min(torch.finfo(torch.float16).tiny)
+        codes = ((x - shift) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return codes.float() * scale + shift
+    levels = 2 ** TYPE_BITS[kind] - 1
+    shift = lo.half().float()
+    scale = ((hi - lo) / levels).half().float().clamp_min(torch.finfo(torch.float16).tiny)
+    return torch.round((x - shift) / scale).clamp(0, levels) * scale + shift
+
+
+def group_cost(size: int, kind: str, overhead: int = GROUP_OVERHEAD_BITS) -> int:
+    """Bits per row of one group."""
+    return 0 if kind == "none" else size * TYPE_BITS[kind] + overhead
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Groups ``(start, end, type)`` covering ``[0, r)`` in order; ``error``: the DP's squared error on its data."""
+
+    groups: tuple[tuple[int, int, str], ...]
+    error: float
+
+    @property
+    def bits(self) -> int:
+        """Bits per row (codes plus per-group shift and scale)."""
+        return sum(group_cost(end - start, kind) for start, end, kind in self.groups)
+
+    def apply(self, p: torch.Tensor) -> torch.Tensor:
+        """The reconstruction of ``p [N, r]`` under this plan."""
+        return torch.cat([quantize_group(p[:, start:end], kind) for start, end, kind in self.groups], dim=1)
+
+
+def allocate(p: torch.Tensor, budget_bits: int, sizes=GROUP_SIZES, kinds=tuple(TYPE_BITS),
+             overhead: int = GROUP_OVERHEAD_BITS) -> Plan:
+    """The error-minimising plan for the rows of ``p [N, r]`` within ``budget_bits`` bits per row."""
+    p = p.double()
+    r, units = p.shape[1], budget_bits // 2
+    energy = p.square().sum(0)  # per coefficient
+    choices = [(s, k) for s in sizes for k in kinds if k != "none"] + [(1, "none")]
+    costs = [group_cost(s, k, overhead) // 2 for s, k in choices]
+    if any(group_cost(s, k, overhead) % 2 for s, k in choices):
+        raise ValueError("every group cost must be even (the budget runs in 2-bit units)")
+    table = torch.empty(r + 1, units + 1, dtype=torch.float64)
+    table[0] = energy.sum()
+    pointer = torch.full((r + 1, units + 1), -1, dtype=torch.int16)
+    for i in range(1, r + 1):
+        best = torch.full((units + 1,), float("inf"), dtype=torch.float64)
+        choice = torch.full((units + 1,), -1, dtype=torch.int16)
+        for index, ((size, kind), cost) in enumerate(zip(choices, costs)):
+            if size > i or cost > units:
+                continue
+            block = p[:, i - size:i]
+            delta = 0.0 if kind == "none" else ((quantize_group(block, kind).double() - block).square().sum()
+                                                 - energy[i - size:i].sum()).item()
+            candidate = torch.full((units + 1,), float("inf"), dtype=torch.float64)
+            candidate[cost:] = table[i - size, : units + 1 - cost] + delta
+            better = candidate < best
+            best = torch.where(better, candidate, best)
+            choice[better] = index
+        best, carried = torch.cummin(best, dim=0)  # "at most b bits": the best of any smaller budget
+        table[i], pointer[i] = best, choice[carried]
+    groups, i, b = [], r, units
+    while i > 0:
+        size, kind = choices[int(pointer[i, b])]
+        groups.append((i - size, i, kind))
+        i, b = i - size, b - costs[choices.index((size, kind))]
+    return Plan(tuple(reversed(groups)), float(table[r, units]))
