@@ -1,7 +1,5 @@
 """kvtc's group quantizer types and DP bit allocation (kvcomp.stages.bit_allocation), against brute force."""
 
-import itertools
-
 import pytest
 import torch
 
