@@ -34,21 +34,31 @@ GROUP_OVERHEAD_BITS = 32  # fp16 shift + fp16 scale per group and row
 FP8_MAX = 448.0  # largest E4M3 value
 
 
+def group_codes(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, shift, scale)`` of ``x [N, s]`` coded as one group per row (``kind`` not ``none``): integer
+    codes as uint8 (fp8: ``float8_e4m3fn``), fp16 shift and scale ``[N, 1]``."""
+    x = x.float()
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    tiny = torch.finfo(torch.float16).tiny
+    if kind == "fp8":
+        shift, scale = ((hi + lo) / 2).half(), ((hi - lo) / (2 * FP8_MAX)).half().clamp_min(tiny)
+        return ((x - shift.float()) / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), shift, scale
+    levels = 2 ** TYPE_BITS[kind] - 1
+    shift, scale = lo.half(), ((hi - lo) / levels).half().clamp_min(tiny)
+    codes = torch.round((x - shift.float()) / scale.float()).clamp(0, levels).to(torch.uint8)
+    return codes, shift, scale
+
+
+def group_values(codes: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`group_codes` (float32)."""
+    return codes.float() * scale.float() + shift.float()
+
+
 def quantize_group(x: torch.Tensor, kind: str) -> torch.Tensor:
     """The reconstruction of ``x [N, s]`` coded as one group per row with type ``kind`` (float32)."""
     if kind == "none":
         return torch.zeros_like(x, dtype=torch.float32)
-    x = x.float()
-    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
-    if kind == "fp8":
-        shift = ((hi + lo) / 2).half().float()
-        scale = ((hi - lo) / (2 * FP8_MAX)).half().float().clamp_min(torch.finfo(torch.float16).tiny)
-        codes = ((x - shift) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return codes.float() * scale + shift
-    levels = 2 ** TYPE_BITS[kind] - 1
-    shift = lo.half().float()
-    scale = ((hi - lo) / levels).half().float().clamp_min(torch.finfo(torch.float16).tiny)
-    return torch.round((x - shift) / scale).clamp(0, levels) * scale + shift
+    return group_values(*group_codes(x, kind))
 
 
 def group_cost(size: int, kind: str, overhead: int = GROUP_OVERHEAD_BITS) -> int:

@@ -1,0 +1,95 @@
+"""kvtc's transform coding of token feature rows (kvtc spec §3.3-3.6, K7): PCA across every layer and head,
+coefficients coded with a :class:`~kvcomp.stages.bit_allocation.Plan`, packed into one byte stream, DEFLATE.
+
+Features: per token, the keys (or values) of every layer and KV head concatenated in (layer, head, dim)
+order, ``p = layers x heads x head_dim`` columns (:func:`feature_rows`); columns ``l*H*d .. (l+1)*H*d`` are
+layer ``l`` (per-layer decompression reads that slice of the basis).
+
+Byte stream of ``N`` rows (K7): for every kept group in plan order, its ``N x s`` codes (row-major: all
+tokens of group g, then group g+1), int2 four and int4 two per byte (LSB first), fp8 one byte; then every
+kept group's fp16 shift and scale arrays, group-major. ``zlib`` (DEFLATE, level 6) compresses the stream.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.stages.bit_allocation import TYPE_BITS, Plan, group_codes, group_values
+from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
+
+
+def feature_rows(layers: list[torch.Tensor]) -> torch.Tensor:
+    """``[B, H, T, d]`` per layer -> rows ``[B * T, L * H * d]`` in (layer, head, dim) column order."""
+    x = torch.stack(layers, dim=1)  # [B, L, H, T, d]
+    b, num_layers, h, t, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(b * t, num_layers * h * d)
+
+
+@dataclass
+class PCABasis:
+    """``mean [p]`` and orthonormal ``basis [p, r]`` (stored in fp16, as the paper does; applied in float32)."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        return (rows.float() - self.mean.float()) @ self.basis.float()
+
+    def reconstruct(self, coefficients: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
+        """Rows from coefficients; ``columns``: only these feature columns (e.g. one layer's)."""
+        return coefficients.float() @ self.basis[columns].float().T + self.mean[columns].float()
+
+
+def fit_pca(rows: torch.Tensor, rank: int, niter: int = 8, seed: int = 0, dtype=torch.float16) -> PCABasis:
+    """PCA of ``rows [N, p]`` by randomized SVD (``torch.svd_lowrank`` with the mean passed in, not
+    subtracted, spec §3.4), rank capped at ``min(rank, N, p)``."""
+    rows = rows.float()
+    mean = rows.mean(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _, _, v = torch.svd_lowrank(rows, q=min(rank, *rows.shape), niter=niter, M=mean[None])
+    return PCABasis(mean.to(dtype), v.to(dtype))
+
+
+def encode_rows(coefficients: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The byte stream (uint8, not yet deflated) of ``coefficients [N, r]`` under ``plan``."""
+    codes, params = [], []
+    for start, end, kind in plan.groups:
+        if kind == "none":
+            continue
+        c, shift, scale = group_codes(coefficients[:, start:end], kind)
+        flat = c.reshape(-1)
+        codes.append(flat.view(torch.uint8) if kind == "fp8" else pack_bits(flat, TYPE_BITS[kind]))
+        params += [shift.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)]
+    parts = [t.cpu() for t in codes + params]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def decode_rows(stream: torch.Tensor, plan: Plan, num_rows: int) -> torch.Tensor:
+    """Inverse of :func:`encode_rows`: float32 ``[num_rows, r]`` (dropped groups are zero)."""
+    kept = [(start, end, kind) for start, end, kind in plan.groups if kind != "none"]
+    offset, codes = 0, []
+    for start, end, kind in kept:
+        count = num_rows * (end - start)
+        size = count if kind == "fp8" else packed_length(count, TYPE_BITS[kind])
+        chunk = stream[offset:offset + size]
+        codes.append(chunk.view(torch.float8_e4m3fn) if kind == "fp8" else unpack_bits(chunk, TYPE_BITS[kind], count))
+        offset += size
+    out = torch.zeros(num_rows, plan.groups[-1][1] if plan.groups else 0)
+    for (start, end, _), c in zip(kept, codes):
+        shift = stream[offset:offset + 2 * num_rows].view(torch.float16)[:, None]
+        scale = stream[offset + 2 * num_rows:offset + 4 * num_rows].view(torch.float16)[:, None]
+        offset += 4 * num_rows
+        out[:, start:end] = group_values(c.view(num_rows, end - start), shift, scale)
+    return out
+
+
+def deflate(stream: torch.Tensor, level: int = 6) -> bytes:
+    return zlib.compress(stream.numpy().tobytes(), level)
+
+
+def inflate(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(zlib.decompress(data)), dtype=torch.uint8)
