@@ -55,3 +55,15 @@ def test_quantizer_types():
     assert group_cost(16, "int4") == 16 * 4 + 32 and group_cost(64, "none") == 0
     constant = torch.full((3, 4), 2.5)
     torch.testing.assert_close(quantize_group(constant, "int2"), constant)  # zero range: exact
+
+
+def test_block_deltas_equal_one_group_at_a_time():
+    from kvcomp.stages.bit_allocation import block_deltas
+
+    p = torch.randn(30, 20).double()
+    for size, kind in ((1, "int4"), (4, "int2"), (7, "fp8"), (3, "none")):
+        fast = block_deltas(p, size, kind, chunk_values=100)  # several chunks
+        for j in range(20 - size + 1):
+            block = p[:, j:j + size]
+            slow = (quantize_group(block, kind).double() - block).square().sum() - block.square().sum()
+            assert fast[j].item() == pytest.approx(0.0 if kind == "none" else slow.item(), rel=1e-9, abs=1e-9)

@@ -83,28 +83,43 @@ class Plan:
         return torch.cat([quantize_group(p[:, start:end], kind) for start, end, kind in self.groups], dim=1)
 
 
+def block_deltas(p: torch.Tensor, size: int, kind: str, chunk_values: int = 1 << 24) -> torch.Tensor:
+    """``delta`` of every group of ``size`` consecutive coefficients of ``p [N, r]`` with type ``kind``: float64
+    ``[r - size + 1]``, entry ``j`` for the group starting at ``j`` (quantized error minus its energy; 0 for
+    ``none``). Computed for all starts at once, in chunks of about ``chunk_values`` values."""
+    starts = p.shape[1] - size + 1
+    out = torch.zeros(starts, dtype=torch.float64)
+    if kind == "none" or starts <= 0:
+        return out
+    step = max(1, chunk_values // (p.shape[0] * size))
+    for first in range(0, starts, step):
+        blocks = p[:, first:min(starts, first + step) + size - 1].unfold(1, size, 1)  # [N, n, size]
+        flat = blocks.reshape(-1, size)
+        error = (quantize_group(flat, kind).double() - flat).square() - flat.square()
+        out[first:first + blocks.shape[1]] = error.view(blocks.shape).sum(dim=(0, 2))
+    return out
+
+
 def allocate(p: torch.Tensor, budget_bits: int, sizes=GROUP_SIZES, kinds=tuple(TYPE_BITS),
              overhead: int = GROUP_OVERHEAD_BITS) -> Plan:
     """The error-minimising plan for the rows of ``p [N, r]`` within ``budget_bits`` bits per row."""
     p = p.double()
     r, units = p.shape[1], budget_bits // 2
-    energy = p.square().sum(0)  # per coefficient
     choices = [(s, k) for s in sizes for k in kinds if k != "none"] + [(1, "none")]
     costs = [group_cost(s, k, overhead) // 2 for s, k in choices]
     if any(group_cost(s, k, overhead) % 2 for s, k in choices):
         raise ValueError("every group cost must be even (the budget runs in 2-bit units)")
     table = torch.empty(r + 1, units + 1, dtype=torch.float64)
-    table[0] = energy.sum()
+    table[0] = p.square().sum()
     pointer = torch.full((r + 1, units + 1), -1, dtype=torch.int16)
+    deltas = [block_deltas(p, size, kind) if cost <= units else None for (size, kind), cost in zip(choices, costs)]
     for i in range(1, r + 1):
         best = torch.full((units + 1,), float("inf"), dtype=torch.float64)
         choice = torch.full((units + 1,), -1, dtype=torch.int16)
         for index, ((size, kind), cost) in enumerate(zip(choices, costs)):
             if size > i or cost > units:
                 continue
-            block = p[:, i - size:i]
-            delta = 0.0 if kind == "none" else ((quantize_group(block, kind).double() - block).square().sum()
-                                                 - energy[i - size:i].sum()).item()
+            delta = deltas[index][i - size].item()
             candidate = torch.full((units + 1,), float("inf"), dtype=torch.float64)
             candidate[cost:] = table[i - size, : units + 1 - cost] + delta
             better = candidate < best
