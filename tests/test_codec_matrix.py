@@ -67,11 +67,16 @@ def test_state_save_load_and_mismatch(tiny_llama, name, tmp_path):
 
 
 def _layer1_round_trip(codec, x):
-    """Layer 1's decoded keys and values of ``x`` (a layer-scope codec is given layer 0's reconstruction)."""
+    """Layer 1's decoded keys and values of ``x`` (a layer-scope codec is given layer 0's reconstruction, a
+    model-scope one every layer's block)."""
     if codec.scope == "layer":
         previous = codec.encode_layer(x, x, 0, None)
         encoded = codec.encode_layer(x, -x, 1, (previous.keys, previous.values))
         return codec.decode_layer(encoded.key, encoded.value, 1, (previous.keys, previous.values), torch.float32)
+    if codec.scope == "model":
+        layers = range(codec.model.num_layers)
+        payload = codec.encode_model([x * (i + 1) for i in layers], [-x * (i + 1) for i in layers])
+        return codec.decode_model(payload, 1, torch.float32)
     return [codec.decode(codec.encode(y, kind, 1), kind, 1, torch.float32) for y, kind in ((x, "key"), (-x, "value"))]
 
 
