@@ -129,7 +129,8 @@ def allocate(p: torch.Tensor, budget_bits: int, sizes=GROUP_SIZES, kinds=tuple(T
         table[i], pointer[i] = best, choice[carried]
     groups, i, b = [], r, units
     while i > 0:
-        size, kind = choices[int(pointer[i, b])]
+        index = int(pointer[i, b])
+        size, kind = choices[index]
         groups.append((i - size, i, kind))
-        i, b = i - size, b - costs[choices.index((size, kind))]
+        i, b = i - size, b - costs[index]
     return Plan(tuple(reversed(groups)), float(table[r, units]))
