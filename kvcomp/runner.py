@@ -56,6 +56,11 @@ def check_config(cfg: DictConfig) -> RunPlan:
         benchmark=typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name]),
         codec=codec_config(cfg.codec),
     )
+    if plan.benchmark.name == "perplexity":
+        from kvcomp.benchmarks.perplexity import protocols_for
+        from kvcomp.codecs.registry import codec_class
+
+        plan.benchmark.protocols = protocols_for(plan.benchmark.protocols, codec_class(plan.codec.name).scope)
     check_device(plan.hardware.device)
     check_kernel_backend(plan.hardware.kernel_backend, plan.hardware.device)
     model_location(plan.model.source, plan.model.hub_id, fetch=False)
@@ -117,7 +122,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
 
     benchmark.prepare(model, tokenizer, model_cfg)
     calibration_report = calibrate(
-        codec, plan.calibration, lambda: _calibration_data(model, tokenizer, plan.calibration, force).activations(codec),
+        codec, plan.calibration, lambda: calibration_data(model, tokenizer, plan.calibration, force).activations(codec),
         path=plan.calibration.artifact, force=force,
     )
     calibration_report.update(codec.summary())
@@ -159,7 +164,7 @@ def _report_kernels(codec) -> None:
         )
 
 
-def _calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:
+def calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:
     from kvcomp.data import load_corpus, token_windows
 
     texts = load_corpus(calibration.name, "calibration", seed=calibration.seed)

@@ -46,7 +46,7 @@ MATRIX = {
     "kvquant": Entry({"name": "kvquant", "sinks": 4, "kmeans_iters": 10}, fitted=True, error=0.4),
     "higgs": Entry({"name": "higgs", "bits": 2, "sinks": 2, "buffer": 8}, error=0.4),
     "aquakv": Entry({"name": "aquakv", "bits": 2, "sinks": 2, "buffer": 8}, fitted=True, error=0.4),
-    "kvtc": Entry({"name": "kvtc", "compression_ratio": 4, "rank": 64, "group_sizes": [1, 16], "sinks": 2, "window": 4,
+    "kvtc": Entry({"name": "kvtc", "cr": 4, "rank": 64, "group_sizes": [1, 16], "sinks": 2, "window": 4,
                    "every": 4, "calibration_drop_first": 2}, fitted=True, error=0.5),
 }
 

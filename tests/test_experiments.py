@@ -73,7 +73,8 @@ def test_experiment_composes_and_its_sweep_parses(name):
             elif key == "codec":  # a codec or one of its presets (qjl_3bit, kivi_4bit, ...)
                 assert value == run.codec.name or value.startswith(run.codec.name + "_")
             elif key.startswith("codec."):
-                assert str(getattr(codec, key.split(".", 1)[1])).lower() == value.lower()
+                got = getattr(codec, key.split(".", 1)[1])
+                assert got == float(value) if isinstance(got, float) else str(got).lower() == value.lower()
         benchmark = typed("benchmark", run.benchmark, BENCHMARKS[run.benchmark.name])
         if run.benchmark.name != "perplexity":
             continue

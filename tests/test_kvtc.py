@@ -1,9 +1,12 @@
-"""kvtc as a codec (model scope): the DP budget, DEFLATE payloads, per-layer decoding (also in the codec matrix)."""
+"""kvtc as a codec (model scope): the DP budget, DEFLATE payloads, per-layer decoding, the K12 schedule,
+the compression-ratio accounting (K13, B.15), kvtc-DPQ and layer groups (also in the codec matrix)."""
 
 import pytest
 import torch
 
-from kvcomp.stages.transform_coding import decode_rows, inflate
+from kvcomp.cache import CompressedCache
+from kvcomp.codecs.kvtc import packed_stream_nbytes
+from kvcomp.stages.transform_coding import decode_rows, encode_rows, inflate
 from tests.codec_matrix import make_codec
 
 
@@ -12,21 +15,97 @@ def cache_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
 
 
+def _kv(layers=2, batch=2, tokens=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randn(batch, 2, tokens, 16, generator=g) for _ in range(layers)],
+            [torch.randn(batch, 2, tokens, 16, generator=g) for _ in range(layers)])
+
+
 def test_plans_meet_the_budget_and_payloads_are_the_deflated_plan_streams(tiny_llama):
     codec = make_codec(tiny_llama, "kvtc")
     p = codec.model.num_layers * codec.width
-    assert codec.budget_bits == 16 * p // 4
+    assert codec.budget_bits("key") == 16 * p // 4 and len(codec.layer_groups) == 1
     for plan in codec.plans.values():
-        assert 0 < plan.bits <= codec.budget_bits
-    keys = [torch.randn(2, 2, 8, 16) for _ in range(2)]
-    values = [torch.randn(2, 2, 8, 16) for _ in range(2)]
+        assert 0 < plan.bits <= codec.budget_bits("key")
+    keys, values = _kv()
     payload = codec.encode_model(keys, values)
     assert payload.nbytes == sum(row.numel() for rows in payload.ragged.values() for row in rows)
-    stream = inflate(payload.ragged["key"][1].numpy().tobytes())  # batch row 1: 8 tokens
-    rounding = 8 * len(codec.plans["key"].groups)  # each group's packed codes are rounded up to whole bytes
-    assert abs(stream.numel() * 8 - 8 * codec.plans["key"].bits) <= rounding
-    whole = codec.pca["key"].reconstruct(decode_rows(stream, codec.plans["key"], 8))  # [8, p]: every layer
+    plan = codec.plans["key", 0]
+    stream = inflate(payload.ragged["key.0"][1].numpy().tobytes())  # batch row 1: 8 tokens
+    assert stream.numel() == packed_stream_nbytes(plan, 8)
+    rounding = 8 * len(plan.groups)  # each group's packed codes are rounded up to whole bytes
+    assert abs(stream.numel() * 8 - 8 * plan.bits) <= rounding
+    whole = codec.pca["key", 0].reconstruct(decode_rows(stream, plan, 8))  # [8, p]: every layer
     k1, _ = codec.decode_model(payload, 1, torch.float32)  # layer 1 alone, from its columns
     torch.testing.assert_close(k1[1], whole[:, codec.width:2 * codec.width].view(8, 2, 16).transpose(0, 1))
-    more = make_codec(tiny_llama, "kvtc", compression_ratio=2)  # more bits, less error
-    assert more.plans["key"].error < codec.plans["key"].error
+    more = make_codec(tiny_llama, "kvtc", cr=2)  # more bits, less error; the same calibration
+    assert more.plans["key", 0].error < plan.error
+    torch.testing.assert_close(more.pca["key", 0].basis, codec.pca["key", 0].basis)
+
+
+def test_per_cache_ratios_and_truncation(tiny_llama):
+    codec = make_codec(tiny_llama, "kvtc", cr_key=2, cr_value=8)
+    assert codec.budget_bits("key") == 4 * codec.budget_bits("value")
+    assert codec.plans["key", 0].bits > codec.plans["value", 0].bits
+    dpq = make_codec(tiny_llama, "kvtc", quantization="truncate")  # kvtc-DPQ: p / CR coefficients in fp16
+    plan = dpq.plans["key", 0]
+    assert plan.groups[0] == (0, dpq.budget_bits("key") // 16, "fp16") and plan.bits == dpq.budget_bits("key")
+    keys, values = _kv()
+    k0, _ = dpq.decode_model(dpq.encode_model(keys, values), 0, torch.float32)
+    coefficients = dpq.pca["key", 0].project(torch.stack(keys, 1).permute(0, 3, 1, 2, 4).reshape(16, -1))
+    kept = plan.groups[0][1]
+    expected = dpq.pca["key", 0].reconstruct(torch.cat([coefficients[:, :kept].half().float(),
+                                                        torch.zeros(16, coefficients.shape[1] - kept)], 1))
+    torch.testing.assert_close(k0, expected[:, :dpq.width].view(2, 8, 2, 16).transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_groups_have_their_own_basis_and_budget(tiny_llama):
+    codec = make_codec(tiny_llama, "kvtc", layers_per_group=1)
+    assert [list(g) for g in codec.layer_groups] == [[0], [1]]
+    assert codec.budget_bits("key", 1) == 16 * codec.width // 4
+    assert codec.pca["key", 1].basis.shape[0] == codec.width
+    keys, values = _kv()
+    payload = codec.encode_model(keys, values)
+    assert sorted(payload.ragged) == ["key.0", "key.1", "value.0", "value.1"]
+    k1, v1 = codec.decode_model(payload, 1, torch.float32)
+    assert k1.shape == keys[1].shape and (k1 - keys[1]).norm() < keys[1].norm()
+
+
+def test_stream_bytes_follow_the_plan_for_fp16_groups():
+    from kvcomp.stages.bit_allocation import Plan
+
+    plan = Plan(((0, 3, "fp16"), (3, 5, "int4"), (5, 9, "none")), 0.0)
+    x = torch.randn(6, 9)
+    stream = encode_rows(x, plan)
+    assert stream.numel() == packed_stream_nbytes(plan, 6) == 6 * 3 * 2 + 6 * 2 // 2 + 4 * 6
+    back = decode_rows(stream, plan, 6)
+    torch.testing.assert_close(back[:, :3], x[:, :3].half().float())
+    assert back[:, 5:].abs().sum() == 0
+
+
+def test_window_and_sinks_follow_k12_and_ratios_follow_b15(tiny_llama):
+    """Sinks stay, the uncompressed tail stays between window - every and window tokens, every
+    compression event takes ``every`` tokens; the reported ratios are the stored bytes'."""
+    from kvcomp.cache import install
+
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, "kvtc", sinks=2, window=8, every=4)
+    cache = CompressedCache(codec, "exact_prefill")
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    tiny_llama(ids[:, :21], past_key_values=cache, use_cache=True)
+    for n in range(21, 40):
+        stream = cache.layers[0].key_stream
+        assert stream.num_sinks == 2 and 4 <= stream.num_tail < 8 and stream.num_encoded % 4 == 0
+        assert stream.num_sinks + stream.num_encoded + stream.num_tail == n
+        tiny_llama(ids[:, n:n + 1], past_key_values=cache, use_cache=True)
+    metrics = codec.example_metrics(cache)
+    payloads = cache.model_unit.store.payloads
+    tokens = sum(p.num_tokens for p in payloads)
+    raw = 2 * 2 * codec.model.num_layers * codec.width * tokens
+    deflated = sum(rows[0].numel() for p in payloads for rows in p.ragged.values())
+    assert metrics["cr"] == pytest.approx(raw / deflated)
+    assert metrics["cr_before_deflate"] == pytest.approx(raw / sum(codec.packed_nbytes(p.num_tokens) for p in payloads))
+    # with the window (B.15's ctx / ((ctx - w - s) / cr + w + s) for 16-bit sinks), here in fp32 (4 bytes)
+    ctx, kept = 40, 40 - tokens
+    expected = ctx / (tokens / metrics["cr"] + 2 * kept)
+    assert metrics["cr_with_window"] == pytest.approx(expected)

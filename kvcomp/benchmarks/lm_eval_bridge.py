@@ -7,7 +7,9 @@ its ``generate`` builds its own cache. :class:`CompressedCacheLM` fixes both:
   greedy decoding through it; :mod:`kvcomp.benchmarks.generation`); ``max_gen_toks`` can be capped.
 - loglikelihood (and rolling loglikelihood): context + continuation run through a fresh cache under
   the ``streaming`` protocol (``simulated`` if configured), so every continuation token reads the
-  compressed context exactly as if the text had been fed token by token.
+  compressed context exactly as if the text had been fed token by token. A model-scope codec (kvtc)
+  encodes a block only after the forward that completes it, so its requests are fed one compression
+  event (``every`` tokens) per forward through an ``exact_prefill`` cache instead.
 - ``truncation: middle`` keeps the first and last halves of an over-long context (LongBench's
   reference; lm-eval cuts on the left).
 
@@ -64,6 +66,11 @@ def _lm_class():
 
         def _model_call(self, inps, attn_mask=None, labels=None):
             with torch.no_grad():
+                if self.codec.scope == "model":  # blocks encode after a forward: feed one compression event at a time
+                    cache = CompressedCache(self.codec, "exact_prefill")
+                    step = self.codec.policy("key", 0).block_size or inps.shape[1]
+                    return torch.cat([self.model(part, past_key_values=cache, use_cache=True).logits
+                                      for part in inps.split(step, dim=1)], dim=1)
                 cache = CompressedCache(self.codec, self.scoring_protocol)
                 return self.model(inps, past_key_values=cache, use_cache=True).logits
 

@@ -9,6 +9,10 @@ once complete, see :mod:`kvcomp.cache.attention`), which equals feeding the wind
 forwards of ``chunk_tokens`` tokens through an ``exact_prefill`` cache, so each forward attends to its
 own tokens in full precision and to everything cached before it as stored (a deployed chunked prefill).
 
+A model-scope codec (kvtc) encodes a block once every layer has appended it, after the forward that
+completed it, so a single forward never reads its own blocks: for such codecs ``streaming`` and
+``simulated`` would measure the uncompressed model, and :func:`protocols_for` replaces them by ``chunked``.
+
 ``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows.
 """
 
@@ -71,6 +75,25 @@ def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.
     return windows[torch.linspace(0, len(windows) - 1, config.num_windows).round().long()]
 
 
+def protocols_for(protocols: list[str], scope: str) -> list[str]:
+    """The protocols that measure a codec of ``scope`` (see the module docstring)."""
+    if scope != "model" or all(p == "chunked" for p in protocols):
+        return list(protocols)
+    print(f"[kvcomp] perplexity: a model-scope codec never reads its blocks within one forward; protocols "
+          f"{list(protocols)} -> [chunked]", flush=True)
+    return ["chunked"]
+
+
+def example_summary(examples: list[dict]) -> dict:
+    """Mean, min and max over examples of each per-example metric (``k``, ``k_min``, ``k_max``)."""
+    keys = dict.fromkeys(k for e in examples for k in e)
+    out = {}
+    for k in keys:
+        values = [e[k] for e in examples if k in e]
+        out |= {k: sum(values) / len(values), f"{k}_min": min(values), f"{k}_max": max(values)}
+    return out
+
+
 def codec_never_encodes(codec: Codec) -> bool:
     """True when no stream ever encodes a block (all protocols then give identical numbers)."""
     return all(
@@ -95,6 +118,7 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
     device = next(model.parameters()).device
     metrics: dict = {}
     cache_stats: dict = {}
+    examples: list[dict] = []
     shortcut = codec_never_encodes(codec)
     for i, protocol in enumerate(config.protocols):
         if shortcut and i > 0:  # nothing is ever encoded: the protocols cannot differ
@@ -109,11 +133,13 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
             count += batch[:, 1:].numel()
             if not cache_stats:
                 cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype)
+            if i == 0:
+                examples.append(codec.example_metrics(cache))
             last_report = _report_progress(protocol, codec, done * config.batch_size, len(windows), start, last_report)
         metrics[f"ppl_{protocol}"] = math.exp(nll / count)
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
     metrics["tokens_scored"] = int(windows[:, 1:].numel())
-    return {**metrics, **cache_stats}
+    return {**metrics, **cache_stats, **example_summary(examples)}
 
 
 def _window_logits(model, codec: Codec, batch: torch.Tensor, protocol: str, chunk_tokens: int):

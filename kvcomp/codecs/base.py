@@ -450,6 +450,11 @@ class Codec(ABC):
         """Bits per value as the codec's paper counts them (defaults to the exact count)."""
         return self.bits_per_value()
 
+    def example_metrics(self, cache) -> dict[str, float]:
+        """Measurements of one example's filled cache (batch row 0) worth reporting per row, e.g. kvtc's
+        measured compression ratios; benchmarks give their mean, min and max over examples."""
+        return {}
+
     def summary(self) -> dict:
         """Facts learned at calibration worth reporting beside the results (e.g. hybrid layer choices)."""
         return {}

@@ -2,47 +2,65 @@
 allocation, DEFLATE. Model scope: a block of tokens of every layer is one payload.
 
 Per token, the pre-RoPE keys of every layer and KV head form one feature row (``p = layers x heads x
-head_dim``, (layer, head, dim) order), values another, each with its own basis. Calibration
-(:meth:`KVTCCodec.fit`) samples ``calibration_tokens`` positions without replacement (sinks excluded),
-fits a rank-``rank`` PCA (randomized SVD, basis and mean stored in fp16) and runs the DP of
-:mod:`kvcomp.stages.bit_allocation` on the first ``dp_rows`` sampled rows under ``floor(16 p / CR)`` bits per
-token (K8). Encoding projects each token, codes its coefficients with the plan, packs them (K7) and
-DEFLATEs each batch row's stream: the compressed bytes are the payload (ragged, variable length), so the
-codec has no fixed rate and its bits are measured. Decoding a layer inflates the stream and reconstructs
-only that layer's columns (K18).
+head_dim``, (layer, head, dim) order), values another, each with its own basis (``layers_per_group``
+splits the layers into PCA groups instead, Table 16). Calibration (:meth:`KVTCCodec.fit`) samples
+``calibration_tokens`` positions without replacement (sinks excluded), fits a rank-``rank`` PCA
+(randomized SVD, basis and mean stored in fp16) and simulates every group of the DP on the first
+``dp_rows`` sampled rows (K10). Those group errors do not depend on the compression ratio, so they are
+the fitted state; the DP plan of a ratio (``floor(16 p / CR)`` bits per token, K8) is computed from them
+when the codec loads and cached on disk (:func:`plan_for`). ``cr`` is therefore an inference setting: a
+sweep over ratios calibrates once.
 
-Not yet built (issue 16): FP8 sinks (sinks stay in the model dtype), CR reporting before DEFLATE, the
-store/restore mode between turns and its benchmark, nvCOMP.
+Encoding projects each token, codes its coefficients with the plan, packs them (K7) and DEFLATEs each
+batch row's stream per (K or V, layer group): the compressed bytes are the payload (ragged, variable
+length), so the codec has no fixed rate; rows report the measured ratios (:meth:`example_metrics`).
+Decoding a layer inflates the stream and reconstructs only that layer's columns (K18).
+
+The cache keeps ``sinks`` first tokens and a window of ``window - every`` to ``window`` newest tokens in
+the model's dtype and encodes ``every`` tokens at a time (K12). The paper keeps its sinks in FP8 (K11);
+ours stay in the model dtype (so measured ratios with the window are slightly lower than B.15's).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kvcomp.artifacts import write_json_atomic
 from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, StreamPolicy
 from kvcomp.codecs.registry import register
-from kvcomp.errors import ConfigError
-from kvcomp.stages.bit_allocation import GROUP_SIZES, TYPE_BITS, Plan, allocate
+from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.paths import cache_dir
+from kvcomp.stages.bit_allocation import (
+    DP_TYPES, GROUP_SIZES, TYPE_BITS, GroupErrors, Plan, allocate_from, group_errors, truncation_plan,
+)
 from kvcomp.stages.transform_coding import PCABasis, decode_rows, deflate, encode_rows, feature_rows, fit_pca, inflate
 
-KIND_NAMES = tuple(TYPE_BITS)
+TYPE_NAMES = tuple(TYPE_BITS)
+QUANTIZATIONS = ("dp", "truncate")
 
 
 @dataclass
 class KVTCConfig(CodecConfig):
     name: str = "kvtc"
-    compression_ratio: float = 16.0  # DP target before DEFLATE: floor(16 p / CR) bits per token and cache
+    cr: float = 16.0  # target compression ratio before DEFLATE: floor(16 p / cr) bits per token and cache (K8)
+    cr_key: float | None = None  # per-cache ratios (Table 7, K14); None: cr
+    cr_value: float | None = None
+    quantization: str = "dp"  # dp: the DP plan | truncate: kvtc-DPQ, the leading p/cr coefficients in fp16 (Table 15)
     rank: int = 10000  # PCA rank cap (the paper: 10,000; 8,000 for Qwen)
     pca_iters: int = 8
     calibration_tokens: int = 160000
-    dp_rows: int = 32768  # the first sampled rows the DP sees (K10)
+    dp_rows: int = 32768  # the first sampled rows the DP simulates (K10)
     group_sizes: list[int] = field(default_factory=lambda: list(GROUP_SIZES))
+    layers_per_group: int = 0  # layers per PCA; 0: all of them (K1, Table 16)
     calibration_drop_first: int = 4  # sink positions never sampled
     seed: int = 0
     sinks: int = 4
-    window: int = 128
+    window: int = 128  # the newest window - every .. window tokens stay uncompressed (K12)
     every: int = 16  # tokens per compression event (K12)
     deflate_level: int = 6
     pre_rope: bool = True
@@ -55,72 +73,201 @@ class KVTCCodec(Codec):
     scope = "model"
     payload_layout = "blocks"
     needs_calibration = True
-    inference_only_fields = ("sinks", "window", "every", "deflate_level")
+    inference_only_fields = ("cr", "cr_key", "cr_value", "quantization", "sinks", "window", "every", "deflate_level")
 
     def validate(self) -> None:
         cfg = self.config
-        if cfg.compression_ratio < 1 or cfg.rank < 1 or cfg.calibration_tokens < 2 or cfg.dp_rows < 1:
-            raise ConfigError(f"{self.name}: compression_ratio >= 1, rank >= 1, calibration_tokens >= 2 and dp_rows >= 1 "
-                              f"required, got {cfg.compression_ratio}, {cfg.rank}, {cfg.calibration_tokens}, {cfg.dp_rows}")
-        if cfg.sinks < 0 or cfg.window < 0 or cfg.every < 1 or not cfg.group_sizes:
-            raise ConfigError(f"{self.name}: sinks and window must be >= 0, every >= 1 and group_sizes non-empty")
+        ratios = [r for r in (cfg.cr, cfg.cr_key, cfg.cr_value) if r is not None]
+        if min(ratios) < 1 or cfg.rank < 1 or cfg.calibration_tokens < 2 or cfg.dp_rows < 1:
+            raise ConfigError(f"{self.name}: cr (cr_key, cr_value) >= 1, rank >= 1, calibration_tokens >= 2 and "
+                              f"dp_rows >= 1 required, got {ratios}, {cfg.rank}, {cfg.calibration_tokens}, {cfg.dp_rows}")
+        if cfg.sinks < 0 or cfg.every < 1 or cfg.window < cfg.every or not cfg.group_sizes:
+            raise ConfigError(f"{self.name}: sinks >= 0, every >= 1, window >= every and non-empty group_sizes required, "
+                              f"got sinks={cfg.sinks}, every={cfg.every}, window={cfg.window}")
+        if cfg.quantization not in QUANTIZATIONS:
+            raise unknown_choice("codec.quantization", cfg.quantization, QUANTIZATIONS)
+        layers = self.model.num_layers
+        size = cfg.layers_per_group or layers
+        if not 1 <= size <= layers:
+            raise ConfigError(f"{self.name}: layers_per_group must be 0 (all) or 1..{layers}, got {cfg.layers_per_group}")
         self.width = self.model.num_kv_heads * self.model.head_dim  # feature columns per layer
-        self.pca: dict[str, PCABasis] = {}
-        self.plans: dict[str, Plan] = {}
+        self.layer_groups = [range(a, min(a + size, layers)) for a in range(0, layers, size)]
+        self.pca: dict[tuple[str, int], PCABasis] = {}
+        self.plans: dict[tuple[str, int], Plan] = {}
+        self._coefficients: dict[tuple[int, int], tuple[Payload, dict]] = {}  # see decode_model
 
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
-        return StreamPolicy(self.config.sinks, self.config.every, self.config.window)
+        return StreamPolicy(self.config.sinks, self.config.every, self.config.window - self.config.every)
 
     @property
     def calibration_drop_first(self) -> int:
         return self.config.calibration_drop_first
 
-    @property
-    def budget_bits(self) -> int:
-        """Bits per token and cache (K or V) the DP may spend (K8)."""
-        return int(16 * self.width * self.model.num_layers // self.config.compression_ratio)
+    def ratio(self, kind: str) -> float:
+        explicit = self.config.cr_key if kind == "key" else self.config.cr_value
+        return self.config.cr if explicit is None else explicit
+
+    def budget_bits(self, kind: str, group: int = 0) -> int:
+        """Bits per token the plan of ``kind`` and layer group ``group`` may spend: ``floor(16 p / CR)`` (K8)."""
+        return int(16 * self.width * len(self.layer_groups[group]) // self.ratio(kind))
+
+    def _group_of(self, layer_idx: int) -> int:
+        return layer_idx // len(self.layer_groups[0])
 
     def fit(self, activations: Activations) -> CodecState:
-        """PCA and DP plan of keys and of values (see the module docstring)."""
+        """Per cache and layer group: PCA of the sampled rows and the DP's group errors (module docstring)."""
         cfg, tensors = self.config, {}
         for kind in KINDS:
-            rows = feature_rows([activations.layer(layer)[kind].float() for layer in range(self.model.num_layers)])
-            order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(cfg.seed))
-            rows = rows[order[: cfg.calibration_tokens]].to(activations.device)
-            pca = fit_pca(rows, cfg.rank, cfg.pca_iters, cfg.seed)
-            plan = allocate(pca.project(rows[: cfg.dp_rows]), self.budget_bits, tuple(cfg.group_sizes))
-            groups = torch.tensor([[s, e, KIND_NAMES.index(k)] for s, e, k in plan.groups], dtype=torch.int32)
-            tensors |= {f"{kind}.mean": pca.mean, f"{kind}.basis": pca.basis, f"{kind}.plan": groups,
-                        f"{kind}.plan_error": torch.tensor([plan.error])}
+            layers = [activations.layer(layer)[kind].float() for layer in range(self.model.num_layers)]
+            order = None
+            for g, group in enumerate(self.layer_groups):
+                rows = feature_rows([layers[i] for i in group])
+                if order is None:  # the same sampled tokens for every group
+                    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(cfg.seed))
+                    order = order[: cfg.calibration_tokens]
+                rows = rows[order].to(activations.device)
+                start = time.perf_counter()
+                pca = fit_pca(rows, cfg.rank, cfg.pca_iters, cfg.seed)
+                middle = time.perf_counter()
+                errors = group_errors(pca.project(rows[: cfg.dp_rows]), tuple(cfg.group_sizes), DP_TYPES)
+                print(f"[kvcomp] kvtc {kind}s, layers {group.start}-{group.stop - 1}: PCA of {tuple(rows.shape)} -> rank "
+                      f"{pca.basis.shape[1]} in {middle - start:.0f}s, DP group errors on {min(cfg.dp_rows, len(rows))} rows "
+                      f"in {time.perf_counter() - middle:.0f}s", flush=True)
+                choices = torch.tensor([[s, TYPE_NAMES.index(k)] for s, k in errors.choices], dtype=torch.int32)
+                tensors |= {f"{kind}.{g}.mean": pca.mean, f"{kind}.{g}.basis": pca.basis, f"{kind}.{g}.deltas": errors.deltas,
+                            f"{kind}.{g}.energy": torch.tensor([errors.energy], dtype=torch.float64),
+                            f"{kind}.{g}.choices": choices}
         return CodecState(tensors)
 
     def load_state(self, state: CodecState) -> None:
         t = state.tensors
         for kind in KINDS:
-            self.pca[kind] = PCABasis(t[f"{kind}.mean"], t[f"{kind}.basis"])
-            groups = tuple((int(s), int(e), KIND_NAMES[int(k)]) for s, e, k in t[f"{kind}.plan"].tolist())
-            self.plans[kind] = Plan(groups, float(t[f"{kind}.plan_error"]))
+            for g in range(len(self.layer_groups)):
+                self.pca[kind, g] = PCABasis(t[f"{kind}.{g}.mean"], t[f"{kind}.{g}.basis"])
+                choices = tuple((int(s), TYPE_NAMES[int(k)]) for s, k in t[f"{kind}.{g}.choices"].tolist())
+                errors = GroupErrors(choices, float(t[f"{kind}.{g}.energy"]), t[f"{kind}.{g}.deltas"].double())
+                budget = self.budget_bits(kind, g)
+                self.plans[kind, g] = (truncation_plan(errors.width, budget) if self.config.quantization == "truncate"
+                                       else plan_for(errors, budget))
+
+    def bits_per_value(self) -> float:
+        """Bits per encoded value the plans spend before DEFLATE (codes + shift/scale); stored bytes are measured."""
+        bits = sum(plan.bits for plan in self.plans.values())
+        return bits / (len(KINDS) * self.model.num_layers * self.width)
+
+    def paper_bits_per_value(self) -> float:
+        """The target: 16 bits over the ratio (mean of K and V)."""
+        return sum(16 / self.ratio(kind) for kind in KINDS) / len(KINDS)
 
     def encode_model(self, keys, values, state=None) -> Payload:
-        batch, tokens = keys[0].shape[0], keys[0].shape[2]
         ragged = {}
         for kind, layers in (("key", keys), ("value", values)):
-            coefficients = self.pca[kind].project(feature_rows(layers)).view(batch, tokens, -1)
-            ragged[kind] = [torch.frombuffer(bytearray(deflate(encode_rows(row, self.plans[kind]), self.config.deflate_level)),
-                                             dtype=torch.uint8) for row in coefficients]
-        return Payload({}, tokens, ragged)
+            batch, tokens = layers[0].shape[0], layers[0].shape[2]
+            for g, group in enumerate(self.layer_groups):
+                coefficients = self.pca[kind, g].project(feature_rows([layers[i] for i in group])).view(batch, tokens, -1)
+                plan = self.plans[kind, g]
+                ragged[f"{kind}.{g}"] = [
+                    torch.frombuffer(bytearray(deflate(encode_rows(row, plan), self.config.deflate_level)), dtype=torch.uint8)
+                    for row in coefficients]
+        return Payload({}, keys[0].shape[2], ragged)
 
     def decode_model(self, payload, layer_idx, dtype, state=None):
-        columns = slice(layer_idx * self.width, (layer_idx + 1) * self.width)
-        heads, t = self.model.num_kv_heads, payload.num_tokens
+        """Layer ``layer_idx`` of a block: its columns of the reconstruction (K18). A block's coefficients are
+        inflated and dequantized once, at its first layer, and kept until the group's last layer has read
+        them (transient working memory: the kept coefficients of the blocks decoded in one pass)."""
+        g = self._group_of(layer_idx)
+        group = self.layer_groups[g]
+        columns = slice((layer_idx - group.start) * self.width, (layer_idx - group.start + 1) * self.width)
+        key = (id(payload), g)
+        if key not in self._coefficients:
+            t = payload.num_tokens
+            self._coefficients[key] = (payload, {
+                kind: [decode_rows(inflate(data.cpu().numpy().tobytes()), self.plans[kind, g], t).to(self.pca[kind, g].basis.device)
+                       for data in payload.ragged[f"{kind}.{g}"]] for kind in KINDS})
+        coefficients = self._coefficients[key][1]
+        if layer_idx == group.stop - 1:
+            del self._coefficients[key]
         out = []
         for kind in KINDS:
-            rows = [self.pca[kind].reconstruct(decode_rows(inflate(data.numpy().tobytes()), self.plans[kind], t), columns)
-                    for data in payload.ragged[kind]]
-            out.append(torch.stack(rows).view(len(rows), t, heads, -1).transpose(1, 2).to(dtype))
+            rows = [self.pca[kind, g].reconstruct(c, columns) for c in coefficients[kind]]
+            out.append(torch.stack(rows).view(len(rows), payload.num_tokens, self.model.num_kv_heads, -1).transpose(1, 2).to(dtype))
         return out[0], out[1]
+
+    def packed_nbytes(self, num_tokens: int) -> int:
+        """Bytes of one batch row's streams (all groups, K and V) for ``num_tokens`` tokens before DEFLATE."""
+        return sum(packed_stream_nbytes(plan, num_tokens) for plan in self.plans.values())
+
+    def example_metrics(self, cache) -> dict[str, float]:
+        """Compression ratios of one example's cache (batch row 0), as the paper reports them (K13, B.15):
+        raw 16-bit bytes of the compressed tokens over their bytes before and after DEFLATE, and with the
+        sinks and window included at their stored size (16-bit raw bytes as the reference)."""
+        store = cache.model_unit.store
+        tokens = sum(p.num_tokens for p in store.payloads)
+        if not tokens:
+            return {}
+        raw = 2 * 2 * self.model.num_layers * self.width * tokens  # K and V, 16 bits
+        deflated = sum(int(rows[0].numel()) for p in store.payloads for rows in p.ragged.values())
+        packed = sum(self.packed_nbytes(p.num_tokens) for p in store.payloads)
+        streams = [s for layer in cache.layers for s in layer.streams]
+        kept = sum(s.full_precision_nbytes for s in streams) // max(streams[0].batch, 1)  # sinks + window, model dtype
+        kept_tokens = sum(s.length - s.num_encoded for s in streams) // len(streams)
+        kept_raw = 2 * 2 * self.model.num_layers * self.width * kept_tokens
+        return {"cr_before_deflate": raw / packed, "cr": raw / deflated,
+                "cr_with_window": (raw + kept_raw) / (deflated + kept), "deflate_gain": packed / deflated}
 
     def overhead_bits(self) -> int:
         """PCA bases and means (fp16), amortised over the cache."""
         return sum(8 * (p.mean.numel() * p.mean.element_size() + p.basis.numel() * p.basis.element_size())
                    for p in self.pca.values())
+
+    def summary(self) -> dict:
+        return {"kvtc_plans": {f"{kind}.{g}": {"budget_bits": self.budget_bits(kind, g), "bits": plan.bits,
+                                               "coefficients_kept": sum(e - s for s, e, k in plan.groups if k != "none"),
+                                               "types": _type_counts(plan)}
+                               for (kind, g), plan in self.plans.items()},
+                "pca_mib": self.overhead_bits() / 8 / 2**20}
+
+
+def _type_counts(plan: Plan) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for start, end, kind in plan.groups:
+        counts[kind] = counts.get(kind, 0) + end - start
+    return counts
+
+
+def packed_stream_nbytes(plan: Plan, num_rows: int) -> int:
+    """Length of :func:`~kvcomp.stages.transform_coding.encode_rows`'s stream for ``num_rows`` rows."""
+    total = 0
+    for start, end, kind in plan.groups:
+        if kind == "none":
+            continue
+        total += -(-num_rows * (end - start) * TYPE_BITS[kind] // 8)
+        total += 0 if kind == "fp16" else 4 * num_rows
+    return total
+
+
+_PLANS: dict[str, Plan] = {}  # in-process memo of plan_for
+
+
+def plan_for(errors: GroupErrors, budget_bits: int) -> Plan:
+    """The DP plan of ``errors`` under ``budget_bits``, cached (in process and under ``$KVCOMP_CACHE/kvtc_plans``)
+    by a digest of the group errors and the budget: one plan per compression ratio."""
+    digest = hashlib.sha256(errors.deltas.numpy().tobytes() + json.dumps([errors.choices, errors.energy, budget_bits]).encode())
+    key = digest.hexdigest()[:32]
+    if key in _PLANS:
+        return _PLANS[key]
+    path = cache_dir() / "kvtc_plans" / f"{key}.json"
+    plan = None
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            plan = Plan(tuple((int(s), int(e), str(k)) for s, e, k in saved["groups"]), float(saved["error"]))
+            if plan.bits > budget_bits or (plan.groups and plan.groups[-1][1] != errors.width):
+                plan = None
+        except (ValueError, KeyError, TypeError):  # damaged: recompute
+            plan = None
+    if plan is None:
+        plan = allocate_from(errors, budget_bits)
+        write_json_atomic(path, {"groups": [list(g) for g in plan.groups], "error": plan.error, "budget_bits": budget_bits})
+    _PLANS[key] = plan
+    return plan

@@ -6,8 +6,8 @@ order, ``p = layers x heads x head_dim`` columns (:func:`feature_rows`); columns
 layer ``l`` (per-layer decompression reads that slice of the basis).
 
 Byte stream of ``N`` rows (K7): for every kept group in plan order, its ``N x s`` codes (row-major: all
-tokens of group g, then group g+1), int2 four and int4 two per byte (LSB first), fp8 one byte; then every
-kept group's fp16 shift and scale arrays, group-major. ``zlib`` (DEFLATE, level 6) compresses the stream.
+tokens of group g, then group g+1), int2 four and int4 two per byte (LSB first), fp8 one byte, fp16 two;
+then every kept group's fp16 shift and scale arrays, group-major (none for fp16 groups). ``zlib`` (DEFLATE, level 6) compresses the stream.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 
 from kvcomp.stages.bit_allocation import TYPE_BITS, Plan, group_codes, group_values
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
+
+FLOAT_TYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16}  # stored as their bytes
 
 
 def feature_rows(layers: list[torch.Tensor]) -> torch.Tensor:
@@ -44,13 +46,18 @@ class PCABasis:
 
 
 def fit_pca(rows: torch.Tensor, rank: int, niter: int = 8, seed: int = 0, dtype=torch.float16) -> PCABasis:
-    """PCA of ``rows [N, p]`` by randomized SVD (``torch.svd_lowrank`` with the mean passed in, not
-    subtracted, spec §3.4), rank capped at ``min(rank, N, p)``."""
+    """PCA of ``rows [N, p]``, rank capped at ``q = min(rank, N, p)``: randomized SVD (``torch.svd_lowrank``
+    with the mean passed in, not subtracted, spec §3.4); when the cap keeps every component (``q = min(N,
+    p)``), the exact SVD of the centred rows instead (the same decomposition, without the random sketch)."""
     rows = rows.float()
     mean = rows.mean(0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        _, _, v = torch.svd_lowrank(rows, q=min(rank, *rows.shape), niter=niter, M=mean[None])
+    q = min(rank, *rows.shape)
+    if q == min(rows.shape):
+        v = torch.linalg.svd(rows - mean, full_matrices=False).Vh[:q].T
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            _, _, v = torch.svd_lowrank(rows, q=q, niter=niter, M=mean[None])
     return PCABasis(mean.to(dtype), v.to(dtype))
 
 
@@ -62,7 +69,7 @@ def encode_rows(coefficients: torch.Tensor, plan: Plan) -> torch.Tensor:
             continue
         c, shift, scale = group_codes(coefficients[:, start:end], kind)
         flat = c.reshape(-1)
-        codes.append(flat.view(torch.uint8) if kind == "fp8" else pack_bits(flat, TYPE_BITS[kind]))
+        codes.append(flat.view(torch.uint8) if kind in FLOAT_TYPES else pack_bits(flat, TYPE_BITS[kind]))
         params += [shift.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)]
     parts = [t.cpu() for t in codes + params]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
@@ -74,12 +81,15 @@ def decode_rows(stream: torch.Tensor, plan: Plan, num_rows: int) -> torch.Tensor
     offset, codes = 0, []
     for start, end, kind in kept:
         count = num_rows * (end - start)
-        size = count if kind == "fp8" else packed_length(count, TYPE_BITS[kind])
+        size = count * TYPE_BITS[kind] // 8 if kind in FLOAT_TYPES else packed_length(count, TYPE_BITS[kind])
         chunk = stream[offset:offset + size]
-        codes.append(chunk.view(torch.float8_e4m3fn) if kind == "fp8" else unpack_bits(chunk, TYPE_BITS[kind], count))
+        codes.append(chunk.view(FLOAT_TYPES[kind]) if kind in FLOAT_TYPES else unpack_bits(chunk, TYPE_BITS[kind], count))
         offset += size
     out = torch.zeros(num_rows, plan.groups[-1][1] if plan.groups else 0)
-    for (start, end, _), c in zip(kept, codes):
+    for (start, end, kind), c in zip(kept, codes):
+        if kind == "fp16":
+            out[:, start:end] = c.view(num_rows, end - start).float()
+            continue
         shift = stream[offset:offset + 2 * num_rows].view(torch.float16)[:, None]
         scale = stream[offset + 2 * num_rows:offset + 4 * num_rows].view(torch.float16)[:, None]
         offset += 4 * num_rows

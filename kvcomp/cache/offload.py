@@ -1,0 +1,170 @@
+"""Store and restore a compressed cache between conversation turns (kvtc's store mode, spec §5.1 item 6).
+
+:func:`store` copies everything a :class:`~kvcomp.cache.CompressedCache` holds as storage (sinks, encoded
+payloads with their ragged rows, full-precision tails, position ids) to CPU memory as a
+:class:`StoredCache`; :meth:`StoredCache.save` writes it as one safetensors file whose header carries the
+JSON metadata (no pickle). :func:`restore` rebuilds a cache holding exactly those bytes on a device: its
+blocks are decoded when the next turn's attention first reads them (kvtc: per layer, by column slice),
+so restoring costs the transfer plus the decode, not a prefill. Decoded copies and spare capacity are
+working memory and are not stored.
+
+Stream- and model-scope codecs without per-sequence state are supported (kvtc, the fixed-rate codecs);
+layer-scope codecs hand reconstructions between layers and stateful codecs keep per-sequence state,
+neither of which is stored yet.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcomp.cache.compressed_cache import CompressedCache
+from kvcomp.cache.growing import GrowingTensor
+from kvcomp.cache.stream import Block, PayloadStore
+from kvcomp.codecs.base import Codec, Payload
+from kvcomp.errors import ConfigError
+
+FORMAT = "kvcomp-stored-cache/1"
+
+
+@dataclass
+class StoredCache:
+    """A cache's storage on the CPU: ``tensors`` by name and JSON-able ``meta`` (layout, counts, codec)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors (what a restore moves back)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def save(self, path: str | Path) -> Path:
+        """Write one safetensors file (metadata in its header), atomically."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        save_file({k: t.contiguous() for k, t in self.tensors.items()}, str(partial), metadata={"kvcomp": json.dumps(self.meta)})
+        partial.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StoredCache":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            if "kvcomp" not in header:
+                raise ConfigError(f"{path}: not a stored kvcomp cache (no 'kvcomp' metadata)")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        return cls(tensors, json.loads(header["kvcomp"]))
+
+
+def _check_supported(codec: Codec) -> None:
+    if codec.scope == "layer" or codec.stateful:
+        raise NotImplementedError(
+            f"storing a {codec.name} cache between turns is not supported: only stream- and model-scope codecs "
+            "without per-sequence state (e.g. kvtc, kivi, uniform, qjl, fp16) can be stored")
+
+
+def _put_store(store: PayloadStore, prefix: str, tensors: dict) -> dict:
+    meta = {"num_tokens": store.num_tokens, "num_blocks": store.num_blocks}
+    if store.layout == "tokens":
+        for name, grown in store.tensors.items():
+            tensors[f"{prefix}.{name}"] = grown.view.cpu()
+        meta["names"] = list(store.tensors)
+        return meta
+    payloads = []
+    for j, payload in enumerate(store.payloads):
+        for name, t in payload.tensors.items():
+            tensors[f"{prefix}.{j}.{name}"] = t.cpu()
+        for name, rows in payload.ragged.items():
+            for r, t in enumerate(rows):
+                tensors[f"{prefix}.{j}.ragged.{name}.{r}"] = t.cpu()
+        payloads.append({"num_tokens": payload.num_tokens, "names": list(payload.tensors),
+                         "ragged": {name: len(rows) for name, rows in payload.ragged.items()}})
+    meta["payloads"] = payloads
+    return meta
+
+
+def _take_store(store: PayloadStore, meta: dict, prefix: str, tensors: dict, device) -> None:
+    store.num_tokens, store.num_blocks = meta["num_tokens"], meta["num_blocks"]
+    if store.layout == "tokens":
+        for name in meta["names"]:
+            grown = store.tensors.setdefault(name, GrowingTensor(2))
+            grown.append(tensors[f"{prefix}.{name}"].to(device))
+        return
+    store.payloads = [
+        Payload({name: tensors[f"{prefix}.{j}.{name}"].to(device) for name in p["names"]}, p["num_tokens"],
+                {name: [tensors[f"{prefix}.{j}.ragged.{name}.{r}"] for r in range(count)] for name, count in p["ragged"].items()})
+        for j, p in enumerate(meta["payloads"])
+    ]
+
+
+def store(cache: CompressedCache) -> StoredCache:
+    """Copy the storage of ``cache`` to CPU memory (see the module docstring)."""
+    codec = cache.codec
+    _check_supported(codec)
+    tensors: dict[str, torch.Tensor] = {}
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        if not layer.positions_known:
+            raise NotImplementedError("storing a cache whose forwards came without position ids is not supported")
+        if layer.position_ids.length:
+            tensors[f"layer{i}.position_ids"] = layer.position_ids.view.cpu()
+        streams = {}
+        for stream in layer.streams:
+            prefix = f"layer{i}.{stream.kind}"
+            for part in ("sinks", "tail"):
+                if getattr(stream, part) is not None:
+                    tensors[f"{prefix}.{part}"] = getattr(stream, part).cpu()
+            streams[stream.kind] = {
+                "length": stream.length, "num_encoded": stream.num_encoded, "batch": stream.batch,
+                "leading_pads": stream.leading_pads, "frozen": stream.frozen,
+                "blocks": [[b.index, b.rows, b.sizes, b.first, b.count] for b in stream.blocks],
+                "store": _put_store(stream.store, f"{prefix}.store", tensors),
+            }
+        layers.append({"dtype": str(layer.dtype).removeprefix("torch."), "streams": streams})
+    meta = {"format": FORMAT, "codec": codec.describe(), "model": codec.model.identity, "protocol": cache.protocol,
+            "layers": layers}
+    if cache.model_unit is not None:
+        meta["model_unit"] = _put_store(cache.model_unit.store, "model_unit", tensors)
+    return StoredCache(tensors, meta)
+
+
+def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu", protocol: str | None = None,
+            **cache_options) -> CompressedCache:
+    """A :class:`CompressedCache` for ``codec`` on ``device`` holding ``stored``'s bytes (``protocol``: the
+    stored one by default). Refuses a store made with another codec configuration or model."""
+    meta = stored.meta
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"stored cache format {meta.get('format')!r}; this kvcomp reads {FORMAT!r}")
+    for what, mine in (("codec", codec.describe()), ("model", codec.model.identity)):
+        if meta[what] != mine:
+            raise ConfigError(f"stored cache was made with {what} {meta[what]!r}, not {mine!r}: restore it with the same one")
+    _check_supported(codec)
+    tensors = stored.tensors
+    cache = CompressedCache(codec, protocol or meta["protocol"], **cache_options)
+    for i, (layer, saved) in enumerate(zip(cache.layers, meta["layers"])):
+        layer.dtype, layer.device, layer.is_initialized = getattr(torch, saved["dtype"]), torch.device(device), True
+        if f"layer{i}.position_ids" in tensors:
+            layer.position_ids.append(tensors[f"layer{i}.position_ids"].to(device))
+        for stream in layer.streams:
+            s, prefix = saved["streams"][stream.kind], f"layer{i}.{stream.kind}"
+            stream.length, stream.num_encoded, stream.batch = s["length"], s["num_encoded"], s["batch"]
+            stream.leading_pads, stream.frozen, stream.dtype = s["leading_pads"], s["frozen"], layer.dtype
+            if f"{prefix}.sinks" in tensors:
+                stream.sinks = tensors[f"{prefix}.sinks"].to(device)
+            if f"{prefix}.tail" in tensors:
+                stream.tail_buffer.append(tensors[f"{prefix}.tail"].to(device))
+            stream.blocks = [Block(*b) for b in s["blocks"]]
+            stream.pending = list(stream.blocks)  # decoded when attention first reads them
+            _take_store(stream.store, s["store"], f"{prefix}.store", tensors, device)
+    if cache.model_unit is not None:
+        _take_store(cache.model_unit.store, meta["model_unit"], "model_unit", tensors, device)
+    return cache

@@ -1,0 +1,76 @@
+"""Store -> restore of a compressed cache between turns (kvcomp.cache.offload): the stored bytes come back
+exactly, in memory and through a safetensors file, and the next turn sees the same cache."""
+
+import pytest
+import torch
+
+from kvcomp.cache import CompressedCache, install
+from kvcomp.cache.offload import StoredCache, restore, store
+from kvcomp.errors import ConfigError
+from kvcomp.codecs import build_codec
+from tests.codec_matrix import MATRIX, make_codec
+from tests.conftest import info_of
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+
+
+def _all_bytes(cache: CompressedCache) -> list[bytes]:
+    """Every stored tensor's bytes in a fixed order (payloads, ragged rows, sinks, tails)."""
+    stored = store(cache)
+    return [stored.tensors[k].contiguous().view(torch.uint8).numpy().tobytes() for k in sorted(stored.tensors)]
+
+
+@pytest.mark.parametrize("name", ["kvtc", "kivi", "uniform"])
+def test_store_restore_is_exact_and_the_next_turn_matches(tiny_llama, name, tmp_path):
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, name)
+    ids = torch.randint(0, 96, (2, 50), generator=torch.Generator().manual_seed(3))
+    cache = CompressedCache(codec, "exact_prefill")
+    tiny_llama(ids[:, :40], past_key_values=cache, use_cache=True)  # turn 1
+    stored = store(cache)
+    assert stored.nbytes == cache.nbytes + sum(t.numel() * t.element_size() for k, t in stored.tensors.items()
+                                               if k.endswith("position_ids"))
+    path = stored.save(tmp_path / "turn1.safetensors")
+    loaded = StoredCache.load(path)
+    assert loaded.meta == stored.meta and sorted(loaded.tensors) == sorted(stored.tensors)
+    restored = restore(loaded, codec)
+    assert _all_bytes(restored) == _all_bytes(cache)
+    assert restored.nbytes == cache.nbytes and restored.get_seq_length() == 40
+    expected = tiny_llama(ids[:, 40:], past_key_values=cache, use_cache=True).logits  # turn 2
+    got = tiny_llama(ids[:, 40:], past_key_values=restored, use_cache=True).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert _all_bytes(restored) == _all_bytes(cache)  # and both went on to encode the same blocks
+
+
+def test_restore_refuses_another_codec_and_unsupported_codecs(tiny_llama):
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, "kivi")
+    cache = CompressedCache(codec, "exact_prefill")
+    tiny_llama(torch.randint(0, 96, (1, 30)), past_key_values=cache, use_cache=True)
+    other = make_codec(tiny_llama, "kivi", group_size=4)
+    with pytest.raises(ConfigError, match="restore it with the same one"):
+        restore(store(cache), other)
+    aquakv = build_codec(MATRIX["aquakv"].config, info_of(tiny_llama))  # layer scope (no need to fit it)
+    with pytest.raises(NotImplementedError, match="not supported"):
+        store(CompressedCache(aquakv, "exact_prefill"))
+
+
+def test_multiturn_benchmark_rows(tiny_llama):
+    from kvcomp.benchmarks.multiturn import MultiTurnConfig, evaluate_multiturn
+
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, "kvtc")
+    conversations = torch.randint(0, 96, (2, 24 + 2 * 8), generator=torch.Generator().manual_seed(5))
+    rows = evaluate_multiturn(tiny_llama, codec, conversations, MultiTurnConfig(24, 8, 2, 1, on_disk=True))
+    assert [r["turn"] for r in rows] == [1, 2] and all(r["conversations"] == 2 for r in rows)
+    first, second = rows
+    assert first["context_tokens"] == 24 and second["context_tokens"] == 32
+    assert 0 < first["stored_bytes"] < second["stored_bytes"] and first["file_bytes"] > first["stored_bytes"]
+    assert first["uncompressed_bytes"] == 2 * codec.model.num_layers * codec.width * 24 * 4  # fp32 K and V
+    assert first["recompute_check"] == 1.0  # recomputing the history gives the kept cache's predictions
+    for r in rows:
+        assert r["ttft_restore"] > 0 and r["ttft_recompute"] > 0 and r["ttft_uncompressed"] > 0
+        assert 0 <= r["agreement"] <= 1 and r["ppl_restored"] > 1 and r["ppl_uncompressed"] > 1
