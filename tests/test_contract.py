@@ -80,7 +80,7 @@ class PredictiveLayerCodec(ToyCodec):
 class DeflatedModelCodec(ToyCodec):
     name, scope, payload_layout = "toy_model", "model", "blocks"
 
-    def encode_model(self, keys, values, state=None):
+    def encode_model(self, keys, values, state=None, encoded_before=0):
         x = torch.stack([*keys, *values]).float()  # [2L, B, H, T, D]
         lo = x.amin(dim=(0, 2, 4)).half()  # [B, T]: one range per token and row, over every layer and head
         scale = ((x.amax(dim=(0, 2, 4)) - lo.float()) / 255).clamp_min(1e-4).half()

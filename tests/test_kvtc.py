@@ -28,7 +28,7 @@ def test_plans_meet_the_budget_and_payloads_are_the_deflated_plan_streams(tiny_l
     for plan in codec.plans.values():
         assert 0 < plan.bits <= codec.budget_bits("key")
     keys, values = _kv()
-    payload = codec.encode_model(keys, values)
+    payload = codec.encode_model(keys, values, encoded_before=codec.config.sinks)  # a block after the sinks
     assert payload.nbytes == sum(row.numel() for rows in payload.ragged.values() for row in rows)
     plan = codec.plans["key", 0]
     stream = inflate(payload.ragged["key.0"][1].numpy().tobytes())  # batch row 1: 8 tokens
@@ -51,7 +51,7 @@ def test_per_cache_ratios_and_truncation(tiny_llama):
     plan = dpq.plans["key", 0]
     assert plan.groups[0] == (0, dpq.budget_bits("key") // 16, "fp16") and plan.bits == dpq.budget_bits("key")
     keys, values = _kv()
-    k0, _ = dpq.decode_model(dpq.encode_model(keys, values), 0, torch.float32)
+    k0, _ = dpq.decode_model(dpq.encode_model(keys, values, encoded_before=8), 0, torch.float32)
     coefficients = dpq.pca["key", 0].project(torch.stack(keys, 1).permute(0, 3, 1, 2, 4).reshape(16, -1))
     kept = plan.groups[0][1]
     expected = dpq.pca["key", 0].reconstruct(torch.cat([coefficients[:, :kept].half().float(),
@@ -65,7 +65,7 @@ def test_layer_groups_have_their_own_basis_and_budget(tiny_llama):
     assert codec.budget_bits("key", 1) == 16 * codec.width // 4
     assert codec.pca["key", 1].basis.shape[0] == codec.width
     keys, values = _kv()
-    payload = codec.encode_model(keys, values)
+    payload = codec.encode_model(keys, values, encoded_before=8)
     assert sorted(payload.ragged) == ["key.0", "key.1", "value.0", "value.1"]
     k1, v1 = codec.decode_model(payload, 1, torch.float32)
     assert k1.shape == keys[1].shape and (k1 - keys[1]).norm() < keys[1].norm()
@@ -83,29 +83,53 @@ def test_stream_bytes_follow_the_plan_for_fp16_groups():
     assert back[:, 5:].abs().sum() == 0
 
 
-def test_window_and_sinks_follow_k12_and_ratios_follow_b15(tiny_llama):
-    """Sinks stay, the uncompressed tail stays between window - every and window tokens, every
-    compression event takes ``every`` tokens; the reported ratios are the stored bytes'."""
+@pytest.mark.parametrize("sink_dtype", ["model", "fp8"])
+def test_window_and_sinks_follow_k12_and_ratios_follow_b15(tiny_llama, sink_dtype):
+    """Sinks stay uncompressed (apart in the model dtype, or FP8 in the first block), the uncompressed tail
+    stays between window - every and window tokens, every compression event takes ``every`` tokens; the
+    reported ratios are the stored bytes'."""
     from kvcomp.cache import install
 
     install(tiny_llama)
-    codec = make_codec(tiny_llama, "kvtc", sinks=2, window=8, every=4)
+    codec = make_codec(tiny_llama, "kvtc", sinks=2, window=8, every=4, sink_dtype=sink_dtype)
     cache = CompressedCache(codec, "exact_prefill")
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
     tiny_llama(ids[:, :21], past_key_values=cache, use_cache=True)
+    apart = 2 if sink_dtype == "model" else 0
     for n in range(21, 40):
         stream = cache.layers[0].key_stream
-        assert stream.num_sinks == 2 and 4 <= stream.num_tail < 8 and stream.num_encoded % 4 == 0
+        assert stream.num_sinks == apart and 4 <= stream.num_tail < 8 and stream.num_encoded % 4 == 0
         assert stream.num_sinks + stream.num_encoded + stream.num_tail == n
         tiny_llama(ids[:, n:n + 1], past_key_values=cache, use_cache=True)
-    metrics = codec.example_metrics(cache)
     payloads = cache.model_unit.store.payloads
-    tokens = sum(p.num_tokens for p in payloads)
+    fp8 = [p.tensors["sink.key"].shape[3] if p.tensors else 0 for p in payloads]
+    assert fp8 == ([2] + [0] * (len(payloads) - 1) if sink_dtype == "fp8" else [0] * len(payloads))
+    metrics = codec.example_metrics(cache)
+    tokens = sum(p.num_tokens for p in payloads) - sum(fp8)
     raw = 2 * 2 * codec.model.num_layers * codec.width * tokens
     deflated = sum(rows[0].numel() for p in payloads for rows in p.ragged.values())
     assert metrics["cr"] == pytest.approx(raw / deflated)
-    assert metrics["cr_before_deflate"] == pytest.approx(raw / sum(codec.packed_nbytes(p.num_tokens) for p in payloads))
-    # with the window (B.15's ctx / ((ctx - w - s) / cr + w + s) for 16-bit sinks), here in fp32 (4 bytes)
-    ctx, kept = 40, 40 - tokens
-    expected = ctx / (tokens / metrics["cr"] + 2 * kept)
-    assert metrics["cr_with_window"] == pytest.approx(expected)
+    assert metrics["cr_before_deflate"] == pytest.approx(
+        raw / sum(codec.packed_nbytes(p.num_tokens - s) for p, s in zip(payloads, fp8)))
+    # with the window: B.15's ctx / ((ctx - w - s) / cr + w + s / 2) with 16-bit window tokens; here the window
+    # (and model-dtype sinks) are fp32, 2 token-equivalents each, and FP8 sinks cost d + 2 bytes per 2d
+    sink_share = 0 if sink_dtype == "model" else 2 * (16 + 2) / (2 * 16)
+    ctx, kept = 40, 40 - tokens - sum(fp8)
+    assert metrics["cr_with_window"] == pytest.approx(ctx / (tokens / metrics["cr"] + 2 * kept + sink_share))
+
+
+def test_fp8_sinks_round_trip_and_blocks_of_sinks_only(tiny_llama):
+    from kvcomp.codecs.kvtc import fp8_absmax
+
+    x = torch.randn(2, 3, 4, 5, 16) * 7
+    codes, scale = fp8_absmax(x)
+    back = codes.float() * scale.float()[..., None]
+    assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 8).all()  # E4M3: 3 mantissa bits
+    codec = make_codec(tiny_llama, "kvtc", sinks=4, every=1, window=1)
+    keys, values = _kv(tokens=3)  # a block of sinks only (compressing every token)
+    payload = codec.encode_model(keys, values, encoded_before=1)
+    assert payload.tensors["sink.key"].shape == (2, 2, 2, 3, 16)
+    k, v = codec.decode_model(payload, 1, torch.float32)
+    torch.testing.assert_close(k, keys[1], atol=0.1 * keys[1].abs().max().item(), rtol=0)
+    later = codec.encode_model(keys, values, encoded_before=4)
+    assert not later.tensors and codec.decode_model(later, 0, torch.float32)[0].shape == keys[0].shape

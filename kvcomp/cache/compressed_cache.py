@@ -68,7 +68,8 @@ class ModelUnit:
         if self.codec.stateful and self.state is None:
             self.state = self.codec.init_state(Unit(), {(s.layer_idx, s.kind): s.held() for s in streams})
         taken = [s.take(count) for s in streams]
-        payload = self.codec.encode_model([t[2] for t in taken[0::2]], [t[2] for t in taken[1::2]], self.state)
+        payload = self.codec.encode_model([t[2] for t in taken[0::2]], [t[2] for t in taken[1::2]], self.state,
+                                          encoded_before=self.store.num_tokens)
         block = self.store.append(payload, taken[0][0])
         for stream, (_, chunk, _) in zip(streams, taken):
             stream.add_block(block, chunk)

@@ -377,8 +377,10 @@ class Codec(ABC):
         raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no layer decode")
 
     # --- scope "model" ---
-    def encode_model(self, keys: list[torch.Tensor], values: list[torch.Tensor], state: SequenceState | None = None) -> Payload:
-        """Encode one token block of every layer (``keys[l]``, ``values[l]``: ``[B, H, T, D]``) as one payload."""
+    def encode_model(self, keys: list[torch.Tensor], values: list[torch.Tensor], state: SequenceState | None = None,
+                     encoded_before: int = 0) -> Payload:
+        """Encode one token block of every layer (``keys[l]``, ``values[l]``: ``[B, H, T, D]``) as one payload;
+        ``encoded_before``: how many tokens of the sequence earlier blocks encoded (0 for the first block)."""
         raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no model encode")
 
     def decode_model(self, payload: Payload, layer_idx: int, dtype: torch.dtype,

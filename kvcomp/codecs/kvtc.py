@@ -16,9 +16,10 @@ batch row's stream per (K or V, layer group): the compressed bytes are the paylo
 length), so the codec has no fixed rate; rows report the measured ratios (:meth:`example_metrics`).
 Decoding a layer inflates the stream and reconstructs only that layer's columns (K18).
 
-The cache keeps ``sinks`` first tokens and a window of ``window - every`` to ``window`` newest tokens in
-the model's dtype and encodes ``every`` tokens at a time (K12). The paper keeps its sinks in FP8 (K11);
-ours stay in the model dtype (so measured ratios with the window are slightly lower than B.15's).
+The first ``sinks`` tokens are never PCA-coded: the first block codes them in FP8 E4M3 with an fp16 absmax
+scale per (layer, head, token) (K11; ``sink_dtype=model`` keeps them apart in the model's dtype instead).
+The newest ``window - every`` to ``window`` tokens stay in the model's dtype and ``every`` tokens are
+encoded at a time (K12).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
 from kvcomp.stages.bit_allocation import (
-    DP_TYPES, GROUP_SIZES, TYPE_BITS, GroupErrors, Plan, allocate_from, group_errors, truncation_plan,
+    DP_TYPES, FP8_MAX, GROUP_SIZES, TYPE_BITS, GroupErrors, Plan, allocate_from, group_errors, truncation_plan,
 )
 from kvcomp.stages.transform_coding import PCABasis, decode_rows, deflate, encode_rows, feature_rows, fit_pca, inflate
 
 TYPE_NAMES = tuple(TYPE_BITS)
 QUANTIZATIONS = ("dp", "truncate")
+SINK_DTYPES = ("fp8", "model")
 
 
 @dataclass
@@ -60,6 +62,7 @@ class KVTCConfig(CodecConfig):
     calibration_drop_first: int = 4  # sink positions never sampled
     seed: int = 0
     sinks: int = 4
+    sink_dtype: str = "fp8"  # fp8: E4M3 with an fp16 absmax scale per (layer, head, token) (K11) | model: the model's dtype
     window: int = 128  # the newest window - every .. window tokens stay uncompressed (K12)
     every: int = 16  # tokens per compression event (K12)
     deflate_level: int = 6
@@ -73,7 +76,8 @@ class KVTCCodec(Codec):
     scope = "model"
     payload_layout = "blocks"
     needs_calibration = True
-    inference_only_fields = ("cr", "cr_key", "cr_value", "quantization", "sinks", "window", "every", "deflate_level")
+    inference_only_fields = ("cr", "cr_key", "cr_value", "quantization", "sinks", "sink_dtype", "window", "every",
+                             "deflate_level")
 
     def validate(self) -> None:
         cfg = self.config
@@ -86,6 +90,8 @@ class KVTCCodec(Codec):
                               f"got sinks={cfg.sinks}, every={cfg.every}, window={cfg.window}")
         if cfg.quantization not in QUANTIZATIONS:
             raise unknown_choice("codec.quantization", cfg.quantization, QUANTIZATIONS)
+        if cfg.sink_dtype not in SINK_DTYPES:
+            raise unknown_choice("codec.sink_dtype", cfg.sink_dtype, SINK_DTYPES)
         layers = self.model.num_layers
         size = cfg.layers_per_group or layers
         if not 1 <= size <= layers:
@@ -97,7 +103,15 @@ class KVTCCodec(Codec):
         self._coefficients: dict[tuple[int, int], tuple[Payload, dict]] = {}  # see decode_model
 
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
-        return StreamPolicy(self.config.sinks, self.config.every, self.config.window - self.config.every)
+        """FP8 sinks are coded in the first block(s) (:meth:`encode_model`), so the cache keeps none apart."""
+        sinks = self.config.sinks if self.config.sink_dtype == "model" else 0
+        return StreamPolicy(sinks, self.config.every, self.config.window - self.config.every)
+
+    def fp8_sinks(self, tokens: int, encoded_before: int) -> int:
+        """How many of a block's ``tokens`` are sinks coded in FP8 (the first ``sinks`` of the sequence)."""
+        if self.config.sink_dtype != "fp8":
+            return 0
+        return max(0, min(tokens, self.config.sinks - encoded_before))
 
     @property
     def calibration_drop_first(self) -> int:
@@ -159,28 +173,36 @@ class KVTCCodec(Codec):
         """The target: 16 bits over the ratio (mean of K and V)."""
         return sum(16 / self.ratio(kind) for kind in KINDS) / len(KINDS)
 
-    def encode_model(self, keys, values, state=None) -> Payload:
-        ragged = {}
+    def encode_model(self, keys, values, state=None, encoded_before=0) -> Payload:
+        """The block's first :meth:`fp8_sinks` tokens in FP8 (``sink.key`` / ``sink.value`` codes ``[B, L, H, s, d]``
+        and fp16 scales), the others PCA-coded: one DEFLATE stream per batch row, cache and layer group."""
+        tensors, ragged = {}, {}
+        sinks = self.fp8_sinks(keys[0].shape[2], encoded_before)
         for kind, layers in (("key", keys), ("value", values)):
+            if sinks:
+                codes, scale = fp8_absmax(torch.stack([x[:, :, :sinks] for x in layers], dim=1))
+                tensors |= {f"sink.{kind}": codes.view(torch.uint8), f"sink.{kind}.scale": scale}
+            layers = [x[:, :, sinks:] for x in layers]
             batch, tokens = layers[0].shape[0], layers[0].shape[2]
             for g, group in enumerate(self.layer_groups):
-                coefficients = self.pca[kind, g].project(feature_rows([layers[i] for i in group])).view(batch, tokens, -1)
-                plan = self.plans[kind, g]
+                pca, plan = self.pca[kind, g], self.plans[kind, g]
+                coefficients = pca.project(feature_rows([layers[i] for i in group])).view(batch, tokens, pca.basis.shape[1])
                 ragged[f"{kind}.{g}"] = [
                     torch.frombuffer(bytearray(deflate(encode_rows(row, plan), self.config.deflate_level)), dtype=torch.uint8)
                     for row in coefficients]
-        return Payload({}, keys[0].shape[2], ragged)
+        return Payload(tensors, keys[0].shape[2], ragged)
 
     def decode_model(self, payload, layer_idx, dtype, state=None):
-        """Layer ``layer_idx`` of a block: its columns of the reconstruction (K18). A block's coefficients are
-        inflated and dequantized once, at its first layer, and kept until the group's last layer has read
-        them (transient working memory: the kept coefficients of the blocks decoded in one pass)."""
+        """Layer ``layer_idx`` of a block: its FP8 sinks, then its columns of the PCA reconstruction (K18). A
+        block's coefficients are inflated and dequantized once, at its first layer, and kept until the group's
+        last layer has read them (transient working memory: the coefficients of the blocks decoded in one pass)."""
         g = self._group_of(layer_idx)
         group = self.layer_groups[g]
         columns = slice((layer_idx - group.start) * self.width, (layer_idx - group.start + 1) * self.width)
+        sinks = payload.tensors["sink.key"].shape[3] if "sink.key" in payload.tensors else 0
+        t = payload.num_tokens - sinks
         key = (id(payload), g)
         if key not in self._coefficients:
-            t = payload.num_tokens
             self._coefficients[key] = (payload, {
                 kind: [decode_rows(inflate(data.cpu().numpy().tobytes()), self.plans[kind, g], t).to(self.pca[kind, g].basis.device)
                        for data in payload.ragged[f"{kind}.{g}"]] for kind in KINDS})
@@ -190,7 +212,11 @@ class KVTCCodec(Codec):
         out = []
         for kind in KINDS:
             rows = [self.pca[kind, g].reconstruct(c, columns) for c in coefficients[kind]]
-            out.append(torch.stack(rows).view(len(rows), payload.num_tokens, self.model.num_kv_heads, -1).transpose(1, 2).to(dtype))
+            x = torch.stack(rows).view(len(rows), t, self.model.num_kv_heads, self.model.head_dim).transpose(1, 2).to(dtype)
+            if sinks:
+                codes = payload.tensors[f"sink.{kind}"][:, layer_idx].view(torch.float8_e4m3fn)
+                x = torch.cat([(codes.float() * payload.tensors[f"sink.{kind}.scale"][:, layer_idx, ..., None].float()).to(x), x], 2)
+            out.append(x)
         return out[0], out[1]
 
     def packed_nbytes(self, num_tokens: int) -> int:
@@ -198,22 +224,24 @@ class KVTCCodec(Codec):
         return sum(packed_stream_nbytes(plan, num_tokens) for plan in self.plans.values())
 
     def example_metrics(self, cache) -> dict[str, float]:
-        """Compression ratios of one example's cache (batch row 0), as the paper reports them (K13, B.15):
-        raw 16-bit bytes of the compressed tokens over their bytes before and after DEFLATE, and with the
-        sinks and window included at their stored size (16-bit raw bytes as the reference)."""
-        store = cache.model_unit.store
-        tokens = sum(p.num_tokens for p in store.payloads)
-        if not tokens:
+        """Compression ratios of one example's cache (batch row 0), as the paper reports them (K13, B.15): raw
+        16-bit bytes of the PCA-coded tokens over their bytes before and after DEFLATE (``cr``), and of every
+        cached token over every stored byte (``cr_with_window``: sinks and window at their stored size)."""
+        payloads = cache.model_unit.store.payloads
+        sinks = [p.tensors["sink.key"].shape[3] if "sink.key" in p.tensors else 0 for p in payloads]
+        tokens = sum(p.num_tokens for p in payloads) - sum(sinks)
+        if tokens <= 0:
             return {}
-        raw = 2 * 2 * self.model.num_layers * self.width * tokens  # K and V, 16 bits
-        deflated = sum(int(rows[0].numel()) for p in store.payloads for rows in p.ragged.values())
-        packed = sum(self.packed_nbytes(p.num_tokens) for p in store.payloads)
+        per_token = 2 * 2 * self.model.num_layers * self.width  # K and V at 16 bits
+        deflated = sum(int(rows[0].numel()) for p in payloads for rows in p.ragged.values())
+        packed = sum(self.packed_nbytes(p.num_tokens - s) for p, s in zip(payloads, sinks))
+        sink_bytes = sum(t[0].numel() * t.element_size() for p in payloads for t in p.tensors.values())
         streams = [s for layer in cache.layers for s in layer.streams]
-        kept = sum(s.full_precision_nbytes for s in streams) // max(streams[0].batch, 1)  # sinks + window, model dtype
+        kept = sum(s.full_precision_nbytes for s in streams) // max(streams[0].batch, 1)  # window (+ sinks), model dtype
         kept_tokens = sum(s.length - s.num_encoded for s in streams) // len(streams)
-        kept_raw = 2 * 2 * self.model.num_layers * self.width * kept_tokens
-        return {"cr_before_deflate": raw / packed, "cr": raw / deflated,
-                "cr_with_window": (raw + kept_raw) / (deflated + kept), "deflate_gain": packed / deflated}
+        total_tokens = tokens + sum(sinks) + kept_tokens
+        return {"cr_before_deflate": per_token * tokens / packed, "cr": per_token * tokens / deflated,
+                "cr_with_window": per_token * total_tokens / (deflated + sink_bytes + kept), "deflate_gain": packed / deflated}
 
     def overhead_bits(self) -> int:
         """PCA bases and means (fp16), amortised over the cache."""
@@ -226,6 +254,12 @@ class KVTCCodec(Codec):
                                                "types": _type_counts(plan)}
                                for (kind, g), plan in self.plans.items()},
                 "pca_mib": self.overhead_bits() / 8 / 2**20}
+
+
+def fp8_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes of ``x [..., d]`` scaled by an fp16 absmax per vector (K11), and the scales ``[...]``."""
+    scale = (x.float().abs().amax(-1) / FP8_MAX).half().clamp_min(torch.finfo(torch.float16).tiny)
+    return (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def _type_counts(plan: Plan) -> dict[str, int]:

@@ -102,4 +102,5 @@ def deflate(stream: torch.Tensor, level: int = 6) -> bytes:
 
 
 def inflate(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(zlib.decompress(data)), dtype=torch.uint8)
+    raw = zlib.decompress(data)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
