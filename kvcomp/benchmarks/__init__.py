@@ -30,6 +30,16 @@ class Benchmark(ABC):
         """Metric rows for ``codec`` (each names its benchmark under ``"benchmark"``)."""
 
 
+def example_summary(examples: list[dict]) -> dict:
+    """Mean, min and max over examples of each per-example metric (``k``, ``k_min``, ``k_max``)."""
+    keys = dict.fromkeys(k for e in examples for k in e)
+    out = {}
+    for k in keys:
+        values = [e[k] for e in examples if k in e]
+        out |= {k: sum(values) / len(values), f"{k}_min": min(values), f"{k}_max": max(values)}
+    return out
+
+
 def build_benchmark(config) -> Benchmark:
     """The benchmark for a validated benchmark config (``config.name`` picks it)."""
     if config.name not in BENCHMARKS:

@@ -44,18 +44,21 @@ def generate_greedy(
     eos_token_ids: list[int],
     protocol: GenerationProtocol = GenerationProtocol(),
     attention_mask: torch.Tensor | None = None,
+    metrics: list[dict] | None = None,
 ) -> torch.Tensor:
     """Greedy continuation of ``input_ids [B, T]`` (left-padded when ``attention_mask`` is given) through
     a fresh compressed cache; returns the new tokens ``[B, <= max_new_tokens]`` (padded with the first
-    EOS id after a row stops)."""
+    EOS id after a row stops). ``metrics``: gets the codec's :meth:`~kvcomp.codecs.base.Codec.example_metrics`
+    of the filled cache appended."""
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    cache = protocol.new_cache(codec)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask.to(device),
-        past_key_values=protocol.new_cache(codec),
+        past_key_values=cache,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,
@@ -64,6 +67,8 @@ def generate_greedy(
         eos_token_id=eos_token_ids,
         pad_token_id=eos_token_ids[0],
     )
+    if metrics is not None:
+        metrics.append(codec.example_metrics(cache))
     return out[:, input_ids.shape[1]:]
 
 

@@ -26,7 +26,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from kvcomp.benchmarks import Benchmark
+from kvcomp.benchmarks import Benchmark, example_summary
 from kvcomp.benchmarks.configs import PerplexityConfig
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import Codec, expected_cache_bits
@@ -82,16 +82,6 @@ def protocols_for(protocols: list[str], scope: str) -> list[str]:
     print(f"[kvcomp] perplexity: a model-scope codec never reads its blocks within one forward; protocols "
           f"{list(protocols)} -> [chunked]", flush=True)
     return ["chunked"]
-
-
-def example_summary(examples: list[dict]) -> dict:
-    """Mean, min and max over examples of each per-example metric (``k``, ``k_min``, ``k_max``)."""
-    keys = dict.fromkeys(k for e in examples for k in e)
-    out = {}
-    for k in keys:
-        values = [e[k] for e in examples if k in e]
-        out |= {k: sum(values) / len(values), f"{k}_min": min(values), f"{k}_max": max(values)}
-    return out
 
 
 def codec_never_encodes(codec: Codec) -> bool:

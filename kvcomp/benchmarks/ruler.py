@@ -36,7 +36,7 @@ from functools import cached_property
 
 import torch
 
-from kvcomp.benchmarks import Benchmark
+from kvcomp.benchmarks import Benchmark, example_summary
 from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
 from kvcomp.errors import ConfigError, unknown_choice
 
@@ -471,6 +471,7 @@ class RulerBenchmark(Benchmark):
         for length in c.lengths:
             start = time.perf_counter()
             row = {"benchmark": f"ruler:{c.haystack} {length} tokens x{c.num_samples}", "length": length}
+            examples: list[dict] = []
             for task in c.tasks:
                 samples = self.samples[(length, task)]
                 budget = min(TASKS[task].tokens_to_generate, c.max_new_tokens or TASKS[task].tokens_to_generate)
@@ -478,13 +479,14 @@ class RulerBenchmark(Benchmark):
                 for batch in [samples[i : i + c.batch_size] for i in range(0, len(samples), c.batch_size)]:
                     new = generate_greedy(
                         model, codec, torch.tensor([s.input_ids for s in batch]),
-                        max_new_tokens=budget, eos_token_ids=self.eos, protocol=self.protocol,
+                        max_new_tokens=budget, eos_token_ids=self.eos, protocol=self.protocol, metrics=examples,
                     )
                     predictions += [self.tokenizer.decode(_until_eos(row_ids, self.eos), skip_special_tokens=True) for row_ids in new.tolist()]
                     progress.update(len(batch))
                 row[f"acc_{task}"] = score(task, predictions, [s.answers for s in samples])
                 row.setdefault("predictions", {})[task] = predictions
             row["acc_avg"] = sum(row[f"acc_{t}"] for t in c.tasks) / len(c.tasks)
+            row.update(example_summary(examples))
             row["eval_seconds"] = round(time.perf_counter() - start, 2)
             rows.append(row)
         progress.close()
