@@ -133,3 +133,33 @@ def test_fp8_sinks_round_trip_and_blocks_of_sinks_only(tiny_llama):
     torch.testing.assert_close(k, keys[1], atol=0.1 * keys[1].abs().max().item(), rtol=0)
     later = codec.encode_model(keys, values, encoded_before=4)
     assert not later.tensors and codec.decode_model(later, 0, torch.float32)[0].shape == keys[0].shape
+
+
+def test_per_prompt_pca_is_per_sequence_state(tiny_llama):
+    """Table 18: each sequence's own PCA of its prompt, stored with it (state bytes, counted in the ratio)."""
+    from kvcomp.cache import install
+    from kvcomp.codecs import build_codec
+    from kvcomp.errors import ConfigError
+    from tests.codec_matrix import MATRIX
+    from tests.conftest import info_of
+
+    install(tiny_llama)
+    config = {**MATRIX["kvtc"].config, "pca_source": "prompt", "quantization": "truncate", "sink_dtype": "model"}
+    with pytest.raises(ConfigError, match="quantization=truncate"):
+        build_codec({**config, "quantization": "dp"}, info_of(tiny_llama))
+    codec = build_codec({**config, "cr": 1}, info_of(tiny_llama))  # every coefficient kept (fp16): near lossless
+    assert codec.stateful and not codec.needs_calibration
+    cache = CompressedCache(codec, "exact_prefill")
+    ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(2))
+    tiny_llama(ids, past_key_values=cache, use_cache=True)
+    state = cache.model_unit.state
+    assert state.tensors["key.basis"].shape == (2, 64, 30)  # rank min(p, the 30 prompt tokens held at the first encode)
+    assert cache.state_nbytes == state.nbytes > 0
+    stream = cache.layers[1].key_stream
+    decoded, exact = stream.materialize(), None
+    reference = CompressedCache(build_codec({"name": "fp16"}, info_of(tiny_llama)), "exact_prefill")
+    tiny_llama(ids, past_key_values=reference, use_cache=True)
+    exact = reference.layers[1].key_stream.materialize()
+    torch.testing.assert_close(decoded, exact, atol=2e-3 * exact.abs().max().item(), rtol=0)
+    metrics = codec.example_metrics(cache)
+    assert metrics["cr"] < 1  # the stored basis costs more than the tokens it codes (the paper's 1.0-1.1x)

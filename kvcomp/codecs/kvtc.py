@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcomp.artifacts import write_json_atomic
-from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, StreamPolicy
+from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, SequenceState, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
@@ -43,6 +43,7 @@ from kvcomp.stages.transform_coding import PCABasis, decode_rows, deflate, encod
 
 TYPE_NAMES = tuple(TYPE_BITS)
 QUANTIZATIONS = ("dp", "truncate")
+PCA_SOURCES = ("calibration", "prompt")
 SINK_DTYPES = ("fp8", "model")
 
 
@@ -59,6 +60,7 @@ class KVTCConfig(CodecConfig):
     dp_rows: int = 32768  # the first sampled rows the DP simulates (K10)
     group_sizes: list[int] = field(default_factory=lambda: list(GROUP_SIZES))
     layers_per_group: int = 0  # layers per PCA; 0: all of them (K1, Table 16)
+    pca_source: str = "calibration"  # calibration | prompt: each sequence's own PCA of its prompt, stored with it (Table 18)
     calibration_drop_first: int = 4  # sink positions never sampled
     seed: int = 0
     sinks: int = 4
@@ -75,7 +77,6 @@ class KVTCCodec(Codec):
     config_class = KVTCConfig
     scope = "model"
     payload_layout = "blocks"
-    needs_calibration = True
     inference_only_fields = ("cr", "cr_key", "cr_value", "quantization", "sinks", "sink_dtype", "window", "every",
                              "deflate_level")
 
@@ -92,6 +93,11 @@ class KVTCCodec(Codec):
             raise unknown_choice("codec.quantization", cfg.quantization, QUANTIZATIONS)
         if cfg.sink_dtype not in SINK_DTYPES:
             raise unknown_choice("codec.sink_dtype", cfg.sink_dtype, SINK_DTYPES)
+        if cfg.pca_source not in PCA_SOURCES:
+            raise unknown_choice("codec.pca_source", cfg.pca_source, PCA_SOURCES)
+        if cfg.pca_source == "prompt" and (cfg.quantization != "truncate" or cfg.layers_per_group):
+            raise ConfigError(f"{self.name}: pca_source=prompt runs kvtc-DPQ over all layers (Table 18): set "
+                              f"quantization=truncate and layers_per_group=0 (the DP needs calibration data)")
         layers = self.model.num_layers
         size = cfg.layers_per_group or layers
         if not 1 <= size <= layers:
@@ -101,6 +107,33 @@ class KVTCCodec(Codec):
         self.pca: dict[tuple[str, int], PCABasis] = {}
         self.plans: dict[tuple[str, int], Plan] = {}
         self._coefficients: dict[tuple[int, int], tuple[Payload, dict]] = {}  # see decode_model
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.config.pca_source == "calibration"
+
+    @property
+    def stateful(self) -> bool:
+        """Per-prompt PCA keeps each sequence's basis and mean as per-sequence state (counted in its bytes)."""
+        return self.config.pca_source == "prompt"
+
+    def init_state(self, unit, held) -> SequenceState:
+        """Per-prompt PCA (Table 18): each batch row's basis and mean from the tokens its cache holds at the
+        first encode (the prompt), rank ``min(rank, tokens, p)``, fp16."""
+        tensors = {}
+        for kind in KINDS:
+            layers = [held[layer, kind] for layer in range(self.model.num_layers)]
+            fits = [fit_pca(feature_rows([x[b:b + 1] for x in layers]), self.config.rank, self.config.pca_iters,
+                            self.config.seed) for b in range(layers[0].shape[0])]
+            tensors |= {f"{kind}.mean": torch.stack([f.mean for f in fits]), f"{kind}.basis": torch.stack([f.basis for f in fits])}
+        return SequenceState(tensors)
+
+    def _bases(self, kind: str, g: int, batch: int, state) -> list[tuple[PCABasis, Plan]]:
+        """The PCA and plan of each batch row: the calibrated ones, or each row's own (per-prompt PCA)."""
+        if state is None:
+            return [(self.pca[kind, g], self.plans[kind, g])] * batch
+        bases = [PCABasis(m, v) for m, v in zip(state.tensors[f"{kind}.mean"], state.tensors[f"{kind}.basis"])]
+        return [(pca, truncation_plan(pca.basis.shape[1], self.budget_bits(kind, g))) for pca in bases]
 
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         """FP8 sinks are coded in the first block(s) (:meth:`encode_model`), so the cache keeps none apart."""
@@ -165,7 +198,10 @@ class KVTCCodec(Codec):
                                        else plan_for(errors, budget))
 
     def bits_per_value(self) -> float:
-        """Bits per encoded value the plans spend before DEFLATE (codes + shift/scale); stored bytes are measured."""
+        """Bits per encoded value the plans spend before DEFLATE (codes + shift/scale; per-prompt PCA: the
+        budget); stored bytes are measured."""
+        if self.stateful:
+            return self.paper_bits_per_value()
         bits = sum(plan.bits for plan in self.plans.values())
         return bits / (len(KINDS) * self.model.num_layers * self.width)
 
@@ -185,11 +221,11 @@ class KVTCCodec(Codec):
             layers = [x[:, :, sinks:] for x in layers]
             batch, tokens = layers[0].shape[0], layers[0].shape[2]
             for g, group in enumerate(self.layer_groups):
-                pca, plan = self.pca[kind, g], self.plans[kind, g]
-                coefficients = pca.project(feature_rows([layers[i] for i in group])).view(batch, tokens, pca.basis.shape[1])
+                rows = feature_rows([layers[i] for i in group]).view(batch, tokens, len(group) * self.width)
                 ragged[f"{kind}.{g}"] = [
-                    torch.frombuffer(bytearray(deflate(encode_rows(row, plan), self.config.deflate_level)), dtype=torch.uint8)
-                    for row in coefficients]
+                    torch.frombuffer(bytearray(deflate(encode_rows(pca.project(x), plan), self.config.deflate_level)),
+                                     dtype=torch.uint8)
+                    for x, (pca, plan) in zip(rows, self._bases(kind, g, batch, state))]
         return Payload(tensors, keys[0].shape[2], ragged)
 
     def decode_model(self, payload, layer_idx, dtype, state=None):
@@ -204,14 +240,16 @@ class KVTCCodec(Codec):
         key = (id(payload), g)
         if key not in self._coefficients:
             self._coefficients[key] = (payload, {
-                kind: [decode_rows(inflate(data.cpu().numpy().tobytes()), self.plans[kind, g], t).to(self.pca[kind, g].basis.device)
-                       for data in payload.ragged[f"{kind}.{g}"]] for kind in KINDS})
+                kind: [decode_rows(inflate(data.cpu().numpy().tobytes()), plan, t).to(pca.basis.device)
+                       for data, (pca, plan) in zip(payload.ragged[f"{kind}.{g}"], self._bases(kind, g, len(payload.ragged[f"{kind}.{g}"]), state))]
+                for kind in KINDS})
         coefficients = self._coefficients[key][1]
         if layer_idx == group.stop - 1:
             del self._coefficients[key]
         out = []
         for kind in KINDS:
-            rows = [self.pca[kind, g].reconstruct(c, columns) for c in coefficients[kind]]
+            bases = self._bases(kind, g, len(coefficients[kind]), state)
+            rows = [pca.reconstruct(c, columns) for c, (pca, _) in zip(coefficients[kind], bases)]
             x = torch.stack(rows).view(len(rows), t, self.model.num_kv_heads, self.model.head_dim).transpose(1, 2).to(dtype)
             if sinks:
                 codes = payload.tensors[f"sink.{kind}"][:, layer_idx].view(torch.float8_e4m3fn)
@@ -219,14 +257,17 @@ class KVTCCodec(Codec):
             out.append(x)
         return out[0], out[1]
 
-    def packed_nbytes(self, num_tokens: int) -> int:
-        """Bytes of one batch row's streams (all groups, K and V) for ``num_tokens`` tokens before DEFLATE."""
-        return sum(packed_stream_nbytes(plan, num_tokens) for plan in self.plans.values())
+    def packed_nbytes(self, num_tokens: int, state: SequenceState | None = None) -> int:
+        """Bytes of one batch row's streams (all groups, K and V) for ``num_tokens`` tokens before DEFLATE (with
+        per-prompt PCA: batch row 0's plans)."""
+        return sum(packed_stream_nbytes(self._bases(kind, g, 1, state)[0][1], num_tokens)
+                   for kind in KINDS for g in range(len(self.layer_groups)))
 
     def example_metrics(self, cache) -> dict[str, float]:
         """Compression ratios of one example's cache (batch row 0), as the paper reports them (K13, B.15): raw
-        16-bit bytes of the PCA-coded tokens over their bytes before and after DEFLATE (``cr``), and of every
-        cached token over every stored byte (``cr_with_window``: sinks and window at their stored size)."""
+        16-bit bytes of the PCA-coded tokens over their bytes before and after DEFLATE (``cr``; per-prompt PCA adds
+        its basis and mean), and of every cached token over every stored byte (``cr_with_window``: sinks and
+        window at their stored size)."""
         payloads = cache.model_unit.store.payloads
         sinks = [p.tensors["sink.key"].shape[3] if "sink.key" in p.tensors else 0 for p in payloads]
         tokens = sum(p.num_tokens for p in payloads) - sum(sinks)
@@ -234,7 +275,11 @@ class KVTCCodec(Codec):
             return {}
         per_token = 2 * 2 * self.model.num_layers * self.width  # K and V at 16 bits
         deflated = sum(int(rows[0].numel()) for p in payloads for rows in p.ragged.values())
-        packed = sum(self.packed_nbytes(p.num_tokens - s) for p, s in zip(payloads, sinks))
+        state = cache.model_unit.state
+        packed = sum(self.packed_nbytes(p.num_tokens - s, state) for p, s in zip(payloads, sinks))
+        if state is not None:  # per-prompt PCA: the prompt's basis and mean are part of what is stored (Table 18)
+            deflated += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
+            packed += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
         sink_bytes = sum(t[0].numel() * t.element_size() for p in payloads for t in p.tensors.values())
         streams = [s for layer in cache.layers for s in layer.streams]
         kept = sum(s.full_precision_nbytes for s in streams) // max(streams[0].batch, 1)  # window (+ sinks), model dtype
