@@ -7,7 +7,7 @@ calibrated as ``run.py`` calibrates it (cached: the same artifact). See
 :mod:`kvcomp.benchmarks.multiturn` for the protocol.
 
     python scripts/bench_multiturn.py --write                 # kvtc 16x, 4 conversations, BENCHMARKS.md
-    python scripts/bench_multiturn.py --cr 8 --prompt 2048 --turns 4
+    python scripts/bench_multiturn.py --cr 8 --prompt 4096 --turns 4 --no-flush
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.config import CalibrationConfig, typed
 from kvcomp.data import load_corpus, token_windows
 from kvcomp.kernels.benchmarking import write_section
+from kvcomp.models.fingerprint import model_fingerprint
 from kvcomp.models.loading import load_model
 from kvcomp.runner import calibration_data
 
@@ -45,10 +46,13 @@ def measure(args) -> tuple[list[dict], dict]:
     model, tokenizer = load_model("embedded", dtype="bfloat16" if device == "cuda" else "float32", device=device)
     install(model)
     codec_cfg = _group("conf/codec/kvtc.yaml") | {"cr": args.cr}
-    codec = build_codec(codec_cfg, ModelInfo.from_hf_config(model.config))
+    model_cfg = _group("conf/model/smollm2_135m.yaml")  # the runner's identity: run.py's calibration is reused
+    info = ModelInfo.from_hf_config(model.config, name=model_cfg["name"],
+                                    fingerprint=model_fingerprint(model, tokenizer)["fingerprint"])
+    codec = build_codec(codec_cfg, info)
     calibration = typed("calibration", OmegaConf.create(_group("conf/calibration/enwiki.yaml")), CalibrationConfig)
     report = calibrate(codec, calibration, lambda: calibration_data(model, tokenizer, calibration).activations(codec))
-    config = MultiTurnConfig(args.prompt, args.turn, args.turns, args.repeats, not args.in_memory)
+    config = MultiTurnConfig(args.prompt, args.turn, args.turns, args.repeats, not args.in_memory, not args.no_flush)
     length = config.prompt_tokens + config.turns * config.turn_tokens
     conversations = token_windows(load_corpus("enwiki", "evaluation"), tokenizer, length, args.conversations,
                                   cache_tag="enwiki-evaluation")
@@ -72,12 +76,13 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cr", type=float, default=16)
-    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--turn", type=int, default=64)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--in-memory", action="store_true", help="store in CPU memory instead of a safetensors file")
+    parser.add_argument("--no-flush", action="store_true", help="store the window uncompressed (as the cache holds it)")
     parser.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     rows, info = measure(args)
@@ -89,11 +94,11 @@ def main(argv: list[str] | None = None) -> str:
         f"torch {torch.__version__}.", "",
         f"{info['codec'].describe()} on the embedded SmolLM2-135M; {args.conversations} conversations from the embedded "
         f"Wikipedia evaluation split: a {args.prompt}-token prompt, then {args.turns} turns of {args.turn} tokens. "
-        f"Between turns the compressed cache is {'kept in CPU memory' if args.in_memory else 'written to a safetensors file'} "
-        f"and restored for the next turn. Medians over conversations of the median of {args.repeats} repeats; "
+        f"Between turns the compressed cache ({'its window uncompressed' if args.no_flush else 'the window compressed too'}) "
+        f"is {'kept in CPU memory' if args.in_memory else 'written to a safetensors file'} and restored for the next turn. Medians over conversations of the median of {args.repeats} repeats; "
         "perplexity of each turn's tokens pooled over conversations.", "",
         table(rows), "",
-        "Stored = sinks + window (model dtype) + DEFLATE payloads + position ids. TTFT restore = load + rebuild + the "
+        "Stored = DEFLATE payloads + FP8 sinks + position ids (+ the window in the model dtype with --no-flush). TTFT restore = load + rebuild + the "
         "turn's forward, which decodes every block; recompute = prefill of history + turn; uncompressed = the turn's "
         "forward on a DynamicCache kept in memory.",
     ])

@@ -74,3 +74,19 @@ def test_multiturn_benchmark_rows(tiny_llama):
     for r in rows:
         assert r["ttft_restore"] > 0 and r["ttft_recompute"] > 0 and r["ttft_uncompressed"] > 0
         assert 0 <= r["agreement"] <= 1 and r["ppl_restored"] > 1 and r["ppl_uncompressed"] > 1
+
+
+def test_flush_stores_the_whole_cache_compressed(tiny_llama):
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, "kvtc")
+    ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(4))
+    cache = CompressedCache(codec, "exact_prefill")
+    tiny_llama(ids[:, :42], past_key_values=cache, use_cache=True)
+    assert cache.full_precision_nbytes > 0
+    stored = store(cache, flush=True)
+    assert cache.full_precision_nbytes == 0 and cache.layers[0].key_stream.num_encoded == 42
+    restored = restore(stored, codec)
+    expected = tiny_llama(ids[:, 42:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(tiny_llama(ids[:, 42:], past_key_values=restored, use_cache=True).logits, expected, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="fixed size"):
+        store(CompressedCache(make_codec(tiny_llama, "kivi"), "exact_prefill"), flush=True)

@@ -2,9 +2,9 @@
 a conversation's cache costs between turns, how fast the next turn starts, and what compression does to it.
 
 A conversation is a prompt of ``prompt_tokens`` tokens, then ``turns`` turns of ``turn_tokens`` tokens each
-(offline text, teacher forced). After every forward the compressed cache is stored
-(:func:`kvcomp.cache.offload.store`: CPU memory, or a safetensors file when ``directory`` is given) and the
-next turn starts from it. Each turn after the prompt is started three ways, each timed to its first
+(offline text, teacher forced). After every turn the whole compressed cache (``flush``: its full-precision
+window compressed too) is stored (:func:`kvcomp.cache.offload.store`: a safetensors file, or CPU memory)
+and the next turn starts from it. Each turn after the prompt is started three ways, each timed to its first
 next-token logits (the time to first token, TTFT; median of ``repeats``):
 
 - ``restore``: load the stored bytes (from the file, when stored on disk), rebuild the cache and forward the
@@ -41,6 +41,7 @@ class MultiTurnConfig:
     turns: int = 3
     repeats: int = 3
     on_disk: bool = True  # store to a safetensors file (else CPU memory)
+    flush: bool = True  # compress the window too before storing (the whole cache stored compressed)
 
 
 def _timed(fn, repeats: int):
@@ -73,7 +74,7 @@ def run_conversation(model, codec: Codec, ids: torch.Tensor, config: MultiTurnCo
     for n in range(config.turns):
         start = config.prompt_tokens + n * config.turn_tokens
         turn = ids[:, start:start + config.turn_tokens]
-        stored = store(compressed)
+        stored = store(compressed, flush=config.flush)
         store_start = time.perf_counter()
         path = stored.save(directory / "conversation.safetensors") if config.on_disk else None
         save_seconds = time.perf_counter() - store_start

@@ -57,9 +57,10 @@ class ModelUnit:
         self.state: SequenceState | None = None
         self.layers: list[CompressedLayer] = []
 
-    def encode_ready(self) -> None:
+    def encode_ready(self, flush: bool = False) -> None:
+        """Encode the block every stream has ready (``flush``: every tail token, e.g. before storing the cache)."""
         streams = [s for layer in self.layers for s in (layer.key_stream, layer.value_stream)]
-        counts = {s.ready() for s in streams}
+        counts = {s.num_tail if flush else s.ready() for s in streams}
         if len(counts) > 1:
             raise RuntimeError(f"model-scope codec {self.codec.name}: layers are ready to encode different token counts {counts}")
         count = counts.pop()

@@ -6,7 +6,8 @@ payloads with their ragged rows, full-precision tails, position ids) to CPU memo
 JSON metadata (no pickle). :func:`restore` rebuilds a cache holding exactly those bytes on a device: its
 blocks are decoded when the next turn's attention first reads them (kvtc: per layer, by column slice),
 so restoring costs the transfer plus the decode, not a prefill. Decoded copies and spare capacity are
-working memory and are not stored.
+working memory and are not stored. ``store(cache, flush=True)`` first compresses the full-precision window
+too (model-scope codecs), so that the whole conversation is stored compressed.
 
 Stream- and model-scope codecs without per-sequence state are supported (kvtc, the fixed-rate codecs);
 layer-scope codecs hand reconstructions between layers and stateful codecs keep per-sequence state,
@@ -106,10 +107,17 @@ def _take_store(store: PayloadStore, meta: dict, prefix: str, tensors: dict, dev
     ]
 
 
-def store(cache: CompressedCache) -> StoredCache:
-    """Copy the storage of ``cache`` to CPU memory (see the module docstring)."""
+def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
+    """Copy the storage of ``cache`` to CPU memory (see the module docstring). ``flush``: first encode the
+    full-precision window too (model-scope codecs, whose blocks take any length), so that the whole cache is
+    stored compressed; the cache then continues from that state (its window is lossy from now on)."""
     codec = cache.codec
     _check_supported(codec)
+    if flush:
+        if cache.model_unit is None:
+            raise NotImplementedError(f"flushing the window of a {codec.name} cache is not supported: its blocks have a "
+                                      "fixed size (model-scope codecs such as kvtc can flush)")
+        cache.model_unit.encode_ready(flush=True)
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
