@@ -223,7 +223,7 @@ class KVTCCodec(Codec):
             for g, group in enumerate(self.layer_groups):
                 rows = feature_rows([layers[i] for i in group]).view(batch, tokens, len(group) * self.width)
                 ragged[f"{kind}.{g}"] = [
-                    torch.frombuffer(bytearray(deflate(encode_rows(pca.project(x), plan), self.config.deflate_level)),
+                    torch.frombuffer(bytearray(deflate(encode_rows(pca.project(x, plan.width_used), plan), self.config.deflate_level)),
                                      dtype=torch.uint8)
                     for x, (pca, plan) in zip(rows, self._bases(kind, g, batch, state))]
         return Payload(tensors, keys[0].shape[2], ragged)
@@ -240,7 +240,7 @@ class KVTCCodec(Codec):
         key = (id(payload), g)
         if key not in self._coefficients:
             self._coefficients[key] = (payload, {
-                kind: [decode_rows(inflate(data.cpu().numpy().tobytes()), plan, t).to(pca.basis.device)
+                kind: [decode_rows(inflate(data.cpu().numpy().tobytes()), plan, t)[:, :plan.width_used].to(pca.basis.device)
                        for data, (pca, plan) in zip(payload.ragged[f"{kind}.{g}"], self._bases(kind, g, len(payload.ragged[f"{kind}.{g}"]), state))]
                 for kind in KINDS})
         coefficients = self._coefficients[key][1]

@@ -87,6 +87,11 @@ class Plan:
     error: float
 
     @property
+    def width_used(self) -> int:
+        """Coefficients up to the last kept group (the rest are dropped: projection and reconstruction skip them)."""
+        return max((end for _, end, kind in self.groups if kind != "none"), default=0)
+
+    @property
     def bits(self) -> int:
         """Bits per row (codes plus per-group shift and scale)."""
         return sum(group_cost(end - start, kind) for start, end, kind in self.groups)

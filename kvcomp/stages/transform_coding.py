@@ -37,12 +37,15 @@ class PCABasis:
     mean: torch.Tensor
     basis: torch.Tensor
 
-    def project(self, rows: torch.Tensor) -> torch.Tensor:
-        return (rows.float() - self.mean.float()) @ self.basis.float()
+    def project(self, rows: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """Coefficients of ``rows`` on the leading ``width`` components (all by default)."""
+        return (rows.float() - self.mean.float()) @ self.basis[:, :width].float()
 
     def reconstruct(self, coefficients: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
-        """Rows from coefficients; ``columns``: only these feature columns (e.g. one layer's)."""
-        return coefficients.float() @ self.basis[columns].float().T + self.mean[columns].float()
+        """Rows from the leading ``coefficients.shape[1]`` coefficients; ``columns``: only these feature
+        columns (e.g. one layer's)."""
+        basis = self.basis[columns, : coefficients.shape[1]]
+        return coefficients.float() @ basis.float().T + self.mean[columns].float()
 
 
 def fit_pca(rows: torch.Tensor, rank: int, niter: int = 8, seed: int = 0, dtype=torch.float16) -> PCABasis:
