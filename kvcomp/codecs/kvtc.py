@@ -20,6 +20,10 @@ The first ``sinks`` tokens are never PCA-coded: the first block codes them in FP
 scale per (layer, head, token) (K11; ``sink_dtype=model`` keeps them apart in the model's dtype instead).
 The newest ``window - every`` to ``window`` tokens stay in the model's dtype and ``every`` tokens are
 encoded at a time (K12).
+
+Ablations: ``quantization=truncate`` (kvtc-DPQ: the leading ``p / cr`` coefficients in fp16, Table 15) and
+``pca_source=prompt`` (Table 18: each sequence's own PCA of its prompt, fitted at its first encode and kept
+as per-sequence state, so its bytes count; kvtc-DPQ only).
 """
 
 from __future__ import annotations
