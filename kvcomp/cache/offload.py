@@ -17,6 +17,7 @@ neither of which is stored yet.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class StoredCache:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never clash
         save_file({k: t.contiguous() for k, t in self.tensors.items()}, str(partial), metadata={"kvcomp": json.dumps(self.meta)})
         partial.replace(path)
         return path
