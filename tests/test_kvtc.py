@@ -163,3 +163,24 @@ def test_per_prompt_pca_is_per_sequence_state(tiny_llama):
     torch.testing.assert_close(decoded, exact, atol=2e-3 * exact.abs().max().item(), rtol=0)
     metrics = codec.example_metrics(cache)
     assert metrics["cr"] < 1  # the stored basis costs more than the tokens it codes (the paper's 1.0-1.1x)
+
+
+def test_cached_plans_are_checked_against_the_group_errors(tmp_path, monkeypatch):
+    """A plan file that does not add up to its group errors (edited, or written for other data) is recomputed."""
+    import json
+
+    from kvcomp.codecs import kvtc
+    from kvcomp.stages.bit_allocation import group_errors
+
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path))
+    errors = group_errors(torch.randn(40, 24) * torch.linspace(5, 0.1, 24), (1, 4))
+    plan = kvtc.plan_for(errors, 120)
+    (path,) = (tmp_path / "kvtc_plans").glob("*.json")
+    saved = json.loads(path.read_text())
+    assert saved["key"] == path.stem and kvtc._plan_fits(errors, plan, 120)
+    kvtc._PLANS.clear()
+    assert kvtc.plan_for(errors, 120) == plan  # read back from the file
+    saved["groups"][0][2] = "fp8" if saved["groups"][0][2] != "fp8" else "int2"  # edited: no longer the DP's
+    path.write_text(json.dumps(saved))
+    kvtc._PLANS.clear()
+    assert kvtc.plan_for(errors, 120) == plan and json.loads(path.read_text())["groups"] == [list(g) for g in plan.groups]

@@ -345,12 +345,26 @@ def plan_for(errors: GroupErrors, budget_bits: int) -> Plan:
         try:
             saved = json.loads(path.read_text())
             plan = Plan(tuple((int(s), int(e), str(k)) for s, e, k in saved["groups"]), float(saved["error"]))
-            if plan.bits > budget_bits or (plan.groups and plan.groups[-1][1] != errors.width):
+            if saved["key"] != key or not _plan_fits(errors, plan, budget_bits):
                 plan = None
-        except (ValueError, KeyError, TypeError):  # damaged: recompute
+        except (ValueError, KeyError, TypeError):  # unreadable: recompute
             plan = None
     if plan is None:
         plan = allocate_from(errors, budget_bits)
-        write_json_atomic(path, {"groups": [list(g) for g in plan.groups], "error": plan.error, "budget_bits": budget_bits})
+        write_json_atomic(path, {"key": key, "groups": [list(g) for g in plan.groups], "error": plan.error,
+                                 "budget_bits": budget_bits})
     _PLANS[key] = plan
     return plan
+
+
+def _plan_fits(errors: GroupErrors, plan: Plan, budget_bits: int) -> bool:
+    """Whether a cached ``plan`` is one the DP could have returned for ``errors``: contiguous groups of allowed
+    choices covering every coefficient, within the budget, with the error its groups' deltas add up to."""
+    choices = {c: i for i, c in enumerate(errors.choices)}
+    ends = [0] + [end for _, end, _ in plan.groups]
+    if ends[-1] != errors.width or any(start != ends[i] for i, (start, _, _) in enumerate(plan.groups)):
+        return False
+    if plan.bits > budget_bits or any((1 if k == "none" else e - s, k) not in choices for s, e, k in plan.groups):
+        return False
+    error = errors.energy + sum(float(errors.deltas[choices[e - s, k], s]) for s, e, k in plan.groups if k != "none")
+    return abs(error - plan.error) <= 1e-9 * max(abs(errors.energy), 1.0)
