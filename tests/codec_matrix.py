@@ -48,6 +48,8 @@ MATRIX = {
     "aquakv": Entry({"name": "aquakv", "bits": 2, "sinks": 2, "buffer": 8}, fitted=True, error=0.4),
     "kvtc": Entry({"name": "kvtc", "cr": 4, "rank": 64, "group_sizes": [1, 16], "sinks": 2, "window": 4,
                    "every": 4, "calibration_drop_first": 2}, fitted=True, error=0.5),
+    "csr": Entry({"name": "csr", "sparsity": 4, "atoms": 32, "online_atoms": 8, "guard_fraction": 0.5, "epochs": 2,
+                  "batch_size": 256, "kmeans_iters": 5, "merged_groups": "auto"}, fitted=True, error=0.5),
 }
 
 

@@ -12,7 +12,7 @@ from kvcomp.codecs.base import (
     fit_layer_by_layer,
 )
 from kvcomp.codecs.registry import CODECS, codec_class
-from kvcomp.codecs import aquakv, channelkv, fp16, higgs, kivi, kvquant, kvtc, qjl, temporalkv, uniform  # noqa: F401  (registration)
+from kvcomp.codecs import aquakv, channelkv, csr, fp16, higgs, kivi, kvquant, kvtc, qjl, temporalkv, uniform  # noqa: F401  (registration)
 from kvcomp.schema import structured
 
 
