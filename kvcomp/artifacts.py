@@ -59,10 +59,15 @@ def read_json(path: str | Path, what: str, remedy: str = REFIT):
         raise ArtifactError(f"{what} {path} is unreadable ({type(err).__name__}: {err}); {remedy}") from err
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to a per-process temporary file beside ``path`` and rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str))
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str))

@@ -217,3 +217,43 @@ def test_guard_atoms_code_outliers_exactly(tiny_llama):
     assert (payload.tensors["index"][..., 0][exact] >= codec.offline_atoms).all()  # coded by their guard atom
     payload = codec.encode(x[:, :, :1] * 50 + 3, "key", 0, state)  # decoding: more outliers, bank keeps filling
     assert (state.tensors["guard_used"] <= 4).all() and (state.tensors["guard_used"] >= 2).all()
+
+
+def test_render_dictionary_table(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("render_csr_tables", Path(__file__).parent.parent / "scripts" / "render_csr_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = {"layers": [0], "heldout_relative_mse": 0.05, "kmeans_relative_mse": 0.07, "epochs": 12, "seconds": 2.0,
+              "epoch10_relative_mse": 0.06}
+    results = {"overrides": ["codec.diversity=false"],
+               "calibration": {"csr_dictionaries": {"key": [record, record | {"heldout_relative_mse": 0.07}]}}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results.json").write_text(__import__("json").dumps(results))
+    table = module.render(tmp_path)
+    assert "| codec.diversity=false | key | 2 | 0.07 | 0.06 | - | 0.06 | 12 | 4 |" in table
+
+
+def test_fused_desparse_decodes_like_the_dense_path_and_keeps_no_decoded_values(tiny_model):
+    """``desparse=fused``: decode steps weight the coded values as D u (§5.4); greedy generation and logits match
+    the dense path (Eq. 12), and the value streams hold no decoded copy."""
+    ids = torch.randint(1, 96, (2, 24), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for mode in ("dense", "fused"):
+        codec = make_codec(tiny_model, "csr", desparse=mode)
+        assert codec.values_from_payload == (mode == "fused")
+        cache = CompressedCache(codec, "exact_prefill")
+        steps = []
+        with torch.no_grad():
+            out = tiny_model(ids, past_key_values=cache)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(6):
+                out = tiny_model(token, past_key_values=cache)
+                steps.append(out.logits[:, -1])
+                token = out.logits[:, -1:].argmax(-1)
+        logits[mode] = torch.stack(steps)
+        decoded_values = sum(layer.value_stream.decoded.length for layer in cache.layers)
+        assert (decoded_values == 0) == (mode == "fused")
+    assert torch.allclose(logits["dense"], logits["fused"], atol=1e-4, rtol=1e-4)

@@ -105,3 +105,14 @@ def test_walker_counts_views_once_and_finds_closures():
     holder = types.SimpleNamespace(a=base[:10], b=[base[50:]], c=(lambda: base), d={"x": torch.ones(3)})
     assert held_bytes(holder, set()) == 400 + 12
     assert held_bytes(holder, {base.untyped_storage().data_ptr()}) == 12
+
+
+def test_csr_value_path_holds_no_decoded_values(long_llama, monkeypatch):
+    """CSR with ``desparse=fused``: decode steps weight the coded values as D u, so the value streams keep no
+    decoded copy, and what the cache reports is still what it holds."""
+    codec = make_codec(long_llama, "csr", desparse="fused")
+    cache = _run(long_llama, codec, "torch", monkeypatch)
+    held = held_bytes(cache, model_storages(long_llama))
+    assert held == pytest.approx(cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes, rel=0.01)
+    assert all(layer.value_stream.decoded.length == 0 for layer in cache.layers)
+    assert all(layer.key_stream.decoded.length > 0 for layer in cache.layers)

@@ -20,7 +20,9 @@ value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill
   decode-attention kernel (:mod:`kvcomp.kernels.decode_attention`): K and V decoded in registers,
   never in memory;
 - codecs with a fused score path (``payload_scores``, QJL) score the encoded keys with their kernel and
-  decode the values.
+  decode the values;
+- codecs with a payload value path (``payload_values``, CSR's ``D u`` with ``desparse=fused``, on any
+  backend) decode the keys and weight the encoded values without decoding them.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
         step = getattr(layer, "fused_step", None)  # only a CompressedLayer's fused decode steps
         if step is not None:
             layer.fused_step = None
-            if step.mode == "scores":
-                return _attention_from_segments(layer, query, step.keys, torch.cat(step.values, dim=2), attention_mask, scaling)
+            if step.mode in ("scores", "values"):
+                return _attention_from_segments(layer, query, step.keys, step.values, attention_mask, scaling)
             return _fused_decode_attention(layer, query, step.keys, step.values, attention_mask, scaling)
     if record is None or (record.keys is None and record.values is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
@@ -62,14 +64,15 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attention_from_segments(layer, query, segments, value, attention_mask, scaling):
-    """Attention whose encoded keys are scored from their payload by the codec's kernel; full-precision
-    segments (sinks, tail, fresh tokens) by a matmul. Columns are in cache order, as the mask expects."""
+def _attention_from_segments(layer, query, keys, values, attention_mask, scaling):
+    """Attention over key and value segments in cache order (full-precision tensors: sinks, decoded blocks, tail,
+    fresh tokens; or payloads): encoded keys are scored by the codec's kernel (``payload_scores``), encoded
+    values weighted by ``payload_values``, the rest by matmuls. Columns are in cache order, as the mask expects."""
     b, hq, tq, d = query.shape
-    h = value.shape[1]
+    h = layer.codec.model.num_kv_heads
     grouped = query.float().reshape(b, h, (hq // h) * tq, d)
     columns = []
-    for segment in segments:
+    for segment in keys:
         if isinstance(segment, Payload):
             columns.append(layer.codec.payload_scores(query, segment, layer.layer_idx, layer.kernel_backend))
         else:
@@ -79,7 +82,15 @@ def _attention_from_segments(layer, query, segments, value, attention_mask, scal
         mask = attention_mask[..., : logits.shape[-1]]
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
     probs = torch.softmax(logits, dim=-1)
-    out = (probs.reshape(b, h, -1, logits.shape[-1]) @ value.float()).reshape(b, hq, tq, d)
+    out, first = 0.0, 0
+    for segment in values:
+        count = segment.num_tokens if isinstance(segment, Payload) else segment.shape[2]
+        weights = probs[..., first:first + count]
+        if isinstance(segment, Payload):
+            out = out + layer.codec.payload_values(weights, segment, layer.layer_idx, layer.value_stream.state)
+        else:
+            out = out + (weights.reshape(b, h, -1, count) @ segment.float()).reshape(b, hq, tq, d)
+        first += count
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

@@ -155,8 +155,8 @@ class CompressedLayer(CacheLayerMixin):
             self.value_stream.leading_pads = max(self.value_stream.leading_pads, self.incoming_pads)
         self.last_update = None
         fused = self.fused_decode if key_states.shape[2] == 1 else None
-        key_view = KVStream.segments if fused else KVStream.parts
-        value_view = KVStream.segments if fused == "attention" else KVStream.parts
+        key_view = KVStream.segments if fused in ("attention", "scores") else KVStream.parts
+        value_view = KVStream.segments if fused in ("attention", "values") else KVStream.parts
         n = key_states.shape[2]
         history = self.protocol == "exact_prefill" and self.codec.scope != "model" and any(
             s.ready_after(n) for s in self.streams)  # this forward sees its own tokens uncompressed
@@ -244,7 +244,11 @@ class CompressedLayer(CacheLayerMixin):
         (:meth:`~kvcomp.codecs.base.Codec.payload_reader`; pre-RoPE keys need the model's RoPE frequencies
         and every token's position); ``"scores"``: the key payload is scored by the codec's kernel
         (:meth:`~kvcomp.codecs.base.Codec.payload_scores`) and values are decoded; ``None``: the torch path.
+        ``"values"`` (any backend, codecs that set ``values_from_payload``): keys are decoded, the attention
+        output of the value payload comes from :meth:`~kvcomp.codecs.base.Codec.payload_values`.
         When fused, ``update`` returns the fresh K/V only and leaves :attr:`fused_step` to attention."""
+        if self.codec.values_from_payload:
+            return "values"
         if self.kernel_backend != "triton":
             return None
         if self.codec.scores_from_payload:

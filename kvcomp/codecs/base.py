@@ -317,6 +317,7 @@ class Codec(ABC):
     needs_calibration: ClassVar[bool] = False
     inference_only_fields: ClassVar[tuple[str, ...]] = ()  # config fields a calibration does not depend on
     scores_from_payload: ClassVar[bool] = False  # True: payload_scores serves decode steps (fused kernels)
+    values_from_payload: bool = False  # True: payload_values serves decode steps (e.g. CSR's D u)
     kernel_backend: str = "torch"  # "triton": encode with the codec's kernel where it has one (set by the runner)
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
@@ -404,6 +405,13 @@ class Codec(ABC):
         ``payload``, computed from the payload itself: float32 ``[B, Hq, Tq, T]``. Codecs that set
         ``scores_from_payload`` implement it; ``backend`` picks the kernel ("torch" or "triton")."""
         raise NotImplementedError(f"codec {self.name} has no payload score path")
+
+    def payload_values(self, weights: torch.Tensor, payload: Payload, layer_idx: int,
+                       state: SequenceState | None = None) -> torch.Tensor:
+        """``sum_t weights[..., t] v_t`` over the values encoded in ``payload`` without decoding them: attention
+        weights ``[B, Hq, Tq, T]`` -> float32 ``[B, Hq, Tq, D]``. Codecs that set ``values_from_payload``
+        implement it (decode steps then keep no decoded copy of the values)."""
+        raise NotImplementedError(f"codec {self.name} has no payload value path")
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """Whether the fused decode-attention kernel can read both payloads of layer ``layer_idx``

@@ -25,7 +25,9 @@ stateful.
 - **Schedule** (C10): no sinks and no recent window by default; each token is stored in full precision
   during its own step only (``window = recent_window + 1``) and coded when the next token arrives.
 - **Decoding**: the dense reconstruction ``X~ = D r`` (Eq. 12) as a gather-sum; the cache re-applies RoPE to
-  keys. :func:`~kvcomp.stages.sparse_coding.sparse_weighted_sum` is the value-side ``D u`` form (§5.4).
+  keys. ``desparse=fused``: decode steps never decode the values, the attention output of the coded ones is
+  ``D u`` with ``u`` the attention weights times the coefficients scattered onto their atoms (§5.4,
+  :meth:`CSRCodec.payload_values`).
 
 Bits (C13): ``bits_per_value`` is the nominal ``32 s s_n / d_head`` (exactly what the codes hold); the
 cache's measured bits add the online bank (``state_bits_per_value``); the offline dictionaries are
@@ -43,12 +45,15 @@ from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.layer_merging import PAPER_GROUPS, merge_layers
 from kvcomp.stages.neuraldict import DictTraining, train_dictionaries
-from kvcomp.stages.sparse_coding import matching_pursuit, normalize_rows, orthogonal_matching_pursuit, reconstruct
+from kvcomp.stages.sparse_coding import (
+    matching_pursuit, normalize_rows, orthogonal_matching_pursuit, reconstruct, sparse_weighted_sum,
+)
 
 CODERS = ("mp", "omp")
 SAMPLINGS = ("reverse_sequential", "random")
 MERGES = ("auto", "paper", "none")
 DICT_SCOPES = ("per_head", "shared")
+DESPARSE = ("dense", "fused")
 MAX_ATOMS = 2**15  # int16 indices
 JSD_SAMPLE = 4096  # vectors per layer and head the merging criterion compares
 
@@ -88,6 +93,7 @@ class CSRConfig(CodecConfig):
     seed: int = 0
     sinks: int = 0
     recent_window: int = 0  # full-precision recent tokens besides the current one (C10)
+    desparse: str = "dense"  # dense: decode steps read D r (Eq. 12) | fused: values weighted as D u (§5.4)
     pre_rope: bool = True
 
 
@@ -96,7 +102,7 @@ class CSRCodec(Codec):
     name = "csr"
     config_class = CSRConfig
     inference_only_fields = ("sparsity", "key_sparsity", "value_sparsity", "coder", "online_atoms", "online_sampling",
-                             "guard_fraction", "guard_quantile", "sinks", "recent_window")
+                             "guard_fraction", "guard_quantile", "sinks", "recent_window", "desparse")
 
     def validate(self) -> None:
         cfg, d = self.config, self.model.head_dim
@@ -106,6 +112,8 @@ class CSRCodec(Codec):
             raise unknown_choice("codec.online_sampling", cfg.online_sampling, SAMPLINGS)
         if cfg.merged_groups not in MERGES:
             raise unknown_choice("codec.merged_groups", cfg.merged_groups, MERGES)
+        if cfg.desparse not in DESPARSE:
+            raise unknown_choice("codec.desparse", cfg.desparse, DESPARSE)
         if cfg.dict_scope not in DICT_SCOPES:
             raise unknown_choice("codec.dict_scope", cfg.dict_scope, DICT_SCOPES)
         for kind in KINDS:
@@ -142,6 +150,11 @@ class CSRCodec(Codec):
     @property
     def stateful(self) -> bool:
         return self.config.online_atoms > 0
+
+    @property
+    def values_from_payload(self) -> bool:
+        """``desparse=fused``: decode steps weight the coded values as ``D u`` (:meth:`payload_values`)."""
+        return self.config.desparse == "fused"
 
     @property
     def offline_atoms(self) -> int:
@@ -320,6 +333,20 @@ class CSRCodec(Codec):
         flat = (b * h, t * c, pairs // c)
         x = reconstruct(index.reshape(flat).long(), coefficient.reshape(flat), atoms)
         return x.view(b, h, t, self.model.head_dim).to(dtype)
+
+    def payload_values(self, weights, payload, layer_idx, state=None) -> torch.Tensor:
+        """``sum_t w_t v~_t = D u`` per value chunk (§5.4): the weights ``[B, Hq, Tq, T]`` times each pair's
+        coefficient scattered onto its atom, then one product with the dictionary; no value is decoded."""
+        index, coefficient = payload.tensors["index"], payload.tensors["coefficient"]
+        b, h, t, pairs = index.shape
+        hq, tq = weights.shape[1], weights.shape[2]
+        c = self.chunks("value")
+        s = pairs // c
+        grouped = weights.reshape(b * h, (hq // h) * tq, t)
+        atoms = self.dictionary("value", layer_idx, b, index.device, state)
+        out = [sparse_weighted_sum(grouped, index[..., j * s:(j + 1) * s].reshape(b * h, t, s),
+                                   coefficient[..., j * s:(j + 1) * s].reshape(b * h, t, s), atoms) for j in range(c)]
+        return torch.cat(out, -1).reshape(b, hq, tq, self.model.head_dim)
 
     # --- reporting ---
     def overhead_bits(self) -> int:
