@@ -87,6 +87,10 @@ def test_experiment_composes_and_its_sweep_parses(name):
                 assert (run.calibration.name, run.calibration.num_samples, run.calibration.seq_len) == ("redpajama", 256, 8192)
                 assert benchmark.seq_len == 8192 and benchmark.dataset == "wikitext2" and run.hardware.name == "h100"
             continue
+        if name.startswith("csr/") and run.model.source != "embedded":  # NeuralDict tables: the spec's §5.1 calibration
+            assert (run.calibration.name, run.calibration.num_samples, run.calibration.seq_len) == ("wikitext2", 256, 2048)
+            assert run.hardware.name == "h100" and run.codec.merged_groups == "paper"
+            continue
         assert set(benchmark.protocols) == {"simulated", "streaming"}
         if run.model.source == "embedded":  # the offline counterparts run with the defaults
             assert run.hardware.device == "cpu" and run.calibration.name == "enwiki" and benchmark.dataset == "enwiki"
@@ -222,3 +226,18 @@ def test_bit_matched_presets_cost_the_bits_they_claim(preset, bits, shape):
 
     codec = build_codec(_compose(f"codec={preset}").codec, ModelInfo("m", *shape))
     assert codec.bits_per_value() == pytest.approx(bits, abs=0.015)
+
+
+def test_csr_paper_configs_have_the_paper_settings():
+    table1 = _compose(_experiment_override("csr/table1_longbench"))
+    assert table1.model.hub_id == "meta-llama/Llama-2-7b-chat-hf" and table1.benchmark.max_length == 4096
+    assert len(table1.benchmark.tasks) == 11 and table1.codec.merged_groups == "paper"
+    assert table1.benchmark.protocol == "exact_prefill"  # the prompt attended exactly, then coded (C11)
+    table2 = _compose(_experiment_override("csr/table2_longbench"))
+    assert table2.model.hub_id == "meta-llama/Meta-Llama-3-8B-Instruct" and table2.benchmark.max_length == 7500
+    online = _compose(_experiment_override("csr/table7_online"))
+    assert online.benchmark.tasks == table1.benchmark.tasks
+    assert str(online.hydra.sweeper.params["codec.online_atoms"]).split(",") == ["0", "256", "512"]
+    mse = _compose(_experiment_override("csr/table3_4_dictionary_mse"), "codec.value_chunks=4", "codec.train_key_sparsity=4")
+    typed_codec = codec_config(mse.codec)
+    assert (typed_codec.key_chunks, typed_codec.train_value_sparsity) == (4, 4)  # keys and values at one (s, s_n)
