@@ -22,7 +22,8 @@ def dictionary_rows(results: dict) -> list[dict]:
     groups = results.get("calibration", {}).get("csr_dictionaries", {})
     rows = []
     for kind, records in groups.items():
-        row = {"run": " ".join(results.get("overrides", [])) or "(defaults)", "kind": kind, "groups": len(records)}
+        overrides = [o for o in results.get("overrides", []) if not o.startswith("experiment=")]
+        row = {"run": " ".join(overrides) or "(defaults)", "kind": kind, "groups": len(records)}
         for column in COLUMNS:
             values = [r[column] for r in records if column in r]
             row[column] = round(sum(values) / len(values), 4) if len(values) == len(records) else None

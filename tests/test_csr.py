@@ -9,7 +9,7 @@ from kvcomp.cache import CompressedCache
 from kvcomp.cache.growing import GrowingTensor
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.errors import ConfigError
-from kvcomp.stages.layer_merging import jensen_shannon, layer_divergence, merge_layers
+from kvcomp.stages.layer_merging import PAPER_GROUPS, jensen_shannon, layer_divergence, merge_layers
 from kvcomp.stages.neuraldict import DictTraining, diversity_loss, pursuit_loss, relative_mse, train_dictionaries
 from kvcomp.stages.sparse_coding import (
     matching_pursuit, normalize_rows, orthogonal_matching_pursuit, reconstruct, sparse_weighted_sum,
@@ -117,6 +117,8 @@ def test_layer_merging_groups_similar_layers():
     assert layer_divergence(a, b, bins=20) < 0.05 < layer_divergence(a, c, bins=20)
     assert merge_layers([a, b, c, c], delta1=0.2, delta2=1.0, bins=20) == [[0, 1], [2, 3]]
     assert merge_layers([a, b, c], delta1=0.2, delta2=0.0, bins=20) == [[0], [1], [2]]  # Eq. 7's budget binds
+    for kind, count in (("key", 11), ("value", 7)):  # the paper's groups: contiguous, every one of 32 layers once
+        assert len(PAPER_GROUPS[kind]) == count and sum(PAPER_GROUPS[kind], []) == list(range(32))
 
 
 MODEL = ModelInfo("m", num_layers=32, num_kv_heads=8, head_dim=128)
