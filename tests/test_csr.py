@@ -259,3 +259,15 @@ def test_fused_desparse_decodes_like_the_dense_path_and_keeps_no_decoded_values(
         decoded_values = sum(layer.value_stream.decoded.length for layer in cache.layers)
         assert (decoded_values == 0) == (mode == "fused")
     assert torch.allclose(logits["dense"], logits["fused"], atol=1e-4, rtol=1e-4)
+
+
+def test_render_short_names():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("render_csr_tables", Path(__file__).parent.parent / "scripts" / "render_csr_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    described = build_codec({"name": "csr", "sparsity": 4, "online_atoms": 0}, MODEL).describe()
+    assert module.short_name(described) == "CSR-4 online_atoms=0"
+    assert module.short_name("kivi(bits=4, group_size=32)") == "KIVI-4" and module.short_name("fp16()") == "fp16"
