@@ -8,6 +8,7 @@ damaged file never yields a silent result.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -71,3 +72,28 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_json_atomic(path: str | Path, obj) -> None:
     """Write JSON atomically (:func:`write_text_atomic`)."""
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path, what: str = ""):
+    """Hold an exclusive lock on ``<path>.lock`` (POSIX ``flock``; blocks while another process holds it), so that
+    processes computing the same artifact at once (sweep members) compute it once: the first writes it, the others
+    wait and then find it. The lock file is left in place (removing it would race with waiters). Without
+    ``fcntl`` (Windows) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    lock = Path(path).with_name(Path(path).name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[kvcomp] waiting for another process computing {what or Path(path).name}", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

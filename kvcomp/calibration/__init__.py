@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import kvcomp
+from kvcomp.artifacts import file_lock
 from kvcomp.calibration.collect import KVActivations, collect_kv
 from kvcomp.codecs import Codec, CodecState
 from kvcomp.paths import cache_dir, cache_relative
@@ -98,7 +99,9 @@ def calibrate(codec: Codec, calibration: CalibrationConfig, load_activations, pa
     ``load_activations()`` returns what ``codec.fit`` receives, e.g.
     ``CalibrationData(...).activations(codec)`` (called only when fitting). ``path``: an
     artifact to use instead of the cache's (refused if fitted for another model or config); ``force``
-    refits and overwrites it. A state with NaN or Inf is refused (not saved). Returns a small report
+    refits and overwrites it. A state with NaN or Inf is refused (not saved). Processes calibrating the same
+    artifact at once fit it once: the first holds a lock on it while fitting, the others wait, then load it.
+    Returns a small report
     (``{"artifact": ..., "reused": bool, "seconds": float}``; the artifact path relative to the cache
     folder when it lies there); codecs that need no calibration return ``{}``.
     """
@@ -107,14 +110,15 @@ def calibrate(codec: Codec, calibration: CalibrationConfig, load_activations, pa
     expected = fitted_for(codec, calibration)
     path = Path(path) if path is not None else artifact_path(codec, calibration)
     start = time.perf_counter()
-    reused = path.is_file() and not force
-    if reused:
-        codec.load_state(CodecState.load(path, expected))
-    else:
-        state = codec.fit(load_activations())
-        state.check_finite(f"{codec.name} calibration (fitted on {calibration.name})")
-        state.fitted_for = expected
-        state.save(path)
-        codec.load_state(state)
+    with file_lock(path, f"the {codec.name} calibration {path.name}"):  # concurrent sweep members fit once
+        reused = path.is_file() and not force
+        if reused:
+            codec.load_state(CodecState.load(path, expected))
+        else:
+            state = codec.fit(load_activations())
+            state.check_finite(f"{codec.name} calibration (fitted on {calibration.name})")
+            state.fitted_for = expected
+            state.save(path)
+            codec.load_state(state)
     return {"artifact": cache_relative(path), "reused": reused, "seconds": round(time.perf_counter() - start, 2)}
 

@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kvcomp
-from kvcomp.artifacts import ArtifactError, file_record, read_json, verify_file, write_json_atomic
+from kvcomp.artifacts import ArtifactError, file_lock, file_record, read_json, verify_file, write_json_atomic
 from kvcomp.cache import install
 from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
@@ -161,7 +161,16 @@ def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 
             richer.verify()
             return richer
     folder = Path(folder) if folder is not None else cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first, fisher)
-    store = KVActivations(folder, shape, info.num_layers, fisher, device)
+    with file_lock(folder, "the calibration K/V collection"):  # concurrent sweep members collect once
+        return _collect_into(KVActivations(folder, shape, info.num_layers, fisher, device), model, info, windows,
+                             drop_first, force)
+
+
+def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.Tensor, drop_first: int,
+                  force: bool) -> KVActivations:
+    """:func:`collect_kv`'s work once ``store`` is chosen (and locked): reuse it when complete, else fill it."""
+    folder, fisher, device = store.folder, store.fisher, store.device
+    samples, seq_len = windows.shape
     if store.complete and not force:
         store.verify()
         return store
