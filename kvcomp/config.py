@@ -90,6 +90,16 @@ def typed(group: str, config, schema: type | None = None):
     return structured(schema or GROUPS[group], config, f"{group} config", group)
 
 
+def group_file(path) -> dict:
+    """One group file (``conf/<group>/<name>.yaml``) as a plain dict without its defaults list, for scripts that
+    build a run by hand (a preset's base file is not merged in)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(OmegaConf.load(path))
+    config.pop("defaults", None)
+    return config
+
+
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore: ``<group>/schema`` for each group and
     ``codec/schema_<name>`` for each codec. Every YAML file of a group names its schema first in its
@@ -106,5 +116,5 @@ def register_configs() -> None:
 __all__ = [
     "BENCHMARKS", "BENCHMARK_SCHEMAS", "DTYPE_NAMES", "GROUPS", "KERNEL_BACKENDS", "LOGGERS", "CalibrationConfig",
     "HardwareConfig", "LMEvalConfig", "LoggerConfig", "ModelConfig", "PerplexityConfig", "RulerConfig",
-    "register_configs", "typed",
+    "group_file", "register_configs", "typed",
 ]

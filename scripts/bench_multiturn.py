@@ -24,7 +24,7 @@ from kvcomp.benchmarks.multiturn import MultiTurnConfig, evaluate_multiturn
 from kvcomp.cache import install
 from kvcomp.calibration import calibrate
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.config import CalibrationConfig, typed
+from kvcomp.config import CalibrationConfig, group_file, typed
 from kvcomp.data import load_corpus, token_windows
 from kvcomp.kernels.benchmarking import write_section
 from kvcomp.models.fingerprint import model_fingerprint
@@ -35,22 +35,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Multi-turn store/restore with kvtc (issue 16)"
 
 
-def _group(name: str) -> dict:
-    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / name))
-    cfg.pop("defaults", None)
-    return cfg
-
-
 def measure(args) -> tuple[list[dict], dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model("embedded", dtype="bfloat16" if device == "cuda" else "float32", device=device)
     install(model)
-    codec_cfg = _group("conf/codec/kvtc.yaml") | {"cr": args.cr}
-    model_cfg = _group("conf/model/smollm2_135m.yaml")  # the runner's identity: run.py's calibration is reused
+    codec_cfg = group_file(ROOT / "conf/codec/kvtc.yaml") | {"cr": args.cr}
+    model_cfg = group_file(ROOT / "conf/model/smollm2_135m.yaml")  # the runner's identity: run.py's calibration is reused
     info = ModelInfo.from_hf_config(model.config, name=model_cfg["name"],
                                     fingerprint=model_fingerprint(model, tokenizer)["fingerprint"])
     codec = build_codec(codec_cfg, info)
-    calibration = typed("calibration", OmegaConf.create(_group("conf/calibration/enwiki.yaml")), CalibrationConfig)
+    calibration = typed("calibration", OmegaConf.create(group_file(ROOT / "conf/calibration/enwiki.yaml")), CalibrationConfig)
     report = calibrate(codec, calibration, lambda: calibration_data(model, tokenizer, calibration).activations(codec))
     config = MultiTurnConfig(args.prompt, args.turn, args.turns, args.repeats, not args.in_memory, not args.no_flush)
     length = config.prompt_tokens + config.turns * config.turn_tokens

@@ -1,6 +1,10 @@
 """CSR: matching pursuit, NeuralDict, layer merging, the codec's bits, online bank and guard atoms
 (spec seed-003-csr.md §7 items 1-4)."""
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -8,6 +12,7 @@ from transformers import DynamicCache
 from kvcomp.cache import CompressedCache
 from kvcomp.cache.growing import GrowingTensor
 from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.codecs.base import Unit
 from kvcomp.errors import ConfigError
 from kvcomp.stages.layer_merging import PAPER_GROUPS, jensen_shannon, layer_divergence, merge_layers
 from kvcomp.stages.neuraldict import DictTraining, diversity_loss, pursuit_loss, relative_mse, train_dictionaries
@@ -56,7 +61,7 @@ def test_mp_recovers_an_atom_equal_to_the_vector_in_one_step():
 
 def test_gram_mp_equals_direct_mp():
     atoms, x = _atoms(dtype=torch.float64).float(), _x(t=64).float()
-    direct = matching_pursuit(x, atoms, 8)
+    direct = matching_pursuit(x, atoms, 8, gram=False)
     gram = matching_pursuit(x, atoms, 8, gram=True)
     assert torch.equal(direct[0], gram[0])
     assert torch.allclose(direct[1], gram[1], atol=1e-5)
@@ -207,7 +212,7 @@ def test_online_bank_holds_the_last_prompt_tokens_and_moves_with_beam_reorder(ti
 def test_guard_atoms_code_outliers_exactly(tiny_llama):
     codec = make_codec(tiny_llama, "csr", guard_fraction=1.0, online_atoms=4, guard_quantile=0.9)
     x = torch.randn(1, codec.model.num_kv_heads, 20, codec.model.head_dim, generator=torch.Generator().manual_seed(2))
-    state = codec.init_state(type("U", (), {"layer": 0, "kind": "key"})(), {(0, "key"): x})
+    state = codec.init_state(Unit(0, "key"), {(0, "key"): x})
     assert state.tensors["bank"].abs().sum() == 0 and state.tensors["guard_used"].sum() == 0
     payload = codec.encode(x, "key", 0, state)
     used = state.tensors["guard_used"]
@@ -221,19 +226,21 @@ def test_guard_atoms_code_outliers_exactly(tiny_llama):
     assert (state.tensors["guard_used"] <= 4).all() and (state.tensors["guard_used"] >= 2).all()
 
 
-def test_render_dictionary_table(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
+def _renderer():
     spec = importlib.util.spec_from_file_location("render_csr_tables", Path(__file__).parent.parent / "scripts" / "render_csr_tables.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_render_dictionary_table(tmp_path):
+    module = _renderer()
     record = {"layers": [0], "heldout_relative_mse": 0.05, "kmeans_relative_mse": 0.07, "epochs": 12, "seconds": 2.0,
               "epoch10_relative_mse": 0.06}
     results = {"overrides": ["codec.diversity=false"],
                "calibration": {"csr_dictionaries": {"key": [record, record | {"heldout_relative_mse": 0.07}]}}}
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "results.json").write_text(__import__("json").dumps(results))
+    (tmp_path / "a" / "results.json").write_text(json.dumps(results))
     table = module.render(tmp_path)
     assert "| codec.diversity=false | key | 2 | 0.07 | 0.06 | - | 0.06 | 12 | 4 |" in table
 
@@ -262,12 +269,7 @@ def test_fused_desparse_decodes_like_the_dense_path_and_keeps_no_decoded_values(
 
 
 def test_render_short_names():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("render_csr_tables", Path(__file__).parent.parent / "scripts" / "render_csr_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _renderer()
     described = build_codec({"name": "csr", "sparsity": 4, "online_atoms": 0}, MODEL).describe()
     assert module.short_name(described) == "CSR-4 online_atoms=0"
     assert module.short_name("kivi(bits=4, group_size=32)") == "KIVI-4" and module.short_name("fp16()") == "fp16"

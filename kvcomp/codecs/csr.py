@@ -36,7 +36,7 @@ cache's measured bits add the online bank (``state_bits_per_value``); the offlin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -79,7 +79,7 @@ class CSRConfig(CodecConfig):
     jsd_bins: int = 200
     train_key_sparsity: int = 8
     train_value_sparsity: int = 4
-    epochs: int = 30
+    epochs: int = 30  # this field and those down to seed: NeuralDict's settings (DictTraining)
     batch_size: int = 4096
     lr: float = 1.0e-3
     lr_final: float = 1.0e-4
@@ -202,11 +202,8 @@ class CSRCodec(Codec):
         cfg, tensors = self.config, {}
         for kind in KINDS:
             groups = self._layer_groups(kind, activations)
-            settings = DictTraining(
-                atoms=self.offline_atoms, sparsity=cfg.train_key_sparsity if kind == "key" else cfg.train_value_sparsity,
-                epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr, lr_final=cfg.lr_final, diversity=cfg.diversity,
-                beta_scale=cfg.beta_scale, beta_cap=cfg.beta_cap, kmeans_iters=cfg.kmeans_iters,
-                heldout_fraction=cfg.heldout_fraction, patience=cfg.patience, seed=cfg.seed)
+            shared = {f.name: getattr(cfg, f.name) for f in fields(DictTraining) if f.name not in ("atoms", "sparsity")}
+            settings = DictTraining(atoms=self.offline_atoms, sparsity=getattr(cfg, f"train_{kind}_sparsity"), **shared)
             print(f"[kvcomp] csr {kind}s: {len(groups)} layer groups {groups}", flush=True)
             for g, group in enumerate(groups):
                 x = torch.cat([self._vectors(activations.layer(layer)[kind], kind) for layer in group], 1)
@@ -318,7 +315,7 @@ class CSRCodec(Codec):
         if self.config.coder == "omp":
             index, coefficient = orthogonal_matching_pursuit(vectors, atoms, s)
         else:
-            index, coefficient = matching_pursuit(vectors, atoms, s, gram=t * c * s > atoms.shape[1])
+            index, coefficient = matching_pursuit(vectors, atoms, s)
         if state is not None and "guard_used" in state.tensors:
             self._guard(vectors, index, coefficient, atoms, state)
         return Payload({"index": index.to(torch.int16).view(b, h, t, c * s),

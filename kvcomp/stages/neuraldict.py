@@ -83,7 +83,7 @@ def relative_mse(x: torch.Tensor, atoms: torch.Tensor, s: int, chunk: int = 1638
     total = torch.zeros(x.shape[0], device=x.device)
     for start in range(0, x.shape[1], chunk):
         part = x[:, start:start + chunk].float()
-        hat = reconstruct(*matching_pursuit(part, atoms, s, gram=part.shape[1] * s > atoms.shape[1]), atoms)
+        hat = reconstruct(*matching_pursuit(part, atoms, s), atoms)
         total += ((part - hat).square().sum(-1) / part.square().sum(-1).clamp_min(1e-12)).sum(-1)
     return total / x.shape[1]
 
@@ -118,10 +118,9 @@ def train_dictionaries(vectors: torch.Tensor, settings: DictTraining, label: str
             loss = mse.sum()
             if settings.diversity:
                 div = diversity_loss(atoms)
-                if beta is None:  # the first step: this batch's own ratio
-                    beta = (settings.beta_scale * mse.detach() / div.detach().clamp_min(1e-12)).clamp_max(settings.beta_cap)
-                loss = loss + (beta * div).sum()
-                beta = (settings.beta_scale * mse.detach() / div.detach().clamp_min(1e-12)).clamp_max(settings.beta_cap)
+                ratio = (settings.beta_scale * mse.detach() / div.detach().clamp_min(1e-12)).clamp_max(settings.beta_cap)
+                loss = loss + ((ratio if beta is None else beta) * div).sum()  # the first step: its own ratio
+                beta = ratio
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

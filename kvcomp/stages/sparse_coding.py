@@ -7,7 +7,7 @@ index may repeat (MP can pick an atom twice, C1) and the vector it stands for is
 
 - :func:`matching_pursuit` (Eqs. 2-4): ``s`` greedy steps, each picking ``argmax_n |<R, d_n>|`` and taking
   the *signed* correlation as the coefficient. With unit atoms ``||x - x_hat||^2 = ||x||^2 - sum c^2``.
-  ``gram=True`` updates the correlations with the Gram matrix ``G = D^T D`` (``a -= c G[i]``, §5.3) instead
+  The Gram form updates the correlations with the Gram matrix ``G = D^T D`` (``a -= c G[i]``, §5.3) instead
   of recomputing ``R D``: the same picks, O(N) instead of O(N d) per step.
 - :func:`orthogonal_matching_pursuit` (OMP, the C2 ablation): the same picks, coefficients refitted by least
   squares on the atoms chosen so far after every step.
@@ -26,8 +26,11 @@ def _rows(atoms: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return atoms.gather(1, index[..., None].expand(-1, -1, atoms.shape[-1]))
 
 
-def matching_pursuit(x: torch.Tensor, atoms: torch.Tensor, s: int, gram: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s`` MP steps for ``x [G, T, d]`` over ``atoms [G, N, d]``: ``(index, coefficient)``, each ``[G, T, s]``."""
+def matching_pursuit(x: torch.Tensor, atoms: torch.Tensor, s: int, gram: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s`` MP steps for ``x [G, T, d]`` over ``atoms [G, N, d]``: ``(index, coefficient)``, each ``[G, T, s]``.
+    ``gram=None`` uses the Gram update when the steps outnumber the atoms (``T s > N``: its ``N x N`` set-up pays)."""
+    if gram is None:
+        gram = x.shape[1] * s > atoms.shape[1]
     x, atoms = x.float(), atoms.float()
     correlations = x @ atoms.transpose(1, 2)  # [G, T, N]
     gram_matrix = atoms @ atoms.transpose(1, 2) if gram else None
