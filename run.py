@@ -17,7 +17,7 @@ def main(cfg: DictConfig) -> None:
     from kvcomp.sweep import run_job
 
     job = HydraConfig.get()
-    run_job(cfg, Path(job.runtime.output_dir), list(job.overrides.task), job.mode == RunMode.MULTIRUN)
+    run_job(cfg, Path(job.runtime.output_dir), list(job.overrides.task), job.mode == RunMode.MULTIRUN, job.launcher)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from kvcomp.errors import KVCompError
+
+log = logging.getLogger(__name__)
 
 REFIT = "delete it, or run with force=true to recompute it"
 
@@ -91,7 +94,7 @@ def file_lock(path: str | Path, what: str = ""):
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"[kvcomp] waiting for another process computing {what or Path(path).name}", flush=True)
+            log.info("waiting for another process computing %s", what or Path(path).name)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

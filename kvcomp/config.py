@@ -22,6 +22,7 @@ from kvcomp.kernels import KERNEL_BACKENDS
 from kvcomp.schema import at_least, one_of, structured
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placement strategies
 LOGGERS = ("none", "wandb")
 
 
@@ -50,13 +51,25 @@ class HardwareConfig:
     name: str = "cpu"
     device: str = "cpu"
     dtype: str = "float32"
-    threads: int = 0  # torch CPU threads; 0 = all cores
+    threads: int = 0  # torch CPU threads; 0 = $OMP_NUM_THREADS, else all cores
     kernel_backend: str = "torch"  # torch | triton (fused kernels where a codec has them)
+    # Models bigger than one GPU: accelerate places whole decoder layers over the visible GPUs
+    # (null: the whole model on `device`). Each layer's cache, codec state and kernels follow its layer.
+    device_map: str | None = None  # null | auto | balanced | balanced_low_0 | sequential
+    gpu_memory: str | None = None  # with device_map: weights per GPU, e.g. 60GiB (null: what each GPU has free)
+    cpu_memory: str | None = None  # with device_map: layers that do not fit go to CPU memory, up to this
 
     def __post_init__(self):
         at_least(self, 0, "threads")
         one_of(self, "dtype", DTYPE_NAMES)
         one_of(self, "kernel_backend", KERNEL_BACKENDS)
+        if self.device_map is not None:
+            one_of(self, "device_map", DEVICE_MAPS)
+            if not self.device.startswith("cuda") or ":" in self.device:
+                raise ConfigError(f"device_map={self.device_map!r} places layers over the visible GPUs; it needs "
+                                  f"device=cuda, not {self.device!r}")
+        elif self.gpu_memory is not None or self.cpu_memory is not None:
+            raise ConfigError("gpu_memory / cpu_memory are used only with device_map (e.g. hardware.device_map=auto)")
         if not (self.device == "cpu" or self.device == "mps" or self.device.startswith("cuda")):
             raise ConfigError(f"device={self.device!r} is unknown; valid: cpu, cuda, cuda:<index>, mps")
 

@@ -17,7 +17,7 @@ import platform
 import traceback
 from pathlib import Path
 
-from kvcomp.artifacts import read_json, write_json_atomic
+from kvcomp.artifacts import read_json, write_json_atomic, write_text_atomic
 from kvcomp.errors import KVCompError
 
 RESULTS_FILE = "results.json"
@@ -156,12 +156,6 @@ def write_summary(directory: str | Path) -> str:
     return table
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_failure(output_dir: str | Path, config: dict, overrides: list[str], error: BaseException) -> None:
     """Record a failed member (``error.json``): its config, overrides, error and, for bugs, the traceback."""
     record = {"config": config, "overrides": list(overrides), "error": f"{type(error).__name__}: {error}"}
@@ -180,9 +174,10 @@ def failed_members(directory: str | Path) -> list[Path]:
 
 
 def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], group: str | None = None,
-                 directory: str | Path | None = None) -> None:
-    """Log the rows as a W&B table (offline by default, ``wandb sync`` later). Its files go under
-    ``directory``/wandb (the run's output folder) unless ``$WANDB_DIR`` says otherwise."""
+                 directory: str | Path | None = None, images: list[Path] = ()) -> None:
+    """Log the rows as a W&B table (offline by default, ``wandb sync`` later), and ``images`` (e.g. a
+    sweep's rate-distortion plot) under their file names. Its files go under ``directory``/wandb (the
+    run's output folder) unless ``$WANDB_DIR`` says otherwise."""
     import wandb
 
     run = wandb.init(
@@ -196,7 +191,10 @@ def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], grou
         reinit="finish_previous",
     )
     columns = scalar_columns(rows)
-    run.log({"results": wandb.Table(columns=columns, data=[[_format(row.get(c)) for c in columns] for row in rows])})
+    run.log({
+        "results": wandb.Table(columns=columns, data=[[_format(row.get(c)) for c in columns] for row in rows]),
+        **{Path(image).stem: wandb.Image(str(image)) for image in images},
+    })
     for row in rows:
         for key, value in row.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -26,9 +27,12 @@ from kvcomp.config import BENCHMARKS, CalibrationConfig, HardwareConfig, LoggerC
 from kvcomp.errors import unknown_choice
 from kvcomp.kernels import check_kernel_backend
 from kvcomp.models.fingerprint import model_fingerprint
-from kvcomp.models.loading import check_device, load_model, model_location
+from kvcomp.models.loading import check_device, layer_devices, load_model, model_location
 from kvcomp.paths import cache_dir
+from kvcomp.progress import quiet_library_bars
 from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, versions
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,12 +94,13 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
     force = bool(config.pop("force", False))
+    config.pop("plot", None)  # how a sweep draws its members, not part of a run
     results_path = output_dir / RESULTS_FILE
     if results_path.is_file() and not force:
         previous = read_json(results_path, "results file", "delete it, or run with force=true")
         if previous.get("config") == config:
-            print(f"[kvcomp] {results_path} already holds this run (force=true re-runs it)")
-            print(markdown_table(previous["rows"]))
+            log.info("%s already holds this run (force=true re-runs it)\n%s", results_path,
+                     markdown_table(previous["rows"]))
             clear_failure(output_dir)
             return previous
 
@@ -105,12 +110,19 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     hardware, model_cfg = plan.hardware, plan.model
     torch.manual_seed(cfg.get("seed", 0))
     if hardware.device == "cpu":
-        torch.set_num_threads(hardware.threads or os.cpu_count() or 1)
+        torch.set_num_threads(hardware.threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     timings = {}
     start = time.perf_counter()
+    quiet_library_bars()
+    device = hardware.device
+    if device == "cuda" and hardware.device_map is None:
+        device = f"cuda:{torch.cuda.current_device()}"  # the GPU a local parallel member leased
     model, tokenizer = load_model(
-        model_cfg.source, hub_id=model_cfg.hub_id, dtype=model_cfg.dtype or hardware.dtype, device=hardware.device
+        model_cfg.source, hub_id=model_cfg.hub_id, dtype=model_cfg.dtype or hardware.dtype, device=device,
+        device_map=hardware.device_map, gpu_memory=hardware.gpu_memory, cpu_memory=hardware.cpu_memory,
     )
+    if hardware.device_map is not None:
+        log.info("layers placed by device_map=%s: %s", hardware.device_map, _spans(layer_devices(model)))
     install(model, hardware.kernel_backend)
     fingerprint = model_fingerprint(model, tokenizer)
     info = ModelInfo.from_hf_config(
@@ -146,11 +158,21 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     }
     write_json_atomic(results_path, results)
     clear_failure(output_dir)
-    print(f"\n[kvcomp] {plan.benchmark.name} on {model_cfg.name} ({results_path}):")
-    print(markdown_table(rows))
+    log.info("%s on %s (%s):\n%s", plan.benchmark.name, model_cfg.name, results_path, markdown_table(rows))
     if plan.logger.name == "wandb":
         log_to_wandb(plan.logger, f"{model_cfg.name}-{codec.describe()}", config, rows, directory=output_dir)
     return results
+
+
+def _spans(devices: dict[int, str]) -> str:
+    """``{0: "cuda:0", 1: "cuda:0", 2: "cuda:1"}`` -> ``"layers 0-1 on cuda:0, 2 on cuda:1"``."""
+    spans: list[list] = []
+    for layer, device in devices.items():
+        if spans and spans[-1][2] == device and spans[-1][1] == layer - 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer, device])
+    return "layers " + ", ".join(f"{a}-{b} on {d}" if a != b else f"{a} on {d}" for a, b, d in spans)
 
 
 def _report_kernels(codec) -> None:
@@ -158,10 +180,8 @@ def _report_kernels(codec) -> None:
     layers = range(codec.model.num_layers)
     fused = [i for i in layers if codec.scores_from_payload or codec.fused_attention_supported(i)]
     if len(fused) < len(layers):
-        print(
-            f"[kvcomp] codec {codec.describe()}: no fused decode kernel for layers "
-            f"{sorted(set(layers) - set(fused))}; they use the torch reference path"
-        )
+        log.info("codec %s: no fused decode kernel for layers %s; they use the torch reference path",
+                 codec.describe(), sorted(set(layers) - set(fused)))
 
 
 def calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:

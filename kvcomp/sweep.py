@@ -2,39 +2,71 @@
 
 :func:`run_job` runs one Hydra job. A user error (:class:`~kvcomp.errors.KVCompError`) of a single run
 prints one message and exits with status 2; in a sweep any failure is recorded in the member's
-``error.json`` and the next member runs. ``HYDRA_FULL_ERROR=1`` shows every traceback.
+``error.json`` and the next member runs. ``HYDRA_FULL_ERROR=1`` shows every traceback. Under the
+local parallel launcher a member first takes its GPU or its share of the cores (:mod:`kvcomp.parallel`).
 
 :class:`AggregateSweep` (a Hydra callback) checks every member of a basic sweep before the first one
-starts, and after the last one writes ``summary.md`` / ``summary.csv`` (failed members included) and
-exits with status 1 when any member failed.
+starts, and after the last one (in the launching process, also when members ran as SLURM jobs) runs
+:func:`aggregate`: ``summary.md`` / ``summary.csv`` (failed members included), the rate-distortion
+plot, W&B, and exit status 1 when any member failed. ``scripts/aggregate_sweep.py DIR`` runs
+:func:`aggregate` by hand.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from kvcomp.errors import KVCompError
+from kvcomp.parallel import PARALLEL_LAUNCHER, lease_gpu, member_threads, register_resolver
 from kvcomp.results import failed_members, load_rows, log_to_wandb, write_failure, write_summary
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+log = logging.getLogger(__name__)
+register_resolver()  # launcher configs read ${kvcomp_parallel_jobs:}, also in worker processes
 
 
 def _full_error() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def run_job(cfg: DictConfig, output_dir: Path, overrides: list[str], in_sweep: bool) -> None:
-    """Run one job (see the module docstring for how failures end)."""
+@contextmanager
+def member_placement(cfg: DictConfig, n_jobs: int):
+    """A local parallel member's share of the machine: one leased GPU (the current CUDA device while
+    the member runs), or ``cores // n_jobs`` CPU threads unless ``hardware.threads`` is set."""
+    if str(cfg.hardware.device).startswith("cuda"):
+        import torch
+
+        with lease_gpu() as index:
+            torch.cuda.set_device(index)
+            yield
+        return
+    if not cfg.hardware.threads:
+        os.environ["OMP_NUM_THREADS"] = str(member_threads(n_jobs))
+    yield
+
+
+def run_job(cfg: DictConfig, output_dir: Path, overrides: list[str], in_sweep: bool,
+            launcher: DictConfig | None = None) -> None:
+    """Run one job (see the module docstring for how failures end). ``launcher``: Hydra's launcher
+    config (``hydra.launcher``) of the job."""
     from kvcomp.runner import run
 
+    parallel = in_sweep and launcher is not None and str(launcher.get("_target_", "")).endswith(PARALLEL_LAUNCHER)
     try:
-        run(cfg, output_dir, overrides)
+        if parallel:
+            with member_placement(cfg, int(launcher.n_jobs)):
+                run(cfg, output_dir, overrides)
+        else:
+            run(cfg, output_dir, overrides)
     except Exception as error:
         user_error = isinstance(error, KVCompError)
         if not in_sweep:
@@ -84,8 +116,33 @@ def check_members(config: DictConfig) -> list[tuple[list[str], str]]:
     return problems
 
 
+def aggregate(sweep_dir: str | Path, logger: DictConfig | None = None, x: str = "bits", y: str | None = None) -> int:
+    """Summarise every member below ``sweep_dir``: ``summary.md`` / ``summary.csv``, the rate-distortion
+    plot (``rate_distortion.png`` / ``.svg``, see :mod:`kvcomp.plots`), the W&B table and plot when
+    ``logger`` is W&B. Return the number of failed members (each named on stderr)."""
+    from kvcomp.plots import write_rate_distortion
+
+    sweep_dir = Path(sweep_dir)
+    table = write_summary(sweep_dir)
+    if table:
+        log.info("sweep summary (%s):\n%s", sweep_dir / "summary.md", table)
+        rows, _ = load_rows(sweep_dir)
+        plots = write_rate_distortion(rows, sweep_dir / "rate_distortion", x=x, y=y)
+        if plots:
+            log.info("rate-distortion plot: %s", plots[0])
+        if logger is not None and logger.name == "wandb":
+            log_to_wandb(logger, f"sweep-{sweep_dir.name}", {"sweep_dir": sweep_dir.name}, rows,
+                         group="sweeps", directory=sweep_dir, images=[p for p in plots if p.suffix == ".png"])
+    failed = failed_members(sweep_dir)
+    if failed:
+        names = ", ".join(str(p.relative_to(sweep_dir)) for p in failed)
+        print(f"kvcomp: {len(failed)} sweep member(s) failed: {names} (see their error.json)", file=sys.stderr)
+    return len(failed)
+
+
 class AggregateSweep(Callback):
-    """Hydra callback: check the members before a multirun, aggregate them after it."""
+    """Hydra callback: check the members before a multirun, name each member as it starts, aggregate
+    them after the multirun."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         problems = check_members(config)
@@ -95,17 +152,11 @@ class AggregateSweep(Callback):
             print(f"kvcomp: {len(problems)} invalid member(s) will be recorded as failed; the others run",
                   file=sys.stderr)
 
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        job = config.hydra.job
+        if job.get("num") is not None and config.hydra.mode == RunMode.MULTIRUN:
+            log.info("sweep member #%d: %s", job.num, " ".join(config.hydra.overrides.task) or "(no overrides)")
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        table = write_summary(sweep_dir)
-        if table:
-            print(f"\nSweep summary ({sweep_dir / 'summary.md'}):\n{table}")
-            if config.logger.name == "wandb":
-                rows, _ = load_rows(sweep_dir)
-                log_to_wandb(config.logger, f"sweep-{sweep_dir.name}", {"sweep_dir": sweep_dir.name}, rows,
-                             group="sweeps", directory=sweep_dir)
-        failed = failed_members(sweep_dir)
-        if failed:
-            names = ", ".join(str(p.relative_to(sweep_dir)) for p in failed)
-            print(f"kvcomp: {len(failed)} sweep member(s) failed: {names} (see their error.json)", file=sys.stderr)
+        if aggregate(config.hydra.sweep.dir, config.logger):
             sys.exit(1)

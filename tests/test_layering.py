@@ -13,13 +13,13 @@ PACKAGE = ROOT / "kvcomp"
 
 # Lowest first; a unit may import units of its own layer or of layers below it, never above.
 LAYERS = [
-    {"kvcomp", "kvcomp.errors", "kvcomp.artifacts", "kvcomp.paths", "kvcomp.schema"},
+    {"kvcomp", "kvcomp.errors", "kvcomp.artifacts", "kvcomp.paths", "kvcomp.schema", "kvcomp.progress", "kvcomp.parallel"},
     {"kvcomp.stages"},
     {"kvcomp.kernels"},
     {"kvcomp.codecs"},
     {"kvcomp.cache"},
     {"kvcomp.calibration"},
-    {"kvcomp.models", "kvcomp.data", "kvcomp.benchmarks", "kvcomp.analysis", "kvcomp.results", "kvcomp.experiments"},
+    {"kvcomp.models", "kvcomp.data", "kvcomp.benchmarks", "kvcomp.analysis", "kvcomp.results", "kvcomp.experiments", "kvcomp.plots"},
     {"kvcomp.config"},
     {"kvcomp.runner", "kvcomp.sweep"},
 ]

@@ -20,6 +20,7 @@ YAML with the dataset replaced by a local JSON-lines file in the hub format
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import urllib.request
@@ -37,6 +38,8 @@ from kvcomp.errors import ConfigError, unknown_choice
 FIXTURES = Path(__file__).parent / "fixtures"
 DATA_SOURCES = ("auto", "hub", "fixtures")
 TRUNCATIONS = ("left", "middle")
+
+log = logging.getLogger(__name__)
 
 
 def hub_reachable(timeout: float = 5.0) -> bool:
@@ -163,8 +166,8 @@ class LMEvalBenchmark(Benchmark):
             if not path.is_file():
                 raise ConfigError(f"fixture for {task} not found: {path}")
         self.tasks = [fixture_task_spec(self.task_manager, t, self.fixture_files[t]) for t in c.tasks]
-        print(f"[kvcomp] {c.name}: running the local fixtures (kvcomp/benchmarks/fixtures/), not the hub datasets: "
-              f"they exercise the pipeline, their scores say nothing about the benchmark")
+        log.warning("%s: running the local fixtures (kvcomp/benchmarks/fixtures/), not the hub datasets: they exercise "
+                    "the pipeline, their scores say nothing about the benchmark", c.name)
 
     def fingerprint(self) -> dict:
         files = {t: p.read_text() for t, p in getattr(self, "fixture_files", {}).items()}

@@ -19,6 +19,7 @@ completed it, so a single forward never reads its own blocks: for such codecs ``
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from dataclasses import asdict
@@ -31,9 +32,12 @@ from kvcomp.benchmarks.configs import PerplexityConfig
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import Codec, expected_cache_bits
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.progress import progress_bar
 
 PERPLEXITY_PROTOCOLS = ("streaming", "simulated", "chunked")
 WINDOW_SELECTIONS = ("spread", "first")
+
+log = logging.getLogger(__name__)
 
 
 class PerplexityBenchmark(Benchmark):
@@ -69,8 +73,8 @@ def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.
         return token_windows(texts, tokenizer, config.seq_len, config.num_windows, cache_tag=tag)
     windows = token_windows(texts, tokenizer, config.seq_len, None, cache_tag=tag)
     if config.num_windows <= 0 or config.num_windows >= len(windows):
-        print(f"[kvcomp] perplexity: all {len(windows)} windows of {config.seq_len} tokens of {tag} "
-              f"(num_windows={config.num_windows}), {len(config.protocols)} protocol(s) each", flush=True)
+        log.info("perplexity: all %d windows of %d tokens of %s (num_windows=%d), %d protocol(s) each",
+                 len(windows), config.seq_len, tag, config.num_windows, len(config.protocols))
         return windows
     return windows[torch.linspace(0, len(windows) - 1, config.num_windows).round().long()]
 
@@ -79,8 +83,8 @@ def protocols_for(protocols: list[str], scope: str) -> list[str]:
     """The protocols that measure a codec of ``scope`` (see the module docstring)."""
     if scope != "model" or all(p == "chunked" for p in protocols):
         return list(protocols)
-    print(f"[kvcomp] perplexity: a model-scope codec never reads its blocks within one forward; protocols "
-          f"{list(protocols)} -> [chunked]", flush=True)
+    log.info("perplexity: a model-scope codec never reads its blocks within one forward; protocols %s -> [chunked]",
+             list(protocols))
     return ["chunked"]
 
 
@@ -114,9 +118,10 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         if shortcut and i > 0:  # nothing is ever encoded: the protocols cannot differ
             metrics[f"ppl_{protocol}"] = metrics[f"ppl_{config.protocols[0]}"]
             continue
-        start = last_report = time.perf_counter()
+        start = time.perf_counter()
         nll, count = 0.0, 0
-        for done, batch in enumerate(windows.split(config.batch_size), 1):
+        bar = progress_bar(len(windows), f"perplexity {codec.name} ({protocol})", "window")
+        for batch in windows.split(config.batch_size):
             batch = batch.to(device)
             logits, cache = _window_logits(model, codec, batch, protocol, config.chunk_tokens)
             nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
@@ -125,7 +130,8 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
                 cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype)
             if i == 0:
                 examples.append(codec.example_metrics(cache))
-            last_report = _report_progress(protocol, codec, done * config.batch_size, len(windows), start, last_report)
+            bar.update(batch.shape[0])
+        bar.close()
         metrics[f"ppl_{protocol}"] = math.exp(nll / count)
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
     metrics["tokens_scored"] = int(windows[:, 1:].numel())
@@ -140,18 +146,6 @@ def _window_logits(model, codec: Codec, batch: torch.Tensor, protocol: str, chun
     parts = batch.split(chunk_tokens if chunked else batch.shape[1], dim=1)
     logits = [model(part, past_key_values=cache, use_cache=True).logits.float() for part in parts]
     return torch.cat(logits, dim=1), cache
-
-
-def _report_progress(protocol: str, codec: Codec, done: int, total: int, start: float, last: float,
-                     every: float = 30.0) -> float:
-    """Print windows done, elapsed and estimated remaining time at most every ``every`` seconds."""
-    now = time.perf_counter()
-    if now - last < every or done >= total:
-        return last
-    elapsed = now - start
-    print(f"[kvcomp] perplexity {codec.name} ({protocol}): {done}/{total} windows, {elapsed:.0f}s, "
-          f"~{elapsed / done * (total - done):.0f}s left", flush=True)
-    return now
 
 
 def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int, dtype: torch.dtype) -> dict:

@@ -39,6 +39,7 @@ import torch
 from kvcomp.benchmarks import Benchmark, example_summary
 from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.progress import progress_bar
 
 NIAH_TEMPLATE = (
     "Some special magic {type_v} are hidden within the following text. Make sure to memorize it. "
@@ -463,11 +464,9 @@ class RulerBenchmark(Benchmark):
         return {"prompts": hashlib.sha256(ids.encode()).hexdigest(), "benchmark": asdict(self.config) | {"include_reference": None}}
 
     def evaluate(self, model, codec) -> list[dict]:
-        from tqdm.auto import tqdm
-
         c = self.config
         rows = []
-        progress = tqdm(total=len(self.samples) * c.num_samples, desc=f"RULER {codec.name}", unit="sample")
+        bar = progress_bar(len(self.samples) * c.num_samples, f"RULER {codec.name}", "sample")
         for length in c.lengths:
             start = time.perf_counter()
             row = {"benchmark": f"ruler:{c.haystack} {length} tokens x{c.num_samples}", "length": length}
@@ -482,14 +481,14 @@ class RulerBenchmark(Benchmark):
                         max_new_tokens=budget, eos_token_ids=self.eos, protocol=self.protocol, metrics=examples,
                     )
                     predictions += [self.tokenizer.decode(_until_eos(row_ids, self.eos), skip_special_tokens=True) for row_ids in new.tolist()]
-                    progress.update(len(batch))
+                    bar.update(len(batch))
                 row[f"acc_{task}"] = score(task, predictions, [s.answers for s in samples])
                 row.setdefault("predictions", {})[task] = predictions
             row["acc_avg"] = sum(row[f"acc_{t}"] for t in c.tasks) / len(c.tasks)
             row.update(example_summary(examples))
             row["eval_seconds"] = round(time.perf_counter() - start, 2)
             rows.append(row)
-        progress.close()
+        bar.close()
         return rows
 
 

@@ -194,7 +194,8 @@ def _capture_cache_layer(module, args, kwargs):
             layer.incoming_pads = _leading_pads(kwargs.get("attention_mask"))
         rotary = getattr(module, "_kvcomp_rotary", (None,))[0]
         if rotary is not None and layer.incoming_rope is not None:
-            layer.rotary = (rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), layer.incoming_rope[0].dtype)
+            cos = layer.incoming_rope[0]  # on this layer's device (the rotary module may sit on another GPU)
+            layer.rotary = (rotary.inv_freq.to(cos.device), float(getattr(rotary, "attention_scaling", 1.0)), cos.dtype)
         module.__dict__["_kvcomp_layer"] = layer  # not nn.Module.__setattr__: a plain attribute, set every forward
     else:
         module.__dict__["_kvcomp_layer"] = None

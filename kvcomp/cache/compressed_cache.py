@@ -69,7 +69,8 @@ class ModelUnit:
         if self.codec.stateful and self.state is None:
             self.state = self.codec.init_state(Unit(), {(s.layer_idx, s.kind): s.held() for s in streams})
         taken = [s.take(count) for s in streams]
-        payload = self.codec.encode_model([t[2] for t in taken[0::2]], [t[2] for t in taken[1::2]], self.state,
+        device = taken[0][2].device  # the first layer's: layers may live on several devices (device_map)
+        payload = self.codec.encode_model([t[2].to(device) for t in taken[0::2]], [t[2].to(device) for t in taken[1::2]], self.state,
                                           encoded_before=self.store.num_tokens)
         block = self.store.append(payload, taken[0][0])
         for stream, (_, chunk, _) in zip(streams, taken):
@@ -216,7 +217,7 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer-scope codec {self.codec.name}: layer {self.layer_idx - 1} has not {what} the block at "
                 f"cache index {first} before layer {self.layer_idx} (layers must run in order over one cache)"
             )
-        return handoff.pop(first)
+        return tuple(t.to(self.device) for t in handoff.pop(first))  # from the previous layer's device
 
     def _decode_jointly(self, kind: str, block: Block) -> torch.Tensor:
         """One stream's half of a layer- or model-scope block decode (both halves come from one call; the
@@ -226,7 +227,7 @@ class CompressedLayer(CacheLayerMixin):
             return other
         dtype = self.key_stream.dtype
         if self.codec.scope == "model":
-            k, v = self.model_unit.decode(self.layer_idx, block, dtype)
+            k, v = (t.to(self.device) for t in self.model_unit.decode(self.layer_idx, block, dtype))
         else:
             key_block, value_block = self.layer_blocks[block.first]
             previous = None if self.previous is None else self._handed(self.previous.decode_handoff, block.first, "decoded")

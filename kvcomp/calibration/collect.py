@@ -33,6 +33,7 @@ from kvcomp.cache import install
 from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir
+from kvcomp.progress import progress
 from kvcomp.stages.rope import undo_rope
 
 FIELDS = ("key", "value")
@@ -170,7 +171,7 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
                   force: bool) -> KVActivations:
     """:func:`collect_kv`'s work once ``store`` is chosen (and locked): reuse it when complete, else fill it."""
     folder, fisher, device = store.folder, store.fisher, store.device
-    samples, seq_len = windows.shape
+    seq_len = windows.shape[1]
     if store.complete and not force:
         store.verify()
         return store
@@ -181,8 +182,9 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)
     start = time.perf_counter()
+    what = "K/V + Fisher" if fisher else "K/V"
     try:
-        for s, window in enumerate(windows):
+        for s, window in enumerate(progress(windows, f"calibration {what}", unit="window")):
             ids = window[None].to(device)
             cache = _RecordingCache(info.num_layers)
             with torch.set_grad_enabled(fisher):
@@ -200,9 +202,6 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
                     grads = (undo_rope(grads[0], cos, sin), grads[1]) if fisher else ()
                 for field, x in zip(store.fields, (keys, values, *(g.square() for g in grads))):
                     out[field][s] = x[0, :, drop_first:].detach().to(store.dtype).cpu()
-            if (s + 1) % 4 == 0 or s + 1 == samples:
-                what = "K/V + Fisher" if fisher else "K/V"
-                print(f"[kvcomp] calibration {what}: {s + 1}/{samples} windows ({time.perf_counter() - start:.0f}s)", flush=True)
     finally:
         for p in trainable:
             p.requires_grad_(True)

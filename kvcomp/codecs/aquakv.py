@@ -35,6 +35,7 @@ from kvcomp.codecs.base import Activations, Codec, CodecState, LayerEncoding, Pa
 from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.progress import progress_bar
 from kvcomp.stages.ridge import LinearPredictor, RidgeFit
 from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
@@ -215,6 +216,7 @@ class AquaKVCodec(Codec):
         rope = None if self.pre_rope else activations.rope
         if not self.pre_rope and self.model.has_rope and rope is None:
             raise ConfigError(f"{self.name}: pre_rope=false needs the calibration windows' RoPE angles (Activations.rope)")
+        bar = progress_bar(self.model.num_layers, f"{self.name}: predictors", "layer")
 
         def fit_layer(layer_idx, fields, previous):
             k, v = (fields[kind].to(activations.device).float() for kind in ("key", "value"))
@@ -232,9 +234,11 @@ class AquaKVCodec(Codec):
                     metrics[layer_idx, i, 0] = _relative_mse(predicted[~heldout], target[~heldout])
                     metrics[layer_idx, i, 1] = _relative_mse(predicted[heldout], target[heldout])
                 metrics[layer_idx, i, 2] = _relative_mse(hat[heldout], target[heldout])
+            bar.update(1)
             return None, tuple(hats)
 
         fit_layer_by_layer(activations, fit_layer)
+        bar.close()
         self.metrics = metrics
         tensors = {f"layer{layer}.{kind}.{name}": t for (layer, kind), p in self.predictors.items()
                    for name, t in p.tensors().items()}

@@ -21,6 +21,7 @@ fitted and the one with the lower held-out Fisher-weighted MSE ``mean(g^2 (x - x
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 
@@ -30,6 +31,7 @@ from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecStat
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import CodebookReader
+from kvcomp.progress import progress_bar
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
 from kvcomp.stages.normalization import ChannelStats, Normalizer
@@ -37,6 +39,8 @@ from kvcomp.stages.outliers import OutlierSelector
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SUPPORTED_BITS = (1, 2, 4, 8)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -282,6 +286,7 @@ class CodebookCodec(Codec):
         usable = tokens // 8 * 8  # whole chunks for every chunk length
         tensors: dict[str, torch.Tensor] = {}
         self._fit_iterations: list[int] = []
+        bar = progress_bar(self.model.num_layers * len(KINDS), f"{self.name}: k-means", "fit")
         for layer in range(self.model.num_layers):
             data = acts.layer(layer)
             fitted, errors = {}, {}
@@ -299,22 +304,16 @@ class CodebookCodec(Codec):
                         mse = self._heldout_mse(scheme, codebooks, held_x, held_g, stats)
                         errors.setdefault(kind, {})[name] = mse
                         tensors[f"layer{layer}.{kind}.mse.{name}"] = torch.tensor([mse])
+                bar.update(1)
             choice = self.choose_schemes(layer, errors)
             for kind in KINDS:
                 names = list(self.schemes(kind, layer))
                 name = choice.get(kind, names[0])
                 tensors[f"layer{layer}.{kind}.codebooks"] = fitted[(kind, name)].cpu()
                 tensors[f"layer{layer}.{kind}.scheme"] = torch.tensor([names.index(name)])
-            print(
-                f"[kvcomp] {self.name}: fitted layer {layer + 1}/{self.model.num_layers} "
-                f"({time.perf_counter() - start:.0f}s)",
-                flush=True,
-            )
-        print(
-            f"[kvcomp] {self.name} calibration: codebooks {time.perf_counter() - start:.1f}s "
-            f"(k-means iterations: max {max(self._fit_iterations)})",
-            flush=True,
-        )
+        bar.close()
+        log.info("%s calibration: codebooks %.1fs (k-means iterations: max %d)", self.name,
+                 time.perf_counter() - start, max(self._fit_iterations))
         return CodecState(tensors)
 
     def load_state(self, state: CodecState) -> None:

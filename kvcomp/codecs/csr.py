@@ -36,6 +36,7 @@ cache's measured bits add the online bank (``state_bits_per_value``); the offlin
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 
 import torch
@@ -48,6 +49,8 @@ from kvcomp.stages.neuraldict import DictTraining, train_dictionaries
 from kvcomp.stages.sparse_coding import (
     matching_pursuit, normalize_rows, orthogonal_matching_pursuit, reconstruct, sparse_weighted_sum,
 )
+
+log = logging.getLogger(__name__)
 
 CODERS = ("mp", "omp")
 SAMPLINGS = ("reverse_sequential", "random")
@@ -204,7 +207,7 @@ class CSRCodec(Codec):
             groups = self._layer_groups(kind, activations)
             shared = {f.name: getattr(cfg, f.name) for f in fields(DictTraining) if f.name not in ("atoms", "sparsity")}
             settings = DictTraining(atoms=self.offline_atoms, sparsity=getattr(cfg, f"train_{kind}_sparsity"), **shared)
-            print(f"[kvcomp] csr {kind}s: {len(groups)} layer groups {groups}", flush=True)
+            log.info("csr %ss: %d layer groups %s", kind, len(groups), groups)
             for g, group in enumerate(groups):
                 x = torch.cat([self._vectors(activations.layer(layer)[kind], kind) for layer in group], 1)
                 if cfg.dict_scope == "shared":

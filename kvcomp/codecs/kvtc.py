@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecStat
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
+from kvcomp.progress import progress_bar
 from kvcomp.stages.bit_allocation import (
     DP_TYPES, FP8_MAX, GROUP_SIZES, TYPE_BITS, GroupErrors, Plan, allocate_from, group_errors, truncation_plan,
 )
@@ -49,6 +51,8 @@ TYPE_NAMES = tuple(TYPE_BITS)
 QUANTIZATIONS = ("dp", "truncate")
 PCA_SOURCES = ("calibration", "prompt")
 SINK_DTYPES = ("fp8", "model")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,6 +172,7 @@ class KVTCCodec(Codec):
     def fit(self, activations: Activations) -> CodecState:
         """Per cache and layer group: PCA of the sampled rows and the DP's group errors (module docstring)."""
         cfg, tensors = self.config, {}
+        bar = progress_bar(len(KINDS) * len(self.layer_groups), f"{self.name}: PCA", "group")
         for kind in KINDS:
             layers = [activations.layer(layer)[kind].float() for layer in range(self.model.num_layers)]
             order = None
@@ -181,13 +186,15 @@ class KVTCCodec(Codec):
                 pca = fit_pca(rows, cfg.rank, cfg.pca_iters, cfg.seed)
                 middle = time.perf_counter()
                 errors = group_errors(pca.project(rows[: cfg.dp_rows]), tuple(cfg.group_sizes), DP_TYPES)
-                print(f"[kvcomp] kvtc {kind}s, layers {group.start}-{group.stop - 1}: PCA of {tuple(rows.shape)} -> rank "
-                      f"{pca.basis.shape[1]} in {middle - start:.0f}s, DP group errors on {min(cfg.dp_rows, len(rows))} rows "
-                      f"in {time.perf_counter() - middle:.0f}s", flush=True)
+                log.info("kvtc %ss, layers %d-%d: PCA of %s -> rank %d in %.0fs, DP group errors on %d rows in %.0fs",
+                         kind, group.start, group.stop - 1, tuple(rows.shape), pca.basis.shape[1], middle - start,
+                         min(cfg.dp_rows, len(rows)), time.perf_counter() - middle)
                 choices = torch.tensor([[s, TYPE_NAMES.index(k)] for s, k in errors.choices], dtype=torch.int32)
                 tensors |= {f"{kind}.{g}.mean": pca.mean, f"{kind}.{g}.basis": pca.basis, f"{kind}.{g}.deltas": errors.deltas,
                             f"{kind}.{g}.energy": torch.tensor([errors.energy], dtype=torch.float64),
                             f"{kind}.{g}.choices": choices}
+                bar.update(1)
+        bar.close()
         return CodecState(tensors)
 
     def load_state(self, state: CodecState) -> None:

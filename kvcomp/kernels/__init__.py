@@ -10,11 +10,20 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
 - ``benchmarking``: timing and L2 rotation shared by the GPU benchmarks in ``scripts/``.
 """
 
+import contextlib
 import os
+
+import torch
 
 from kvcomp.errors import ConfigError
 
 KERNEL_BACKENDS = ("torch", "triton")  # "torch": the references; "triton": the fused kernels where they exist
+
+
+def launch_device(device: torch.device):
+    """A context in which kernels launch on ``device``'s GPU (a model's layers may sit on several GPUs);
+    none on the CPU (the Triton interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def check_kernel_backend(backend: str, device: str) -> None:

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcomp.kernels import launch_device
 from kvcomp.kernels.codebook_encode import fused_encode_supported
 from kvcomp.stages.codebook import ChunkLayout
 
@@ -73,10 +74,11 @@ def encode_codebook_triton(z: torch.Tensor, codebooks: torch.Tensor, layout: Chu
     centroids = codebooks.shape[2]
     block_n = 64
     grid = (b * h, triton.cdiv(rows, block_n), d // layout.group_channels)
-    _encode_kernel[grid](
-        z.float().contiguous(), codebooks.contiguous(), out, h, t,
-        D=d, CENTROIDS=centroids, CODE_BITS=code_bits, TL=layout.time_len, CL=layout.channel_len, GC=layout.group_channels,
-        DIM_PAD=max(16, triton.next_power_of_2(layout.dim)), BLOCK_N=block_n,
-        BLOCK_K=min(64, max(16, triton.next_power_of_2(centroids))),
-    )
+    with launch_device(z.device):
+        _encode_kernel[grid](
+            z.float().contiguous(), codebooks.contiguous(), out, h, t,
+            D=d, CENTROIDS=centroids, CODE_BITS=code_bits, TL=layout.time_len, CL=layout.channel_len, GC=layout.group_channels,
+            DIM_PAD=max(16, triton.next_power_of_2(layout.dim)), BLOCK_N=block_n,
+            BLOCK_K=min(64, max(16, triton.next_power_of_2(centroids))),
+        )
     return out

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcomp.kernels import launch_device
 from kvcomp.kernels.decode_attention import CodebookReader, RotaryPositions, Segment, UniformReader, segment_length
 
 DENSE, UNIFORM, CODEBOOK = 0, 1, 2
@@ -295,21 +296,22 @@ def decode_attention_triton(
     placeholder = torch.zeros(1, device=device, dtype=torch.float32)
     rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
     block_r = max(16, triton.next_power_of_2(r))
-    slot = 0
-    for lo, hi, ki, vi, chunk, splits in launches:
-        keys, values = key_segments[ki], value_segments[vi]
-        stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder)}
-        if key_rope is not None and not isinstance(keys, torch.Tensor):
-            positions = key_rope.positions.to(device, torch.int32).contiguous()
-            rope = dict(positions=positions, pos_stride=positions.shape[1], inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(),
-                        rope_scaling=float(key_rope.scaling), ROPE=True, ROUND=ROUNDING.get(key_rope.dtype, 0))
-        else:
-            rope = {**rope, "ROPE": False}
-        _split_kernel[(b * h, splits)](
-            q, partial, lse, start, end, h, r, lo, hi, chunk, slot, total, scale * LOG2E, **stream, **rope,
-            D=d, HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_R=block_r, BLOCK_T=block_tokens,
-        )
-        slot += splits
-    _merge_kernel[(b * h,)](partial, lse, out, r, total, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
+    with launch_device(device):
+        slot = 0
+        for lo, hi, ki, vi, chunk, splits in launches:
+            keys, values = key_segments[ki], value_segments[vi]
+            stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder)}
+            if key_rope is not None and not isinstance(keys, torch.Tensor):
+                positions = key_rope.positions.to(device, torch.int32).contiguous()
+                rope = dict(positions=positions, pos_stride=positions.shape[1], inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(),
+                            rope_scaling=float(key_rope.scaling), ROPE=True, ROUND=ROUNDING.get(key_rope.dtype, 0))
+            else:
+                rope = {**rope, "ROPE": False}
+            _split_kernel[(b * h, splits)](
+                q, partial, lse, start, end, h, r, lo, hi, chunk, slot, total, scale * LOG2E, **stream, **rope,
+                D=d, HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_R=block_r, BLOCK_T=block_tokens,
+            )
+            slot += splits
+        _merge_kernel[(b * h,)](partial, lse, out, r, total, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
     return out
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcomp.kernels import launch_device
 from kvcomp.kernels.qjl_scores import SketchedKeys
 from kvcomp.stages.jl_sketch import estimator_scale
 
@@ -101,10 +102,11 @@ def qjl_scores_triton(query: torch.Tensor, keys: SketchedKeys) -> torch.Tensor:
         outlier_signs, outlier_norm, channels = signs, inlier_norm, signs
     block_r = _tile(r)
     grid = (b * h, t // group, triton.cdiv(r, block_r))
-    _qjl_scores_kernel[grid](
-        q, y, projection, signs, inlier_norm, outlier_signs, outlier_norm, channels, out,
-        r, t, estimator_scale(m), estimator_scale(m_out) if n_out else 0.0,
-        D=d, M=m, M_OUT=m_out, N_OUT=n_out, GROUP=group,
-        BLOCK_R=block_r, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_M=_tile(m),
-    )
+    with launch_device(q.device):
+        _qjl_scores_kernel[grid](
+            q, y, projection, signs, inlier_norm, outlier_signs, outlier_norm, channels, out,
+            r, t, estimator_scale(m), estimator_scale(m_out) if n_out else 0.0,
+            D=d, M=m, M_OUT=m_out, N_OUT=n_out, GROUP=group,
+            BLOCK_R=block_r, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_M=_tile(m),
+        )
     return out

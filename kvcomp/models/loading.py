@@ -13,27 +13,33 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str | None = None):
+               attn_implementation: str | None = None, device_map: str | None = None,
+               gpu_memory: str | None = None, cpu_memory: str | None = None):
     """Load ``(model, tokenizer)`` in eval mode.
 
     ``source``: ``"embedded"`` (SmolLM2-135M-Instruct from the kvcomp cache, fetched on first use),
     ``"hub"`` (the Hugging Face model ``hub_id``), or a local model folder. ``dtype``: one of
-    ``float32``, ``bfloat16``, ``float16``, ``auto``. The tokenizer pads on the left, with the eos
-    token when it has no pad token.
+    ``float32``, ``bfloat16``, ``float16``, ``auto``. ``device_map`` (``auto``, ``balanced``,
+    ``balanced_low_0``, ``sequential``) spreads whole decoder layers over the visible GPUs
+    (:func:`plan_device_map`) instead of putting the model on ``device``. The tokenizer pads on the
+    left, with the eos token when it has no pad token.
     """
     if dtype not in DTYPES:
         raise unknown_choice("dtype", dtype, DTYPES)
     check_device(device)
     location = model_location(source, hub_id)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"dtype": DTYPES[dtype]}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    if torch.device(device).type != "cpu":
+    if device_map is None and torch.device(device).type != "cpu":
         kwargs["device_map"] = device  # load straight onto the accelerator
     try:
+        if device_map is not None:
+            config = AutoConfig.from_pretrained(location)
+            kwargs["device_map"] = plan_device_map(config, DTYPES[dtype], device_map, gpu_memory, cpu_memory)
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(location)
     except Exception as err:
@@ -52,6 +58,59 @@ def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32"
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def plan_device_map(config, dtype, strategy: str = "auto", gpu_memory: str | int | None = None,
+                    cpu_memory: str | int | None = None, gpus: int | None = None) -> dict[str, str | int]:
+    """Where each module of a model with HF ``config`` goes: accelerate's placement (``strategy``) over
+    ``gpus`` GPUs (default: the visible ones) holding ``gpu_memory`` each (default: what each has free)
+    and ``cpu_memory`` of CPU offload (default: none), never splitting a decoder layer. Computed on meta
+    weights, so it needs no memory and no GPU."""
+    from accelerate import init_empty_weights, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory, get_max_memory
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=None if dtype == "auto" else dtype)
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    memory = None
+    if gpu_memory is not None or cpu_memory is not None or gpus is not None:
+        free = get_max_memory()
+        count = torch.cuda.device_count() if gpus is None else gpus
+        memory = {i: gpu_memory if gpu_memory is not None else free.get(i, 0) for i in range(count)}
+        memory["cpu"] = cpu_memory if cpu_memory is not None else 0
+    if strategy == "sequential":
+        memory = get_max_memory(memory)
+    else:
+        memory = get_balanced_memory(model, max_memory=memory, no_split_module_classes=no_split,
+                                     dtype=None if dtype == "auto" else dtype, low_zero=strategy == "balanced_low_0")
+    placement = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split,
+                                      dtype=None if dtype == "auto" else dtype)
+    if "disk" in placement.values():
+        raise ConfigError(
+            f"hardware.device_map={strategy}: the model does not fit in {memory} (modules "
+            f"{[k for k, v in placement.items() if v == 'disk']} would go to disk); use more GPUs, raise "
+            "hardware.gpu_memory, or offload to the CPU with hardware.cpu_memory"
+        )
+    return placement
+
+
+def layer_devices(model) -> dict[int, str]:
+    """``{decoder layer index: device}`` of a model loaded with a device map (empty otherwise). A map may
+    name each layer or only the module holding all of them (``model.layers``)."""
+    placement = getattr(model, "hf_device_map", None) or {}
+    if not placement:
+        return {}
+    prefix = next((name.rsplit(".", 1)[0] for name, _ in model.named_modules() if name.endswith("layers.0")), "model.layers")
+    layers = model.config.get_text_config().num_hidden_layers
+    devices = {}
+    for i in range(layers):
+        owner = max((k for k in placement if k == "" or f"{prefix}.{i}" == k or f"{prefix}.{i}".startswith(k + ".")),
+                    key=len, default=None)
+        if owner is not None:
+            device = placement[owner]
+            devices[i] = f"cuda:{device}" if isinstance(device, int) else str(device)
+    return devices
 
 
 def model_location(source: str, hub_id: str | None = None, fetch: bool = True) -> str:

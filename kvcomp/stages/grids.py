@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 
@@ -23,6 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvcomp.paths import cache_dir
+
+log = logging.getLogger(__name__)
 
 GRID_SAMPLES = 100_000
 GRID_STEPS = 300
@@ -93,7 +96,7 @@ def _cached_grid(meta: dict) -> torch.Tensor:
                 return grid
         except Exception:  # noqa: BLE001  (an unreadable file is recomputed below)
             pass
-        print(f"[kvcomp] grid file {path} is damaged; computing it again", flush=True)
+        log.warning("grid file %s is damaged; computing it again", path)
     grid = lloyd_grid(n, d, samples, steps, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -20,14 +20,18 @@ own ``[M, d]`` vectors.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kvcomp.progress import progress_bar
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
 from kvcomp.stages.sparse_coding import matching_pursuit, normalize_rows, reconstruct
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,8 @@ def relative_mse(x: torch.Tensor, atoms: torch.Tensor, s: int, chunk: int = 1638
 
 
 def train_dictionaries(vectors: torch.Tensor, settings: DictTraining, label: str = "") -> TrainedDictionaries:
-    """Train one dictionary per ``vectors[g] [M, d]`` (module docstring); prints one progress line per epoch
-    group and a summary."""
+    """Train one dictionary per ``vectors[g] [M, d]`` (module docstring); reports progress over epochs and
+    logs a summary."""
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(settings.seed)
     x = normalize_rows(vectors.float())
@@ -108,6 +112,7 @@ def train_dictionaries(vectors: torch.Tensor, settings: DictTraining, label: str
     total_steps = settings.epochs * steps_per_epoch
     beta = None
     stale, step = 0, 0
+    bar = progress_bar(settings.epochs, f"NeuralDict {label}", "epoch")
     for epoch in range(1, settings.epochs + 1):
         perm = torch.randperm(train.shape[1], generator=generator).to(x.device)
         for first in range(0, train.shape[1], settings.batch_size):
@@ -133,10 +138,13 @@ def train_dictionaries(vectors: torch.Tensor, settings: DictTraining, label: str
         best = torch.where(improved[:, None, None], atoms.detach(), best)
         best_mse = torch.minimum(best_mse, mse_now)
         stale = 0 if bool(improved.any()) else stale + 1
+        bar.set_postfix_str(f"held-out MSE {float(best_mse.mean()):.4f}")
+        bar.update(1)
         if stale >= settings.patience:
             break
+    bar.close()
     seconds = time.perf_counter() - start
-    print(f"[kvcomp] NeuralDict {label}: {x.shape[0]} x {settings.atoms} atoms of {x.shape[-1]} dims on "
-          f"{train.shape[1]} vectors each, s={settings.sparsity}, {len(history) - 1} epochs in {seconds:.0f}s; held-out "
-          f"relative MSE {history[0]:.4f} (k-means) -> {float(best_mse.mean()):.4f}", flush=True)
+    log.info("NeuralDict %s: %d x %d atoms of %d dims on %d vectors each, s=%d, %d epochs in %.0fs; held-out "
+             "relative MSE %.4f (k-means) -> %.4f", label, x.shape[0], settings.atoms, x.shape[-1], train.shape[1],
+             settings.sparsity, len(history) - 1, seconds, history[0], float(best_mse.mean()))
     return TrainedDictionaries(best, best_mse, history, seconds)

@@ -10,7 +10,7 @@ the top ``r`` principal directions of its own predictions ``Y_hat = X~ W``: ``W_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,11 +25,16 @@ class LinearPredictor:
     weight: torch.Tensor
     bias: torch.Tensor
     up: torch.Tensor | None = None
+    on_device: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies by device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.addmm(self.bias.float(), x.reshape(-1, x.shape[-1]).float(), self.weight.float())
-        if self.up is not None:
-            y = y @ self.up.float()
+        if x.device not in self.on_device:  # the layer's device: layers may live on several GPUs
+            self.on_device[x.device] = tuple(None if t is None else t.to(x.device, torch.float32)
+                                             for t in (self.weight, self.bias, self.up))
+        weight, bias, up = self.on_device[x.device]
+        y = torch.addmm(bias, x.reshape(-1, x.shape[-1]).float(), weight)
+        if up is not None:
+            y = y @ up
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,148 @@
+"""Sweeps at scale: launcher configs, GPU leases of local parallel members, aggregation and pictures."""
+
+import csv
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kvcomp.config import LoggerConfig, register_configs
+from kvcomp.parallel import lease_gpu, member_threads, parallel_jobs, register_resolver
+from kvcomp.plots import family, pick_metric, rate_distortion, read_rows, write_rate_distortion, x_value
+from kvcomp.results import write_failure, write_json_atomic
+from kvcomp.sweep import aggregate, member_placement
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "experiments" / "qjl" / "results" / "embedded_perplexity.csv"
+
+
+def _hydra(*overrides):
+    register_configs()
+    register_resolver()  # as run.py (through kvcomp.sweep) does
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_slurm_launcher_fields_are_overridable_and_the_8gpu_node_extends_it():
+    slurm = _hydra("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.account=proj",
+                   "hydra.launcher.timeout_min=30").hydra.launcher
+    assert slurm._target_.endswith("SlurmLauncher")
+    assert (slurm.partition, slurm.account, slurm.timeout_min, slurm.gpus_per_node) == ("gpu", "proj", 30, 1)
+    assert slurm.cpus_per_task and slurm.mem_gb
+    node = _hydra("hydra/launcher=slurm_8gpu").hydra.launcher
+    assert node._target_.endswith("SlurmLauncher") and node.gpus_per_node == 8 and node.mem_gb > slurm.mem_gb
+
+
+def test_local_parallel_defaults_to_one_member_per_gpu_or_two_on_cpu(monkeypatch):
+    launcher = _hydra("hydra/launcher=local_parallel").hydra.launcher
+    assert launcher._target_.endswith("JoblibLauncher")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert OmegaConf.to_container(launcher, resolve=True)["n_jobs"] == 2 == parallel_jobs()
+    assert _hydra("hydra/launcher=local_parallel", "hydra.launcher.n_jobs=3").hydra.launcher.n_jobs == 3
+    assert member_threads(2) == max(1, __import__("os").cpu_count() // 2) and member_threads(64) == 1
+
+
+def test_gpu_leases_are_exclusive_and_a_member_waits_for_a_free_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvcomp.parallel.lock_dir", lambda: tmp_path)
+    gpus = ["3", "GPU-uuid-b"]
+    with lease_gpu(gpus) as first, lease_gpu(gpus) as second:
+        assert {first, second} == {0, 1}
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(_lease_once(gpus)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not got  # both GPUs are held: the third member waits
+    waiter.join(5)
+    assert got and got[0] in (0, 1)
+    with pytest.raises(RuntimeError, match="no GPU is visible"):
+        with lease_gpu([]):
+            pass
+
+
+def _lease_once(gpus):
+    with lease_gpu(gpus, poll_seconds=0.05) as index:
+        return index
+
+
+def test_a_cpu_member_takes_its_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = OmegaConf.create({"hardware": {"device": "cpu", "threads": 0}})
+    with member_placement(cfg, 64):
+        import os
+
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
+ROWS = [
+    {"model": "m", "benchmark": "ppl 4x64", "codec": "fp16()", "bits_per_value": 16.0, "ppl_streaming": 10.0},
+    {"model": "m", "benchmark": "ppl 4x64", "codec": "kivi(bits=2)", "bits_per_value": 3.0, "ppl_streaming": 14.0},
+    {"model": "m", "benchmark": "ppl 4x64", "codec": "kivi(bits=4)", "bits_per_value": 5.0, "ppl_streaming": 10.5},
+    {"model": "m", "benchmark": "ppl 4x64", "codec": "kvtc(cr=16)", "bits_per_value": 0.9, "cr": 17.5, "ppl_streaming": 11.0},
+    {"model": "m", "benchmark": "ruler 2k", "codec": "kivi(bits=2)", "bits_per_value": 3.0, "acc_avg": 40.0},
+    {"model": "m", "benchmark": "ppl 4x64", "codec": "qjl()", "status": "failed", "error": "boom"},
+]
+
+
+def test_rate_distortion_draws_a_line_per_family_and_the_reference_flat():
+    assert family("kivi(bits=2, group_size=32)") == "kivi" and family("fp16()") == "fp16"
+    assert x_value(ROWS[3], "cr") == 17.5 and x_value(ROWS[1], "cr") == pytest.approx(16 / 3)
+    assert pick_metric(ROWS, None) == "ppl_streaming"
+    with pytest.raises(ValueError, match="valid: ppl_streaming, acc_avg"):
+        pick_metric(ROWS, "score_avg")
+    figure = rate_distortion(ROWS, "bits")
+    (ax,) = [a for a in figure.axes if a.get_visible()]  # one (model, benchmark) pair holds the metric
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"fp16 (10)", "kivi", "kvtc"}
+    assert list(lines["kivi"].get_xdata()) == [3.0, 5.0] and list(lines["kivi"].get_ydata()) == [14.0, 10.5]
+    assert set(lines["fp16 (10)"].get_ydata()) == {10.0} and ax.get_yscale() == "log"
+    ruler = rate_distortion(ROWS, "cr", "acc_avg")
+    (ax,) = [a for a in ruler.axes if a.get_visible()]
+    assert [line.get_label() for line in ax.get_lines()] == ["kivi"] and ax.get_yscale() == "linear"
+    with pytest.raises(ValueError, match="x='ratio' is unknown"):
+        rate_distortion(ROWS, "ratio")
+    assert rate_distortion([ROWS[-1]]) is None
+
+
+def test_aggregate_writes_summary_and_plot_and_counts_failures(tmp_path, monkeypatch):
+    for i, row in enumerate(ROWS[1:3]):
+        write_json_atomic(tmp_path / f"m{i}" / "results.json",
+                          {"overrides": [f"codec.bits={2 + 2 * i}"], "rows": [{**ROWS[0], "reference_key": "r"}, row]})
+    assert aggregate(tmp_path) == 0
+    for name in ("summary.md", "summary.csv", "rate_distortion.png", "rate_distortion.svg"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "<svg" in (tmp_path / "rate_distortion.svg").read_text()
+    assert len(read_rows(tmp_path)) == 3 and not list(tmp_path.glob(".*tmp*"))
+    write_failure(tmp_path / "m2", {"codec": {"name": "qjl"}}, ["codec=qjl"], RuntimeError("boom"))
+    assert aggregate(tmp_path, y="ppl_streaming") == 1
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        assert sum(row["status"] == "failed" for row in csv.DictReader(handle)) == 1
+
+
+def test_aggregate_logs_the_plot_to_wandb(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    write_json_atomic(tmp_path / "m0" / "results.json", {"overrides": ["codec.bits=2"], "rows": ROWS[:2]})
+    aggregate(tmp_path, OmegaConf.structured(LoggerConfig(name="wandb", mode="offline")))
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert list(run.rglob("rate_distortion_*.png")) and list(run.rglob("results_*.table.json"))
+
+
+def test_plot_sweep_redraws_committed_results_together(tmp_path):
+    other = ROOT / "experiments" / "csr" / "results" / "embedded_ruler.csv"
+    rows = read_rows(COMMITTED)
+    assert any(family(r["codec"]) == "qjl" for r in rows)
+    script = [sys.executable, str(ROOT / "scripts" / "plot_sweep.py")]
+    done = subprocess.run([*script, str(COMMITTED), str(other), "--y", "acc_avg", "--x", "cr", "--out", str(tmp_path / "rd")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "rd.png").stat().st_size > 10_000 and (tmp_path / "rd.svg").is_file()
+    bad = subprocess.run([*script, str(COMMITTED), "--y", "acc_nope", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "metric 'acc_nope' is in no row; valid: ppl_streaming" in bad.stderr
+    assert write_rate_distortion(rows, tmp_path / "again") == [tmp_path / "again.png", tmp_path / "again.svg"]
