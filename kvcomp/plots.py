@@ -2,7 +2,8 @@
 
 Rows are the summary rows of a sweep (:func:`kvcomp.results.load_rows`) or of a committed
 ``summary.csv``. Each (model, benchmark) pair gets its own panel, since numbers from other models or
-benchmark settings are not comparable. In a panel every codec family (the codec name before its
+benchmark settings are not comparable (``panels_by`` splits further, e.g. by ``experiment`` when two
+experiments ran one benchmark with other protocol settings). In a panel every codec family (the codec name before its
 settings, e.g. ``kivi``) is one line through its points, and the uncompressed reference (``fp16``) is a
 horizontal line. Perplexities are drawn on a log axis.
 """
@@ -63,8 +64,8 @@ def pick_metric(rows: list[dict], y: str | None) -> str | None:
     return y
 
 
-def _panels(rows: list[dict], x: str, y: str) -> dict[tuple[str, str], dict[str, list[tuple[float, float]]]]:
-    """``{(model, benchmark): {family: sorted unique (x, y) points}}`` of the successful rows."""
+def _panels(rows: list[dict], x: str, y: str, panels_by: tuple[str, ...] = ()) -> dict[tuple, dict[str, list]]:
+    """``{(model, benchmark, *panels_by values): {family: sorted unique (x, y) points}}`` of the successful rows."""
     panels: dict = defaultdict(lambda: defaultdict(set))
     for row in rows:
         if row.get("status") == "failed":
@@ -73,12 +74,14 @@ def _panels(rows: list[dict], x: str, y: str) -> dict[tuple[str, str], dict[str,
         name = family(row.get("codec", ""))
         if value is None or (position is None and name != REFERENCE):
             continue
-        panels[(str(row.get("model", "")), str(row.get("benchmark", "")))][name].add((position, value))
+        key = tuple(str(row.get(column, "")) for column in ("model", "benchmark", *panels_by))
+        panels[key][name].add((position, value))
     return {key: {name: sorted(points, key=lambda p: (p[0] or 0.0, p[1])) for name, points in lines.items()}
             for key, lines in sorted(panels.items())}
 
 
-def rate_distortion(rows: list[dict], x: str = "bits", y: str | None = None, title: str | None = None):
+def rate_distortion(rows: list[dict], x: str = "bits", y: str | None = None, title: str | None = None,
+                    panels_by: tuple[str, ...] = ()):
     """A matplotlib Figure (no pyplot state) of metric ``y`` against ``x`` (see the module docstring),
     or ``None`` when no row holds a metric."""
     from matplotlib.figure import Figure
@@ -86,14 +89,14 @@ def rate_distortion(rows: list[dict], x: str = "bits", y: str | None = None, tit
     metric = pick_metric(rows, y)
     if metric is None:
         return None
-    panels = _panels(rows, x, metric)
+    panels = _panels(rows, x, metric, panels_by)
     if not panels:
         return None
     columns = min(3, len(panels))
     lines_of = math.ceil(len(panels) / columns)
     figure = Figure(figsize=(6.4 * columns, 4.6 * lines_of), layout="constrained")
     axes = figure.subplots(lines_of, columns, squeeze=False).ravel()
-    for ax, ((model, benchmark), lines) in zip(axes, panels.items()):
+    for ax, ((model, benchmark, *split), lines) in zip(axes, panels.items()):
         reference = lines.pop(REFERENCE, [])
         for (_, value) in reference:
             ax.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{REFERENCE} ({value:.3g})")
@@ -105,7 +108,7 @@ def rate_distortion(rows: list[dict], x: str = "bits", y: str | None = None, tit
             ax.set_xscale("log", base=2)
         ax.set_xlabel(X_AXES[x])
         ax.set_ylabel(metric)
-        ax.set_title(f"{model}: {benchmark}", fontsize=10)
+        ax.set_title(", ".join([f"{model}: {benchmark}", *split]), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     for ax in axes[len(panels):]:

@@ -29,6 +29,7 @@ from kvcomp.kernels import check_kernel_backend
 from kvcomp.models.fingerprint import model_fingerprint
 from kvcomp.models.loading import check_device, layer_devices, load_model, model_location
 from kvcomp.paths import cache_dir
+from kvcomp.plots import X_AXES
 from kvcomp.progress import quiet_library_bars
 from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, versions
 
@@ -52,6 +53,8 @@ def check_config(cfg: DictConfig) -> RunPlan:
     naming the field and the valid choices. Needs no model (a sweep checks all members up front)."""
     if cfg.benchmark.name not in BENCHMARKS:
         raise unknown_choice("benchmark", cfg.benchmark.name, BENCHMARKS)
+    if cfg.get("plot") is not None and cfg.plot.x not in X_AXES:
+        raise unknown_choice("plot.x", cfg.plot.x, X_AXES)
     plan = RunPlan(
         model=typed("model", cfg.model),
         hardware=typed("hardware", cfg.hardware),

@@ -60,6 +60,7 @@ def run_job(cfg: DictConfig, output_dir: Path, overrides: list[str], in_sweep: b
     config (``hydra.launcher``) of the job."""
     from kvcomp.runner import run
 
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith("plot.")]  # how the sweep draws, not the run
     parallel = in_sweep and launcher is not None and str(launcher.get("_target_", "")).endswith(PARALLEL_LAUNCHER)
     try:
         if parallel:
@@ -127,7 +128,11 @@ def aggregate(sweep_dir: str | Path, logger: DictConfig | None = None, x: str = 
     if table:
         log.info("sweep summary (%s):\n%s", sweep_dir / "summary.md", table)
         rows, _ = load_rows(sweep_dir)
-        plots = write_rate_distortion(rows, sweep_dir / "rate_distortion", x=x, y=y)
+        try:
+            plots = write_rate_distortion(rows, sweep_dir / "rate_distortion", x=x, y=y)
+        except ValueError as error:  # e.g. plot.y names no metric of these rows: the summary stands
+            log.error("no rate-distortion plot: %s", error)
+            plots = []
         if plots:
             log.info("rate-distortion plot: %s", plots[0])
         if logger is not None and logger.name == "wandb":
@@ -158,5 +163,5 @@ class AggregateSweep(Callback):
             log.info("sweep member #%d: %s", job.num, " ".join(config.hydra.overrides.task) or "(no overrides)")
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if aggregate(config.hydra.sweep.dir, config.logger):
+        if aggregate(config.hydra.sweep.dir, config.logger, config.plot.x, config.plot.y):
             sys.exit(1)

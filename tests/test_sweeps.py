@@ -146,3 +146,21 @@ def test_plot_sweep_redraws_committed_results_together(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "metric 'acc_nope' is in no row; valid: ppl_streaming" in bad.stderr
     assert write_rate_distortion(rows, tmp_path / "again") == [tmp_path / "again.png", tmp_path / "again.svg"]
+
+
+def test_plot_axis_is_checked_with_the_config():
+    from kvcomp.errors import ConfigError
+    from kvcomp.runner import check_config
+
+    with pytest.raises(ConfigError, match="unknown plot.x 'ratio'; valid choices: bits, cr"):
+        check_config(_hydra("plot.x=ratio"))
+
+
+def test_the_rate_distortion_notebook_is_committed_executed():
+    import json
+
+    notebook = json.loads((ROOT / "notebooks" / "rate_distortion.ipynb").read_text())
+    outputs = [o for cell in notebook["cells"] if cell["cell_type"] == "code" for o in cell["outputs"]]
+    assert all(cell["execution_count"] for cell in notebook["cells"] if cell["cell_type"] == "code")
+    assert not [o for o in outputs if o["output_type"] == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4
