@@ -150,6 +150,7 @@ class AggregateSweep(Callback):
     them after the multirun."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.members = len(sweep_members(config) or [])  # known for basic sweeps; shown as members start
         problems = check_members(config)
         for overrides, problem in problems:
             print(f"kvcomp: sweep member {' '.join(overrides)} is invalid: {problem}", file=sys.stderr)
@@ -160,7 +161,8 @@ class AggregateSweep(Callback):
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         job = config.hydra.job
         if job.get("num") is not None and config.hydra.mode == RunMode.MULTIRUN:
-            log.info("sweep member #%d: %s", job.num, " ".join(config.hydra.overrides.task) or "(no overrides)")
+            of = f"/{self.members}" if getattr(self, "members", 0) else ""  # this process launched the sweep
+            log.info("sweep member %d%s: %s", job.num + 1, of, " ".join(config.hydra.overrides.task) or "(no overrides)")
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if aggregate(config.hydra.sweep.dir, config.logger, config.plot.x, config.plot.y):
