@@ -68,6 +68,45 @@ def test_uniform_kernel_matches_the_reference(shape):
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("r, dot", [(16, None), (4, True), (16, False)], ids=["r16-dot", "r4-forced-dot", "r16-registers"])
+def test_both_product_paths_match_the_reference(r, dot):
+    """Scores and P V as register reductions (the default up to 8 query heads per KV head) or as tl.dot."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
+    b, h, d, group = 2, 1, 32, 16
+    gen = torch.Generator().manual_seed(r)
+    key_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 4, group, "per_token")
+    tail = torch.randn(b, h, 7, d, generator=gen)
+    keys, values = [key_reader, tail], [value_reader, tail]
+    query = torch.randn(b, h * r, d, generator=gen)
+    valid = _mask(b, 4 * group + 7, gen)
+    reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
+    out = decode_attention_triton(query, keys, values, d**-0.5, *valid_ranges(valid), num_splits=2, dot=dot)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_nothing_that_grows_with_the_cache_specializes_a_kernel():
+    """Triton compiles a variant per value class (1, multiple of 16) of every specialised integer: lengths,
+    bounds and strides that grow with the cache would recompile the kernels as decoding goes on."""
+    from kvcomp.kernels import decode_attention_triton as kernels
+
+    growing = {"lo", "hi", "chunk", "slot0", "num_slots", "pos_stride",
+               *(f"{s}_{name}" for s in "kv" for name in ("s_b", "s_h", "s_t", "length", "first"))}
+    assert growing <= _unspecialized(kernels._split_kernel) and "num_slots" in _unspecialized(kernels._merge_kernel)
+    from kvcomp.kernels.codebook_encode_triton import _encode_kernel
+    from kvcomp.kernels.qjl_scores_triton import _qjl_scores_kernel
+
+    assert "T" in _unspecialized(_encode_kernel) and "T" in _unspecialized(_qjl_scores_kernel)
+
+
+def _unspecialized(kernel) -> set[str]:
+    """A jitted kernel's ``do_not_specialize`` argument names (compiled or under the interpreter)."""
+    listed = getattr(kernel, "do_not_specialize", None)
+    listed = kernel.kwargs["do_not_specialize"] if listed is None else listed
+    return {kernel.arg_names[i] if isinstance(i, int) else i for i in listed}
+
+
 LAYOUTS = {  # name -> (layout, centroids): the three codebook codecs' schemes at 2 bits
     "temporal": (ChunkLayout(4, 1, 4), 256),
     "channel": (ChunkLayout(1, 4, 4), 256),

@@ -20,7 +20,7 @@ from kvcomp.kernels.codebook_encode import fused_encode_supported
 from kvcomp.stages.codebook import ChunkLayout
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # prompt and block lengths vary: no recompilation per length
 def _encode_kernel(
     z_ptr, codebooks_ptr, out_ptr, H, T,
     D: tl.constexpr, CENTROIDS: tl.constexpr, CODE_BITS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr,

@@ -12,11 +12,19 @@ Flash-decoding in two kernels:
 
 The cache is cut at every segment boundary of either stream (keys and values follow different
 schedules), so each launch of the split kernel reads one key segment and one value segment, each of a
-format fixed at compile time. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
+format fixed at compile time. Everything that changes with the cache length (segment bounds, lengths,
+strides, slot counts) is a ``do_not_specialize`` argument: a growing cache never recompiles a kernel.
+
+Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), far below an MMA tile, so by
+default (``R <= 8``) scores and ``P V`` are broadcast products reduced in registers: no ``tl.dot``, whose
+operand conversions staged every decoded K/V tile through shared memory (110 KB per block, 12.5 %
+occupancy on an H100). More query heads per KV head use ``tl.dot``. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
 is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -109,7 +117,10 @@ def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c
     return lo * cos - hi * sin, hi * cos + lo * sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[
+    "lo", "hi", "chunk", "slot0", "num_slots", "k_s_b", "k_s_h", "k_s_t", "k_length", "k_first",
+    "v_s_b", "v_s_h", "v_s_t", "v_length", "v_first", "pos_stride",
+])
 def _split_kernel(
     q_ptr, part_ptr, lse_ptr, start_ptr, end_ptr,
     H, R, lo, hi, chunk, slot0, num_slots, qk_scale,
@@ -125,7 +136,7 @@ def _split_kernel(
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
-    ROPE: tl.constexpr, ROUND: tl.constexpr,
+    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -158,7 +169,10 @@ def _split_kernel(
                              K_TOKEN_CENTER)
         if ROPE:
             k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
-        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
+        if DOT:
+            s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
+        else:  # in registers: [BLOCK_R, 1, C] x [1, BLOCK_T, C] summed over channels
+            s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], 2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], 2)
         s = tl.where(g_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -169,8 +183,12 @@ def _split_kernel(
                              v_s_b, v_s_h, v_s_t, v_length, b, h, H, g - v_first, g_ok, c, c_ok, D, V_FMT, V_BITS,
                              V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE,
                              V_TOKEN_CENTER)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+        if DOT:
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+        else:  # [BLOCK_R, BLOCK_T, 1] x [1, BLOCK_T, C] summed over tokens
+            acc_lo = acc_lo * alpha[:, None] + tl.sum(p[:, :, None] * v_lo[None, :, :], 1)
+            acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], 1)
         m_i = m_new
 
     filled = l_i > 0
@@ -182,7 +200,7 @@ def _split_kernel(
     tl.store(lse_ptr + slot * R + rows, tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf")), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, R, num_slots, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     bh = tl.program_id(0)
     rows = tl.arange(0, BLOCK_R)
@@ -245,6 +263,7 @@ def _boundaries(segments: list[Segment]) -> list[int]:
     return bounds
 
 
+@functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -260,11 +279,15 @@ def decode_attention_triton(
     end: torch.Tensor,
     key_rope: RotaryPositions | None = None,
     num_splits: int | None = None,
-    block_tokens: int = 64,
+    block_tokens: int | None = None,
+    dot: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference` with the valid
     tokens of sequence ``b`` the cached range ``[start[b], end[b])``. ``num_splits``: slices per segment
-    interval (default: enough programs for two waves over the GPU's multiprocessors)."""
+    interval (default: enough programs for two waves over the GPU's multiprocessors). ``dot``: ``tl.dot``
+    for scores and ``P V`` (default: only above 8 query heads per KV head, see the module docstring);
+    ``block_tokens``: tokens per tile (default: 64 with ``tl.dot``, else ``128 / R`` rounded up to a
+    power of two, at least 16, so that the register products stay at 128 x head_dim / 2 values)."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -273,6 +296,9 @@ def decode_attention_triton(
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
     device = query.device
+    dot = r > 8 if dot is None else dot
+    block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
+    block_tokens = block_tokens or (64 if dot else max(16, 128 // block_r))
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     if key_bounds[-1] != value_bounds[-1]:
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
@@ -295,7 +321,7 @@ def decode_attention_triton(
     start, end = start.to(device, torch.int32).contiguous(), end.to(device, torch.int32).contiguous()
     placeholder = torch.zeros(1, device=device, dtype=torch.float32)
     rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
-    block_r = max(16, triton.next_power_of_2(r))
+    half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     with launch_device(device):
         slot = 0
         for lo, hi, ki, vi, chunk, splits in launches:
@@ -309,7 +335,7 @@ def decode_attention_triton(
                 rope = {**rope, "ROPE": False}
             _split_kernel[(b * h, splits)](
                 q, partial, lse, start, end, h, r, lo, hi, chunk, slot, total, scale * LOG2E, **stream, **rope,
-                D=d, HALF_PAD=max(16, triton.next_power_of_2(d // 2)), BLOCK_R=block_r, BLOCK_T=block_tokens,
+                D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=block_tokens, DOT=dot,
             )
             slot += splits
         _merge_kernel[(b * h,)](partial, lse, out, r, total, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))

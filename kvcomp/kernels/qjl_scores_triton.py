@@ -22,7 +22,7 @@ from kvcomp.kernels.qjl_scores import SketchedKeys
 from kvcomp.stages.jl_sketch import estimator_scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # grows with the cache: no recompilation as decoding goes on
 def _qjl_scores_kernel(
     q_ptr, y_ptr, s_ptr, signs_ptr, inlier_norm_ptr, outlier_signs_ptr, outlier_norm_ptr, channels_ptr, out_ptr,
     R, T, scale_in, scale_out,
