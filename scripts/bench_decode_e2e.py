@@ -1,0 +1,267 @@
+"""End to end decode speed and memory of every compressed cache against transformers' DynamicCache
+(issue 20; writes its section of BENCHMARKS.md).
+
+A random-weight Llama with Llama-3.1-8B layer shapes (hidden 4096, 32 query / 8 KV heads, head_dim 128,
+MLP 14336, vocabulary 32000) and ``--layers`` layers (4), bf16. For every batch x context a random
+prompt is prefilled in 2,048-token chunks, then greedy decode steps run after warm-up steps. Rows:
+
+- ``DynamicCache``: the model as transformers builds it, ``sdpa`` attention;
+- every codec: ``CompressedCache`` (``exact_prefill``) on a copy with the same weights after
+  ``install(model, "triton")``, so decode steps take the codec's fused kernels where it has them.
+  Calibrated codecs get random codebooks and statistics (speed does not depend on them).
+
+Per row: median ms per decode step (CUDA events around each step), tokens per second, peak GPU memory
+(``max_memory_allocated`` from the prefill on, model weights included) and the ratio to DynamicCache's
+step. ``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the
+device, found by real allocations (doubling, then bisection, out-of-memory errors caught), for each
+row. ``--agreement``: teacher-forced decoding through the fused path and through the torch path of
+the same codec, fed the same tokens: relative error of the logits and greedy agreement.
+
+    python scripts/bench_decode_e2e.py --write                       # on a CUDA GPU (about 10 minutes)
+    python scripts/bench_decode_e2e.py --max-batch --agreement --write
+    TRITON_INTERPRET=1 python scripts/bench_decode_e2e.py --smoke    # CPU check of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_attention import CODECS as KERNEL_CODECS  # noqa: E402
+from bench_decode_attention import synthetic_state  # noqa: E402
+from bench_decode_overhead import machine, revision  # noqa: E402
+
+from kvcomp.cache import CompressedCache, install  # noqa: E402
+from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
+from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
+from kvcomp.kernels.benchmarking import write_section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "## End-to-end decode through the compressed caches (issue 20)"
+BASELINE = "DynamicCache"
+ROWS = {BASELINE: None, "fp16": {"name": "fp16"}, **KERNEL_CODECS, "qjl": {"name": "qjl"}}
+SETTINGS = {
+    "cuda": dict(model=dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                            head_dim=128, vocab_size=32000),
+                 dtype=torch.bfloat16, shapes=((8, 16384), (16, 16384), (8, 32768), (16, 32768)), chunk=2048,
+                 warmup=4, steps=16, max_batch_context=32768, max_batch_limit=4096, agreement=(2, 1536, 64)),
+    "smoke": dict(model=dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=32, vocab_size=100),
+                  dtype=torch.float32, shapes=((2, 192),), chunk=64, warmup=1, steps=2, max_batch_context=192,
+                  max_batch_limit=2, agreement=(2, 192, 2)),
+}
+
+
+def build_models(setting: dict, layers: int, device: torch.device):
+    """``(plain, hooked)``: the same random weights with ``sdpa`` attention, and after ``install``."""
+    torch.manual_seed(0)
+    longest = max([p for _, p in setting["shapes"]] + [setting["max_batch_context"]])
+    config = LlamaConfig(**setting["model"], num_hidden_layers=layers, max_position_embeddings=longest + 256)
+    with torch.device(device):
+        plain = LlamaForCausalLM(config).to(setting["dtype"]).eval()
+    plain.set_attn_implementation("sdpa")
+    hooked = copy.deepcopy(plain)
+    install(hooked, "triton")
+    return plain, hooked
+
+
+def new_cache(name: str, models: tuple, backend: str = "triton"):
+    """``(model, cache)`` of a row; codecs with codebooks get random ones."""
+    if ROWS[name] is None:
+        return models[0], DynamicCache(config=models[0].config)
+    model = models[1]
+    install(model, backend)
+    codec = build_codec(ROWS[name], ModelInfo.from_hf_config(model.config))
+    codec.kernel_backend = backend
+    if isinstance(codec, CodebookCodec):
+        synthetic_state(codec, torch.Generator().manual_seed(0))
+    return model, CompressedCache(codec, protocol="exact_prefill")
+
+
+def forward(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    """Last-position logits ``[B, vocab]`` after ``ids``."""
+    return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    for start in range(0, ids.shape[1], chunk):
+        logits = forward(model, cache, ids[:, start : start + chunk])
+    return logits.argmax(-1, keepdim=True)
+
+
+def step_ms(model, cache, token: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        token = forward(model, cache, token).argmax(-1, keepdim=True)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end), token
+    import time
+
+    begin = time.perf_counter()
+    token = forward(model, cache, token).argmax(-1, keepdim=True)
+    return 1e3 * (time.perf_counter() - begin), token
+
+
+def _fresh(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+@torch.inference_mode()
+def speed(setting: dict, models: tuple, rows: list[str], device: torch.device, log) -> list[dict]:
+    """One table row per (shape, cache row), rows measured one after another on a fresh cache."""
+    out = []
+    vocab = models[0].config.vocab_size
+    for batch, context in setting["shapes"]:
+        ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(batch)).to(device)
+        baseline = None
+        for name in rows:
+            _fresh(device)
+            model, cache = new_cache(name, models)
+            token = prefill(model, cache, ids, setting["chunk"])
+            times = []
+            for i in range(setting["warmup"] + setting["steps"]):
+                ms, token = step_ms(model, cache, token, device)
+                if i >= setting["warmup"]:
+                    times.append(ms)
+            ms = statistics.median(times)
+            baseline = ms if name == BASELINE else baseline
+            out.append({"batch": batch, "context": context, "cache": name, "ms": ms, "tokens_per_s": 1e3 * batch / ms,
+                        "peak_gib": _peak(device), "ratio": ms / baseline if baseline else float("nan")})
+            log(f"[bench] batch {batch} x {context} {name}: {ms:.2f} ms/step, peak {out[-1]['peak_gib']:.2f} GiB")
+            del cache
+    return out
+
+
+def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.device) -> bool:
+    """Whether a prefill of ``max_batch_context`` tokens and two decode steps fit at ``batch``."""
+    _fresh(device)
+    try:
+        model, cache = new_cache(name, models)
+        ids = torch.randint(0, models[0].config.vocab_size, (batch, setting["max_batch_context"]), device=device)
+        chunk = max(16, min(setting["chunk"], (1 << 15) // batch))  # activations of a forward stay small
+        token = prefill(model, cache, ids, chunk)
+        for _ in range(2):
+            token = forward(model, cache, token).argmax(-1, keepdim=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        cache = model = None  # noqa: F841  (release before the next try)
+        _fresh(device)
+
+
+@torch.inference_mode()
+def max_batch(setting: dict, models: tuple, rows: list[str], device: torch.device, log) -> list[dict]:
+    out = []
+    for name in rows:
+        low, high = 0, 1
+        while high <= setting["max_batch_limit"] and _fits(name, high, setting, models, device):
+            low, high = high, high * 2
+        high = min(high, setting["max_batch_limit"] + 1)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if _fits(name, middle, setting, models, device) else (low, middle)
+        out.append({"cache": name, "max_batch": low, "capped": low == setting["max_batch_limit"]})
+        log(f"[bench] largest batch at {setting['max_batch_context']} tokens, {name}: {low}")
+    base = next(r["max_batch"] for r in out if r["cache"] == BASELINE) if BASELINE in rows else 0
+    for row in out:
+        row["vs_bf16"] = row["max_batch"] / base if base else float("nan")
+    return out
+
+
+@torch.inference_mode()
+def agreement(setting: dict, models: tuple, rows: list[str], device: torch.device, log) -> list[dict]:
+    """Teacher-forced: the torch path's greedy tokens are fed to both paths of each codec."""
+    batch, context, steps = setting["agreement"]
+    ids = torch.randint(0, models[0].config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(7)).to(device)
+    out = []
+    def run(backend: str, cache, tokens: torch.Tensor) -> torch.Tensor:
+        install(models[1], backend)  # both paths share the hooked model: its modules carry the backend
+        return forward(models[1], cache, tokens)
+
+    for name in [r for r in rows if r != BASELINE]:
+        caches = {backend: new_cache(name, models, backend)[1] for backend in ("torch", "triton")}
+        logits = {b: run(b, c, ids) for b, c in caches.items()}
+        errors, agree = [], []
+        for _ in range(steps):
+            token = logits["torch"].argmax(-1, keepdim=True)
+            logits = {b: run(b, c, token) for b, c in caches.items()}
+            errors.append(float((logits["triton"].float() - logits["torch"].float()).norm() / logits["torch"].float().norm()))
+            agree.append(float((logits["triton"].argmax(-1) == logits["torch"].argmax(-1)).float().mean()))
+        install(models[1], "triton")
+        out.append({"cache": name, "rel_error": statistics.mean(errors), "max_rel_error": max(errors),
+                    "agreement": statistics.mean(agree)})
+        log(f"[bench] teacher-forced {name}: logits rel. error {out[-1]['rel_error']:.2e}, argmax agreement {out[-1]['agreement']:.3f}")
+    return out
+
+
+def tables(speed_rows, batch_rows, agree_rows, setting: dict) -> str:
+    lines = ["| batch | context | cache | ms per decode step | tokens/s | peak GiB | vs DynamicCache |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['context']} | {r['cache']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | "
+              f"{r['ratio']:.2f}x |" for r in speed_rows]
+    if batch_rows:
+        lines += ["", f"Largest batch at {setting['max_batch_context']} tokens (real allocations):", "",
+                  "| cache | largest batch | vs DynamicCache (bf16) |", "|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['max_batch']}{'+' if r['capped'] else ''} | {r['vs_bf16']:.2f}x |" for r in batch_rows]
+    if agree_rows:
+        batch, context, steps = setting["agreement"]
+        lines += ["", f"Fused vs torch path, teacher-forced ({batch} x {context}-token prompt, {steps} steps):", "",
+                  "| codec | logits rel. error (mean) | max | greedy agreement |", "|---|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['rel_error']:.2e} | {r['max_rel_error']:.2e} | {r['agreement']:.3f} |" for r in agree_rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--max-batch", action="store_true", help="also search the largest batch at 32K tokens")
+    parser.add_argument("--agreement", action="store_true", help="also compare the fused and torch paths")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    name = "smoke" if args.smoke else "cuda"
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    setting = SETTINGS[name]
+    layers = 2 if args.smoke else args.layers
+    models = build_models(setting, layers, device)
+    speed_rows = speed(setting, models, args.rows, device, log)
+    batch_rows = max_batch(setting, models, args.rows, device, log) if args.max_batch or args.smoke else []
+    agree_rows = agreement(setting, models, args.rows, device, log) if args.agreement or args.smoke else []
+    body = tables(speed_rows, batch_rows, agree_rows, setting)
+    if not args.smoke:
+        command = "python scripts/bench_decode_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        body = "\n".join([f"Command: `{command.strip()}` at revision {revision()}.", f"Machine: {machine(device)}.", "",
+                          f"Random-weight Llama, Llama-3.1-8B layer shapes, {layers} layers, bf16.", "", body])
+    print(body)
+    if args.write and not args.smoke:
+        write_section(ROOT / "BENCHMARKS.md", SECTION, body)
+    return body
+
+
+if __name__ == "__main__":
+    main()
