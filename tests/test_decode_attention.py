@@ -68,12 +68,14 @@ def test_uniform_kernel_matches_the_reference(shape):
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("r, dot", [(16, None), (4, True), (16, False)], ids=["r16-dot", "r4-forced-dot", "r16-registers"])
-def test_both_product_paths_match_the_reference(r, dot):
-    """Scores and P V as register reductions (the default up to 8 query heads per KV head) or as tl.dot."""
+@pytest.mark.parametrize("r, dot, d, group", [(16, None, 32, 16), (4, True, 32, 16), (16, False, 32, 16), (4, True, 64, 8)],
+                         ids=["r16-dot", "r4-forced-dot", "r16-registers", "gathered-parameters"])
+def test_both_product_paths_match_the_reference(r, dot, d, group):
+    """Scores and P V as register reductions (the default up to 8 query heads per KV head) or as tl.dot; scales
+    and zeros read as one or two rows / columns per tile, or (groups too small for the tile) gathered."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
-    b, h, d, group = 2, 1, 32, 16
+    b, h = 2, 1
     gen = torch.Generator().manual_seed(r)
     key_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_channel")
     value_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 4, group, "per_token")

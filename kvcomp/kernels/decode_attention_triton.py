@@ -41,12 +41,18 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _tile(
     data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-    b, h, H, t, t_ok, c, c_ok,
+    b, h, H, t, t0, t_ok, c, c0, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
-    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Segment-local tokens ``t`` x channels ``c`` of one stream as a float32 tile (zero where masked)."""
+    """Segment-local tokens ``t`` (the first is ``t0``) x channels ``c`` (the first is ``c0``) of one stream
+    as a float32 tile (zero where masked).
+
+    Packed ints load each scale and zero once per tile where the tile spans at most two quantization
+    groups (per-channel groups of ``GROUP`` tokens when ``BLOCK_T <= GROUP``; per-token groups of
+    ``GROUP`` channels when a half of the channels holds at most two), then select per token or per
+    channel in registers, instead of one gathered load per value."""
     ok = t_ok[:, None] & c_ok[None, :]
     if FMT == 0:  # full precision, any strides
         x = tl.load(data + b * s_b + h * s_h + t[:, None] * s_t + c[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -55,12 +61,29 @@ def _tile(
         row = (b * H + h) * length + t
         byte = tl.load(data + row[:, None] * (D // PER_BYTE) + c[None, :] // PER_BYTE, mask=ok, other=0).to(tl.int32)
         code = (byte >> ((c[None, :] % PER_BYTE) * BITS)) & ((1 << BITS) - 1)
-        if PER_CHANNEL:
-            param = ((b * H + h) * (length // GROUP) + t[:, None] // GROUP) * D + c[None, :]
-        else:
-            param = row[:, None] * (D // GROUP) + c[None, :] // GROUP
-        s = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
+        if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters
+            first = (b * H + h) * (length // GROUP) + t0 // GROUP
+            second_ok = c_ok & (tl.zeros_like(c) + t0 // GROUP + 1 < length // GROUP)
+            in_first = (t // GROUP == t0 // GROUP)[:, None]
+            s = tl.where(in_first, tl.load(scale + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
+                         tl.load(scale + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+            z = tl.where(in_first, tl.load(zero + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
+                         tl.load(zero + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+        elif not PER_CHANNEL and (D // 2 <= GROUP or D // 2 == 2 * GROUP):  # two columns of per-token parameters
+            param = row * (D // GROUP) + c0 // GROUP
+            second_ok = t_ok & (tl.zeros_like(t) + c0 // GROUP + 1 < D // GROUP)
+            in_first = (c // GROUP == c0 // GROUP)[None, :]
+            s = tl.where(in_first, tl.load(scale + param, mask=t_ok, other=0.0).to(tl.float32)[:, None],
+                         tl.load(scale + param + 1, mask=second_ok, other=0.0).to(tl.float32)[:, None])
+            z = tl.where(in_first, tl.load(zero + param, mask=t_ok, other=0.0).to(tl.float32)[:, None],
+                         tl.load(zero + param + 1, mask=second_ok, other=0.0).to(tl.float32)[:, None])
+        else:  # a gathered load per value
+            if PER_CHANNEL:
+                param = ((b * H + h) * (length // GROUP) + t[:, None] // GROUP) * D + c[None, :]
+            else:
+                param = row[:, None] * (D // GROUP) + c[None, :] // GROUP
+            s = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
     else:  # codebook: gather the centroid entry, then undo the normalisation
         GROUPS: tl.constexpr = D // GC
@@ -87,18 +110,18 @@ def _tile(
 @triton.jit
 def _halves(
     data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-    b, h, H, t, t_ok, c, c_ok,
+    b, h, H, t, t0, t_ok, c, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
-    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one stream's tile (see :func:`_tile`)."""
     lo = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-               b, h, H, t, t_ok, c, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC,
-               TOKEN_SCALE, TOKEN_CENTER)
+               b, h, H, t, t0, t_ok, c, 0, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC,
+               TOKEN_SCALE, TOKEN_CENTER, BLOCK_T)
     hi = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-               b, h, H, t, t_ok, c + D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC,
-               TOKEN_SCALE, TOKEN_CENTER)
+               b, h, H, t, t0, t_ok, c + D // 2, D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS,
+               TL, CL, GC, TOKEN_SCALE, TOKEN_CENTER, BLOCK_T)
     return lo, hi
 
 
@@ -164,9 +187,9 @@ def _split_kernel(
         g = g0 + tl.arange(0, BLOCK_T)
         g_ok = (g >= first) & (g < last) & (g < split_hi)
         k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
-                             k_s_b, k_s_h, k_s_t, k_length, b, h, H, g - k_first, g_ok, c, c_ok, D, K_FMT, K_BITS,
-                             K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE,
-                             K_TOKEN_CENTER)
+                             k_s_b, k_s_h, k_s_t, k_length, b, h, H, g - k_first, g0 - k_first, g_ok, c, c_ok, D,
+                             K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC,
+                             K_TOKEN_SCALE, K_TOKEN_CENTER, BLOCK_T)
         if ROPE:
             k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
         if DOT:
@@ -180,9 +203,9 @@ def _split_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
-                             v_s_b, v_s_h, v_s_t, v_length, b, h, H, g - v_first, g_ok, c, c_ok, D, V_FMT, V_BITS,
-                             V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE,
-                             V_TOKEN_CENTER)
+                             v_s_b, v_s_h, v_s_t, v_length, b, h, H, g - v_first, g0 - v_first, g_ok, c, c_ok, D,
+                             V_FMT, V_BITS, V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC,
+                             V_TOKEN_SCALE, V_TOKEN_CENTER, BLOCK_T)
         if DOT:
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
@@ -254,6 +277,17 @@ def _stream_args(prefix: str, segment: Segment, first: int, placeholder: torch.T
         s_b, s_h, s_t, _ = segment.stride()
         runtime.update(data=segment, s_b=s_b, s_h=s_h, s_t=s_t)
     return {**{f"{prefix}_{k}": v for k, v in runtime.items()}, **{f"{prefix.upper()}_{k}": v for k, v in static.items()}}
+
+
+def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
+    """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
+    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`).
+    Launch chunks are multiples of ``block_tokens``, hence of any smaller power of two."""
+    for segment in segments:
+        group = getattr(segment, "group_size", 0)
+        if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
+            block_tokens = group
+    return block_tokens
 
 
 def _boundaries(segments: list[Segment]) -> list[int]:
@@ -335,7 +369,7 @@ def decode_attention_triton(
                 rope = {**rope, "ROPE": False}
             _split_kernel[(b * h, splits)](
                 q, partial, lse, start, end, h, r, lo, hi, chunk, slot, total, scale * LOG2E, **stream, **rope,
-                D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=block_tokens, DOT=dot,
+                D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
             )
             slot += splits
         _merge_kernel[(b * h,)](partial, lse, out, r, total, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
