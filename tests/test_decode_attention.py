@@ -273,3 +273,17 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
     assert [row[2] for row in rows][1:] == ["kivi-2", "temporalkv-2"]
     assert all(float(row[-1].rstrip(" |")) < 0.05 for row in rows)  # kernel within bf16 rounding of the reference
     assert "| temporalkv-2 |" in table.split("Prefill encode")[1]
+
+
+def test_a_steps_launch_plan_is_computed_once_for_all_layers():
+    from kvcomp.kernels.decode_attention_triton import _plan, decode_attention_triton
+
+    gen = torch.Generator().manual_seed(3)
+    key_reader, _ = _uniform(torch.randn(1, 1, 32, 16, generator=gen), 2, 16, "per_channel")
+    tail = torch.randn(1, 1, 5, 16, generator=gen)
+    query = torch.randn(1, 2, 16, generator=gen)
+    ranges = (torch.zeros(1, dtype=torch.int32), torch.full((1,), 37, dtype=torch.int32))
+    _plan.cache_clear()
+    for _layer in range(3):  # the layers of one step: same segment boundaries
+        decode_attention_triton(query, [key_reader, tail], [key_reader, tail], 0.25, *ranges)
+    assert _plan.cache_info().misses == 1 and _plan.cache_info().hits == 2

@@ -94,3 +94,11 @@ def test_layer_scope_handoff_lands_on_the_receiving_layers_device(tiny_llama):
     layer.lazy_initialization(torch.zeros(1, 1, 1, 1, device="meta"), torch.zeros(1, 1, 1, 1, device="meta"))
     handed = layer._handed({0: (torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))}, 0, "encoded")
     assert [t.device.type for t in handed] == ["meta", "meta"]
+
+
+def test_the_higgs_grid_is_copied_to_a_device_once():
+    from kvcomp.stages.higgs import HiggsQuantizer
+
+    quantizer = HiggsQuantizer(torch.randn(16, 2), 64)
+    assert quantizer.grid_on(torch.device("meta")) is quantizer.grid_on(torch.device("meta"))
+    assert quantizer.grid_on(torch.device("meta")).device.type == "meta"

@@ -290,6 +290,30 @@ def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
     return block_tokens
 
 
+@functools.lru_cache(maxsize=64)
+def _plan(key_bounds: tuple, value_bounds: tuple, programs: int, waves: int, block_tokens: int,
+          num_splits: int | None) -> tuple:
+    """The launches of one decode step, ``(lo, hi, key segment, value segment, chunk, splits)`` per interval
+    between segment boundaries of either stream. Every layer of a step has the same boundaries, so the
+    step's first layer computes it and the others find it here."""
+    cuts = sorted(set(key_bounds) | set(value_bounds))
+    launches = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        tiles = -(-(hi - lo) // block_tokens)
+        splits = min(tiles, num_splits or max(1, -(-waves // programs)))
+        chunk = -(-tiles // splits) * block_tokens
+        ki = max(i for i, bound in enumerate(key_bounds[:-1]) if bound <= lo)
+        vi = max(i for i, bound in enumerate(value_bounds[:-1]) if bound <= lo)
+        launches.append((lo, hi, ki, vi, chunk, -(-(hi - lo) // chunk)))
+    return tuple(launches)
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """A valid pointer for the kernel arguments a segment's format does not read (never written)."""
+    return torch.zeros(1, device=device, dtype=torch.float32)
+
+
 def _boundaries(segments: list[Segment]) -> list[int]:
     bounds = [0]
     for segment in segments:
@@ -336,16 +360,7 @@ def decode_attention_triton(
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     if key_bounds[-1] != value_bounds[-1]:
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
-    cuts = sorted(set(key_bounds) | set(value_bounds))
-    waves = 2 * _multiprocessors(device)
-    launches = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        tiles = -(-(hi - lo) // block_tokens)
-        splits = min(tiles, num_splits or max(1, -(-waves // (b * h))))
-        chunk = -(-tiles // splits) * block_tokens
-        ki = max(i for i, bound in enumerate(key_bounds[:-1]) if bound <= lo)
-        vi = max(i for i, bound in enumerate(value_bounds[:-1]) if bound <= lo)
-        launches.append((lo, hi, ki, vi, chunk, -(-(hi - lo) // chunk)))
+    launches = _plan(tuple(key_bounds), tuple(value_bounds), b * h, 2 * _multiprocessors(device), block_tokens, num_splits)
     out = torch.zeros(b, hq, d, device=device, dtype=query.dtype)
     total = sum(launch[-1] for launch in launches)
     if total == 0:
@@ -353,7 +368,7 @@ def decode_attention_triton(
     partial = torch.empty(b * h, total, r, d, device=device, dtype=torch.float32)
     lse = torch.empty(b * h, total, r, device=device, dtype=torch.float32)
     start, end = start.to(device, torch.int32).contiguous(), end.to(device, torch.int32).contiguous()
-    placeholder = torch.zeros(1, device=device, dtype=torch.float32)
+    placeholder = _placeholder(device)
     rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     with launch_device(device):

@@ -18,7 +18,7 @@ D = g = 1024).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,12 @@ class HiggsQuantizer:
     grid: torch.Tensor
     group: int
     scale_dtype: torch.dtype = torch.float16
+    on_device: dict = field(default_factory=dict, repr=False)  # the grid per device: one copy, not one per call
+
+    def grid_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self.on_device:
+            self.on_device[device] = self.grid.to(device)
+        return self.on_device[device]
 
     @property
     def code_bits(self) -> int:
@@ -59,13 +65,13 @@ class HiggsQuantizer:
             )
         u = fwht(groups) / scale.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
         d = self.grid.shape[1]
-        index = nearest(u.reshape(*u.shape[:-2], -1, d), self.grid.to(u.device))
+        index = nearest(u.reshape(*u.shape[:-2], -1, d), self.grid_on(u.device))
         return {"codes": pack_bits(index, self.code_bits), "scale": scale}
 
     def decode(self, tensors: dict[str, torch.Tensor], dim: int) -> torch.Tensor:
         """The float32 ``[..., dim]`` reconstruction."""
         scale = tensors["scale"].float()
         index = unpack_bits(tensors["codes"], self.code_bits, self.num_codes(dim)).long()
-        u = self.grid.to(scale.device)[index].reshape(*scale.shape, self.group)
+        u = self.grid_on(scale.device)[index].reshape(*scale.shape, self.group)
         r = fwht(u * scale[..., None]) / self.group
         return r.flatten(-2)[..., :dim]
