@@ -68,16 +68,19 @@ def test_uniform_kernel_matches_the_reference(shape):
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("r, dot, d, group", [(16, None, 32, 16), (4, True, 32, 16), (16, False, 32, 16), (4, True, 64, 8)],
-                         ids=["r16-dot", "r4-forced-dot", "r16-registers", "gathered-parameters"])
-def test_both_product_paths_match_the_reference(r, dot, d, group):
-    """Scores and P V as register reductions (the default up to 8 query heads per KV head) or as tl.dot; scales
-    and zeros read as one or two rows / columns per tile, or (groups too small for the tile) gathered."""
+@pytest.mark.parametrize("r, dot, d, group, key_axis", [
+    (16, None, 32, 16, "per_channel"), (4, True, 32, 16, "per_channel"), (16, False, 32, 16, "per_channel"),
+    (4, True, 64, 8, "per_channel"), (4, None, 64, 16, "per_token"),
+], ids=["r16-dot", "r4-forced-dot", "r16-registers", "gathered-parameters", "per-token-keys"])
+def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
+    """Scores and P V as register reductions (the default up to 8 query heads per KV head) or as tl.dot; keys
+    scored in their packed layout or per channel; scales and zeros read as one or two rows / columns per
+    tile, or (groups too small for the tile) gathered."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
     b, h = 2, 1
     gen = torch.Generator().manual_seed(r)
-    key_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_channel")
+    key_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, key_axis)
     value_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 4, group, "per_token")
     tail = torch.randn(b, h, 7, d, generator=gen)
     keys, values = [key_reader, tail], [value_reader, tail]
@@ -287,3 +290,13 @@ def test_a_steps_launch_plan_is_computed_once_for_all_layers():
     for _layer in range(3):  # the layers of one step: same segment boundaries
         decode_attention_triton(query, [key_reader, tail], [key_reader, tail], 0.25, *ranges)
     assert _plan.cache_info().misses == 1 and _plan.cache_info().hits == 2
+
+
+def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows():
+    from kvcomp.kernels.decode_attention_triton import _packed
+
+    kivi2, _ = _uniform(torch.randn(1, 1, 32, 128), 2, 32, "per_channel")  # 32 bytes per token
+    narrow, _ = _uniform(torch.randn(1, 1, 32, 32), 2, 32, "per_channel")  # 8 bytes per token
+    assert _packed(kivi2, 128, dot=False) and _packed(kivi2, 128, dot=True)
+    assert _packed(narrow, 32, dot=False) and not _packed(narrow, 32, dot=True)  # tl.dot needs 16
+    assert not _packed(torch.randn(1, 1, 4, 128), 128, dot=False)  # full-precision segments

@@ -126,6 +126,50 @@ def _halves(
 
 
 @triton.jit
+def _packed_scores(
+    q_ptr, bh, R, rows, row_ok, qk_scale, data, scale, zero, length, b, h, H, t, t0, t_ok,
+    D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, DOT: tl.constexpr,
+):
+    """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout: each byte of the tile is
+    loaded once, and each of its ``8 / BITS`` fields (channels ``PER_BYTE * i + j``) meets the matching
+    query sub-vector, instead of one byte load per channel."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PER_BYTE
+    i = tl.arange(0, W)
+    row = (b * H + h) * length + t
+    ok = t_ok[:, None]
+    byte = tl.load(data + row[:, None] * W + i[None, :], mask=ok, other=0).to(tl.int32)  # [BLOCK_T, W]
+    s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+    for j in tl.static_range(PER_BYTE):
+        channel = i * PER_BYTE + j
+        code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see _tile)
+            first = (b * H + h) * (length // GROUP) + t0 // GROUP
+            second_ok = tl.zeros_like(i) + t0 // GROUP + 1 < length // GROUP
+            in_first = (t // GROUP == t0 // GROUP)[:, None]
+            sc = tl.where(in_first, tl.load(scale + first * D + channel).to(tl.float32)[None, :],
+                          tl.load(scale + (first + 1) * D + channel, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+            zc = tl.where(in_first, tl.load(zero + first * D + channel).to(tl.float32)[None, :],
+                          tl.load(zero + (first + 1) * D + channel, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+        else:
+            if PER_CHANNEL:
+                param = ((b * H + h) * (length // GROUP) + t[:, None] // GROUP) * D + channel[None, :]
+            else:
+                param = row[:, None] * (D // GROUP) + channel[None, :] // GROUP
+            sc = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
+            zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
+        k = code * sc + zc  # [BLOCK_T, W]
+        q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + channel[None, :], mask=row_ok[:, None], other=0.0)
+        q = q.to(tl.float32) * qk_scale  # [BLOCK_R, W]: the field's query sub-vector
+        if DOT:
+            s += tl.dot(q, tl.trans(k))
+        else:
+            s += tl.sum(q[:, None, :] * k[None, :, :], 2)
+    return s
+
+
+@triton.jit
 def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND: tl.constexpr):
     """RoPE of the two channel halves at the positions of cached tokens ``g``; cos/sin rounded to the model's
     dtype like the rotary embedding's output (ROUND 1: bfloat16, 2: float16)."""
@@ -159,7 +203,7 @@ def _split_kernel(
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
-    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr,
+    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -186,16 +230,20 @@ def _split_kernel(
     for g0 in range(split_lo, split_hi, BLOCK_T):
         g = g0 + tl.arange(0, BLOCK_T)
         g_ok = (g >= first) & (g < last) & (g < split_hi)
-        k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
-                             k_s_b, k_s_h, k_s_t, k_length, b, h, H, g - k_first, g0 - k_first, g_ok, c, c_ok, D,
-                             K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC,
-                             K_TOKEN_SCALE, K_TOKEN_CENTER, BLOCK_T)
-        if ROPE:
-            k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
-        if DOT:
-            s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
-        else:  # in registers: [BLOCK_R, 1, C] x [1, BLOCK_T, C] summed over channels
-            s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], 2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], 2)
+        if PACKED_K:  # packed-int keys in their stored layout
+            s = _packed_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_zero, k_length, b, h, H,
+                               g - k_first, g0 - k_first, g_ok, D, K_BITS, K_GROUP, K_PER_CHANNEL, BLOCK_R, BLOCK_T, DOT)
+        else:
+            k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
+                                 k_s_b, k_s_h, k_s_t, k_length, b, h, H, g - k_first, g0 - k_first, g_ok, c, c_ok, D,
+                                 K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC,
+                                 K_TOKEN_SCALE, K_TOKEN_CENTER, BLOCK_T)
+            if ROPE:
+                k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
+            if DOT:
+                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
+            else:  # in registers: [BLOCK_R, 1, C] x [1, BLOCK_T, C] summed over channels
+                s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], 2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], 2)
         s = tl.where(g_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -277,6 +325,15 @@ def _stream_args(prefix: str, segment: Segment, first: int, placeholder: torch.T
         s_b, s_h, s_t, _ = segment.stride()
         runtime.update(data=segment, s_b=s_b, s_h=s_h, s_t=s_t)
     return {**{f"{prefix}_{k}": v for k, v in runtime.items()}, **{f"{prefix.upper()}_{k}": v for k, v in static.items()}}
+
+
+def _packed(segment: Segment, d: int, dot: bool) -> bool:
+    """Whether keys are scored in their packed layout (:func:`_packed_scores`): packed ints whose bytes per
+    token are a power of two (a Triton range), at least 16 for ``tl.dot``."""
+    if not isinstance(segment, UniformReader):
+        return False
+    width = d * segment.bits // 8
+    return not width & (width - 1) and (width >= 16 or not dot)
 
 
 def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
@@ -385,6 +442,7 @@ def decode_attention_triton(
             _split_kernel[(b * h, splits)](
                 q, partial, lse, start, end, h, r, lo, hi, chunk, slot, total, scale * LOG2E, **stream, **rope,
                 D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
+                PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
             )
             slot += splits
         _merge_kernel[(b * h,)](partial, lse, out, r, total, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
