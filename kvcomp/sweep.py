@@ -41,7 +41,12 @@ def _full_error() -> bool:
 @contextmanager
 def member_placement(cfg: DictConfig, n_jobs: int):
     """A local parallel member's share of the machine: one leased GPU (the current CUDA device while
-    the member runs), or ``cores // n_jobs`` CPU threads unless ``hardware.threads`` is set."""
+    the member runs), or ``cores // n_jobs`` CPU threads unless ``hardware.threads`` is set. A member
+    placed over several GPUs (``hardware.device_map``) takes every visible GPU: run those one at a time
+    (``hydra.launcher.n_jobs=1``) or with the SLURM launcher."""
+    if cfg.hardware.get("device_map"):
+        yield
+        return
     if str(cfg.hardware.device).startswith("cuda"):
         import torch
 

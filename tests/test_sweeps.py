@@ -72,11 +72,18 @@ def _lease_once(gpus):
 
 def test_a_cpu_member_takes_its_share_of_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cfg = OmegaConf.create({"hardware": {"device": "cpu", "threads": 0}})
+    cfg = OmegaConf.create({"hardware": {"device": "cpu", "threads": 0, "device_map": None}})
     with member_placement(cfg, 64):
         import os
 
         assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_member_spread_over_gpus_leases_none(monkeypatch):
+    monkeypatch.setattr("kvcomp.sweep.lease_gpu", lambda: pytest.fail("a device_map member must not lease one GPU"))
+    cfg = OmegaConf.create({"hardware": {"device": "cuda", "threads": 0, "device_map": "auto"}})
+    with member_placement(cfg, 2):
+        pass
 
 
 ROWS = [
