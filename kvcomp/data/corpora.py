@@ -8,10 +8,13 @@ Embedded corpora (offline, see :mod:`kvcomp.data.assets`):
   on first use. ``calibration`` reads the train split, ``evaluation`` the test split (82,430 words with
   an ``<eos>`` per sentence); a split is one document, its sentences joined by spaces (GPTQ's
   ``ptb-new`` protocol).
+* ``enwiki_large`` (2,349 Wikipedia articles) and ``c4_excerpt`` (118 English C4 documents):
+  exllamav2's calibration texts, fetched on first use.
 
-enwiki and lee are split *by document*: each document is ranked by ``sha256(f"{seed}:{key}")`` (key = the
-title for enwiki, the text for lee) and every 4th document in that order goes to ``calibration``,
-the other three quarters to ``evaluation``. The two splits never share a document, the split does
+enwiki, lee, enwiki_large and c4_excerpt are split *by document*: each document is ranked by
+``sha256(f"{seed}:{key}")`` (key = the title for enwiki, the article id for enwiki_large, the text for
+lee and c4_excerpt) and every 4th document in that order goes to ``calibration``, the other three
+quarters to ``evaluation``. The two splits never share a document, the split does
 not depend on file order, and ``seed`` draws a different (still disjoint) split.
 
 Hub corpora (``wikitext2``, ``c4``, ``redpajama``, ``fineweb``) load through ``datasets``;
@@ -313,14 +316,15 @@ _HUB_CORPORA: dict[str, _HubSpec] = {
     ),
     "fineweb": _HubSpec("HuggingFaceFW/fineweb", "HuggingFaceFW/fineweb", "sample-10BT", "train", None),
 }
-EMBEDDED_CORPORA = ("enwiki", "lee", "ptb")
+EMBEDDED_CORPORA = ("enwiki", "lee", "ptb", "enwiki_large", "c4_excerpt")
+_DOC_TAG = re.compile(r'<doc id="([^"]*)"[^>]*>\n?(.*?)</doc>', re.S)  # exllamav2's wiki.utf8
 CORPORA = EMBEDDED_CORPORA + tuple(_HUB_CORPORA)
 
 
 def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | None = None) -> list[str]:
     """The documents of one corpus split, as plain strings.
 
-    ``name``: ``enwiki``, ``lee``, ``ptb`` (embedded, offline) or ``wikitext2``, ``c4``, ``redpajama``,
+    ``name``: ``enwiki``, ``lee``, ``ptb``, ``enwiki_large``, ``c4_excerpt`` (embedded, offline) or ``wikitext2``, ``c4``, ``redpajama``,
     ``fineweb`` (Hugging Face hub). ``split``: ``calibration`` or ``evaluation`` (disjoint by
     document, see the module docstring). ``seed`` picks the document split (and the RedPajama
     stream order). Hub sets read at most ``max_documents`` documents (default
@@ -346,6 +350,15 @@ def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | No
 
         sentences = ensure_ptb()["train" if split == "calibration" else "test"].read_text(encoding="utf-8").splitlines()
         docs = [" ".join(s.strip() for s in sentences if s.strip())]
+    elif name in ("enwiki_large", "c4_excerpt"):
+        from kvcomp.data.assets import ensure_exllama_corpora
+
+        text = ensure_exllama_corpora()[name].read_text(encoding="utf-8")
+        if name == "enwiki_large":
+            articles = [(key, body.strip()) for key, body in _DOC_TAG.findall(text) if body.strip()]
+            docs = [body for _, body in split_by_key(articles, lambda a: a[0], split, seed=seed)]
+        else:
+            docs = split_by_key([line.strip() for line in text.splitlines() if line.strip()], lambda t: t, split, seed=seed)
     else:
         docs = _load_hub_corpus(name, split, seed=seed, max_documents=max_documents or HUB_MAX_DOCUMENTS)
     return docs[:max_documents] if max_documents else docs
