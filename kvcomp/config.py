@@ -32,6 +32,7 @@ class ModelConfig:
 
     name: str = "smollm2_135m"
     source: str = "embedded"  # embedded | hub | path to a local folder
+    embedded: str | None = None  # with source=embedded: smollm2_135m (null: the default) | qwen25_coder_05b
     hub_id: str | None = None
     dtype: str | None = None  # None: the hardware profile's dtype
     max_context: int = 8192
@@ -42,6 +43,10 @@ class ModelConfig:
             one_of(self, "dtype", DTYPE_NAMES)
         if self.source == "hub" and not self.hub_id:
             raise ConfigError("source='hub' needs hub_id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
+        if self.embedded is not None:
+            from kvcomp.data.assets import EMBEDDED_MODELS
+
+            one_of(self, "embedded", tuple(EMBEDDED_MODELS))
 
 
 @dataclass

@@ -29,6 +29,8 @@ TABLE_COLUMNS = [
     ("paper_bits_per_value", "paper bits/value"),
     ("length", "length"),
     ("bits_per_value_measured", "measured bits/value"),
+    ("bits_per_value_full_attention", "bits/value full-attention layers"),
+    ("bits_per_value_sliding_attention", "bits/value sliding-window layers"),
     ("cache_bytes_per_window", "cache bytes/window"),
     ("cr_before_deflate", "CR before DEFLATE"),
     ("cr", "CR"),

@@ -70,7 +70,7 @@ def check_config(cfg: DictConfig) -> RunPlan:
         plan.benchmark.protocols = protocols_for(plan.benchmark.protocols, codec_class(plan.codec.name).scope)
     check_device(plan.hardware.device)
     check_kernel_backend(plan.hardware.kernel_backend, plan.hardware.device)
-    model_location(plan.model.source, plan.model.hub_id, fetch=False)
+    model_location(plan.model.source, plan.model.hub_id, fetch=False, embedded=plan.model.embedded)
     return plan
 
 
@@ -79,7 +79,7 @@ def check_codec_for_model(plan: RunPlan) -> None:
     (embedded once fetched, local folders, hub models in the local cache); raise its ConfigError."""
     from transformers import AutoConfig
 
-    location = model_location(plan.model.source, plan.model.hub_id, fetch=False)
+    location = model_location(plan.model.source, plan.model.hub_id, fetch=False, embedded=plan.model.embedded)
     try:
         config = AutoConfig.from_pretrained(location, local_files_only=True)
     except Exception:  # not fetched yet: the member checks its codec once the model is loaded
@@ -121,7 +121,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     if device == "cuda" and hardware.device_map is None:
         device = f"cuda:{torch.cuda.current_device()}"  # the GPU a local parallel member leased
     model, tokenizer = load_model(
-        model_cfg.source, hub_id=model_cfg.hub_id, dtype=model_cfg.dtype or hardware.dtype, device=device,
+        model_cfg.source, hub_id=model_cfg.hub_id, embedded=model_cfg.embedded, dtype=model_cfg.dtype or hardware.dtype, device=device,
         device_map=hardware.device_map, gpu_memory=hardware.gpu_memory, cpu_memory=hardware.cpu_memory,
     )
     if hardware.device_map is not None:

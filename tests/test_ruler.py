@@ -1,6 +1,8 @@
 """RULER generator (determinism, exact lengths, needle placement) and scoring on hand-written cases."""
 
+import json
 import random
+import re
 
 import pytest
 
@@ -8,6 +10,8 @@ from kvcomp.benchmarks.ruler import (
     TASKS,
     RulerGenerator,
     postprocess_prediction,
+    read_hotpotqa,
+    read_squad,
     score,
     string_match_all,
     string_match_part,
@@ -42,9 +46,53 @@ def _haystack():
             for _ in range(5)]
 
 
+WORDS = "alpha beta gamma delta river stone cloud field light north".split()
+
+
+def _paragraph(rng, tag):
+    return f"{tag} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))) + "."
+
+
+def _squad_file(path):
+    """A SQuAD v2 double: 4 articles x 3 paragraphs, two questions each (one unanswerable)."""
+    rng = random.Random(1)
+    data = []
+    for a in range(4):
+        paragraphs = []
+        for p in range(3):
+            context = _paragraph(rng, f"[squad {a}.{p}] answer-{a}-{p}")
+            paragraphs.append({"context": context, "qas": [
+                {"question": f"What is the answer of {a}.{p}?", "id": f"{a}{p}", "is_impossible": False,
+                 "answers": [{"text": f"answer-{a}-{p}", "answer_start": 0}, {"text": f"answer-{a}-{p}", "answer_start": 0}]},
+                {"question": f"Unanswerable {a}.{p}?", "id": f"{a}{p}x", "is_impossible": True, "answers": []},
+            ]})
+        data.append({"title": f"article {a}", "paragraphs": paragraphs})
+    path.write_text(json.dumps({"version": "v2.0", "data": data}))
+    return path
+
+
+def _hotpot_file(path):
+    """A HotpotQA double: 6 questions with 2 supporting and 8 distracting paragraphs each."""
+    rng = random.Random(2)
+    data = []
+    for q in range(6):
+        context = [[f"title {q}-{k}", [_paragraph(rng, f"[hotpot {q}-{k}]"), " More."]] for k in range(10)]
+        data.append({"_id": str(q), "question": f"Which links {q}-3 and {q}-7?", "answer": f"link-{q}",
+                     "supporting_facts": [[f"title {q}-3", 0], [f"title {q}-7", 1]], "context": context})
+    path.write_text(json.dumps(data))
+    return path
+
+
 @pytest.fixture(scope="module")
-def generator():
-    return RulerGenerator(ByteTokenizer(), _haystack(), seed=7)
+def qa_sets(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ruler_qa")
+    return {"squad": read_squad(_squad_file(folder / "squad.json")),
+            "hotpotqa": read_hotpotqa(_hotpot_file(folder / "hotpotqa.json"))}
+
+
+@pytest.fixture(scope="module")
+def generator(qa_sets):
+    return RulerGenerator(ByteTokenizer(), _haystack(), seed=7, qa_sets=qa_sets)
 
 
 @pytest.mark.parametrize("task", list(TASKS))
@@ -56,10 +104,10 @@ def test_prompts_have_exactly_the_target_length(generator, task, length):
 
 
 @pytest.mark.parametrize("task", list(TASKS))
-def test_generation_is_deterministic(task):
-    a = RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample(task, 2000, 3)
-    b = RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample(task, 2000, 3)
-    other = RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample(task, 2000, 4)
+def test_generation_is_deterministic(task, qa_sets):
+    a = RulerGenerator(ByteTokenizer(), _haystack(), seed=7, qa_sets=qa_sets).sample(task, 2000, 3)
+    b = RulerGenerator(ByteTokenizer(), _haystack(), seed=7, qa_sets=qa_sets).sample(task, 2000, 3)
+    other = RulerGenerator(ByteTokenizer(), _haystack(), seed=7, qa_sets=qa_sets).sample(task, 2000, 4)
     assert a.input_ids == b.input_ids and a.answers == b.answers
     assert other.input_ids != a.input_ids
 
@@ -133,8 +181,54 @@ def test_chat_template_wraps_the_task_and_prefix_opens_the_answer():
 def test_too_short_length_is_a_clear_error(generator):
     with pytest.raises(ConfigError, match="no room"):
         generator.sample("niah_single_2", 200, 0)
-    with pytest.raises(ConfigError, match="unknown RULER task|RULER task"):
-        generator.sample("qa_1", 2000, 0)
+    with pytest.raises(ConfigError, match="RULER task"):
+        generator.sample("qa_3", 2000, 0)
+    with pytest.raises(ConfigError, match="needs its data"):
+        RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample("qa_1", 2000, 0)
+    with pytest.raises(ConfigError, match="gold paragraphs do not fit"):
+        generator.sample("qa_2", 600, 0)
+
+
+def test_qa_readers_keep_answerable_questions_and_their_own_paragraphs(qa_sets):
+    items, docs = qa_sets["squad"]
+    assert len(items) == 12 and len(docs) == 12  # unanswerable questions dropped; paragraphs distinct
+    first = items[0]
+    assert first.answers == ["answer-0-0", "answer-0-0"] and docs[first.gold[0]].startswith("[squad 0.0]")
+    assert sorted(docs[i][:12] for i in first.related) == ["[squad 0.1] ", "[squad 0.2] "]
+    items, docs = qa_sets["hotpotqa"]
+    assert len(items) == 6 and len(docs) == 60
+    assert [docs[i].split("\n")[0] for i in items[2].gold] == ["title 2-3", "title 2-7"]
+    assert len(items[2].related) == 8 and docs[items[2].gold[0]].endswith(" More.")  # sentences joined
+
+
+@pytest.mark.parametrize("task", ["qa_1", "qa_2"])
+@pytest.mark.parametrize("length", [1200, 4000])
+def test_qa_prompt_holds_the_gold_documents_numbered_in_order(generator, qa_sets, task, length):
+    dataset = TASKS[task].dataset
+    items, docs = qa_sets[dataset]
+    for index in range(3):
+        sample = generator.sample(task, length, index)
+        item = items[index]
+        prompt = generator.tokenizer.decode(sample.input_ids)
+        assert sample.answers == item.answers
+        assert all(docs[g] in prompt for g in item.gold)
+        assert f"Question: {item.query} Answer:" in prompt and prompt.endswith(" Answer:")
+        numbers = [int(n) for n in re.findall(r"Document (\d+):\n", prompt)]
+        assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > len(item.gold)
+        whole = [d for d in docs if d in prompt]
+        assert len(whole) >= len(numbers) - 1  # every document but the filler is whole
+    if length == 4000 and task == "qa_2":  # room for all ten of the question's paragraphs
+        assert all(docs[i] in prompt for i in item.related)
+
+
+def test_the_essays_start_at_their_first_sentence_unless_random(qa_sets):
+    texts = _haystack()
+    first = texts[0].split(".")[0]
+    fixed = RulerGenerator(ByteTokenizer(), texts, seed=7, random_start=False)
+    for index in range(3):
+        assert first in fixed.tokenizer.decode(fixed.sample("niah_single_2", 1500, index).input_ids)
+    moving = RulerGenerator(ByteTokenizer(), texts, seed=7)
+    assert sum(first in moving.tokenizer.decode(moving.sample("niah_single_2", 1500, i).input_ids) for i in range(3)) < 3
 
 
 def test_string_match_scores_hand_cases():

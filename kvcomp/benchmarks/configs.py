@@ -35,7 +35,7 @@ class PerplexityConfig:
 
 RULER_TASKS = [
     "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
 ]
 
 
@@ -48,7 +48,7 @@ class RulerConfig:
     tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
     lengths: list[int] = field(default_factory=lambda: [1024, 2048])  # RULER's max_seq_length: prompt + generation budget
     num_samples: int = 2  # per task and length
-    haystack: str = "enwiki"  # corpus (evaluation split) whose sentences replace RULER's essays
+    haystack: str = "essays"  # RULER's Paul Graham essays, or a kvcomp corpus (evaluation split) replacing them
     seed: int = 42
     max_new_tokens: int | None = 64  # caps RULER's budget per task (niah 128, vt 30, cwe 120, fwe 50); None: uncapped
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one

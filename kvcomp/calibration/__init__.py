@@ -59,19 +59,23 @@ class CalibrationData:
         unless ``force``)."""
         activations = collect_kv(self.model, codec.model, self.windows, codec.calibration_drop_first,
                                  force=self.force, fisher=codec.needs_fisher)
-        activations.rope = window_rope(self.model, self.windows.shape[1], codec.calibration_drop_first)
+        types = {codec.model.layer_types[i] for i in codec.model.model_layers} if codec.model.layer_types else {None}
+        ropes = [window_rope(self.model, self.windows.shape[1], codec.calibration_drop_first, kind) for kind in types]
+        same = all(r is not None and all(torch.equal(a, b) for a, b in zip(r, ropes[0])) for r in ropes)
+        activations.rope = ropes[0] if same else None  # layers with different RoPE (Gemma 3): no shared angles
         return activations
 
 
-def window_rope(model, seq_len: int, drop_first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def window_rope(model, seq_len: int, drop_first: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos/sin ``[seq_len - drop_first, head_dim]`` (float32) of a window's kept positions, from the model's
-    rotary embedding (None for models without one)."""
+    rotary embedding (of ``layer_type`` where it has one per layer type; None for models without one)."""
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if rotary is None:
         return None
     parameter = next(model.parameters())
+    extra = (layer_type,) if layer_type is not None and hasattr(rotary, f"{layer_type}_inv_freq") else ()
     with torch.no_grad():
-        cos, sin = rotary(parameter[:1], torch.arange(seq_len, device=parameter.device)[None])
+        cos, sin = rotary(parameter[:1], torch.arange(seq_len, device=parameter.device)[None], *extra)
     return cos[0, drop_first:].float(), sin[0, drop_first:].float()
 
 

@@ -140,6 +140,8 @@ def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int, fis
         "drop_first": drop_first,
         "kvcomp": kvcomp.__version__,
     }
+    if info.layer_types:  # a hybrid model: which of its layers are collected
+        spec["layers"] = list(info.model_layers)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -186,13 +188,13 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
     try:
         for s, window in enumerate(progress(windows, f"calibration {what}", unit="window")):
             ids = window[None].to(device)
-            cache = _RecordingCache(info.num_layers)
+            cache = _RecordingCache(info.total_layers)
             with torch.set_grad_enabled(fisher):
                 embeds = model.get_input_embeddings()(ids).detach().requires_grad_(fisher)
                 loss = model(inputs_embeds=embeds, labels=ids, past_key_values=cache, use_cache=True).loss
             if fisher:
                 loss.backward()
-            for layer, out in zip(cache.layers, tensors):
+            for layer, out in zip([cache.layers[i] for i in info.model_layers], tensors):  # the layers the codec encodes
                 keys, values, rope = layer.recorded
                 grads = (keys.grad, values.grad) if fisher else ()
                 keys, values = keys.detach(), values.detach()

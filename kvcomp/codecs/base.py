@@ -35,7 +35,7 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,9 +53,14 @@ PAYLOAD_LAYOUTS = ("tokens", "blocks")
 
 @dataclass
 class CodecConfig:
-    """Fields shared by every codec config; each codec subclasses this with its own fields."""
+    """Fields shared by every codec config; each codec subclasses this with its own fields.
+
+    ``compress_sliding``: on models with sliding-window layers, encode those too (their cache then keeps
+    every token, encoded, and the attention mask applies the window); by default they keep an
+    uncompressed window-bounded cache and only full-attention layers are encoded."""
 
     name: str = "fp16"
+    compress_sliding: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,11 @@ class ModelInfo:
     head_dim: int
     has_rope: bool = True
     fingerprint: str = ""  # :func:`kvcomp.models.fingerprint.model_fingerprint`; keys every cache when set
+    # Hybrid / sliding-window models: the attention type of every decoder layer (empty: all full attention),
+    # the window, and which model layers the codec's layers 0 .. num_layers-1 are (empty: the same indices).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config, name: str | None = None, fingerprint: str = "") -> "ModelInfo":
@@ -81,6 +91,7 @@ class ModelInfo:
             or getattr(text, "rotary_pct", None)
             or getattr(text, "position_embedding_type", None) == "rotary"
         )
+        layer_types = attention_layer_types(text)
         return cls(
             name=name or getattr(config, "_name_or_path", "") or text.model_type,
             num_layers=text.num_hidden_layers,
@@ -88,12 +99,53 @@ class ModelInfo:
             head_dim=head_dim,
             has_rope=has_rope,
             fingerprint=fingerprint,
+            layer_types=() if set(layer_types) == {FULL} else tuple(layer_types),
+            sliding_window=getattr(text, "sliding_window", None) if SLIDING in layer_types else None,
         )
+
+    @property
+    def total_layers(self) -> int:
+        """Decoder layers of the model (:attr:`num_layers` counts those the codec encodes)."""
+        return len(self.layer_types) or self.num_layers
+
+    @property
+    def model_layers(self) -> tuple[int, ...]:
+        """The model layer of each codec layer."""
+        return self.layers or tuple(range(self.num_layers))
+
+    def encoding(self, sliding: bool) -> "ModelInfo":
+        """The view a codec works on: the full-attention layers, and the sliding-window ones if ``sliding``,
+        renumbered 0 .. n-1 (:attr:`layers` maps them back). A model without sliding layers is unchanged."""
+        if not self.layer_types or self.layers:
+            return self
+        kept = tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL or sliding)
+        if not kept:
+            raise ConfigError(f"every layer of {self.name} uses sliding-window attention (window {self.sliding_window}): "
+                              "nothing to compress; set codec.compress_sliding=true to encode them")
+        return replace(self, num_layers=len(kept), layers=kept)
 
     @property
     def identity(self) -> str:
         """What cache keys use: the fingerprint (content), or the name when none was computed."""
         return f"fingerprint:{self.fingerprint}" if self.fingerprint else f"name:{self.name}"
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def attention_layer_types(text_config) -> list[str]:
+    """``full_attention`` / ``sliding_attention`` of every decoder layer: the config's ``layer_types``, or
+    every layer sliding when it sets a ``sliding_window`` without them (Mistral); other kinds (chunked,
+    linear, shared) are refused."""
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        windowed = getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True)
+        layer_types = [SLIDING if windowed else FULL] * text_config.num_hidden_layers
+    unknown = sorted(set(layer_types) - {FULL, SLIDING})
+    if unknown:
+        raise NotImplementedError(f"{text_config.model_type}: layer types {unknown} are not supported by the compressed "
+                                  f"cache (supported: {FULL}, {SLIDING})")
+    return list(layer_types)
 
 
 @dataclass(frozen=True)
@@ -322,7 +374,7 @@ class Codec(ABC):
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
         self.config = config
-        self.model = model
+        self.model = model.encoding(getattr(config, "compress_sliding", False))
         self.validate()
         self.check_contract()
         if self.pre_rope and not model.has_rope:
@@ -453,8 +505,10 @@ class Codec(ABC):
         """Install a state returned by :meth:`fit` (or loaded from disk)."""
 
     def calibration_key(self) -> dict:
-        """The config fields a fitted state depends on (an artifact is reused only when they match)."""
-        return {k: v for k, v in asdict(self.config).items() if k not in self.inference_only_fields}
+        """The config fields a fitted state depends on (an artifact is reused only when they match;
+        ``compress_sliding`` only when set, so artifacts of models without sliding layers keep their keys)."""
+        return {k: v for k, v in asdict(self.config).items()
+                if k not in self.inference_only_fields and (k != "compress_sliding" or v)}
 
     def paper_bits_per_value(self) -> float:
         """Bits per value as the codec's paper counts them (defaults to the exact count)."""
@@ -470,18 +524,21 @@ class Codec(ABC):
         return {}
 
     def describe(self) -> str:
-        return f"{self.name}({', '.join(f'{k}={v}' for k, v in asdict(self.config).items() if k != 'name')})"
+        shown = {k: v for k, v in asdict(self.config).items() if k != "name" and (k != "compress_sliding" or v)}
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
 
 def expected_cache_bits(codec: Codec, num_tokens: int, batch: int, fp_bits: int) -> float:
     """Exact bits a compressed cache holds (all layers, keys and values) after ``num_tokens`` tokens.
 
     Full-precision tokens (sinks and tail) cost ``fp_bits`` per value, encoded ones
-    :meth:`Codec.code_bits_per_value`. The measured bytes of :class:`~kvcomp.cache.CompressedCache`
+    :meth:`Codec.code_bits_per_value`; sliding-window layers the codec leaves alone hold the last
+    ``sliding_window - 1`` tokens at ``fp_bits``. The measured bytes of :class:`~kvcomp.cache.CompressedCache`
     must equal this divided by 8.
     """
     values_per_token = batch * codec.model.num_kv_heads * codec.model.head_dim
-    total = 0.0
+    windows = codec.model.total_layers - codec.model.num_layers
+    total = windows * len(KINDS) * values_per_token * min(num_tokens, (codec.model.sliding_window or 1) - 1) * fp_bits
     for layer in range(codec.model.num_layers):
         for kind in KINDS:
             sinks, encoded, tail = codec.policy(kind, layer).split(num_tokens)

@@ -355,7 +355,7 @@ class CSRCodec(Codec):
 
     def example_metrics(self, cache) -> dict[str, float]:
         """Bits per encoded value of one example (batch row 0): the codes alone and with the online bank (C13)."""
-        streams = [s for layer in cache.layers for s in layer.streams]
+        streams = [s for layer in cache.compressed_layers for s in layer.streams]
         encoded = sum(s.num_encoded for s in streams) * self.model.num_kv_heads * self.model.head_dim
         if not encoded:
             return {}

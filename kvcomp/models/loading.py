@@ -12,12 +12,13 @@ from kvcomp.errors import ConfigError, unknown_choice
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32", device: str = "cpu",
+def load_model(source: str, *, hub_id: str | None = None, embedded: str | None = None, dtype: str = "float32", device: str = "cpu",
                attn_implementation: str | None = None, device_map: str | None = None,
                gpu_memory: str | None = None, cpu_memory: str | None = None):
     """Load ``(model, tokenizer)`` in eval mode.
 
-    ``source``: ``"embedded"`` (SmolLM2-135M-Instruct from the kvcomp cache, fetched on first use),
+    ``source``: ``"embedded"`` (the embedded model ``embedded`` from the kvcomp cache, fetched and
+    converted on first use: ``smollm2_135m`` or ``qwen25_coder_05b``),
     ``"hub"`` (the Hugging Face model ``hub_id``), or a local model folder. ``dtype``: one of
     ``float32``, ``bfloat16``, ``float16``, ``auto``. ``device_map`` (``auto``, ``balanced``,
     ``balanced_low_0``, ``sequential``) spreads whole decoder layers over the visible GPUs
@@ -27,7 +28,7 @@ def load_model(source: str, *, hub_id: str | None = None, dtype: str = "float32"
     if dtype not in DTYPES:
         raise unknown_choice("dtype", dtype, DTYPES)
     check_device(device)
-    location = model_location(source, hub_id)
+    location = model_location(source, hub_id, embedded=embedded)
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -113,15 +114,16 @@ def layer_devices(model) -> dict[int, str]:
     return devices
 
 
-def model_location(source: str, hub_id: str | None = None, fetch: bool = True) -> str:
+def model_location(source: str, hub_id: str | None = None, fetch: bool = True, embedded: str | None = None) -> str:
     """Where ``from_pretrained`` reads the model: the embedded folder, the hub id, or a checked local folder.
 
     Raises :class:`ConfigError` for a missing folder or one without a ``config.json``. ``fetch=False``
-    does not download the embedded model (its folder may then not exist yet)."""
+    does not download the embedded model ``embedded`` (its folder may then not exist yet)."""
     if source == "embedded":
-        from kvcomp.data.assets import embedded_model_dir, ensure_embedded_model
+        from kvcomp.data.assets import DEFAULT_MODEL, embedded_model_dir, ensure_embedded_model
 
-        return str(ensure_embedded_model() if fetch else embedded_model_dir())
+        key = embedded or DEFAULT_MODEL
+        return str(ensure_embedded_model(key) if fetch else embedded_model_dir(key))
     if source == "hub":
         if not hub_id:
             raise ConfigError("model source 'hub' needs model.hub_id (e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct')")
