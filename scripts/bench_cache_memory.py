@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvcomp.cache import CompressedCache, install
+from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.cache.memory import held_nbytes, model_storages
 from kvcomp.codecs import Codec, ModelInfo, build_codec
 from kvcomp.kernels.benchmarking import write_section
@@ -45,9 +45,9 @@ PATHS = {"torch": {}, "decode_per_step": {"decode_per_step": True}}
 @torch.inference_mode()
 def run(model, cache, prompt: int, steps: int):
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-    token = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+    token = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits.argmax(-1)
     for _ in range(steps):
-        token = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+        token = model(token, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits.argmax(-1)
     return cache
 
 

@@ -39,7 +39,7 @@ from bench_decode_attention import CODECS as KERNEL_CODECS  # noqa: E402
 from bench_decode_attention import synthetic_state  # noqa: E402
 from bench_decode_overhead import machine, revision  # noqa: E402
 
-from kvcomp.cache import CompressedCache, install  # noqa: E402
+from kvcomp.cache import CompressedCache, install, with_cache  # noqa: E402
 from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
 from kvcomp.kernels.benchmarking import write_section  # noqa: E402
@@ -88,7 +88,7 @@ def new_cache(name: str, models: tuple, backend: str = "triton"):
 
 def forward(model, cache, ids: torch.Tensor) -> torch.Tensor:
     """Last-position logits ``[B, vocab]`` after ``ids``."""
-    return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:

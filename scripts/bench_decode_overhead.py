@@ -44,7 +44,7 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvcomp.cache import CompressedCache, install
+from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.kernels.benchmarking import write_section
 
@@ -114,7 +114,7 @@ class Run:
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The greedy next token ``[B, 1]`` after ``ids``."""
-        return self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+        return self.model(ids, **with_cache(self.model, self.cache), use_cache=True, logits_to_keep=1).logits.argmax(-1)
 
     def step(self) -> None:
         self.token = self.forward(self.token)

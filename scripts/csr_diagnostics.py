@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from kvcomp.cache import CompressedCache, install
+from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.calibration import calibrate
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.config import CalibrationConfig, group_file, typed
@@ -51,13 +51,13 @@ def main() -> None:
     ids = token_windows(load_corpus("enwiki", "evaluation"), tokenizer, 512, 1, cache_tag="enwiki-evaluation")
     reference = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=reference)
+        model(ids, **with_cache(model, reference))
     for online in (256, 0):
         codec = build_codec(group_file(ROOT / "conf/codec/csr.yaml") | {"online_atoms": online}, info)
         calibrate(codec, calibration, lambda: calibration_data(model, tokenizer, calibration).activations(codec))
         cache = CompressedCache(codec, "exact_prefill")
         with torch.no_grad():
-            model(ids, past_key_values=cache)
+            model(ids, **with_cache(model, cache))
         for kind in ("key", "value"):
             first, rest = [], []
             for layer, plain in zip(cache.layers, reference.layers):

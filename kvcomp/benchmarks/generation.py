@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.cache import PROTOCOLS, CompressedCache
+from kvcomp.cache import PROTOCOLS, CompressedCache, with_cache
 from kvcomp.codecs import Codec
 from kvcomp.errors import ConfigError
 
@@ -58,7 +58,7 @@ def generate_greedy(
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask.to(device),
-        past_key_values=cache,
+        **with_cache(model, cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,

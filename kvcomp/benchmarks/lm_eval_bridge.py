@@ -31,7 +31,7 @@ import torch
 
 from kvcomp.benchmarks import Benchmark
 from kvcomp.benchmarks.generation import GenerationProtocol
-from kvcomp.cache import CompressedCache
+from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.data import HubUnavailableError
 from kvcomp.errors import ConfigError, unknown_choice
 
@@ -72,13 +72,13 @@ def _lm_class():
                 if self.codec.scope == "model":  # blocks encode after a forward: feed one compression event at a time
                     cache = CompressedCache(self.codec, "exact_prefill")
                     step = self.codec.policy("key", 0).block_size or inps.shape[1]
-                    return torch.cat([self.model(part, past_key_values=cache, use_cache=True).logits
+                    return torch.cat([self.model(part, **with_cache(self.model, cache), use_cache=True).logits
                                       for part in inps.split(step, dim=1)], dim=1)
                 cache = CompressedCache(self.codec, self.scoring_protocol)
-                return self.model(inps, past_key_values=cache, use_cache=True).logits
+                return self.model(inps, **with_cache(self.model, cache), use_cache=True).logits
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
-            generation_kwargs["past_key_values"] = self.protocol.new_cache(self.codec)
+            generation_kwargs.update(with_cache(self.model, self.protocol.new_cache(self.codec)))
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
         def generate_until(self, requests, disable_tqdm: bool = False):

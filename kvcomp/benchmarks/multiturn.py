@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvcomp.cache import CompressedCache
+from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.cache.offload import StoredCache, restore, store
 from kvcomp.codecs import Codec
 
@@ -67,9 +67,9 @@ def run_conversation(model, codec: Codec, ids: torch.Tensor, config: MultiTurnCo
     ids = ids.to(device)
     prompt = ids[:, : config.prompt_tokens]
     compressed = CompressedCache(codec, "exact_prefill")
-    model(prompt, past_key_values=compressed, use_cache=True)
+    model(prompt, **with_cache(model, compressed), use_cache=True)
     kept = DynamicCache()
-    model(prompt, past_key_values=kept, use_cache=True)
+    model(prompt, **with_cache(model, kept), use_cache=True)
     rows = []
     for n in range(config.turns):
         start = config.prompt_tokens + n * config.turn_tokens
@@ -82,14 +82,14 @@ def run_conversation(model, codec: Codec, ids: torch.Tensor, config: MultiTurnCo
         def restored_turn():
             loaded = StoredCache.load(path) if path is not None else stored
             cache = restore(loaded, codec, device)
-            return cache, model(turn, past_key_values=cache, use_cache=True).logits
+            return cache, model(turn, **with_cache(model, cache), use_cache=True).logits
 
         def recomputed_turn():
-            return model(ids[:, :start + config.turn_tokens], past_key_values=DynamicCache(), use_cache=True).logits
+            return model(ids[:, :start + config.turn_tokens], **with_cache(model, DynamicCache()), use_cache=True).logits
 
         def uncompressed_turn():
             cache = copy.deepcopy(kept)
-            return cache, model(turn, past_key_values=cache, use_cache=True).logits
+            return cache, model(turn, **with_cache(model, cache), use_cache=True).logits
 
         ttft_restore, (compressed, logits_restored) = _timed(restored_turn, config.repeats)
         ttft_recompute, logits_recomputed = _timed(recomputed_turn, config.repeats)

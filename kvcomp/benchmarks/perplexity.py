@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kvcomp.benchmarks import Benchmark, example_summary
 from kvcomp.benchmarks.configs import PerplexityConfig
-from kvcomp.cache import CompressedCache
+from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.codecs import Codec, expected_cache_bits
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
@@ -144,7 +144,7 @@ def _window_logits(model, codec: Codec, batch: torch.Tensor, protocol: str, chun
     chunked = protocol == "chunked"
     cache = CompressedCache(codec, "exact_prefill" if chunked else protocol)
     parts = batch.split(chunk_tokens if chunked else batch.shape[1], dim=1)
-    logits = [model(part, past_key_values=cache, use_cache=True).logits.float() for part in parts]
+    logits = [model(part, **with_cache(model, cache), use_cache=True).logits.float() for part in parts]
     return torch.cat(logits, dim=1), cache
 
 

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kvcomp
 from kvcomp.artifacts import ArtifactError, file_lock, file_record, read_json, verify_file, write_json_atomic
-from kvcomp.cache import install
+from kvcomp.cache import install, with_cache
 from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir
@@ -191,7 +191,7 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
             cache = _RecordingCache(info.total_layers)
             with torch.set_grad_enabled(fisher):
                 embeds = model.get_input_embeddings()(ids).detach().requires_grad_(fisher)
-                loss = model(inputs_embeds=embeds, labels=ids, past_key_values=cache, use_cache=True).loss
+                loss = model(inputs_embeds=embeds, labels=ids, **with_cache(model, cache), use_cache=True).loss
             if fisher:
                 loss.backward()
             for layer, out in zip([cache.layers[i] for i in info.model_layers], tensors):  # the layers the codec encodes
