@@ -168,3 +168,28 @@ def test_calibration_collects_only_the_encoded_layers():
     for layer in range(2):
         torch.testing.assert_close(collected.layer(layer)["value"].float(),
                                    reference.layers[layer].values[:, :, 2:].to(torch.bfloat16).float())
+
+
+@pytest.mark.integration
+def test_run_py_on_a_hybrid_model_prints_bits_per_layer_type(embedded, tmp_path):
+    """``run.py`` on a local folder holding the tiny Gemma 3 (with the embedded tokenizer) and KIVI-2: perplexity
+    runs, and the table shows the bits of the full-attention (encoded) and sliding-window (kept) layers."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tests.test_embedded import _run
+
+    _, tokenizer = embedded
+    config_cls, model_cls, kwargs = HYBRID["gemma3"]
+    torch.manual_seed(0)
+    model_cls(config_cls(**(kwargs | {"vocab_size": len(tokenizer)}))).save_pretrained(tmp_path / "gemma3")
+    AutoTokenizer.from_pretrained(tokenizer.name_or_path).save_pretrained(tmp_path / "gemma3")
+    result = _run(f"model.source={tmp_path / 'gemma3'}", "model.name=tiny_gemma3", "codec=kivi", "codec.residual_length=16",
+                  "benchmark.num_windows=2", "benchmark.seq_len=96", f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bits/value full-attention layers" in result.stderr + result.stdout
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    kivi = next(row for row in rows if row["codec"].startswith("kivi"))
+    assert kivi["bits_per_value_sliding_attention"] == 32  # fp32 windows of 7 tokens, kept as they are
+    assert 3 < kivi["bits_per_value_full_attention"] < 32 and kivi["kv_bytes_sliding_attention"] > 0

@@ -567,7 +567,8 @@ class RulerBenchmark(Benchmark):
             raise ConfigError("benchmark.num_samples and benchmark.batch_size must be >= 1")
         self.protocol = GenerationProtocol(c.protocol, c.compress_generated)
         self.tokenizer, self.eos = tokenizer, eos_ids(tokenizer, model)
-        generator = RulerGenerator(tokenizer, *ruler_haystack(c.haystack), seed=c.seed, chat_template=c.chat_template,
+        haystack, random_start = ruler_haystack(c.haystack)
+        generator = RulerGenerator(tokenizer, haystack, seed=c.seed, chat_template=c.chat_template, random_start=random_start,
                                    qa_sets=load_qa_sets({TASKS[t].dataset for t in c.tasks if TASKS[t].family == "qa"}))
         self.samples = {
             (length, task): [generator.sample(task, length, i) for i in range(c.num_samples)]
