@@ -400,6 +400,11 @@ class CompressedCache(Cache):
     them, after its attention, so the forward that completes a block sees it in full precision under
     every protocol. Bytes are reported apart: :attr:`full_precision_nbytes`, :attr:`payload_nbytes`,
     :attr:`state_nbytes` (their sum is :attr:`nbytes`), :attr:`bookkeeping_nbytes`, :attr:`working_nbytes`.
+
+    Models with sliding-window layers (``codec.model.layer_types``): the layers the codec encodes
+    (:attr:`compressed_layers`; see :meth:`~kvcomp.codecs.base.ModelInfo.encoding`) are
+    :class:`CompressedLayer` s, the others transformers' uncompressed ``DynamicSlidingWindowLayer``
+    (:attr:`window_layers`, the last ``sliding_window - 1`` tokens); every byte count includes both.
     """
 
     receives_position_embeddings = True
@@ -486,7 +491,8 @@ class CompressedCache(Cache):
         (everything, full-precision tokens included, per cached value). Model-level overhead is the
         codec's (:meth:`~kvcomp.codecs.base.Codec.overhead_bits`). Models with sliding-window layers also
         get ``bits_per_value_<layer type>`` (bits per value held by the layers of that type) and
-        ``kv_bytes_<layer type>`` (a model-scope codec's payloads and state count with the full-attention layers, if any)."""
+        ``kv_bytes_<layer type>`` (a model-scope codec's payloads and state count with the full-attention
+        layers, if any)."""
         streams = [s for layer in self.compressed_layers for s in layer.streams]
         values = max(sum(s.num_values for s in streams) + sum(_window_values(w) for w in self.window_layers), 1)
         encoded = sum(s.batch * self.codec.model.num_kv_heads * self.codec.model.head_dim * s.num_encoded for s in streams)
