@@ -96,7 +96,7 @@ def test_nothing_that_grows_with_the_cache_specializes_a_kernel():
     bounds and strides that grow with the cache would recompile the kernels as decoding goes on."""
     from kvcomp.kernels import decode_attention_triton as kernels
 
-    growing = {"lo", "hi", "chunk", "slot0", "num_slots", "pos_stride",
+    growing = {"lo", "hi", "tiles", "slot0", "num_slots", "pos_stride",
                *(f"{s}_{name}" for s in "kv" for name in ("s_b", "s_h", "s_t", "length", "first"))}
     assert growing <= _unspecialized(kernels._split_kernel) and "num_slots" in _unspecialized(kernels._merge_kernel)
     from kvcomp.kernels.codebook_encode_triton import _encode_kernel

@@ -7,17 +7,32 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
   packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
 - ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;
-- ``benchmarking``: timing and L2 rotation shared by the GPU benchmarks in ``scripts/``.
+- ``benchmarking``: timing and L2 rotation shared by the GPU benchmarks in ``scripts/``;
+- ``resources``: registers, spills, shared memory and occupancy of a launch compiled for sm_90 without a GPU.
 """
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 
 from kvcomp.errors import ConfigError
 
 KERNEL_BACKENDS = ("torch", "triton")  # "torch": the references; "triton": the fused kernels where they exist
+
+
+@dataclass
+class Launch:
+    """One Triton kernel launch, built but not run: the jitted function, its grid and its arguments by name
+    (run it with ``launch()``; :mod:`kvcomp.kernels.resources` compiles it for a GPU that need not be here)."""
+
+    kernel: object  # a triton.JITFunction
+    grid: tuple
+    args: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](**self.args)
 
 
 def launch_device(device: torch.device):

@@ -16,26 +16,38 @@ format fixed at compile time. Everything that changes with the cache length (seg
 strides, slot counts) is a ``do_not_specialize`` argument: a growing cache never recompiles a kernel.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), far below an MMA tile, so by
-default (``R <= 8``) scores and ``P V`` are broadcast products reduced in registers: no ``tl.dot``, whose
-operand conversions staged every decoded K/V tile through shared memory (110 KB per block, 12.5 %
-occupancy on an H100). More query heads per KV head use ``tl.dot``. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
+default (``R <= 8``) scores and ``P V`` are computed one query row at a time, each a ``[BLOCK_T, C]``
+product reduced in registers (:func:`_row_scores`): no ``tl.dot``, whose operand conversions staged every
+decoded K/V tile through shared memory (110 KB per block, 12.5 % occupancy on an H100), and no
+``[R, BLOCK_T, C]`` broadcast, which needed 255 registers per thread with spills. Tiles are 32 tokens (16
+from 5 query rows up) for 16 warps: at most 128 registers per thread and no spills for every format
+(``scripts/kernel_resources.py``). More query
+heads per KV head use ``tl.dot``. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
 is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
+
+Each launch shares its interval's tiles out evenly over its slices (+-1 tile), and the slice count fills
+whole waves of the GPU's multiprocessors where the interval is long enough (:func:`_splits`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kvcomp.kernels import launch_device
+from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.decode_attention import CodebookReader, RotaryPositions, Segment, UniformReader, segment_length
 
 DENSE, UNIFORM, CODEBOOK = 0, 1, 2
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
+# Warps per split program on the register path: its tiles then take at most 128 registers per thread for
+# every format, with no spills, so at least one program (25 % occupancy) is resident per multiprocessor
+# on sm_90; 4 warps took 168-255 registers with spills (scripts/kernel_resources.py, BENCHMARKS.md).
+REGISTER_PATH_WARPS = 16
 
 
 @triton.jit
@@ -126,6 +138,31 @@ def _halves(
 
 
 @triton.jit
+def _row_scores(q, k, rows, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``q [BLOCK_R, C] . k [BLOCK_T, C]^T`` one query row at a time: each row's products are a
+    ``[BLOCK_T, C]`` tile reduced in registers, so the live products do not grow with the query rows
+    (a ``[BLOCK_R, BLOCK_T, C]`` broadcast needs twice the registers per token, see
+    ``scripts/kernel_resources.py``)."""
+    s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+    for r in tl.static_range(BLOCK_R):
+        pick = rows[:, None] == r
+        q_r = tl.sum(tl.where(pick, q, 0.0), 0)
+        s = tl.where(pick, tl.sum(k * q_r[None, :], 1)[None, :], s)
+    return s
+
+
+@triton.jit
+def _row_values(p, v, rows, BLOCK_R: tl.constexpr, C: tl.constexpr):
+    """``p [BLOCK_R, BLOCK_T] @ v [BLOCK_T, C]`` one query row at a time (see :func:`_row_scores`)."""
+    out = tl.zeros((BLOCK_R, C), dtype=tl.float32)
+    for r in tl.static_range(BLOCK_R):
+        pick = rows[:, None] == r
+        p_r = tl.sum(tl.where(pick, p, 0.0), 0)
+        out = tl.where(pick, tl.sum(p_r[:, None] * v, 0)[None, :], out)
+    return out
+
+
+@triton.jit
 def _packed_scores(
     q_ptr, bh, R, rows, row_ok, qk_scale, data, scale, zero, length, b, h, H, t, t0, t_ok,
     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -160,12 +197,14 @@ def _packed_scores(
             sc = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
             zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         k = code * sc + zc  # [BLOCK_T, W]
-        q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + channel[None, :], mask=row_ok[:, None], other=0.0)
-        q = q.to(tl.float32) * qk_scale  # [BLOCK_R, W]: the field's query sub-vector
         if DOT:
-            s += tl.dot(q, tl.trans(k))
-        else:
-            s += tl.sum(q[:, None, :] * k[None, :, :], 2)
+            q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + channel[None, :], mask=row_ok[:, None], other=0.0)
+            s += tl.dot(q.to(tl.float32) * qk_scale, tl.trans(k))  # q: the field's query sub-vectors [BLOCK_R, W]
+        else:  # one query row at a time, its field sub-vector [W] loaded as is (L1-resident)
+            for r in tl.static_range(BLOCK_R):
+                q_r = tl.load(q_ptr + (bh * R + r) * D + channel, mask=tl.zeros_like(channel) + r < R, other=0.0)
+                s_r = tl.sum(k * (q_r.to(tl.float32) * qk_scale)[None, :], 1)
+                s = tl.where(rows[:, None] == r, s + s_r[None, :], s)
     return s
 
 
@@ -185,12 +224,12 @@ def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c
 
 
 @triton.jit(do_not_specialize=[
-    "lo", "hi", "chunk", "slot0", "num_slots", "k_s_b", "k_s_h", "k_s_t", "k_length", "k_first",
+    "lo", "hi", "tiles", "slot0", "num_slots", "k_s_b", "k_s_h", "k_s_t", "k_length", "k_first",
     "v_s_b", "v_s_h", "v_s_t", "v_length", "v_first", "pos_stride",
 ])
 def _split_kernel(
     q_ptr, part_ptr, lse_ptr, start_ptr, end_ptr,
-    H, R, lo, hi, chunk, slot0, num_slots, qk_scale,
+    H, R, lo, hi, tiles, unit, slot0, num_slots, qk_scale,
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
     k_s_b, k_s_h, k_s_t, k_length, k_first,
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
@@ -211,8 +250,9 @@ def _split_kernel(
     h = bh % H
     first = tl.maximum(lo, tl.load(start_ptr + b))
     last = tl.minimum(hi, tl.load(end_ptr + b))
-    split_lo = lo + split * chunk
-    split_hi = tl.minimum(split_lo + chunk, hi)
+    splits = tl.num_programs(1)  # the interval's tiles of ``unit`` tokens, shared out evenly (+-1 tile)
+    split_lo = lo + (split * tiles // splits) * unit
+    split_hi = tl.minimum(lo + ((split + 1) * tiles // splits) * unit, hi)
 
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -242,8 +282,8 @@ def _split_kernel(
                 k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
             if DOT:
                 s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
-            else:  # in registers: [BLOCK_R, 1, C] x [1, BLOCK_T, C] summed over channels
-                s = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], 2) + tl.sum(q_hi[:, None, :] * k_hi[None, :, :], 2)
+            else:  # in registers, one query row at a time
+                s = _row_scores(q_lo, k_lo, rows, BLOCK_R, BLOCK_T) + _row_scores(q_hi, k_hi, rows, BLOCK_R, BLOCK_T)
         s = tl.where(g_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -257,9 +297,9 @@ def _split_kernel(
         if DOT:
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
-        else:  # [BLOCK_R, BLOCK_T, 1] x [1, BLOCK_T, C] summed over tokens
-            acc_lo = acc_lo * alpha[:, None] + tl.sum(p[:, :, None] * v_lo[None, :, :], 1)
-            acc_hi = acc_hi * alpha[:, None] + tl.sum(p[:, :, None] * v_hi[None, :, :], 1)
+        else:
+            acc_lo = acc_lo * alpha[:, None] + _row_values(p, v_lo, rows, BLOCK_R, HALF_PAD)
+            acc_hi = acc_hi * alpha[:, None] + _row_values(p, v_hi, rows, BLOCK_R, HALF_PAD)
         m_i = m_new
 
     filled = l_i > 0
@@ -347,21 +387,31 @@ def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
     return block_tokens
 
 
+def _splits(tiles: int, programs: int, wave: int, num_splits: int | None) -> int:
+    """Slices of an interval of ``tiles`` tiles run by ``programs`` (batch x KV head) programs each: the
+    fewest that fill at least two waves of ``wave`` resident programs in whole waves (a multiple of
+    ``wave / gcd(wave, programs)``), or fewer where the interval has too few tiles (then at most two waves);
+    ``num_splits`` forces a count."""
+    if num_splits:
+        return max(1, min(tiles, num_splits))
+    step = wave // math.gcd(wave, programs)
+    whole = step * -(-2 * wave // (programs * step))
+    return whole if whole <= tiles else max(1, min(tiles, -(-2 * wave // programs)))
+
+
 @functools.lru_cache(maxsize=64)
-def _plan(key_bounds: tuple, value_bounds: tuple, programs: int, waves: int, block_tokens: int,
+def _plan(key_bounds: tuple, value_bounds: tuple, programs: int, wave: int, block_tokens: int,
           num_splits: int | None) -> tuple:
-    """The launches of one decode step, ``(lo, hi, key segment, value segment, chunk, splits)`` per interval
+    """The launches of one decode step, ``(lo, hi, key segment, value segment, tiles, splits)`` per interval
     between segment boundaries of either stream. Every layer of a step has the same boundaries, so the
     step's first layer computes it and the others find it here."""
     cuts = sorted(set(key_bounds) | set(value_bounds))
     launches = []
     for lo, hi in zip(cuts, cuts[1:]):
         tiles = -(-(hi - lo) // block_tokens)
-        splits = min(tiles, num_splits or max(1, -(-waves // programs)))
-        chunk = -(-tiles // splits) * block_tokens
         ki = max(i for i, bound in enumerate(key_bounds[:-1]) if bound <= lo)
         vi = max(i for i, bound in enumerate(value_bounds[:-1]) if bound <= lo)
-        launches.append((lo, hi, ki, vi, chunk, -(-(hi - lo) // chunk)))
+        launches.append((lo, hi, ki, vi, tiles, _splits(tiles, programs, wave, num_splits)))
     return tuple(launches)
 
 
@@ -385,6 +435,67 @@ def _multiprocessors(device: torch.device) -> int:
     return 4  # the CPU interpreter: a few slices, so that tests exercise the merge
 
 
+def decode_launches(
+    query: torch.Tensor,
+    key_segments: list[Segment],
+    value_segments: list[Segment],
+    scale: float,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    key_rope: RotaryPositions | None = None,
+    num_splits: int | None = None,
+    block_tokens: int | None = None,
+    dot: bool | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """The output buffer and the launches of :func:`decode_attention_triton` (same arguments), without
+    running them: ``scripts/kernel_resources.py`` compiles them for a GPU that need not be present."""
+    b, hq, d = query.shape
+    if d % 2:
+        raise ValueError(f"decode kernel: head_dim={d} must be even")
+    first_key = key_segments[0]
+    h = first_key.codes.shape[1] if hasattr(first_key, "codes") else first_key.shape[1]
+    r = hq // h
+    q = query.reshape(b, h, r, d).contiguous()
+    device = query.device
+    dot = r > 8 if dot is None else dot
+    block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
+    block_tokens = block_tokens or (64 if dot else min(32, max(16, 128 // block_r)))
+    num_warps = 4 if dot else REGISTER_PATH_WARPS
+    key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
+    if key_bounds[-1] != value_bounds[-1]:
+        raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
+    plan = _plan(tuple(key_bounds), tuple(value_bounds), b * h, _multiprocessors(device), block_tokens, num_splits)
+    out = torch.zeros(b, hq, d, device=device, dtype=query.dtype)
+    total = sum(launch[-1] for launch in plan)
+    if total == 0:
+        return out, []
+    partial = torch.empty(b * h, total, r, d, device=device, dtype=torch.float32)
+    lse = torch.empty(b * h, total, r, device=device, dtype=torch.float32)
+    start, end = start.to(device, torch.int32).contiguous(), end.to(device, torch.int32).contiguous()
+    placeholder = _placeholder(device)
+    no_rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
+    half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
+    launches, slot = [], 0
+    for lo, hi, ki, vi, tiles, splits in plan:
+        keys, values = key_segments[ki], value_segments[vi]
+        stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder)}
+        rope = no_rope
+        if key_rope is not None and not isinstance(keys, torch.Tensor):
+            positions = key_rope.positions.to(device, torch.int32).contiguous()
+            rope = dict(positions=positions, pos_stride=positions.shape[1], inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(),
+                        rope_scaling=float(key_rope.scaling), ROPE=True, ROUND=ROUNDING.get(key_rope.dtype, 0))
+        args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, start_ptr=start, end_ptr=end, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
+                    unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
+                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
+                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"], num_warps=num_warps)
+        launches.append(Launch(_split_kernel, (b * h, splits), args))
+        slot += splits
+    merge = dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, R=r, num_slots=total, D=d, BLOCK_R=block_r,
+                 BLOCK_D=triton.next_power_of_2(d))
+    launches.append(Launch(_merge_kernel, (b * h,), merge))
+    return out, launches
+
+
 def decode_attention_triton(
     query: torch.Tensor,
     key_segments: list[Segment],
@@ -399,52 +510,13 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference` with the valid
     tokens of sequence ``b`` the cached range ``[start[b], end[b])``. ``num_splits``: slices per segment
-    interval (default: enough programs for two waves over the GPU's multiprocessors). ``dot``: ``tl.dot``
+    interval (default: :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot``
     for scores and ``P V`` (default: only above 8 query heads per KV head, see the module docstring);
-    ``block_tokens``: tokens per tile (default: 64 with ``tl.dot``, else ``128 / R`` rounded up to a
-    power of two, at least 16, so that the register products stay at 128 x head_dim / 2 values)."""
-    b, hq, d = query.shape
-    if d % 2:
-        raise ValueError(f"decode kernel: head_dim={d} must be even")
-    first_key = key_segments[0]
-    h = first_key.codes.shape[1] if hasattr(first_key, "codes") else first_key.shape[1]
-    r = hq // h
-    q = query.reshape(b, h, r, d).contiguous()
-    device = query.device
-    dot = r > 8 if dot is None else dot
-    block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    block_tokens = block_tokens or (64 if dot else max(16, 128 // block_r))
-    key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
-    if key_bounds[-1] != value_bounds[-1]:
-        raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
-    launches = _plan(tuple(key_bounds), tuple(value_bounds), b * h, 2 * _multiprocessors(device), block_tokens, num_splits)
-    out = torch.zeros(b, hq, d, device=device, dtype=query.dtype)
-    total = sum(launch[-1] for launch in launches)
-    if total == 0:
-        return out
-    partial = torch.empty(b * h, total, r, d, device=device, dtype=torch.float32)
-    lse = torch.empty(b * h, total, r, device=device, dtype=torch.float32)
-    start, end = start.to(device, torch.int32).contiguous(), end.to(device, torch.int32).contiguous()
-    placeholder = _placeholder(device)
-    rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
-    half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
-    with launch_device(device):
-        slot = 0
-        for lo, hi, ki, vi, chunk, splits in launches:
-            keys, values = key_segments[ki], value_segments[vi]
-            stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder)}
-            if key_rope is not None and not isinstance(keys, torch.Tensor):
-                positions = key_rope.positions.to(device, torch.int32).contiguous()
-                rope = dict(positions=positions, pos_stride=positions.shape[1], inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(),
-                            rope_scaling=float(key_rope.scaling), ROPE=True, ROUND=ROUNDING.get(key_rope.dtype, 0))
-            else:
-                rope = {**rope, "ROPE": False}
-            _split_kernel[(b * h, splits)](
-                q, partial, lse, start, end, h, r, lo, hi, chunk, slot, total, scale * LOG2E, **stream, **rope,
-                D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
-                PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
-            )
-            slot += splits
-        _merge_kernel[(b * h,)](partial, lse, out, r, total, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
+    ``block_tokens``: tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads
+    per KV head)."""
+    out, launches = decode_launches(query, key_segments, value_segments, scale, start, end, key_rope, num_splits,
+                                    block_tokens, dot)
+    with launch_device(query.device):
+        for launch in launches:
+            launch()
     return out
-

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcomp.kernels import launch_device
+from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.qjl_scores import SketchedKeys
 from kvcomp.stages.jl_sketch import estimator_scale
 
@@ -83,6 +83,15 @@ def _tile(n: int, lo: int = 16, hi: int = 64) -> int:
 def qjl_scores_triton(query: torch.Tensor, keys: SketchedKeys) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.qjl_scores.qjl_scores_reference`: ``[B, H, R, D]`` queries
     -> float32 ``[B, H, R, T]`` logits."""
+    out, launch = qjl_score_launch(query, keys)
+    if launch is not None:
+        with launch_device(query.device):
+            launch()
+    return out
+
+
+def qjl_score_launch(query: torch.Tensor, keys: SketchedKeys) -> tuple[torch.Tensor, Launch | None]:
+    """The output buffer and the launch of :func:`qjl_scores_triton` (``None`` without keys), not run."""
     b, h, r, d = query.shape
     t = keys.signs.shape[2]
     m, m_out, n_out, group = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers, keys.group_size
@@ -93,7 +102,7 @@ def qjl_scores_triton(query: torch.Tensor, keys: SketchedKeys) -> torch.Tensor:
     y = (q @ projection.T).contiguous()
     out = torch.empty(b, h, r, t, device=q.device, dtype=torch.float32)
     if t == 0:
-        return out
+        return out, None
     signs, inlier_norm = keys.signs.contiguous(), keys.inlier_norm.contiguous()
     if n_out:
         outlier_signs, outlier_norm = keys.outlier_signs.contiguous(), keys.outlier_norm.contiguous()
@@ -102,11 +111,9 @@ def qjl_scores_triton(query: torch.Tensor, keys: SketchedKeys) -> torch.Tensor:
         outlier_signs, outlier_norm, channels = signs, inlier_norm, signs
     block_r = _tile(r)
     grid = (b * h, t // group, triton.cdiv(r, block_r))
-    with launch_device(q.device):
-        _qjl_scores_kernel[grid](
-            q, y, projection, signs, inlier_norm, outlier_signs, outlier_norm, channels, out,
-            r, t, estimator_scale(m), estimator_scale(m_out) if n_out else 0.0,
-            D=d, M=m, M_OUT=m_out, N_OUT=n_out, GROUP=group,
-            BLOCK_R=block_r, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_M=_tile(m),
-        )
-    return out
+    args = dict(q_ptr=q, y_ptr=y, s_ptr=projection, signs_ptr=signs, inlier_norm_ptr=inlier_norm,
+                outlier_signs_ptr=outlier_signs, outlier_norm_ptr=outlier_norm, channels_ptr=channels, out_ptr=out,
+                R=r, T=t, scale_in=estimator_scale(m), scale_out=estimator_scale(m_out) if n_out else 0.0,
+                D=d, M=m, M_OUT=m_out, N_OUT=n_out, GROUP=group,
+                BLOCK_R=block_r, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_M=_tile(m))
+    return out, Launch(_qjl_scores_kernel, grid, args)

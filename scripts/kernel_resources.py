@@ -1,0 +1,123 @@
+"""Registers, spills, shared memory and occupancy of the decode kernels compiled for sm_90 (H100/H200),
+read without a GPU (writes the "Decode kernel resources" section of BENCHMARKS.md).
+
+Each kernel launch that :func:`kvcomp.kernels.decode_attention_triton.decode_launches` makes for a
+decode step over a codec's cache (Llama-3.1-8B heads: 8 KV heads, head_dim 128, ``--ratio`` query heads
+per KV head; sinks, payload and tail as the codec's schedule leaves them; random payload), and the QJL
+score kernel, is compiled by Triton for ``cuda`` capability 9.0 through a stand-in driver and assembled
+with Triton's ptxas (:mod:`kvcomp.kernels.resources`). Every distinct launch (key format x value format
+x compile-time constants) is one row. These are static facts of the compiled code, not timings.
+
+    python scripts/kernel_resources.py --write
+    python scripts/kernel_resources.py --block-tokens 16 32 64 --warps 4 8   # other tile shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa: E402
+
+from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
+from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
+from kvcomp.kernels.decode_attention_triton import decode_launches  # noqa: E402
+from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
+from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
+
+SECTION = "## Decode kernel resources on sm_90 (static, compiled without a GPU)"
+FORMATS = {0: "dense", 1: "packed ints", 2: "codebook"}
+QJL_LAYER = 31  # a layer past QJL's initial_layers: the authors' 256 + 256 sign bits per key
+
+
+def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None):
+    """The split-kernel launches of one decode step over ``name``'s cache, one per distinct compilation."""
+    info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    codec = build_codec(CODECS[name], info)
+    if codec.needs_calibration:
+        synthetic_state(codec, torch.Generator().manual_seed(0))
+    keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
+    query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
+    ones = torch.ones(1, dtype=torch.int32)
+    _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, ones * 0, ones * context, rope,
+                                  block_tokens=block_tokens)
+    distinct = {}
+    for launch in launches:
+        constants = tuple((k, v) for k, v in launch.args.items() if k.isupper() or k == "num_warps")
+        distinct.setdefault(constants, launch)
+    return list(distinct.values())
+
+
+def describe(launch) -> str:
+    args = launch.args
+    if "K_FMT" not in args:
+        return "merge"
+    keys = FORMATS[args["K_FMT"]] + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "")
+    return f"keys {keys}, values {FORMATS[args['V_FMT']]}"
+
+
+def rows_for(launch, label: str, warps: list[int | None]) -> list[dict]:
+    rows = []
+    for num_warps in warps:
+        if num_warps is not None:
+            launch.args["num_warps"] = num_warps
+        found = kernel_resources(compile_launch(launch))
+        rows.append({"kernel": label, "launch": describe(launch) if label != "qjl scores" else "sign bits",
+                     "block_t": launch.args.get("BLOCK_T", launch.args.get("BLOCK_G", "")), **found})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| kernel | launch | tokens per tile | warps | registers / thread | spill stores (B) | spill loads (B) | shared (B) | occupancy |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['launch']} | {r['block_t']} | {r['num_warps']} | {r['registers']} | "
+                     f"{r['spill_stores']} | {r['spill_loads']} | {r['shared']} | {r['occupancy']:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
+    parser.add_argument("--ratio", type=int, default=LLAMA31_8B["query_heads"] // LLAMA31_8B["kv_heads"],
+                        help="query heads per KV head (4: Llama-3.1-8B, 8: 70B)")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--block-tokens", type=int, nargs="+", default=[None], help="tokens per tile (default: the kernel's)")
+    parser.add_argument("--warps", type=int, nargs="+", default=[None], help="warps per program (default: the kernel's)")
+    parser.add_argument("--no-qjl", action="store_true", help="leave out the QJL score kernel")
+    parser.add_argument("--write", action="store_true", help="replace this section of BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    rows, merge = [], None
+    for name in args.codecs:
+        for block_tokens in args.block_tokens:
+            for launch in codec_launches(name, args.ratio, args.context, block_tokens):
+                if "K_FMT" in launch.args:
+                    rows += rows_for(launch, name, args.warps)
+                else:  # the same merge kernel for every codec
+                    merge = launch
+    rows += rows_for(merge, "merge", args.warps)
+    if not args.no_qjl:
+        h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
+        codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, h, d))
+        payload = codec.encode(torch.randn(1, h, args.context, d), "key", QJL_LAYER)
+        query = torch.randn(1, h, args.ratio, d)
+        _, launch = qjl_score_launch(query, codec.sketched_keys(payload, QJL_LAYER))
+        rows += rows_for(launch, "qjl scores", args.warps)
+    ptxas = "Triton " + triton.__version__
+    body = (f"Static resources of every distinct decode launch (`python scripts/kernel_resources.py --write`; {ptxas}, "
+            f"its ptxas, target sm_90a; {args.ratio} query heads per KV head, head_dim 128). Occupancy: resident warps "
+            "over 64 by the sm_90 rules (64 K registers per SM in 256-register warp units, 228 KB shared memory, 1 KB "
+            "reserved per block). The GPU machine runs Triton 3.6, whose code generation may differ.\n\n" + table(rows))
+    print(body)
+    if args.write:
+        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)
+    return body
+
+
+if __name__ == "__main__":
+    main()

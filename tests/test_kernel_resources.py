@@ -1,0 +1,57 @@
+"""Static resources of the decode kernels compiled for sm_90 without a GPU (kvcomp.kernels.resources,
+scripts/kernel_resources.py), and the whole-wave split plan."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from kvcomp.kernels.decode_attention_triton import _splits  # noqa: E402
+from kvcomp.kernels.resources import occupancy  # noqa: E402
+
+
+def _ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return shutil.which(get_ptxas(90).path) is not None
+    except Exception:  # no NVIDIA backend in this triton build
+        return False
+
+
+def test_occupancy_follows_the_sm90_limits():
+    assert occupancy(128, 2048, 16) == 0.25  # 128 registers x 512 threads = the whole register file
+    assert occupancy(64, 2048, 16) == 0.5
+    assert occupancy(255, 0, 4) == 0.125  # 8 K registers per warp: two blocks of 4 warps
+    assert occupancy(32, 0, 4) == 1.0
+    assert occupancy(32, 110 * 1024, 4) == 2 * 4 / 64  # 110 KB of shared memory: two blocks per SM
+
+
+def test_splits_fill_whole_waves_where_the_interval_is_long_enough():
+    for programs, wave in [(128, 132), (64, 132), (8, 132), (16, 114), (256, 78)]:
+        splits = _splits(4096, programs, wave, None)
+        assert programs * splits % wave == 0 and programs * splits >= 2 * wave
+    assert _splits(3, 128, 132, None) == 3  # a short interval: one tile per slice
+    assert _splits(4096, 128, 132, 5) == 5 and _splits(2, 128, 132, 5) == 2  # forced, capped by the tiles
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's ptxas is not available")
+def test_every_decode_launch_compiles_for_sm90_within_the_register_file_without_spills():
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite interprets kernels
+    table = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--codecs", "kivi-2", "temporalkv-2",
+                            "--context", "512", "--no-qjl"], env=env, capture_output=True, text=True, check=True, cwd=root).stdout
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| kivi-2") or line.startswith("| temporalkv-2")]
+    formats = {row[1] for row in rows}
+    assert {"keys packed ints (stored layout), values packed ints", "keys codebook + RoPE, values codebook"} <= formats
+    for row in rows:
+        registers, spill_stores, spill_loads, occupied = int(row[4]), int(row[5]), int(row[6]), row[8].rstrip(" |")
+        assert 0 < registers <= 128, row
+        # ptxas keeps the all-dense launch at 64 registers (two programs per SM) with a few bytes spilled
+        assert spill_stores == spill_loads == 0 if "values dense" not in row[1] else max(spill_stores, spill_loads) <= 8, row
+        assert occupied in ("25%", "50%"), row
