@@ -38,12 +38,13 @@ from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_n
 from kvcomp.kernels.decode_attention import RotaryPositions, decode_attention
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
-CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4)
+CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     "kivi-2": {"name": "kivi", "bits": 2, "group_size": 32, "residual_length": 128},
     "kivi-4": {"name": "kivi", "bits": 4, "group_size": 32, "residual_length": 128},
     "temporalkv-2": {"name": "temporalkv", "bits": 2, "hybrid": "off"},
     "channelkv-2": {"name": "channelkv", "bits": 2},
     "kvquant-2": {"name": "kvquant", "bits": 2},
+    "qjl": {"name": "qjl", "initial_layers": 0},  # the authors' general layer: 256 + 256 sign bits, 2-bit values
 }
 WEIGHT_BYTES = 8.03e9 * 2  # Llama-3.1-8B in bf16
 ROPE_THETA = 500000.0
@@ -75,8 +76,9 @@ def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload
     tensors = {}
     for name, t in probe.tensors.items():
         shape = (batch, t.shape[1], t.shape[2] * tokens // block, *t.shape[3:])
-        if t.dtype == torch.uint8:
-            tensors[name] = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+        if t.dtype == torch.uint8:  # codes and sign bits; QJL's outlier channel ids stay channels
+            high = codec.model.head_dim if name == "outlier_channels" else 256
+            tensors[name] = torch.randint(0, high, shape, dtype=torch.uint8, device=device)
         elif "scale" in name:
             tensors[name] = (torch.rand(shape, device=device) * 0.2 + 0.05).to(t.dtype)
         else:

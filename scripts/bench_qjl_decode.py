@@ -6,8 +6,10 @@ contexts 8K..64K. For each shape it times, with CUDA events after a warm-up, the
 - ``sdpa``: ``F.scaled_dot_product_attention`` over bf16 K/V (the flash / efficient kernel);
 - ``bf16 scores``: ``q K^T`` alone on bf16 keys (what the QJL kernel replaces);
 - ``qjl scores``: the Triton kernel's logits from the packed sign bits (``m`` bits + norms per key);
-- ``qjl step``: QJL scores + softmax + ``P V`` over the values decoded from their 2-bit payload
-  (a fused value kernel is issue 6's work, so values are read as bf16 here).
+- ``qjl step``: QJL scores + softmax + ``P V``. Where the sketch sizes are powers of two, one fused
+  decode-attention launch (:mod:`kvcomp.kernels.decode_attention_triton`, split + merge) scores the sign
+  bits and weights the packed 2-bit values, so no bf16 K or V exists; otherwise the score kernel, then
+  softmax and ``P V`` over values decoded to bf16.
 
 Every repetition uses a fresh random query and rotates between several independently drawn K/V sets
 whose total size exceeds the L2 cache, so small shapes are not flattered. Payload bytes per key token are
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
+from kvcomp.kernels.decode_attention import decode_attention
 
 SECTION = "## QJL decode-step scores (issue 5)"
 SETTINGS = {  # name -> codec config (head_dim 128)
@@ -62,21 +65,27 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
     def qjl_scores(q, _k, _v, key_payload, _vp):
         return codec.payload_scores(q, key_payload, 0, "triton")
 
-    decoded_values = {id(s[3]): codec.decode(s[3], "value", 0, torch.bfloat16) for s in sets}
+    fused = codec.fused_attention_supported(0)  # power-of-two sketch sizes: the fused decode kernel
+    decoded_values = {} if fused else {id(s[3]): codec.decode(s[3], "value", 0, torch.bfloat16) for s in sets}
 
     def qjl_step(q, _k, _v, key_payload, value_payload):
+        if fused:  # sign-bit scores, softmax and P V over the packed 2-bit values in one kernel + merge
+            keys, values = [codec.payload_reader(key_payload, "key", 0)], [codec.payload_reader(value_payload, "value", 0)]
+            return decode_attention(q[:, :, 0], keys, values, d**-0.5, backend="triton")
         logits = codec.payload_scores(q, key_payload, 0, "triton") * d**-0.5
         probs = torch.softmax(logits, dim=-1).to(torch.bfloat16)
         return probs.view(batch, h, hq // h, context) @ decoded_values[id(value_payload)]
 
     key_bytes = sets[0][2].nbytes / (batch * h * context)
+    value_bytes = sets[0][3].nbytes / (batch * h * context) if fused else d * 2
     rows = []
     baseline = timer(sdpa, inputs)
     for name, fn, bytes_per_key in (
         ("sdpa (bf16 K/V)", sdpa, 2 * d * 2),
         ("bf16 scores q.K^T", bf16_scores, d * 2),
         ("qjl scores (Triton)", qjl_scores, key_bytes),
-        ("qjl step (scores+softmax+PV)", qjl_step, key_bytes + d * 2),
+        ("qjl step, fused (scores+softmax+PV from packed values)" if fused else
+         "qjl step (scores kernel, softmax + PV on decoded bf16 values)", qjl_step, key_bytes + value_bytes),
     ):
         ms = baseline if fn is sdpa else timer(fn, inputs)
         rows.append({"batch": batch, "context": context, "method": name, "ms": ms, "vs_sdpa": baseline / ms,

@@ -31,7 +31,7 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
 SECTION = "## Decode kernel resources on sm_90 (static, compiled without a GPU)"
-FORMATS = {0: "dense", 1: "packed ints", 2: "codebook"}
+FORMATS = {0: "dense", 1: "packed ints", 2: "codebook", 3: "QJL sign bits"}
 QJL_LAYER = 31  # a layer past QJL's initial_layers: the authors' 256 + 256 sign bits per key
 
 
@@ -67,7 +67,7 @@ def rows_for(launch, label: str, warps: list[int | None]) -> list[dict]:
         if num_warps is not None:
             launch.args["num_warps"] = num_warps
         found = kernel_resources(compile_launch(launch))
-        rows.append({"kernel": label, "launch": describe(launch) if label != "qjl scores" else "sign bits",
+        rows.append({"kernel": label, "launch": describe(launch) if label != "qjl scores" else "sign bits (score kernel, unfused)",
                      "block_t": launch.args.get("BLOCK_T", launch.args.get("BLOCK_G", "")), **found})
     return rows
 
@@ -100,7 +100,8 @@ def main(argv=None) -> str:
                     rows += rows_for(launch, name, args.warps)
                 else:  # the same merge kernel for every codec
                     merge = launch
-    rows += rows_for(merge, "merge", args.warps)
+    if merge is not None:
+        rows += rows_for(merge, "merge", args.warps)
     if not args.no_qjl:
         h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
         codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, h, d))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcomp.cache import CompressedCache, install
-from kvcomp.codecs import build_codec
+from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import (
     CodebookReader,
@@ -300,3 +300,29 @@ def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows
     assert _packed(kivi2, 128, dot=False) and _packed(kivi2, 128, dot=True)
     assert _packed(narrow, 32, dot=False) and not _packed(narrow, 32, dot=True)  # tl.dot needs 16
     assert not _packed(torch.randn(1, 1, 4, 128), 128, dot=False)  # full-precision segments
+
+
+@pytest.mark.parametrize("outliers", [2, 0])
+def test_qjl_sign_bits_are_scored_in_the_kernel(outliers):
+    """QJL's sketched keys as a kernel format: logits from the sign bits (outlier term per 16-token group) and
+    P V over the packed per-token values equal the reference (decoded k_hat, whose logits are the
+    estimator's), with left padding and a value boundary inside a key group (tiles aligned to the groups)."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
+    b, h, r, d = 2, 2, 3, 32
+    config = {"name": "qjl", "initial_layers": 0, "sketch_dim": 64, "outlier_sketch_dim": 32, "group_size": 16,
+              "outlier_channels": outliers, "key_buffer": 32, "value_window": 16}
+    codec = build_codec(config, ModelInfo("tiny", 1, h, d))
+    g = torch.Generator().manual_seed(outliers)
+    k, v = torch.randn(b, h, 80, d, generator=g), torch.randn(b, h, 80, d, generator=g)
+    assert codec.fused_attention_supported(0)
+    keys = [codec.payload_reader(codec.encode(k[:, :, :64], "key", 0), "key", 0), k[:, :, 64:]]
+    values = [codec.payload_reader(codec.encode(v[:, :, :40], "value", 0), "value", 0), v[:, :, 40:]]
+    query = torch.randn(b, h * r, d, generator=g)
+    valid = torch.ones(b, 80, dtype=torch.bool)
+    valid[0, :5] = False
+    reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
+    for splits in (None, 3):
+        out = decode_attention_triton(query, keys, values, d**-0.5, *valid_ranges(valid), num_splits=splits)
+        assert ((out - reference).norm() / reference.norm()) < 1e-5
+    assert not build_codec({**config, "sketch_dim": 48}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)

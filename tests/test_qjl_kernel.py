@@ -62,8 +62,8 @@ def _generate(model, codec, ids, mask, protocol):
     return torch.stack(out.logits, dim=1), cache
 
 
-def _check_fused_decode_matches_reference(model, protocol):
-    codec = build_codec(QJL_TINY, info_of(model))
+def _check_fused_decode_matches_reference(model, protocol, config=QJL_TINY, mode="scores"):
+    codec = build_codec(config, info_of(model))
     ids = torch.randint(1, 96, (2, 27), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
@@ -71,6 +71,7 @@ def _check_fused_decode_matches_reference(model, protocol):
     install(model, kernel_backend="triton")
     try:
         fused, cache = _generate(model, codec, ids, mask, protocol)
+        assert cache.layers[1].fused_decode == mode
     finally:
         install(model, kernel_backend="torch")
     assert torch.allclose(fused, reference, atol=1e-4, rtol=1e-4)
@@ -83,6 +84,18 @@ def test_decode_steps_scored_from_the_payload_match_the_reference_path(tiny_mode
     generated token equal the torch reference path (decode + SDPA), with GQA and left padding."""
     keys = _check_fused_decode_matches_reference(tiny_model, "exact_prefill")
     assert keys.num_encoded >= 32 and keys.decoded.length == 0  # scored from the payload, never decoded
+
+
+# power-of-two sketches and 16-token groups: the fused decode-attention kernel reads the sign bits
+QJL_FUSED = {**QJL_TINY, "initial_sketch_dim": 64, "group_size": 16, "key_buffer": 16}
+
+
+@torch.no_grad()
+def test_decode_steps_run_the_fused_attention_kernel_on_the_sign_bits(tiny_model):
+    """Sketch sizes the fused kernel reads: a QJL step scores the sign bits and weights the packed values in
+    one kernel (no decoded K or V); every generated token's logits equal the torch reference path."""
+    keys = _check_fused_decode_matches_reference(tiny_model, "exact_prefill", QJL_FUSED, mode="attention")
+    assert keys.num_encoded >= 16 and keys.decoded.length == 0
 
 
 @torch.no_grad()

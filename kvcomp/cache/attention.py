@@ -16,11 +16,11 @@ Decode steps read the payloads directly when ``install(model, kernel_backend="tr
 (:attr:`~kvcomp.cache.compressed_cache.CompressedLayer.fused_decode`): the layer hands over its key and
 value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill``) and
 
-- codecs with a payload reader (uniform/KIVI, TemporalKV, ChannelKV, KVQuant) run the fused
-  decode-attention kernel (:mod:`kvcomp.kernels.decode_attention`): K and V decoded in registers,
-  never in memory;
-- codecs with a fused score path (``payload_scores``, QJL) score the encoded keys with their kernel and
-  decode the values;
+- codecs with a payload reader (uniform/KIVI, TemporalKV, ChannelKV, KVQuant, QJL) run the fused
+  decode-attention kernel (:mod:`kvcomp.kernels.decode_attention`): K and V decoded in registers (QJL's
+  keys scored from their sign bits), never in memory;
+- codecs with a fused score path (``payload_scores``) whose format the kernel cannot read (QJL with sketch
+  sizes that are not powers of two) score the encoded keys with their kernel and decode the values;
 - codecs with a payload value path (``payload_values``, CSR's ``D u`` with ``desparse=fused``, on any
   backend) decode the keys and weight the encoded values without decoding them.
 """

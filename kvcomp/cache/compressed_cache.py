@@ -243,7 +243,8 @@ class CompressedLayer(CacheLayerMixin):
         """How decode steps read the cache when ``install(model, kernel_backend="triton")`` selected kernels:
         ``"attention"``: the fused decode-attention kernel reads both payloads
         (:meth:`~kvcomp.codecs.base.Codec.payload_reader`; pre-RoPE keys need the model's RoPE frequencies
-        and every token's position); ``"scores"``: the key payload is scored by the codec's kernel
+        and every token's position; QJL's sign-sketched keys included); ``"scores"`` (where the kernel cannot read
+        the format): the key payload is scored by the codec's kernel
         (:meth:`~kvcomp.codecs.base.Codec.payload_scores`) and values are decoded; ``None``: the torch path.
         ``"values"`` (any backend, codecs that set ``values_from_payload``): keys are decoded, the attention
         output of the value payload comes from :meth:`~kvcomp.codecs.base.Codec.payload_values`.
@@ -252,11 +253,11 @@ class CompressedLayer(CacheLayerMixin):
             return "values"
         if self.kernel_backend != "triton":
             return None
-        if self.codec.scores_from_payload:
-            return "scores"
         rope_ready = not self.codec.pre_rope or (self.rotary is not None and self.positions is not None)
         if rope_ready and self.codec.fused_attention_supported(self.layer_idx):
             return "attention"
+        if self.codec.scores_from_payload:
+            return "scores"
         return None
 
     def key_rope(self) -> RotaryPositions | None:

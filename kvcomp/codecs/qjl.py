@@ -35,7 +35,8 @@ from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
-from kvcomp.kernels.qjl_scores import SketchedKeys, qjl_scores
+from kvcomp.kernels.decode_attention import SketchReader, UniformReader
+from kvcomp.kernels.qjl_scores import SketchedKeys, qjl_scores, reconstruct_keys
 from kvcomp.stages.jl_sketch import (
     PROJECTIONS,
     ROW_NORMS,
@@ -182,18 +183,7 @@ class QJLCodec(Codec):
         """Values: dequantized. Keys: ``k_hat`` (module docstring), whose logits equal the estimator's."""
         if kind == "value":
             return self.value_quantizer.decode(payload.tensors, self.model.head_dim, dtype)
-        keys = self.sketched_keys(payload, layer_idx)
-        m = keys.sketch_dim
-
-        def reconstruct(signs, norm, rows):  # sqrt(pi/2)/m' ||k'|| S'^T sign(S' k')
-            return estimator_scale(rows) * norm.float()[..., None] * (unpack_signs(signs, rows) @ keys.projection[:rows])
-
-        k_hat = reconstruct(keys.signs, keys.inlier_norm, m)
-        if keys.num_outliers:
-            mask = channel_mask(keys.outlier_channels, self.model.head_dim, keys.group_size)
-            outliers = reconstruct(keys.outlier_signs, keys.outlier_norm, keys.outlier_sketch_dim)
-            k_hat = torch.where(mask, outliers, k_hat)
-        return k_hat.to(dtype)
+        return reconstruct_keys(self.sketched_keys(payload, layer_idx), self.model.head_dim).to(dtype)
 
     def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
         """Logits ``<q, k_hat>`` of queries ``[B, Hq, Tq, D]`` against the encoded keys, float32
@@ -204,6 +194,19 @@ class QJLCodec(Codec):
         grouped = query.reshape(b, h, (hq // h) * tq, d)
         scores = qjl_scores(grouped, self.sketched_keys(payload, layer_idx), backend)
         return scores.reshape(b, hq, tq, -1)
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        """The fused decode kernel reads the sign bits (power-of-two sketch sizes and a group of at least 16
+        tokens, a power of two) and the per-token uniform values (codes within bytes)."""
+        m, m_out = self.sketch_sizes(layer_idx)
+        sizes = [m, self.config.group_size] + ([m_out] if self.config.outlier_channels else [])
+        power_of_two = all(n & (n - 1) == 0 for n in sizes)
+        return power_of_two and self.config.group_size >= 16 and 8 % self.value_quantizer.bits == 0
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> SketchReader | UniformReader:
+        if kind == "value":
+            return UniformReader.of(self.value_quantizer, payload, self.model.head_dim)
+        return SketchReader(payload.num_tokens, self.model.head_dim, self.sketched_keys(payload, layer_idx))
 
     def key_bits_per_token(self, layer_idx: int) -> float:
         """Stored bits of one key token of one head: sign bits, norms, amortised outlier channel ids."""

@@ -79,8 +79,4 @@ class UniformCodec(Codec):
         return all(8 % quantizer.bits == 0 for quantizer in self.quantizers.values())  # codes within bytes
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> UniformReader:
-        q, t = self.quantizers[kind], payload.tensors
-        return UniformReader(
-            payload.num_tokens, self.model.head_dim, t["codes"], t["scale"], t["zero"], q.bits, q.group_size,
-            q.axis == "per_channel",
-        )
+        return UniformReader.of(self.quantizers[kind], payload, self.model.head_dim)

@@ -8,7 +8,8 @@ and payload *readers* that say how a kernel decodes an encoded block in register
   (``x = code * scale + zero``; KIVI keys per channel, values per token; ``uniform``);
 - :class:`CodebookReader`: packed indices into per-(KV head, channel group) centroid tables, then the
   codec's normalisation undone (``x = z * scale_c * scale_t + center_c + center_t``; TemporalKV,
-  ChannelKV, KVQuant).
+  ChannelKV, KVQuant);
+- :class:`SketchReader` (keys only): QJL's sign bits and norms, scored without decoding a key.
 
 Keys of pre-RoPE codecs carry :class:`RotaryPositions`: the kernel rotates each decoded key by its
 position's angle ``pos * inv_freq`` (as the model's rotary embedding does) before the dot product.
@@ -29,6 +30,7 @@ from functools import cached_property
 
 import torch
 
+from kvcomp.kernels.qjl_scores import SketchedKeys, reconstruct_keys
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.normalization import affine_denormalize
 from kvcomp.stages.rope import apply_rope
@@ -89,6 +91,13 @@ class UniformReader(PayloadReader):
     group_size: int
     per_channel: bool
 
+    @classmethod
+    def of(cls, quantizer: GroupQuantizer, payload, head_dim: int) -> UniformReader:
+        """The reader of a :class:`~kvcomp.codecs.base.Payload` that ``quantizer`` encoded."""
+        t = payload.tensors
+        return cls(payload.num_tokens, head_dim, t["codes"], t["scale"], t["zero"], quantizer.bits, quantizer.group_size,
+                   quantizer.axis == "per_channel")
+
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
         return quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
@@ -121,6 +130,18 @@ class CodebookReader(PayloadReader):
         quantizer = CodebookQuantizer(self.layout, self.num_centroids)
         z = quantizer.decode(self.codes, self.codebooks, self.head_dim)
         return affine_denormalize(z, self.channel_scale, self.channel_center, self.token_scale, self.token_center)
+
+
+@dataclass
+class SketchReader(PayloadReader):
+    """QJL's sign-sketched keys (:class:`~kvcomp.kernels.qjl_scores.SketchedKeys`). The kernel scores them
+    from their sign bits (:mod:`kvcomp.kernels.qjl_scores`: Eq. 4 plus the outlier term); the reference
+    decodes ``k_hat`` (:func:`~kvcomp.kernels.qjl_scores.reconstruct_keys`), whose logits are the same."""
+
+    keys: SketchedKeys
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        return reconstruct_keys(self.keys, self.head_dim)
 
 
 Segment = torch.Tensor | PayloadReader

@@ -39,9 +39,18 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
-from kvcomp.kernels.decode_attention import CodebookReader, RotaryPositions, Segment, UniformReader, segment_length
+from kvcomp.kernels.decode_attention import (
+    CodebookReader,
+    PayloadReader,
+    RotaryPositions,
+    Segment,
+    SketchReader,
+    UniformReader,
+    segment_length,
+)
+from kvcomp.stages.jl_sketch import estimator_scale
 
-DENSE, UNIFORM, CODEBOOK = 0, 1, 2
+DENSE, UNIFORM, CODEBOOK, SKETCH = 0, 1, 2, 3
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Warps per split program on the register path: its tiles then take at most 128 registers per thread for
@@ -209,6 +218,43 @@ def _packed_scores(
 
 
 @triton.jit
+def _sketch_scores(
+    q_ptr, bh, R, rows, row_ok, qk_scale, signs, norm, length, t, t0, t_ok,
+    y_ptr, proj, out_signs, out_norm, channels, scale_in, scale_out,
+    D: tl.constexpr, M: tl.constexpr, M_OUT: tl.constexpr, N_OUT: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Logits ``[BLOCK_R, BLOCK_T]`` of QJL's sign-sketched keys (:mod:`kvcomp.kernels.qjl_scores`):
+    ``sqrt(pi/2)/m ||k_in|| <S q - u_g, sign(S k_in)> + sqrt(pi/2)/m_o ||k_out|| <u_g[:m_o], sign(S_{:m_o} k_out)>``
+    with ``y = S q`` precomputed per query and ``u_g = S[:, O_g] q_{O_g}`` built here from ``N_OUT`` columns
+    of ``S`` for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
+    are aligned to the payload's first token)."""
+    m = tl.arange(0, M)
+    ok = t_ok[:, None]
+    byte = tl.load(signs + (bh * length + t[:, None]) * (M // 8) + m[None, :] // 8, mask=ok, other=0).to(tl.int32)
+    sign = ((byte >> (m[None, :] % 8)) & 1).to(tl.float32) * 2.0 - 1.0  # [BLOCK_T, M]
+    y = tl.load(y_ptr + (bh * R + rows[:, None]) * M + m[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_R, M]
+    if N_OUT > 0:
+        group = t0 // GROUP
+        u = tl.zeros((BLOCK_R, M), dtype=tl.float32)
+        for o in tl.static_range(N_OUT):
+            channel = tl.load(channels + (bh * (length // GROUP) + group) * N_OUT + o).to(tl.int32)
+            q_c = tl.load(q_ptr + (bh * R + rows) * D + channel, mask=row_ok, other=0.0).to(tl.float32)
+            u += q_c[:, None] * tl.load(proj + m * D + channel)[None, :]
+        y = y - u
+    inlier = tl.load(norm + bh * length + t, mask=t_ok, other=0.0).to(tl.float32)
+    s = _row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (scale_in * inlier)[None, :]
+    if N_OUT > 0:
+        first_rows = m < M_OUT
+        byte = tl.load(out_signs + (bh * length + t[:, None]) * (M_OUT // 8) + m[None, :] // 8,
+                       mask=ok & first_rows[None, :], other=0).to(tl.int32)
+        sign = tl.where(first_rows[None, :], ((byte >> (m[None, :] % 8)) & 1).to(tl.float32) * 2.0 - 1.0, 0.0)
+        outlier = tl.load(out_norm + bh * length + t, mask=t_ok, other=0.0).to(tl.float32)
+        s += _row_scores(u, sign, rows, BLOCK_R, BLOCK_T) * (scale_out * outlier)[None, :]
+    return s * qk_scale
+
+
+@triton.jit
 def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND: tl.constexpr):
     """RoPE of the two channel halves at the positions of cached tokens ``g``; cos/sin rounded to the model's
     dtype like the rotary embedding's output (ROUND 1: bfloat16, 2: float16)."""
@@ -235,6 +281,7 @@ def _split_kernel(
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
     v_s_b, v_s_h, v_s_t, v_length, v_first,
     positions, pos_stride, inv_freq, rope_scaling,
+    sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
     K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
@@ -243,6 +290,7 @@ def _split_kernel(
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
+    SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -267,10 +315,17 @@ def _split_kernel(
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
     acc_hi = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
-    for g0 in range(split_lo, split_hi, BLOCK_T):
+    tile_lo = split_lo
+    if K_FMT == 3:  # sketched keys: tiles aligned to the payload's groups (the first one partly masked)
+        tile_lo = split_lo - (split_lo - k_first) % BLOCK_T
+    for g0 in range(tile_lo, split_hi, BLOCK_T):
         g = g0 + tl.arange(0, BLOCK_T)
-        g_ok = (g >= first) & (g < last) & (g < split_hi)
-        if PACKED_K:  # packed-int keys in their stored layout
+        g_ok = (g >= first) & (g < last) & (g >= split_lo) & (g < split_hi)
+        if K_FMT == 3:
+            s = _sketch_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_length, g - k_first, g0 - k_first,
+                               g_ok, sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
+                               D, SK_M, SK_M_OUT, SK_N_OUT, SK_GROUP, BLOCK_R, BLOCK_T)
+        elif PACKED_K:  # packed-int keys in their stored layout
             s = _packed_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_zero, k_length, b, h, H,
                                g - k_first, g0 - k_first, g_ok, D, K_BITS, K_GROUP, K_PER_CHANNEL, BLOCK_R, BLOCK_T, DOT)
         else:
@@ -359,12 +414,41 @@ def _stream_args(prefix: str, segment: Segment, first: int, placeholder: torch.T
         static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
                       CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
                       TOKEN_CENTER=segment.token_center is not None)
+    elif isinstance(segment, SketchReader):  # keys only; the rest of the format is in _sketch_args
+        runtime.update(data=segment.keys.signs.contiguous(), scale=segment.keys.inlier_norm.contiguous())
+        static.update(FMT=SKETCH)
     else:
         if segment.stride(-1) != 1:
             segment = segment.contiguous()
         s_b, s_h, s_t, _ = segment.stride()
         runtime.update(data=segment, s_b=s_b, s_h=s_h, s_t=s_t)
     return {**{f"{prefix}_{k}": v for k, v in runtime.items()}, **{f"{prefix.upper()}_{k}": v for k, v in static.items()}}
+
+
+def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, queries: dict) -> dict:
+    """The ``sk_*`` / ``SK_*`` arguments of sketched keys (placeholders for other formats); ``queries``
+    keeps each payload's ``y = S q`` ``[B, H, R, m]`` for the step's other launches."""
+    if not isinstance(segment, SketchReader):
+        return dict(sk_y=placeholder, sk_proj=placeholder, sk_out_signs=placeholder, sk_out_norm=placeholder,
+                    sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1)
+    keys = segment.keys
+    projection = keys.projection.to(q.device, torch.float32).contiguous()
+    if id(segment) not in queries:
+        queries[id(segment)] = (q.float() @ projection.T).contiguous()
+    m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
+    out = dict(sk_y=queries[id(segment)], sk_proj=projection, sk_out_signs=placeholder, sk_out_norm=placeholder,
+               sk_channels=placeholder, sk_scale_in=estimator_scale(m), sk_scale_out=0.0, SK_M=m, SK_M_OUT=m_out,
+               SK_N_OUT=n_out, SK_GROUP=keys.group_size)
+    if n_out:
+        out.update(sk_out_signs=keys.outlier_signs.contiguous(), sk_out_norm=keys.outlier_norm.contiguous(),
+                   sk_channels=keys.outlier_channels.contiguous(), sk_scale_out=estimator_scale(m_out))
+    return out
+
+
+def _kv_heads(segment: Segment) -> int:
+    if isinstance(segment, SketchReader):
+        return segment.keys.signs.shape[1]
+    return segment.codes.shape[1] if isinstance(segment, PayloadReader) else segment.shape[1]
 
 
 def _packed(segment: Segment, d: int, dot: bool) -> bool:
@@ -378,9 +462,12 @@ def _packed(segment: Segment, d: int, dot: bool) -> bool:
 
 def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
     """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
-    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`).
+    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`);
+    for QJL's sketched keys, at most their group and 8192 sign bits (no spills at m = 512 on sm_90).
     Launch chunks are multiples of ``block_tokens``, hence of any smaller power of two."""
     for segment in segments:
+        if isinstance(segment, SketchReader):  # within one group of outlier channels; 8 K sign bits per tile
+            block_tokens = min(block_tokens, segment.keys.group_size, max(16, 8192 // segment.keys.sketch_dim))
         group = getattr(segment, "group_size", 0)
         if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
             block_tokens = group
@@ -452,8 +539,7 @@ def decode_launches(
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
-    first_key = key_segments[0]
-    h = first_key.codes.shape[1] if hasattr(first_key, "codes") else first_key.shape[1]
+    h = _kv_heads(key_segments[0])
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
     device = query.device
@@ -475,10 +561,11 @@ def decode_launches(
     placeholder = _placeholder(device)
     no_rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
-    launches, slot = [], 0
+    launches, slot, sketched_queries = [], 0, {}
     for lo, hi, ki, vi, tiles, splits in plan:
         keys, values = key_segments[ki], value_segments[vi]
-        stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder)}
+        stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder),
+                  **_sketch_args(keys, q, placeholder, sketched_queries)}
         rope = no_rope
         if key_rope is not None and not isinstance(keys, torch.Tensor):
             positions = key_rope.positions.to(device, torch.int32).contiguous()

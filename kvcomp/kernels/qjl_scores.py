@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.stages.jl_sketch import estimator_scale, unpack_signs
+from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
 
 
 @dataclass
@@ -48,6 +48,21 @@ class SketchedKeys:
     @property
     def num_outliers(self) -> int:
         return 0 if self.outlier_channels is None else self.outlier_channels.shape[-1]
+
+
+def reconstruct_keys(keys: SketchedKeys, head_dim: int) -> torch.Tensor:
+    """``k_hat`` float32 ``[B, H, T, D]``, whose logits ``<q, k_hat>`` equal the estimator's: on each part,
+    ``sqrt(pi/2)/m' ||k'|| S'^T sign(S' k')`` (outlier channels from the outlier sketch)."""
+    projection = keys.projection.to(keys.signs.device)
+
+    def reconstruct(signs, norm, rows):
+        return estimator_scale(rows) * norm.float()[..., None] * (unpack_signs(signs, rows) @ projection[:rows])
+
+    k_hat = reconstruct(keys.signs, keys.inlier_norm, keys.sketch_dim)
+    if keys.num_outliers:
+        mask = channel_mask(keys.outlier_channels, head_dim, keys.group_size)
+        k_hat = torch.where(mask, reconstruct(keys.outlier_signs, keys.outlier_norm, keys.outlier_sketch_dim), k_hat)
+    return k_hat
 
 
 def qjl_scores_reference(query: torch.Tensor, keys: SketchedKeys) -> torch.Tensor:
