@@ -41,11 +41,9 @@ from kvcomp.stages.jl_sketch import (
     PROJECTIONS,
     ROW_NORMS,
     channel_mask,
-    estimator_scale,
     group_outlier_channels,
     jl_projection,
     sign_sketch,
-    unpack_signs,
 )
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
