@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
-from kvcomp.kernels.decode_attention import decode_attention
+from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
+from kvcomp.kernels.qjl_scores import qjl_scores_reference
 
 SECTION = "## QJL decode-step scores (issue 5)"
 SETTINGS = {  # name -> codec config (head_dim 128)
@@ -76,6 +77,7 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
         probs = torch.softmax(logits, dim=-1).to(torch.bfloat16)
         return probs.view(batch, h, hq // h, context) @ decoded_values[id(value_payload)]
 
+    errors = check(codec, batch, context, device, fused)
     key_bytes = sets[0][2].nbytes / (batch * h * context)
     value_bytes = sets[0][3].nbytes / (batch * h * context) if fused else d * 2
     rows = []
@@ -89,15 +91,37 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
     ):
         ms = baseline if fn is sdpa else timer(fn, inputs)
         rows.append({"batch": batch, "context": context, "method": name, "ms": ms, "vs_sdpa": baseline / ms,
-                     "bytes_per_token_head": bytes_per_key})
+                     "bytes_per_token_head": bytes_per_key, "error": errors.get(fn.__name__, float("nan"))})
     return rows
 
 
+def check(codec, batch: int, context: int, device: torch.device, fused: bool) -> dict:
+    """Relative errors ``||out - ref|| / ||ref||`` of the score kernel and the step on fresh random inputs,
+    against the float64 torch references on the device (keys: the estimator; step: attention over k_hat)."""
+    h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    keys = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
+    values = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
+    key_payload, value_payload = codec.encode(keys, "key", 0), codec.encode(values, "value", 0)
+    query = torch.randn(batch, hq, 1, d, device=device, dtype=torch.bfloat16)
+    sketched = codec.sketched_keys(key_payload, 0)
+    scores = codec.payload_scores(query, key_payload, 0, "triton")
+    reference = qjl_scores_reference(query.reshape(batch, h, hq // h, d), sketched, torch.float64)
+    errors = {"qjl_scores": relative_error(scores, reference.reshape(scores.shape))}
+    if fused:
+        readers = [codec.payload_reader(key_payload, "key", 0)], [codec.payload_reader(value_payload, "value", 0)]
+        out = decode_attention(query[:, :, 0], *readers, d**-0.5, backend="triton")
+        errors["qjl_step"] = relative_error(out, decode_attention_reference(query[:, :, 0], *readers, d**-0.5, dtype=torch.float64))
+    return errors
+
+
 def markdown(rows: list[dict], device_name: str, setting: str) -> str:
-    lines = [f"{setting} on {device_name}:", "", "| batch | context | method | median ms | speed vs SDPA | bytes read per token per KV head |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"{setting} on {device_name} (error: ||kernel - reference|| / ||reference|| on fresh random inputs, "
+             "the torch reference in float64 on the device):", "",
+             "| batch | context | method | median ms | speed vs SDPA | bytes read per token per KV head | relative error |",
+             "|---|---|---|---|---|---|---|"]
     lines += [
-        f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['vs_sdpa']:.2f}x | {r['bytes_per_token_head']:.1f} |"
+        f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['vs_sdpa']:.2f}x | {r['bytes_per_token_head']:.1f} "
+        f"| {r['error']:.2g} |"
         for r in rows
     ]
     return "\n".join(lines)

@@ -263,7 +263,7 @@ def test_streaming_prefill_then_fused_decode(tiny_llama):
 
 def test_gpu_benchmark_script_runs_on_the_interpreter():
     """scripts/bench_decode_attention.py --smoke: the GPU benchmark's code path on a tiny CPU shape, with the
-    kernel checked against the torch reference inside the script (bf16 outputs)."""
+    kernel checked inside the script against the float64 reference on fresh inputs (bf16 outputs)."""
     import importlib.util
     from pathlib import Path
 
@@ -271,10 +271,11 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
     spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    table = module.main(["--smoke", "--codecs", "kivi-2", "temporalkv-2"])
+    table = module.main(["--smoke", "--codecs", "kivi-2", "temporalkv-2", "qjl"])
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 160 |")]
-    assert [row[2] for row in rows][1:] == ["kivi-2", "temporalkv-2"]
-    assert all(float(row[-1].rstrip(" |")) < 0.05 for row in rows)  # kernel within bf16 rounding of the reference
+    assert [row[2] for row in rows][1:] == ["kivi-2", "temporalkv-2", "qjl"]
+    errors = [float(row[-1].rstrip(" |")) for row in rows[1:]]
+    assert all(0 < error < 1e-2 for error in errors)  # relative error: bf16 output rounding, not zero
     assert "| temporalkv-2 |" in table.split("Prefill encode")[1]
 
 

@@ -130,4 +130,6 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
     spec.loader.exec_module(module)
     table = module.main(["--smoke"])
     assert table.count("| qjl scores (Triton) |") == 2
+    fused = next(line for line in table.splitlines() if "qjl step, fused" in line)  # the authors' sketch is fused
+    assert 0 < float(fused.split(" | ")[-1].rstrip(" |")) < 1e-2  # float64 reference, bf16 output
     assert "| 68.2 |" in table  # authors' sketch: 512 sign bits + two fp16 norms + 8 uint8 ids per 32 tokens

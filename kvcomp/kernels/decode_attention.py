@@ -164,19 +164,28 @@ def decode_attention_reference(
     scale: float,
     valid: torch.Tensor | None = None,
     key_rope: RotaryPositions | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Softmax attention of one query token per sequence, ``query [B, Hq, D]`` -> ``[B, Hq, D]`` (query
-    dtype), over the segments (GQA: query head ``j`` reads KV head ``j // (Hq / H)``). ``valid [B, L]``:
-    the cached tokens each sequence attends to (default all); ``key_rope``: rotation of key readers."""
-    keys, values = materialize(key_segments, key_rope), materialize(value_segments)
+    """Softmax attention of one query token per sequence, ``query [B, Hq, D]`` -> ``[B, Hq, D]``, over the
+    segments (GQA: query head ``j`` reads KV head ``j // (Hq / H)``). ``valid [B, L]``: the cached tokens
+    each sequence attends to (default all); ``key_rope``: rotation of key readers. Computed in float32 and
+    returned in the query's dtype, or computed and returned in ``dtype`` (float64: the GPU checks)."""
+    compute = dtype or torch.float32
+    keys, values = materialize(key_segments, key_rope).to(compute), materialize(value_segments).to(compute)
     b, hq, d = query.shape
     h, length = keys.shape[1], keys.shape[2]
-    grouped = query.float().reshape(b, h, hq // h, d)
+    grouped = query.to(compute).reshape(b, h, hq // h, d)
     logits = grouped @ keys.transpose(-1, -2) * scale  # [B, H, R, L]
     if valid is not None:
         logits = logits.masked_fill(~valid[:, None, None, :length], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a sequence with no valid token gets zeros
-    return (probs @ values).reshape(b, hq, d).to(query.dtype)
+    return (probs @ values).reshape(b, hq, d).to(dtype or query.dtype)
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (the GPU benchmarks' correctness column)."""
+    reference = reference.double()
+    return ((out.double() - reference).norm() / reference.norm()).item()
 
 
 def valid_ranges(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -65,15 +65,15 @@ def reconstruct_keys(keys: SketchedKeys, head_dim: int) -> torch.Tensor:
     return k_hat
 
 
-def qjl_scores_reference(query: torch.Tensor, keys: SketchedKeys) -> torch.Tensor:
+def qjl_scores_reference(query: torch.Tensor, keys: SketchedKeys, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Estimated ``<q, k>`` for queries ``[B, H, R, D]`` (the ``R`` queries of each KV head) and the
-    sketched keys: float32 ``[B, H, R, T]``."""
-    q = query.float()
+    sketched keys: ``[B, H, R, T]`` computed in ``dtype`` (float32; float64 for the GPU checks)."""
+    q = query.to(dtype)
     b, h, r, d = q.shape
-    m, projection = keys.sketch_dim, keys.projection.to(q.device)
+    m, projection = keys.sketch_dim, keys.projection.to(q.device, dtype)
     y = q @ projection.T  # [B, H, R, m]
-    signs = unpack_signs(keys.signs, m)  # [B, H, T, m]
-    inlier_norm = keys.inlier_norm.float()[:, :, None, :]
+    signs = unpack_signs(keys.signs, m).to(dtype)  # [B, H, T, m]
+    inlier_norm = keys.inlier_norm.to(dtype)[:, :, None, :]
     if keys.num_outliers == 0:
         return estimator_scale(m) * inlier_norm * (y @ signs.transpose(-1, -2))
     t, g, n = signs.shape[2], keys.group_size, keys.num_outliers
@@ -84,9 +84,9 @@ def qjl_scores_reference(query: torch.Tensor, keys: SketchedKeys) -> torch.Tenso
     u = torch.einsum("bhrgn,bhgnm->bhrgm", q_out, columns)  # S[:, O_g] q_{O_g}
     inner_in = torch.einsum("bhrgm,bhgtm->bhrgt", y[:, :, :, None, :] - u, signs.view(b, h, groups, g, m))
     m_o = keys.outlier_sketch_dim
-    outlier_signs = unpack_signs(keys.outlier_signs, m_o).view(b, h, groups, g, m_o)
+    outlier_signs = unpack_signs(keys.outlier_signs, m_o).to(dtype).view(b, h, groups, g, m_o)
     inner_out = torch.einsum("bhrgm,bhgtm->bhrgt", u[..., :m_o], outlier_signs)
-    outlier_norm = keys.outlier_norm.float()[:, :, None, :]
+    outlier_norm = keys.outlier_norm.to(dtype)[:, :, None, :]
     return (
         estimator_scale(m) * inlier_norm * inner_in.reshape(b, h, r, t)
         + estimator_scale(m_o) * outlier_norm * inner_out.reshape(b, h, r, t)
