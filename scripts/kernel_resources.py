@@ -43,9 +43,8 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
         synthetic_state(codec, torch.Generator().manual_seed(0))
     keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
     query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
-    ones = torch.ones(1, dtype=torch.int32)
-    _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, ones * 0, ones * context, rope,
-                                  block_tokens=block_tokens)
+    valid = torch.ones(1, context, dtype=torch.bool)  # decode steps read the attention mask
+    _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, block_tokens=block_tokens)
     distinct = {}
     for launch in launches:
         constants = tuple((k, v) for k, v in launch.args.items() if k.isupper() or k == "num_warps")

@@ -14,7 +14,6 @@ from kvcomp.kernels.decode_attention import (
     UniformReader,
     decode_attention,
     decode_attention_reference,
-    valid_ranges,
 )
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
@@ -87,7 +86,7 @@ def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
     query = torch.randn(b, h * r, d, generator=gen)
     valid = _mask(b, 4 * group + 7, gen)
     reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
-    out = decode_attention_triton(query, keys, values, d**-0.5, *valid_ranges(valid), num_splits=2, dot=dot)
+    out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=2, dot=dot)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -153,23 +152,26 @@ def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
         torch.testing.assert_close(out, reference, rtol=tolerance, atol=tolerance)
 
 
-def test_masks_that_are_not_one_range_fall_back_and_empty_rows_are_zero():
+def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):
+    """The kernel reads the mask per token: holes, a row with nothing valid, and a batch-broadcast mask (stride
+    0) all match the reference, and the torch reference is never called on the triton backend."""
+    import kvcomp.kernels.decode_attention as module
+
     gen = torch.Generator().manual_seed(3)
     b, h, d = 2, 1, 16
     keys, values = [torch.randn(b, h, 20, d, generator=gen)], [torch.randn(b, h, 20, d, generator=gen)]
     query = torch.randn(b, 2, d, generator=gen)
     holes = torch.ones(b, 20, dtype=torch.bool)
-    holes[0, 5] = False
-    assert valid_ranges(holes) is None
-    reference = decode_attention_reference(query, keys, values, 0.25, holes)
-    torch.testing.assert_close(decode_attention(query, keys, values, 0.25, holes, backend="triton"), reference)
+    holes[0, 5], holes[1, 7:12] = False, False
     empty = torch.ones(b, 20, dtype=torch.bool)
     empty[1] = False
-    start, end = valid_ranges(empty)
-    assert start.tolist() == [0, 0] and end.tolist() == [20, 0]
-    out = decode_attention(query, keys, values, 0.25, empty, backend="triton")
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
-    torch.testing.assert_close(out[0], decode_attention_reference(query, keys, values, 0.25, empty)[0])
+    broadcast = (torch.arange(20) % 3 != 0).expand(b, 20)
+    references = {id(m): decode_attention_reference(query, keys, values, 0.25, m) for m in (holes, empty, broadcast)}
+    monkeypatch.setattr(module, "decode_attention_reference", None)  # a fallback would fail loudly
+    for mask in (holes, empty, broadcast):
+        out = decode_attention(query, keys, values, 0.25, mask, backend="triton")
+        torch.testing.assert_close(out, references[id(mask)])
+    assert torch.equal(decode_attention(query, keys, values, 0.25, empty, backend="triton")[1], torch.zeros(2, d))
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "temporal-2", "scalar-4bit"])
@@ -286,10 +288,9 @@ def test_a_steps_launch_plan_is_computed_once_for_all_layers():
     key_reader, _ = _uniform(torch.randn(1, 1, 32, 16, generator=gen), 2, 16, "per_channel")
     tail = torch.randn(1, 1, 5, 16, generator=gen)
     query = torch.randn(1, 2, 16, generator=gen)
-    ranges = (torch.zeros(1, dtype=torch.int32), torch.full((1,), 37, dtype=torch.int32))
     _plan.cache_clear()
     for _layer in range(3):  # the layers of one step: same segment boundaries
-        decode_attention_triton(query, [key_reader, tail], [key_reader, tail], 0.25, *ranges)
+        decode_attention_triton(query, [key_reader, tail], [key_reader, tail], 0.25)
     assert _plan.cache_info().misses == 1 and _plan.cache_info().hits == 2
 
 
@@ -324,6 +325,6 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers):
     valid[0, :5] = False
     reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
     for splits in (None, 3):
-        out = decode_attention_triton(query, keys, values, d**-0.5, *valid_ranges(valid), num_splits=splits)
+        out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits)
         assert ((out - reference).norm() / reference.norm()) < 1e-5
     assert not build_codec({**config, "sketch_dim": 48}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)

@@ -19,8 +19,8 @@ position's angle ``pos * inv_freq`` (as the model's rotary embedding does) befor
 :func:`decode_attention` dispatches to the Triton kernels of
 :mod:`kvcomp.kernels.decode_attention_triton`, which never write decoded K/V to memory: split-K programs
 each reduce a slice of the tokens to a partial output and its log-sum-exp, and a merge kernel combines
-the partials of all slices and segments. The kernels take a contiguous valid token range per sequence
-(left padding, ragged batches); any other mask falls back to the reference.
+the partials of all slices and segments. The kernels read the step's attention mask per token (left
+padding, ragged batches, any pattern).
 """
 
 from __future__ import annotations
@@ -188,31 +188,16 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return ((out.double() - reference).norm() / reference.norm()).item()
 
 
-def valid_ranges(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(start, end)`` int32 ``[B]`` when each row of ``valid [B, L]`` is one contiguous run of True
-    (or empty), else ``None``."""
-    length = valid.shape[1]
-    index = torch.arange(length, device=valid.device)
-    count = valid.sum(-1)
-    start = torch.where(valid, index, length).amin(-1)
-    end = torch.where(valid, index + 1, 0).amax(-1)
-    if not bool(((end - start).clamp_min(0) == count).all()):
-        return None
-    start = torch.where(count > 0, start, 0)
-    return start.to(torch.int32), end.to(torch.int32)
-
-
 @dataclass
 class ValidTokens:
-    """The cached tokens each sequence attends to in one decode step: ``mask [B, L]`` and, when every row
-    is one contiguous run, its ``(start, end)`` :attr:`ranges` (:func:`valid_ranges`, one host sync, on
-    first use only: the torch reference never needs them). Made once per step and shared by every layer."""
+    """The cached tokens each sequence attends to in one decode step, ``mask [B, L]`` (bool), made once per
+    step and shared by every layer; :attr:`as_bytes` is the kernels' copy (one byte per token)."""
 
     mask: torch.Tensor
 
     @cached_property
-    def ranges(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return valid_ranges(self.mask)
+    def as_bytes(self) -> torch.Tensor:
+        return self.mask.to(torch.uint8).contiguous()
 
 
 def decode_attention(
@@ -225,20 +210,13 @@ def decode_attention(
     backend: str = "torch",
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """:func:`decode_attention_reference` (``backend="torch"``) or the Triton kernels (``"triton"``; a
-    ``valid`` mask that is not one contiguous range per sequence takes the reference). ``valid`` covers
-    exactly the cached tokens (``[B, L]``, or the step's precomputed :class:`ValidTokens`)."""
+    """:func:`decode_attention_reference` (``backend="torch"``) or the Triton kernels (``"triton"``).
+    ``valid`` covers exactly the cached tokens (``[B, L]``, or the step's :class:`ValidTokens`)."""
     if isinstance(valid, torch.Tensor):
         valid = ValidTokens(valid)
     if backend == "triton":
-        if valid is None:
-            length = sum(segment_length(s) for s in key_segments)
-            ones = torch.ones(query.shape[0], dtype=torch.int32, device=query.device)
-            ranges = (torch.zeros_like(ones), ones * length)
-        else:
-            ranges = valid.ranges
-        if ranges is not None:
-            from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+        from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
-            return decode_attention_triton(query, key_segments, value_segments, scale, *ranges, key_rope, num_splits)
+        mask = None if valid is None else valid.as_bytes
+        return decode_attention_triton(query, key_segments, value_segments, scale, mask, key_rope, num_splits)
     return decode_attention_reference(query, key_segments, value_segments, scale, None if valid is None else valid.mask, key_rope)

@@ -13,7 +13,9 @@ Flash-decoding in two kernels:
 The cache is cut at every segment boundary of either stream (keys and values follow different
 schedules), so each launch of the split kernel reads one key segment and one value segment, each of a
 format fixed at compile time. Everything that changes with the cache length (segment bounds, lengths,
-strides, slot counts) is a ``do_not_specialize`` argument: a growing cache never recompiles a kernel.
+strides, slot counts) is a ``do_not_specialize`` argument: a growing cache never recompiles a kernel. The
+step's attention mask is read per token (one byte per cached token and sequence), so any mask runs in the
+kernel and nothing about it is checked on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), far below an MMA tile, so by
 default (``R <= 8``) scores and ``P V`` are computed one query row at a time, each a ``[BLOCK_T, C]``
@@ -270,11 +272,11 @@ def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c
 
 
 @triton.jit(do_not_specialize=[
-    "lo", "hi", "tiles", "slot0", "num_slots", "k_s_b", "k_s_h", "k_s_t", "k_length", "k_first",
+    "valid_s_b", "lo", "hi", "tiles", "slot0", "num_slots", "k_s_b", "k_s_h", "k_s_t", "k_length", "k_first",
     "v_s_b", "v_s_h", "v_s_t", "v_length", "v_first", "pos_stride",
 ])
 def _split_kernel(
-    q_ptr, part_ptr, lse_ptr, start_ptr, end_ptr,
+    q_ptr, part_ptr, lse_ptr, valid_ptr, valid_s_b,
     H, R, lo, hi, tiles, unit, slot0, num_slots, qk_scale,
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
     k_s_b, k_s_h, k_s_t, k_length, k_first,
@@ -290,14 +292,12 @@ def _split_kernel(
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
-    SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr,
+    SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, MASKED: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
-    first = tl.maximum(lo, tl.load(start_ptr + b))
-    last = tl.minimum(hi, tl.load(end_ptr + b))
     splits = tl.num_programs(1)  # the interval's tiles of ``unit`` tokens, shared out evenly (+-1 tile)
     split_lo = lo + (split * tiles // splits) * unit
     split_hi = tl.minimum(lo + ((split + 1) * tiles // splits) * unit, hi)
@@ -320,7 +320,9 @@ def _split_kernel(
         tile_lo = split_lo - (split_lo - k_first) % BLOCK_T
     for g0 in range(tile_lo, split_hi, BLOCK_T):
         g = g0 + tl.arange(0, BLOCK_T)
-        g_ok = (g >= first) & (g < last) & (g >= split_lo) & (g < split_hi)
+        g_ok = (g >= split_lo) & (g < split_hi)
+        if MASKED:  # the step's attention mask, one byte per cached token (any pattern: no host check)
+            g_ok = g_ok & (tl.load(valid_ptr + b * valid_s_b + g, mask=g_ok, other=0) != 0)
         if K_FMT == 3:
             s = _sketch_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_length, g - k_first, g0 - k_first,
                                g_ok, sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
@@ -527,8 +529,7 @@ def decode_launches(
     key_segments: list[Segment],
     value_segments: list[Segment],
     scale: float,
-    start: torch.Tensor,
-    end: torch.Tensor,
+    valid: torch.Tensor | None = None,
     key_rope: RotaryPositions | None = None,
     num_splits: int | None = None,
     block_tokens: int | None = None,
@@ -557,8 +558,12 @@ def decode_launches(
         return out, []
     partial = torch.empty(b * h, total, r, d, device=device, dtype=torch.float32)
     lse = torch.empty(b * h, total, r, device=device, dtype=torch.float32)
-    start, end = start.to(device, torch.int32).contiguous(), end.to(device, torch.int32).contiguous()
     placeholder = _placeholder(device)
+    mask = dict(valid_ptr=placeholder, valid_s_b=0, MASKED=False)
+    if valid is not None:
+        valid = valid.to(device)
+        valid = valid.view(torch.uint8) if valid.dtype == torch.bool and valid.stride(-1) == 1 else valid.to(torch.uint8).contiguous()
+        mask = dict(valid_ptr=valid, valid_s_b=valid.stride(0), MASKED=True)
     no_rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     launches, slot, sketched_queries = [], 0, {}
@@ -571,7 +576,7 @@ def decode_launches(
             positions = key_rope.positions.to(device, torch.int32).contiguous()
             rope = dict(positions=positions, pos_stride=positions.shape[1], inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(),
                         rope_scaling=float(key_rope.scaling), ROPE=True, ROUND=ROUNDING.get(key_rope.dtype, 0))
-        args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, start_ptr=start, end_ptr=end, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
+        args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
                     BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
                     PACKED_K=_packed(keys, d, dot) and not rope["ROPE"], num_warps=num_warps)
@@ -588,20 +593,19 @@ def decode_attention_triton(
     key_segments: list[Segment],
     value_segments: list[Segment],
     scale: float,
-    start: torch.Tensor,
-    end: torch.Tensor,
+    valid: torch.Tensor | None = None,
     key_rope: RotaryPositions | None = None,
     num_splits: int | None = None,
     block_tokens: int | None = None,
     dot: bool | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference` with the valid
-    tokens of sequence ``b`` the cached range ``[start[b], end[b])``. ``num_splits``: slices per segment
+    """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
+    ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token. ``num_splits``: slices per segment
     interval (default: :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot``
     for scores and ``P V`` (default: only above 8 query heads per KV head, see the module docstring);
     ``block_tokens``: tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads
     per KV head)."""
-    out, launches = decode_launches(query, key_segments, value_segments, scale, start, end, key_rope, num_splits,
+    out, launches = decode_launches(query, key_segments, value_segments, scale, valid, key_rope, num_splits,
                                     block_tokens, dot)
     with launch_device(query.device):
         for launch in launches:
