@@ -6,13 +6,14 @@ MLP 14336, vocabulary 32000) and ``--layers`` layers (4), bf16. For every batch 
 prompt is prefilled in 2,048-token chunks, then greedy decode steps run after warm-up steps. Rows:
 
 - ``DynamicCache``: the model as transformers builds it, ``sdpa`` attention;
-- every codec: ``CompressedCache`` (``exact_prefill``) on a copy with the same weights after
-  ``install(model, "triton")``, so decode steps take the codec's fused kernels where it has them.
-  Calibrated codecs get random codebooks and statistics (speed does not depend on them).
+- every codec: ``CompressedCache`` (``exact_prefill``, ``check_finite="deferred"``) on a copy with the
+  same weights after ``install(model, "triton")``, so decode steps take the codec's fused kernels where
+  it has them. Calibrated codecs get random codebooks and statistics (speed does not depend on them).
 
 Per row: median ms per decode step (CUDA events around each step), tokens per second, peak GPU memory
-(``max_memory_allocated`` from the prefill on, model weights included) and the ratio to DynamicCache's
-step. ``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the
+(``max_memory_allocated`` from the prefill on, model weights included), the ratio to DynamicCache's
+step, and the synchronising CUDA calls of one more step (``torch.cuda.set_sync_debug_mode``: 0 means the
+host never waits for the device within a step; CUDA-graph capture is not attempted, the cache grows). ``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the
 device, found by real allocations (doubling, then bisection, out-of-memory errors caught), for each
 row. ``--agreement``: teacher-forced decoding through the fused path and through the torch path of
 the same codec, fed the same tokens: relative error of the logits and greedy agreement.
@@ -29,6 +30,7 @@ import copy
 import gc
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,7 +85,7 @@ def new_cache(name: str, models: tuple, backend: str = "triton"):
     codec.kernel_backend = backend
     if isinstance(codec, CodebookCodec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
-    return model, CompressedCache(codec, protocol="exact_prefill")
+    return model, CompressedCache(codec, protocol="exact_prefill", check_finite="deferred")
 
 
 def forward(model, cache, ids: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,21 @@ def step_ms(model, cache, token: torch.Tensor, device: torch.device) -> tuple[fl
     begin = time.perf_counter()
     token = forward(model, cache, token).argmax(-1, keepdim=True)
     return 1e3 * (time.perf_counter() - begin), token
+
+
+def host_syncs(model, cache, token: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Synchronising CUDA calls (device-to-host reads, stream syncs) during one decode step, counted by
+    torch's sync debug mode; NaN on a CPU."""
+    if device.type != "cuda":
+        return float("nan"), forward(model, cache, token).argmax(-1, keepdim=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            token = forward(model, cache, token).argmax(-1, keepdim=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return float(sum("synchroniz" in str(w.message) for w in caught)), token
 
 
 def _fresh(device: torch.device) -> None:
@@ -142,9 +159,10 @@ def speed(setting: dict, models: tuple, rows: list[str], device: torch.device, l
                 if i >= setting["warmup"]:
                     times.append(ms)
             ms = statistics.median(times)
+            syncs, token = host_syncs(model, cache, token, device)
             baseline = ms if name == BASELINE else baseline
             out.append({"batch": batch, "context": context, "cache": name, "ms": ms, "tokens_per_s": 1e3 * batch / ms,
-                        "peak_gib": _peak(device), "ratio": ms / baseline if baseline else float("nan")})
+                        "peak_gib": _peak(device), "ratio": ms / baseline if baseline else float("nan"), "syncs": syncs})
             log(f"[bench] batch {batch} x {context} {name}: {ms:.2f} ms/step, peak {out[-1]['peak_gib']:.2f} GiB")
             del cache
     return out
@@ -216,10 +234,10 @@ def agreement(setting: dict, models: tuple, rows: list[str], device: torch.devic
 
 
 def tables(speed_rows, batch_rows, agree_rows, setting: dict) -> str:
-    lines = ["| batch | context | cache | ms per decode step | tokens/s | peak GiB | vs DynamicCache |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| batch | context | cache | ms per decode step | tokens/s | peak GiB | vs DynamicCache | host syncs per step |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['context']} | {r['cache']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | "
-              f"{r['ratio']:.2f}x |" for r in speed_rows]
+              f"{r['ratio']:.2f}x | {r['syncs']:.0f} |" for r in speed_rows]
     if batch_rows:
         lines += ["", f"Largest batch at {setting['max_batch_context']} tokens (real allocations):", "",
                   "| cache | largest batch | vs DynamicCache (bf16) |", "|---|---|---|"]

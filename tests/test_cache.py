@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache, install
 from kvcomp.codecs import build_codec, expected_cache_bits
-from kvcomp.errors import NonFiniteKVError
+from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.rope import apply_rope, undo_rope
 from tests.conftest import info_of
 
@@ -149,6 +149,30 @@ def test_nan_in_kv_is_an_error():
     assert TINY["num_hidden_layers"] == 2
     with pytest.raises(NonFiniteKVError, match="layer 1: NaN or Inf in incoming values"):
         model(_ids(), past_key_values=CompressedCache(codec))
+
+
+@torch.no_grad()
+def test_a_deferred_finiteness_check_reports_one_forward_later():
+    """check_finite="deferred": no verdict is read in the forward that brings the NaN (no host sync on a
+    GPU); the next forward of that layer, or raise_if_nonfinite(), raises with the positions."""
+    from tests.conftest import _tiny
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = _tiny(LlamaConfig, LlamaForCausalLM)
+    codec = build_codec({"name": "kivi", "group_size": 4, "residual_length": 8}, info_of(model))
+    cache = CompressedCache(codec, check_finite="deferred")
+    ids = _ids()
+    model(ids, past_key_values=cache)
+    cache.raise_if_nonfinite()  # finite: nothing to report
+    model.model.layers[1].self_attn.v_proj.weight.data[0, 0] = float("nan")
+    try:
+        model(ids[:, :1], past_key_values=cache)  # the NaN arrives, and is not read yet
+        with pytest.raises(NonFiniteKVError, match=r"layer 1: NaN or Inf .* earlier forward \(cache positions 37..37"):
+            model(ids[:, :1], past_key_values=cache)
+    finally:
+        model.model.layers[1].self_attn.v_proj.weight.data[0, 0] = 0.0
+    with pytest.raises(ConfigError, match="valid choices: True, False, 'deferred'"):
+        CompressedCache(codec, check_finite="later")
 
 
 def test_install_refuses_layer_types_it_cannot_cache():

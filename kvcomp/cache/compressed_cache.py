@@ -24,6 +24,26 @@ class LastUpdate:
     values: FreshlyEncoded | None
 
 
+class DeviceFlag:
+    """A device bool read later without stalling the stream: on a GPU it is copied into pinned host memory
+    behind an event, and reading waits for that event only (not for work queued after it)."""
+
+    def __init__(self, flag: torch.Tensor):
+        self.event = None
+        if flag.device.type == "cuda":
+            self.host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self.host.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flag
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host)
+
+
 @dataclass
 class FusedStep:
     """What a fused decode step's attention reads, handed over by ``update`` (see
@@ -100,7 +120,7 @@ class CompressedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool = True,
+    def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool | str = True,
                  compress_generated: bool = True, decode_per_step: bool = False, previous: "CompressedLayer | None" = None,
                  model_unit: ModelUnit | None = None):
         super().__init__()
@@ -126,6 +146,7 @@ class CompressedLayer(CacheLayerMixin):
         self.encode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's encode
         self.decode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's decode
         self.position_ids = GrowingTensor(1)  # of every cached token [B, L] (pre-RoPE codecs)
+        self.pending_check: tuple[DeviceFlag, str] | None = None  # check_finite="deferred"
         self.positions_known = True  # False once a forward came without position ids
         # cos/sin [B, L, D] of every cached token, kept only when they cannot be recomputed from position ids
         self.cos, self.sin = GrowingTensor(1), GrowingTensor(1)
@@ -144,12 +165,8 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.check_finite and not torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32)):
-            kind = "keys" if not torch.isfinite(key_states).all() else "values"  # (sums of finite K/V cannot overflow float32)
-            raise NonFiniteKVError(
-                f"layer {self.layer_idx}: NaN or Inf in incoming {kind} "
-                f"(cache positions {self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1})"
-            )
+        if self.check_finite:
+            self._check_incoming(key_states, value_states)
         self._record_rope(key_states)
         if self.get_seq_length() == 0:  # the first forward: its left padding stays out of the encoded blocks
             self.key_stream.leading_pads = max(self.key_stream.leading_pads, self.incoming_pads)
@@ -190,6 +207,27 @@ class CompressedLayer(CacheLayerMixin):
                 )
             self.last_update = LastUpdate(fresh_keys, fresh_values)
         return _joined(keys), _joined(values)
+
+    def _check_incoming(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise :class:`NonFiniteKVError` on NaN/Inf in incoming K/V (sums of finite K/V cannot overflow
+        float32). ``check_finite=True`` reads the verdict at once, a host sync per layer on a GPU;
+        ``"deferred"`` copies it to the host without waiting and reads it at the layer's next forward (or
+        :meth:`CompressedCache.raise_if_nonfinite`), when the GPU has long finished it."""
+        positions = f"{self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1}"
+        finite = torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32))
+        if self.check_finite == "deferred":
+            self.raise_if_nonfinite()
+            self.pending_check = (DeviceFlag(finite), positions)
+        elif not finite:
+            kind = "keys" if not torch.isfinite(key_states).all() else "values"
+            raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in incoming {kind} (cache positions {positions})")
+
+    def raise_if_nonfinite(self) -> None:
+        """Read the deferred finiteness check of this layer's last forward (``check_finite="deferred"``)."""
+        pending, self.pending_check = self.pending_check, None
+        if pending is not None and not pending[0].read():
+            raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in the keys or values of an earlier forward "
+                                   f"(cache positions {pending[1]}; check_finite='deferred' reports it one forward late)")
 
     def _encode_layer_ready(self) -> tuple[FreshlyEncoded | None, FreshlyEncoded | None]:
         """Layer scope: encode the block both streams have ready, with the previous layer's reconstruction."""
@@ -393,7 +431,10 @@ class CompressedCache(Cache):
     ``decode_per_step=True``: the torch path keeps no decoded copy of the blocks and decodes them at
     every read (memory-true, slower); otherwise that copy is working memory (:attr:`working_nbytes`).
     ``compress_generated=False`` encodes the first forward's tokens only and keeps every later
-    (generated) token in full precision.
+    (generated) token in full precision. ``check_finite``: NaN/Inf in incoming K/V raise
+    :class:`~kvcomp.errors.NonFiniteKVError` at once (``True``: a host sync per layer on a GPU), one
+    forward later without any sync (``"deferred"``; :meth:`raise_if_nonfinite` reads the last ones), or
+    never (``False``).
 
     Scheduling follows the codec's scope (:mod:`kvcomp.codecs.base`): stream- and layer-scope blocks are
     encoded in the layer's ``update`` (a layer-scope encode receives the previous layer's reconstruction
@@ -410,10 +451,12 @@ class CompressedCache(Cache):
 
     receives_position_embeddings = True
 
-    def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool = True,
+    def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool | str = True,
                  compress_generated: bool = True, decode_per_step: bool = False):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
+        if check_finite not in (True, False, "deferred"):
+            raise ConfigError(f"unknown check_finite {check_finite!r}; valid choices: True, False, 'deferred'")
         self.model_unit = ModelUnit(codec) if codec.scope == "model" else None
         info = codec.model
         encoded = dict(zip(info.model_layers, range(info.num_layers)))  # model layer -> codec layer
@@ -431,6 +474,11 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.codec, self.protocol, self.compressed_layers = codec, protocol, compressed
         self.window_layers = [layer for layer in layers if layer not in compressed]
+
+    def raise_if_nonfinite(self) -> None:
+        """Read every layer's pending ``check_finite="deferred"`` verdict (e.g. after the last forward)."""
+        for layer in self.compressed_layers:
+            layer.raise_if_nonfinite()
 
     def layer_types(self) -> dict[str, list]:
         """The cache's layers by attention type (``full_attention``, ``sliding_attention``), model order."""
