@@ -57,7 +57,8 @@ def describe(launch) -> str:
     if "K_FMT" not in args:
         return "merge"
     keys = FORMATS[args["K_FMT"]] + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "")
-    return f"keys {keys}, values {FORMATS[args['V_FMT']]}"
+    values = FORMATS[args["V_FMT"]] + (" (stored layout)" if args["PACKED_V"] else "")
+    return f"keys {keys}, values {values}"
 
 
 def rows_for(launch, label: str, warps: list[int | None]) -> list[dict]:

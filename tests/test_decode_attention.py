@@ -295,7 +295,12 @@ def test_a_steps_launch_plan_is_computed_once_for_all_layers():
 
 
 def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows():
-    from kvcomp.kernels.decode_attention_triton import _packed
+    from kvcomp.kernels.decode_attention_triton import _packed, _packed_values_ok
+
+    values, _ = _uniform(torch.randn(1, 1, 8, 128), 2, 32, "per_token")  # KIVI-2 values: 4 groups per token
+    assert _packed_values_ok(values, 128, dot=False) and not _packed_values_ok(values, 128, dot=True)
+    many_groups, _ = _uniform(torch.randn(1, 1, 8, 128), 2, 8, "per_token")  # 16 groups: gathered, per channel
+    assert not _packed_values_ok(many_groups, 128, dot=False)
 
     kivi2, _ = _uniform(torch.randn(1, 1, 32, 128), 2, 32, "per_channel")  # 32 bytes per token
     narrow, _ = _uniform(torch.randn(1, 1, 32, 32), 2, 32, "per_channel")  # 8 bytes per token

@@ -220,6 +220,36 @@ def _packed_scores(
 
 
 @triton.jit
+def _packed_values(
+    p, rows, data, scale, zero, length, b, h, H, t, t_ok,
+    D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """``P V`` of per-token packed-int values in their stored layout, ``[BLOCK_R, 8 / BITS, W]`` where
+    ``[r, j, i]`` is channel ``PER_BYTE * i + j``: each byte of the tile is loaded once and each of its
+    fields is weighted as it lies; the caller keeps this field-major accumulator and writes it to the
+    head_dim layout once, at the end. Byte ``i`` lies in per-token group ``i // (GROUP / PER_BYTE)`` for
+    every field, so a token's few group scales are loaded once and selected per byte in registers."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PER_BYTE
+    GROUPS: tl.constexpr = D // GROUP
+    i = tl.arange(0, W)
+    row = (b * H + h) * length + t
+    byte = tl.load(data + row[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
+    group_of = (i // (GROUP // PER_BYTE))[None, :]
+    sc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
+    zc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
+    for k in tl.static_range(GROUPS):
+        sc = tl.where(group_of == k, tl.load(scale + row * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], sc)
+        zc = tl.where(group_of == k, tl.load(zero + row * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
+    field = tl.arange(0, PER_BYTE)[None, :, None]
+    out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
+    for j in tl.static_range(PER_BYTE):
+        v = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * sc + zc  # channels PER_BYTE * i + j
+        out = tl.where(field == j, _row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
+    return out
+
+
+@triton.jit
 def _sketch_scores(
     q_ptr, bh, R, rows, row_ok, qk_scale, signs, norm, length, t, t0, t_ok,
     y_ptr, proj, out_signs, out_norm, channels, scale_in, scale_out,
@@ -293,6 +323,7 @@ def _split_kernel(
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
     SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, MASKED: tl.constexpr,
+    PACKED_V: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -313,8 +344,12 @@ def _split_kernel(
 
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
+    V_PER_BYTE: tl.constexpr = 8 // V_BITS
+    if PACKED_V:  # field-major: [r, j, i] is channel V_PER_BYTE * i + j
+        acc = tl.zeros((BLOCK_R, V_PER_BYTE, D // V_PER_BYTE), dtype=tl.float32)
+    else:
+        acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
+        acc_hi = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
     tile_lo = split_lo
     if K_FMT == 3:  # sketched keys: tiles aligned to the payload's groups (the first one partly masked)
         tile_lo = split_lo - (split_lo - k_first) % BLOCK_T
@@ -347,24 +382,34 @@ def _split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
-                             v_s_b, v_s_h, v_s_t, v_length, b, h, H, g - v_first, g0 - v_first, g_ok, c, c_ok, D,
-                             V_FMT, V_BITS, V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC,
-                             V_TOKEN_SCALE, V_TOKEN_CENTER, BLOCK_T)
-        if DOT:
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+        if PACKED_V:  # packed-int values in their stored layout
+            acc = acc * alpha[:, None, None] + _packed_values(p, rows, v_data, v_scale, v_zero, v_length, b, h, H,
+                                                              g - v_first, g_ok, D, V_BITS, V_GROUP, BLOCK_R, BLOCK_T)
         else:
-            acc_lo = acc_lo * alpha[:, None] + _row_values(p, v_lo, rows, BLOCK_R, HALF_PAD)
-            acc_hi = acc_hi * alpha[:, None] + _row_values(p, v_hi, rows, BLOCK_R, HALF_PAD)
+            v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
+                                 v_s_b, v_s_h, v_s_t, v_length, b, h, H, g - v_first, g0 - v_first, g_ok, c, c_ok, D,
+                                 V_FMT, V_BITS, V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC,
+                                 V_TOKEN_SCALE, V_TOKEN_CENTER, BLOCK_T)
+            if DOT:
+                acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
+                acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+            else:
+                acc_lo = acc_lo * alpha[:, None] + _row_values(p, v_lo, rows, BLOCK_R, HALF_PAD)
+                acc_hi = acc_hi * alpha[:, None] + _row_values(p, v_hi, rows, BLOCK_R, HALF_PAD)
         m_i = m_new
 
     filled = l_i > 0
     inv_l = 1.0 / tl.where(filled, l_i, 1.0)
     slot = bh * num_slots + slot0 + split
-    out_at = part_ptr + (slot * R + rows[:, None]) * D + c[None, :]
-    tl.store(out_at, acc_lo * inv_l[:, None], mask=q_mask)
-    tl.store(out_at + D // 2, acc_hi * inv_l[:, None], mask=q_mask)
+    if PACKED_V:  # the field-major accumulator written to the head_dim layout
+        field = tl.arange(0, V_PER_BYTE)[None, :, None]
+        byte = tl.arange(0, D // V_PER_BYTE)[None, None, :]
+        out_at = part_ptr + (slot * R + rows[:, None, None]) * D + byte * V_PER_BYTE + field
+        tl.store(out_at, acc * inv_l[:, None, None], mask=row_ok[:, None, None])
+    else:
+        out_at = part_ptr + (slot * R + rows[:, None]) * D + c[None, :]
+        tl.store(out_at, acc_lo * inv_l[:, None], mask=q_mask)
+        tl.store(out_at + D // 2, acc_hi * inv_l[:, None], mask=q_mask)
     tl.store(lse_ptr + slot * R + rows, tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf")), mask=row_ok)
 
 
@@ -451,6 +496,16 @@ def _kv_heads(segment: Segment) -> int:
     if isinstance(segment, SketchReader):
         return segment.keys.signs.shape[1]
     return segment.codes.shape[1] if isinstance(segment, PayloadReader) else segment.shape[1]
+
+
+def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
+    """Whether values are weighted in their packed layout (:func:`_packed_values`): per-token packed ints
+    whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
+    scales are selected in registers), on the register path."""
+    if dot or not isinstance(segment, UniformReader) or segment.per_channel:
+        return False
+    per_byte, width = 8 // segment.bits, d * segment.bits // 8
+    return not width & (width - 1) and segment.group_size % per_byte == 0 and d // segment.group_size <= 8
 
 
 def _packed(segment: Segment, d: int, dot: bool) -> bool:
@@ -579,7 +634,8 @@ def decode_launches(
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
                     BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
-                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"], num_warps=num_warps)
+                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"], PACKED_V=_packed_values_ok(values, d, dot),
+                    num_warps=num_warps)
         launches.append(Launch(_split_kernel, (b * h, splits), args))
         slot += splits
     merge = dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, R=r, num_slots=total, D=d, BLOCK_R=block_r,
