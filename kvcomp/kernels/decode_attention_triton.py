@@ -27,6 +27,10 @@ from 5 query rows up) for 16 warps: at most 128 registers per thread and no spil
 heads per KV head use ``tl.dot``. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
 is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
 
+Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
+against the matching query sub-vectors (:func:`_packed_scores`) or weighted into a field-major
+accumulator (:func:`_packed_values`), never unpacked into head_dim order inside the token loop.
+
 Each launch shares its interval's tiles out evenly over its slices (+-1 tile), and the slice count fills
 whole waves of the GPU's multiprocessors where the interval is long enough (:func:`_splits`).
 """
