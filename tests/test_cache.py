@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache, install
-from kvcomp.codecs import build_codec, expected_cache_bits
+from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.rope import apply_rope, undo_rope
 from tests.conftest import info_of
@@ -173,6 +173,30 @@ def test_a_deferred_finiteness_check_reports_one_forward_later():
         model.model.layers[1].self_attn.v_proj.weight.data[0, 0] = 0.0
     with pytest.raises(ConfigError, match="valid choices: True, False, 'deferred'"):
         CompressedCache(codec, check_finite="later")
+
+
+def test_deferred_checks_also_defer_the_float16_range_check_of_kivi_scales():
+    """Under check_finite="deferred" a KIVI encode stores float16 scales without reading whether they fit
+    (no host sync); values beyond float16's range are reported at the layer's next forward. With the
+    immediate check, the same block falls back to float32 scales."""
+    info = ModelInfo("tiny", 1, 2, 16)
+    codec = build_codec({"name": "kivi", "group_size": 4, "residual_length": 4}, info)
+    huge = torch.full((1, 2, 1, 16), 1e5)
+    huge[..., ::2] = -1e5  # a per-token group range of 2e5: float16 holds at most 65504
+    small = torch.randn(1, 2, 5, 16)
+    immediate = CompressedCache(codec, protocol="exact_prefill")
+    immediate.update(small, small, 0)
+    immediate.update(huge, huge, 0)
+    immediate.update(small[:, :, :1], small[:, :, :1], 0)  # encodes more values: the huge one included
+    deferred = CompressedCache(codec, protocol="exact_prefill", check_finite="deferred")
+    for step in (small, huge, small[:, :, :1], small[:, :, :1], small[:, :, :1], small[:, :, :1]):
+        try:
+            deferred.update(step, step, 0)
+        except NonFiniteKVError as error:
+            assert "overflowed its storage dtype" in str(error) and "param_dtype=float32" in str(error)
+            break
+    else:
+        pytest.fail("the float16 overflow was never reported")
 
 
 def test_install_refuses_layer_types_it_cannot_cache():

@@ -12,6 +12,7 @@ from kvcomp.cache.stream import Block, FreshlyEncoded, KVStream, PayloadStore
 from kvcomp.codecs.base import FULL, Codec, SequenceState, Unit
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.kernels.decode_attention import RotaryPositions
+from kvcomp.stages.uniform_quantizer import deferred_range_checks
 
 PROTOCOLS = ("streaming", "simulated", "exact_prefill")
 
@@ -25,23 +26,23 @@ class LastUpdate:
 
 
 class DeviceFlag:
-    """A device bool read later without stalling the stream: on a GPU it is copied into pinned host memory
+    """Device bools read later without stalling the stream: on a GPU they are copied into pinned host memory
     behind an event, and reading waits for that event only (not for work queued after it)."""
 
     def __init__(self, flag: torch.Tensor):
         self.event = None
         if flag.device.type == "cuda":
-            self.host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self.host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
             self.host.copy_(flag, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
             self.host = flag
 
-    def read(self) -> bool:
+    def read(self) -> list[bool]:
         if self.event is not None:
             self.event.synchronize()
-        return bool(self.host)
+        return self.host.reshape(-1).tolist()
 
 
 @dataclass
@@ -165,8 +166,20 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.check_finite:
-            self._check_incoming(key_states, value_states)
+        if self.check_finite != "deferred":
+            if self.check_finite:
+                self._check_incoming(key_states, value_states)
+            return self._update(key_states, value_states)
+        self.raise_if_nonfinite()  # the previous forward's verdicts, long computed
+        positions = f"{self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1}"
+        ranges = []
+        with deferred_range_checks(ranges):
+            out = self._update(key_states, value_states)
+        finite = torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32))
+        self.pending_check = (DeviceFlag(torch.stack([finite, *ranges])), positions)
+        return out
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         self._record_rope(key_states)
         if self.get_seq_length() == 0:  # the first forward: its left padding stays out of the encoded blocks
             self.key_stream.leading_pads = max(self.key_stream.leading_pads, self.incoming_pads)
@@ -210,24 +223,28 @@ class CompressedLayer(CacheLayerMixin):
 
     def _check_incoming(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Raise :class:`NonFiniteKVError` on NaN/Inf in incoming K/V (sums of finite K/V cannot overflow
-        float32). ``check_finite=True`` reads the verdict at once, a host sync per layer on a GPU;
-        ``"deferred"`` copies it to the host without waiting and reads it at the layer's next forward (or
-        :meth:`CompressedCache.raise_if_nonfinite`), when the GPU has long finished it."""
-        positions = f"{self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1}"
-        finite = torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32))
-        if self.check_finite == "deferred":
-            self.raise_if_nonfinite()
-            self.pending_check = (DeviceFlag(finite), positions)
-        elif not finite:
+        float32); a host sync per layer on a GPU (``check_finite="deferred"`` avoids it, see :meth:`update`)."""
+        if not torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32)):
             kind = "keys" if not torch.isfinite(key_states).all() else "values"
+            positions = f"{self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1}"
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in incoming {kind} (cache positions {positions})")
 
     def raise_if_nonfinite(self) -> None:
-        """Read the deferred finiteness check of this layer's last forward (``check_finite="deferred"``)."""
+        """Read this layer's verdicts of its last forward under ``check_finite="deferred"``: NaN/Inf in the
+        incoming K/V, and quantization parameters that overflowed their storage dtype (uniform/KIVI). They
+        were copied to the host without waiting, so reading them one forward later costs no sync."""
         pending, self.pending_check = self.pending_check, None
-        if pending is not None and not pending[0].read():
+        if pending is None:
+            return
+        verdicts, positions = pending[0].read(), pending[1]
+        if not verdicts[0]:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in the keys or values of an earlier forward "
-                                   f"(cache positions {pending[1]}; check_finite='deferred' reports it one forward late)")
+                                   f"(cache positions {positions}; check_finite='deferred' reports it one forward late)")
+        if not all(verdicts[1:]):
+            raise NonFiniteKVError(
+                f"layer {self.layer_idx}: a quantization group's scale or zero overflowed its storage dtype "
+                f"(cache positions {positions}; reported one forward late by check_finite='deferred'): "
+                "set codec.param_dtype=float32, or use check_finite=True to fall back to float32 per block")
 
     def _encode_layer_ready(self) -> tuple[FreshlyEncoded | None, FreshlyEncoded | None]:
         """Layer scope: encode the block both streams have ready, with the previous layer's reconstruction."""
@@ -433,8 +450,9 @@ class CompressedCache(Cache):
     ``compress_generated=False`` encodes the first forward's tokens only and keeps every later
     (generated) token in full precision. ``check_finite``: NaN/Inf in incoming K/V raise
     :class:`~kvcomp.errors.NonFiniteKVError` at once (``True``: a host sync per layer on a GPU), one
-    forward later without any sync (``"deferred"``; :meth:`raise_if_nonfinite` reads the last ones), or
-    never (``False``).
+    forward later without any sync (``"deferred"``, which also defers uniform/KIVI's check that scales fit
+    ``param_dtype``, an error then instead of a float32 fallback; :meth:`raise_if_nonfinite` reads the
+    last ones), or never (``False``).
 
     Scheduling follows the codec's scope (:mod:`kvcomp.codecs.base`): stream- and layer-scope blocks are
     encoded in the layer's ``update`` (a layer-scope encode receives the previous layer's reconstruction

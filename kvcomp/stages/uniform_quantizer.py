@@ -15,18 +15,35 @@ exactly. A block whose parameters do not fit ``param_dtype`` (float16 beyond 655
 magnitude 1e5) stores that block's scale and zero in float32 instead: the cache's measured bytes grow
 accordingly (consecutive blocks concatenate to float32), while ``bits_per_value`` stays the nominal
 16-bit count. Inputs whose group range ``max - min`` overflows even float32 (the top code would decode
-to Inf) raise :class:`NonFiniteKVError`. Codes are packed
+to Inf) raise :class:`NonFiniteKVError`. Within :func:`deferred_range_checks` (a cache with
+``check_finite="deferred"``) the parameters are always stored in ``param_dtype`` and whether they fit is
+left on the device for the cache to read one forward later (no host sync per encode). Codes are packed
 along the channel axis of each token, so every stored tensor has tokens (or token groups) on dim 2
 and payloads of consecutive blocks concatenate along that dim.
 """
 
+import contextlib
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
+
+_DEFERRED_RANGE_CHECKS: ContextVar[list | None] = ContextVar("kvcomp_deferred_range_checks", default=None)
+
+
+@contextlib.contextmanager
+def deferred_range_checks(verdicts: list):
+    """Within this context, encodes store scale and zero in ``param_dtype`` without reading whether they
+    fit (a host sync on a GPU) and append that device bool to ``verdicts`` for the caller to read later."""
+    token = _DEFERRED_RANGE_CHECKS.set(verdicts)
+    try:
+        yield
+    finally:
+        _DEFERRED_RANGE_CHECKS.reset(token)
 
 AXES = ("per_token", "per_channel")
 
@@ -87,6 +104,11 @@ class GroupQuantizer:
         """Scale and zero as stored: in ``param_dtype`` when the top code of every group then decodes to a
         finite value (``levels * s + z``, as :meth:`decode` and the fused kernel compute it), else in
         float32; raise :class:`NonFiniteKVError` when not even float32 holds the range."""
+        verdicts = _DEFERRED_RANGE_CHECKS.get()
+        if verdicts is not None:
+            s, z = scale.to(self.param_dtype), lo.to(self.param_dtype)
+            verdicts.append(torch.isfinite(levels * s.float() + z.float()).all())
+            return s, z
         for dtype in (self.param_dtype, torch.float32):
             s, z = scale.to(dtype), lo.to(dtype)
             if torch.isfinite(levels * s.float() + z.float()).all():  # also false for Inf/NaN s or z
