@@ -6,8 +6,8 @@ contexts 8K..64K. For each shape it times, with CUDA events after a warm-up, the
 - ``sdpa``: ``F.scaled_dot_product_attention`` over bf16 K/V (the flash / efficient kernel);
 - ``bf16 scores``: ``q K^T`` alone on bf16 keys (what the QJL kernel replaces);
 - ``qjl scores``: the Triton kernel's logits from the packed sign bits (``m`` bits + norms per key);
-- ``qjl step``: QJL scores + softmax + ``P V``. Where the sketch sizes are powers of two, one fused
-  decode-attention launch (:mod:`kvcomp.kernels.decode_attention_triton`, split + merge) scores the sign
+- ``qjl step``: QJL scores + softmax + ``P V``. Where the groups are a power of two of at least 16
+  tokens (every preset), one fused decode-attention launch (:mod:`kvcomp.kernels.decode_attention_triton`, split + merge) scores the sign
   bits and weights the packed 2-bit values, so no bf16 K or V exists; otherwise the score kernel, then
   softmax and ``P V`` over values decoded to bf16.
 
@@ -66,7 +66,7 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
     def qjl_scores(q, _k, _v, key_payload, _vp):
         return codec.payload_scores(q, key_payload, 0, "triton")
 
-    fused = codec.fused_attention_supported(0)  # power-of-two sketch sizes: the fused decode kernel
+    fused = codec.fused_attention_supported(0)  # groups of 2^k >= 16 tokens: the fused decode kernel
     decoded_values = {} if fused else {id(s[3]): codec.decode(s[3], "value", 0, torch.bfloat16) for s in sets}
 
     def qjl_step(q, _k, _v, key_payload, value_payload):

@@ -309,16 +309,16 @@ def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows
     assert not _packed(torch.randn(1, 1, 4, 128), 128, dot=False)  # full-precision segments
 
 
-@pytest.mark.parametrize("outliers", [2, 0])
-def test_qjl_sign_bits_are_scored_in_the_kernel(outliers):
+@pytest.mark.parametrize("outliers, sketch", [(2, 64), (0, 64), (2, 40)])
+def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
     """QJL's sketched keys as a kernel format: logits from the sign bits (outlier term per 16-token group) and
     P V over the packed per-token values equal the reference (decoded k_hat, whose logits are the
     estimator's), with left padding and a value boundary inside a key group (tiles aligned to the groups)."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
     b, h, r, d = 2, 2, 3, 32
-    config = {"name": "qjl", "initial_layers": 0, "sketch_dim": 64, "outlier_sketch_dim": 32, "group_size": 16,
-              "outlier_channels": outliers, "key_buffer": 32, "value_window": 16}
+    config = {"name": "qjl", "initial_layers": 0, "sketch_dim": sketch, "outlier_sketch_dim": 24, "group_size": 16,
+              "outlier_channels": outliers, "key_buffer": 32, "value_window": 16}  # 40, 24: padded to 64 rows
     codec = build_codec(config, ModelInfo("tiny", 1, h, d))
     g = torch.Generator().manual_seed(outliers)
     k, v = torch.randn(b, h, 80, d, generator=g), torch.randn(b, h, 80, d, generator=g)
@@ -332,4 +332,4 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers):
     for splits in (None, 3):
         out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits)
         assert ((out - reference).norm() / reference.norm()) < 1e-5
-    assert not build_codec({**config, "sketch_dim": 48}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)
+    assert not build_codec({**config, "group_size": 8}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)

@@ -19,8 +19,9 @@ value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill
 - codecs with a payload reader (uniform/KIVI, TemporalKV, ChannelKV, KVQuant, QJL) run the fused
   decode-attention kernel (:mod:`kvcomp.kernels.decode_attention`): K and V decoded in registers (QJL's
   keys scored from their sign bits), never in memory;
-- codecs with a fused score path (``payload_scores``) whose format the kernel cannot read (QJL with sketch
-  sizes that are not powers of two) score the encoded keys with their kernel and decode the values;
+- codecs with a fused score path (``payload_scores``) whose format the kernel cannot read (QJL with groups
+  that are not a power of two of at least 16 tokens) score the encoded keys with their kernel and decode
+  the values;
 - codecs with a payload value path (``payload_values``, CSR's ``D u`` with ``desparse=fused``, on any
   backend) decode the keys and weight the encoded values without decoding them.
 """

@@ -194,12 +194,10 @@ class QJLCodec(Codec):
         return scores.reshape(b, hq, tq, -1)
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
-        """The fused decode kernel reads the sign bits (power-of-two sketch sizes and a group of at least 16
-        tokens, a power of two) and the per-token uniform values (codes within bytes)."""
-        m, m_out = self.sketch_sizes(layer_idx)
-        sizes = [m, self.config.group_size] + ([m_out] if self.config.outlier_channels else [])
-        power_of_two = all(n & (n - 1) == 0 for n in sizes)
-        return power_of_two and self.config.group_size >= 16 and 8 % self.value_quantizer.bits == 0
+        """The fused decode kernel reads the sign bits (any sketch sizes; groups of at least 16 tokens, a
+        power of two, so that a tile lies in one group) and the per-token uniform values (codes within bytes)."""
+        group = self.config.group_size
+        return group >= 16 and group & (group - 1) == 0 and 8 % self.value_quantizer.bits == 0
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> SketchReader | UniformReader:
         if kind == "value":

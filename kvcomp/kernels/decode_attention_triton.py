@@ -258,28 +258,30 @@ def _sketch_scores(
     q_ptr, bh, R, rows, row_ok, qk_scale, signs, norm, length, t, t0, t_ok,
     y_ptr, proj, out_signs, out_norm, channels, scale_in, scale_out,
     D: tl.constexpr, M: tl.constexpr, M_OUT: tl.constexpr, N_OUT: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Logits ``[BLOCK_R, BLOCK_T]`` of QJL's sign-sketched keys (:mod:`kvcomp.kernels.qjl_scores`):
     ``sqrt(pi/2)/m ||k_in|| <S q - u_g, sign(S k_in)> + sqrt(pi/2)/m_o ||k_out|| <u_g[:m_o], sign(S_{:m_o} k_out)>``
     with ``y = S q`` precomputed per query and ``u_g = S[:, O_g] q_{O_g}`` built here from ``N_OUT`` columns
     of ``S`` for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
-    are aligned to the payload's first token)."""
-    m = tl.arange(0, M)
-    ok = t_ok[:, None]
+    are aligned to the payload's first token). Sketch rows are padded to ``M_PAD``, a power of two, and
+    the padding contributes nothing (``y = 0``, ``S = 0``, no sign bits)."""
+    m = tl.arange(0, M_PAD)
+    m_ok = m < M
+    ok = t_ok[:, None] & m_ok[None, :]
     byte = tl.load(signs + (bh * length + t[:, None]) * (M // 8) + m[None, :] // 8, mask=ok, other=0).to(tl.int32)
-    sign = ((byte >> (m[None, :] % 8)) & 1).to(tl.float32) * 2.0 - 1.0  # [BLOCK_T, M]
-    y = tl.load(y_ptr + (bh * R + rows[:, None]) * M + m[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_R, M]
+    sign = ((byte >> (m[None, :] % 8)) & 1).to(tl.float32) * 2.0 - 1.0  # [BLOCK_T, M_PAD]
+    y = tl.load(y_ptr + (bh * R + rows[:, None]) * M + m[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
     if N_OUT > 0:
         group = t0 // GROUP
-        u = tl.zeros((BLOCK_R, M), dtype=tl.float32)
+        u = tl.zeros((BLOCK_R, M_PAD), dtype=tl.float32)
         for o in tl.static_range(N_OUT):
             channel = tl.load(channels + (bh * (length // GROUP) + group) * N_OUT + o).to(tl.int32)
             q_c = tl.load(q_ptr + (bh * R + rows) * D + channel, mask=row_ok, other=0.0).to(tl.float32)
-            u += q_c[:, None] * tl.load(proj + m * D + channel)[None, :]
+            u += q_c[:, None] * tl.load(proj + m * D + channel, mask=m_ok, other=0.0)[None, :]
         y = y - u
     inlier = tl.load(norm + bh * length + t, mask=t_ok, other=0.0).to(tl.float32)
-    s = _row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (scale_in * inlier)[None, :]
+    s = _row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (scale_in * inlier)[None, :]  # padded rows: y = 0
     if N_OUT > 0:
         first_rows = m < M_OUT
         byte = tl.load(out_signs + (bh * length + t[:, None]) * (M_OUT // 8) + m[None, :] // 8,
@@ -326,7 +328,8 @@ def _split_kernel(
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
-    SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, MASKED: tl.constexpr,
+    SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, SK_M_PAD: tl.constexpr,
+    MASKED: tl.constexpr,
     PACKED_V: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -365,7 +368,7 @@ def _split_kernel(
         if K_FMT == 3:
             s = _sketch_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_length, g - k_first, g0 - k_first,
                                g_ok, sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
-                               D, SK_M, SK_M_OUT, SK_N_OUT, SK_GROUP, BLOCK_R, BLOCK_T)
+                               D, SK_M, SK_M_OUT, SK_N_OUT, SK_GROUP, SK_M_PAD, BLOCK_R, BLOCK_T)
         elif PACKED_K:  # packed-int keys in their stored layout
             s = _packed_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_zero, k_length, b, h, H,
                                g - k_first, g0 - k_first, g_ok, D, K_BITS, K_GROUP, K_PER_CHANNEL, BLOCK_R, BLOCK_T, DOT)
@@ -481,7 +484,8 @@ def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, q
     keeps each payload's ``y = S q`` ``[B, H, R, m]`` for the step's other launches."""
     if not isinstance(segment, SketchReader):
         return dict(sk_y=placeholder, sk_proj=placeholder, sk_out_signs=placeholder, sk_out_norm=placeholder,
-                    sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1)
+                    sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1,
+                    SK_M_PAD=16)
     keys = segment.keys
     projection = keys.projection.to(q.device, torch.float32).contiguous()
     if id(segment) not in queries:
@@ -489,7 +493,7 @@ def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, q
     m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
     out = dict(sk_y=queries[id(segment)], sk_proj=projection, sk_out_signs=placeholder, sk_out_norm=placeholder,
                sk_channels=placeholder, sk_scale_in=estimator_scale(m), sk_scale_out=0.0, SK_M=m, SK_M_OUT=m_out,
-               SK_N_OUT=n_out, SK_GROUP=keys.group_size)
+               SK_N_OUT=n_out, SK_GROUP=keys.group_size, SK_M_PAD=triton.next_power_of_2(m))
     if n_out:
         out.update(sk_out_signs=keys.outlier_signs.contiguous(), sk_out_norm=keys.outlier_norm.contiguous(),
                    sk_channels=keys.outlier_channels.contiguous(), sk_scale_out=estimator_scale(m_out))
@@ -528,7 +532,7 @@ def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
     Launch chunks are multiples of ``block_tokens``, hence of any smaller power of two."""
     for segment in segments:
         if isinstance(segment, SketchReader):  # within one group of outlier channels; 8 K sign bits per tile
-            block_tokens = min(block_tokens, segment.keys.group_size, max(16, 8192 // segment.keys.sketch_dim))
+            block_tokens = min(block_tokens, segment.keys.group_size, max(16, 8192 // triton.next_power_of_2(segment.keys.sketch_dim)))
         group = getattr(segment, "group_size", 0)
         if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
             block_tokens = group
