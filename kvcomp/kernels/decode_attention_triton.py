@@ -664,8 +664,9 @@ def decode_attention_triton(
     dot: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
-    ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token. ``num_splits``: slices per segment
-    interval (default: :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot``
+    ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
+    ``num_splits``: slices per segment interval (default: :func:`_splits`, whole waves over the GPU's
+    multiprocessors). ``dot``: ``tl.dot``
     for scores and ``P V`` (default: only above 8 query heads per KV head, see the module docstring);
     ``block_tokens``: tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads
     per KV head)."""
