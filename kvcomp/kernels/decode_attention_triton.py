@@ -529,10 +529,12 @@ def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
     """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
     16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`);
     for QJL's sketched keys, at most their group and 8192 sign bits (no spills at m = 512 on sm_90).
-    Launch chunks are multiples of ``block_tokens``, hence of any smaller power of two."""
+    Slices start at multiples of ``block_tokens`` from their interval's start, hence of any smaller power
+    of two."""
     for segment in segments:
         if isinstance(segment, SketchReader):  # within one group of outlier channels; 8 K sign bits per tile
-            block_tokens = min(block_tokens, segment.keys.group_size, max(16, 8192 // triton.next_power_of_2(segment.keys.sketch_dim)))
+            rows = triton.next_power_of_2(segment.keys.sketch_dim)
+            block_tokens = min(block_tokens, segment.keys.group_size, max(16, 8192 // rows))
         group = getattr(segment, "group_size", 0)
         if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
             block_tokens = group
