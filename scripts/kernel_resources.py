@@ -2,8 +2,8 @@
 read without a GPU (writes the "Decode kernel resources" section of BENCHMARKS.md).
 
 Each kernel launch that :func:`kvcomp.kernels.decode_attention_triton.decode_launches` makes for a
-decode step over a codec's cache (Llama-3.1-8B heads: 8 KV heads, head_dim 128, ``--ratio`` query heads
-per KV head; sinks, payload and tail as the codec's schedule leaves them; random payload), and the QJL
+decode step over a codec's cache (Llama-3.1 heads: 8 KV heads, head_dim 128, ``--ratios`` query heads
+per KV head, 4 for 8B and 8 for 70B; sinks, payload and tail as the codec's schedule leaves them; random payload), and the QJL
 score kernel, is compiled by Triton for ``cuda`` capability 9.0 through a stand-in driver and assembled
 with Triton's ptxas (:mod:`kvcomp.kernels.resources`). Every distinct launch (key format x value format
 x compile-time constants) is one row. These are static facts of the compiled code, not timings.
@@ -61,22 +61,23 @@ def describe(launch) -> str:
     return f"keys {keys}, values {values}"
 
 
-def rows_for(launch, label: str, warps: list[int | None]) -> list[dict]:
+def rows_for(launch, label: str, warps: list[int | None], ratio: int) -> list[dict]:
     rows = []
     for num_warps in warps:
         if num_warps is not None:
             launch.args["num_warps"] = num_warps
         found = kernel_resources(compile_launch(launch))
-        rows.append({"kernel": label, "launch": describe(launch) if label != "qjl scores" else "sign bits (score kernel, unfused)",
+        rows.append({"ratio": ratio, "kernel": label, "launch": describe(launch) if label != "qjl scores" else "sign bits (score kernel, unfused)",
                      "block_t": launch.args.get("BLOCK_T", launch.args.get("BLOCK_G", "")), **found})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | launch | tokens per tile | warps | registers / thread | spill stores (B) | spill loads (B) | shared (B) | occupancy |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| query heads per KV head | kernel | launch | tokens per tile | warps | registers / thread | spill stores (B) "
+             "| spill loads (B) | shared (B) | occupancy |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['kernel']} | {r['launch']} | {r['block_t']} | {r['num_warps']} | {r['registers']} | "
+        lines.append(f"| {r['ratio']} | {r['kernel']} | {r['launch']} | {r['block_t']} | {r['num_warps']} | {r['registers']} | "
                      f"{r['spill_stores']} | {r['spill_loads']} | {r['shared']} | {r['occupancy']:.0%} |")
     return "\n".join(lines)
 
@@ -84,34 +85,35 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
-    parser.add_argument("--ratio", type=int, default=LLAMA31_8B["query_heads"] // LLAMA31_8B["kv_heads"],
-                        help="query heads per KV head (4: Llama-3.1-8B, 8: 70B)")
+    parser.add_argument("--ratios", type=int, nargs="+", default=[4, 8],
+                        help="query heads per KV head (4: Llama-3.1-8B, 8: Llama-3.1-70B)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--block-tokens", type=int, nargs="+", default=[None], help="tokens per tile (default: the kernel's)")
     parser.add_argument("--warps", type=int, nargs="+", default=[None], help="warps per program (default: the kernel's)")
     parser.add_argument("--no-qjl", action="store_true", help="leave out the QJL score kernel")
     parser.add_argument("--write", action="store_true", help="replace this section of BENCHMARKS.md")
     args = parser.parse_args(argv)
-    rows, merge = [], None
-    for name in args.codecs:
-        for block_tokens in args.block_tokens:
-            for launch in codec_launches(name, args.ratio, args.context, block_tokens):
-                if "K_FMT" in launch.args:
-                    rows += rows_for(launch, name, args.warps)
-                else:  # the same merge kernel for every codec
-                    merge = launch
-    if merge is not None:
-        rows += rows_for(merge, "merge", args.warps)
-    if not args.no_qjl:
-        h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
-        codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, h, d))
-        payload = codec.encode(torch.randn(1, h, args.context, d), "key", QJL_LAYER)
-        query = torch.randn(1, h, args.ratio, d)
-        _, launch = qjl_score_launch(query, codec.sketched_keys(payload, QJL_LAYER))
-        rows += rows_for(launch, "qjl scores", args.warps)
+    rows = []
+    for ratio in args.ratios:
+        merge = None
+        for name in args.codecs:
+            for block_tokens in args.block_tokens:
+                for launch in codec_launches(name, ratio, args.context, block_tokens):
+                    if "K_FMT" in launch.args:
+                        rows += rows_for(launch, name, args.warps, ratio)
+                    else:  # the same merge kernel for every codec
+                        merge = launch
+        if merge is not None:
+            rows += rows_for(merge, "merge", args.warps, ratio)
+        if not args.no_qjl:
+            h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
+            codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, h, d))
+            payload = codec.encode(torch.randn(1, h, args.context, d), "key", QJL_LAYER)
+            _, launch = qjl_score_launch(torch.randn(1, h, ratio, d), codec.sketched_keys(payload, QJL_LAYER))
+            rows += rows_for(launch, "qjl scores", args.warps, ratio)
     ptxas = "Triton " + triton.__version__
     body = (f"Static resources of every distinct decode launch (`python scripts/kernel_resources.py --write`; {ptxas}, "
-            f"its ptxas, target sm_90a; {args.ratio} query heads per KV head, head_dim 128). Occupancy: resident warps "
+            f"its ptxas, target sm_90a; head_dim 128). Occupancy: resident warps "
             "over 64 by the sm_90 rules (64 K registers per SM in 256-register warp units, 228 KB shared memory, 1 KB "
             "reserved per block). The GPU machine runs Triton 3.6, whose code generation may differ.\n\n" + table(rows))
     print(body)

@@ -45,8 +45,8 @@ def test_every_decode_launch_compiles_for_sm90_within_the_register_file_without_
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite interprets kernels
     table = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--codecs", "kivi-2", "temporalkv-2",
-                            "--context", "512", "--no-qjl"], env=env, capture_output=True, text=True, check=True, cwd=root).stdout
-    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| kivi-2") or line.startswith("| temporalkv-2")]
+                            "--context", "512", "--no-qjl", "--ratios", "4"], env=env, capture_output=True, text=True, check=True, cwd=root).stdout
+    rows = [line.split(" | ")[1:] for line in table.splitlines() if line.startswith(("| 4 | kivi-2", "| 4 | temporalkv-2"))]
     formats = {row[1] for row in rows}
     assert {"keys packed ints (stored layout), values packed ints (stored layout)", "keys codebook + RoPE, values codebook"} <= formats
     for row in rows:

@@ -509,7 +509,8 @@ def _kv_heads(segment: Segment) -> int:
 def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
     """Whether values are weighted in their packed layout (:func:`_packed_values`): per-token packed ints
     whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
-    scales are selected in registers), on the register path."""
+    scales are selected in registers), on the register path. (Beside QJL's sketched keys above 4 query
+    rows the caller keeps the per-channel path: 88 bytes of spills otherwise, ``scripts/kernel_resources.py``.)"""
     if dot or not isinstance(segment, UniformReader) or segment.per_channel:
         return False
     per_byte, width = 8 // segment.bits, d * segment.bits // 8
@@ -644,7 +645,7 @@ def decode_launches(
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
                     BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
-                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"], PACKED_V=_packed_values_ok(values, d, dot),
+                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"], PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
                     num_warps=num_warps)
         launches.append(Launch(_split_kernel, (b * h, splits), args))
         slot += splits
