@@ -1,16 +1,22 @@
 """Transformers integration: the compressed cache, RoPE handling and the attention function."""
 
+import functools
 import inspect
 
 from kvcomp.cache.attention import ATTENTION_NAME, compressed_attention, install
 from kvcomp.cache.compressed_cache import PROTOCOLS, CompressedCache, CompressedLayer
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def with_cache(model, cache) -> dict:
     """``{"cache": cache}`` for models whose ``forward`` takes ``cache`` (transformers >= 5.24), else
-    ``{"past_key_values": cache}``: keyword arguments for ``model(...)`` and ``model.generate(...)``."""
-    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    return {name: cache}
+    ``{"past_key_values": cache}``: keyword arguments for ``model(...)`` and ``model.generate(...)``
+    (the signature is read once per model class: decode loops call this every step)."""
+    return {_cache_kwarg(type(model)): cache}
 
 
 __all__ = ["ATTENTION_NAME", "PROTOCOLS", "CompressedCache", "CompressedLayer", "compressed_attention", "install",

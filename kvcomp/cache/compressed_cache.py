@@ -25,6 +25,15 @@ class LastUpdate:
     values: FreshlyEncoded | None
 
 
+def _finite(key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+    """Device bool: no NaN/Inf in the K/V (sums of finite K/V cannot overflow float32)."""
+    return torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32))
+
+
+def _span(first: int, count: int) -> str:
+    return f"{first}..{first + count - 1}"
+
+
 class DeviceFlag:
     """Device bools read later without stalling the stream: on a GPU they are copied into pinned host memory
     behind an event, and reading waits for that event only (not for work queued after it)."""
@@ -147,7 +156,7 @@ class CompressedLayer(CacheLayerMixin):
         self.encode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's encode
         self.decode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's decode
         self.position_ids = GrowingTensor(1)  # of every cached token [B, L] (pre-RoPE codecs)
-        self.pending_check: tuple[DeviceFlag, str] | None = None  # check_finite="deferred"
+        self.pending_check: tuple[DeviceFlag, int, int] | None = None  # check_finite="deferred": verdicts, first, count
         self.positions_known = True  # False once a forward came without position ids
         # cos/sin [B, L, D] of every cached token, kept only when they cannot be recomputed from position ids
         self.cos, self.sin = GrowingTensor(1), GrowingTensor(1)
@@ -171,12 +180,10 @@ class CompressedLayer(CacheLayerMixin):
                 self._check_incoming(key_states, value_states)
             return self._update(key_states, value_states)
         self.raise_if_nonfinite()  # the previous forward's verdicts, long computed
-        positions = f"{self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1}"
-        ranges = []
+        first, ranges = self.get_seq_length(), []
         with deferred_range_checks(ranges):
             out = self._update(key_states, value_states)
-        finite = torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32))
-        self.pending_check = (DeviceFlag(torch.stack([finite, *ranges])), positions)
+        self.pending_check = (DeviceFlag(torch.stack([_finite(key_states, value_states), *ranges])), first, key_states.shape[2])
         return out
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -222,12 +229,11 @@ class CompressedLayer(CacheLayerMixin):
         return _joined(keys), _joined(values)
 
     def _check_incoming(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Raise :class:`NonFiniteKVError` on NaN/Inf in incoming K/V (sums of finite K/V cannot overflow
-        float32); a host sync per layer on a GPU (``check_finite="deferred"`` avoids it, see :meth:`update`)."""
-        if not torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32)):
+        """Raise :class:`NonFiniteKVError` on NaN/Inf in incoming K/V; a host sync per layer on a GPU (``check_finite="deferred"`` avoids it, see :meth:`update`)."""
+        if not _finite(key_states, value_states):
             kind = "keys" if not torch.isfinite(key_states).all() else "values"
-            positions = f"{self.get_seq_length()}..{self.get_seq_length() + key_states.shape[2] - 1}"
-            raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in incoming {kind} (cache positions {positions})")
+            raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in incoming {kind} "
+                                   f"(cache positions {_span(self.get_seq_length(), key_states.shape[2])})")
 
     def raise_if_nonfinite(self) -> None:
         """Read this layer's verdicts of its last forward under ``check_finite="deferred"``: NaN/Inf in the
@@ -236,7 +242,7 @@ class CompressedLayer(CacheLayerMixin):
         pending, self.pending_check = self.pending_check, None
         if pending is None:
             return
-        verdicts, positions = pending[0].read(), pending[1]
+        verdicts, positions = pending[0].read(), _span(pending[1], pending[2])
         if not verdicts[0]:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in the keys or values of an earlier forward "
                                    f"(cache positions {positions}; check_finite='deferred' reports it one forward late)")

@@ -218,5 +218,6 @@ def decode_attention(
         from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
         mask = None if valid is None else valid.as_bytes
-        return decode_attention_triton(query, key_segments, value_segments, scale, mask, key_rope, num_splits)
+        return decode_attention_triton(query, key_segments, value_segments, scale, mask, key_rope=key_rope,
+                                       num_splits=num_splits)
     return decode_attention_reference(query, key_segments, value_segments, scale, None if valid is None else valid.mask, key_rope)

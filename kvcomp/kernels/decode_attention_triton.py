@@ -254,6 +254,13 @@ def _packed_values(
 
 
 @triton.jit
+def _signs(packed, row, row_bytes, m, ok):
+    """``+-1`` float32 ``[rows, sketch rows m]`` from sign bits packed 8 per byte (bit ``m % 8`` of byte ``m // 8``)."""
+    byte = tl.load(packed + row[:, None] * row_bytes + m[None, :] // 8, mask=ok, other=0).to(tl.int32)
+    return ((byte >> (m[None, :] % 8)) & 1).to(tl.float32) * 2.0 - 1.0
+
+
+@triton.jit
 def _sketch_scores(
     q_ptr, bh, R, rows, row_ok, qk_scale, signs, norm, length, t, t0, t_ok,
     y_ptr, proj, out_signs, out_norm, channels, scale_in, scale_out,
@@ -269,8 +276,7 @@ def _sketch_scores(
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     ok = t_ok[:, None] & m_ok[None, :]
-    byte = tl.load(signs + (bh * length + t[:, None]) * (M // 8) + m[None, :] // 8, mask=ok, other=0).to(tl.int32)
-    sign = ((byte >> (m[None, :] % 8)) & 1).to(tl.float32) * 2.0 - 1.0  # [BLOCK_T, M_PAD]
+    sign = _signs(signs, bh * length + t, M // 8, m, ok)  # [BLOCK_T, M_PAD]
     y = tl.load(y_ptr + (bh * R + rows[:, None]) * M + m[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
     if N_OUT > 0:
         group = t0 // GROUP
@@ -284,9 +290,7 @@ def _sketch_scores(
     s = _row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (scale_in * inlier)[None, :]  # padded rows: y = 0
     if N_OUT > 0:
         first_rows = m < M_OUT
-        byte = tl.load(out_signs + (bh * length + t[:, None]) * (M_OUT // 8) + m[None, :] // 8,
-                       mask=ok & first_rows[None, :], other=0).to(tl.int32)
-        sign = tl.where(first_rows[None, :], ((byte >> (m[None, :] % 8)) & 1).to(tl.float32) * 2.0 - 1.0, 0.0)
+        sign = tl.where(first_rows[None, :], _signs(out_signs, bh * length + t, M_OUT // 8, m, ok & first_rows[None, :]), 0.0)
         outlier = tl.load(out_norm + bh * length + t, mask=t_ok, other=0.0).to(tl.float32)
         s += _row_scores(u, sign, rows, BLOCK_R, BLOCK_T) * (scale_out * outlier)[None, :]
     return s * qk_scale
@@ -601,8 +605,12 @@ def decode_launches(
     block_tokens: int | None = None,
     dot: bool | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """The output buffer and the launches of :func:`decode_attention_triton` (same arguments), without
-    running them: ``scripts/kernel_resources.py`` compiles them for a GPU that need not be present."""
+    """The output buffer and the launches of :func:`decode_attention_triton`, without running them
+    (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
+    rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per segment interval (default:
+    :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
+    ``P V`` (default: only above 8 query heads per KV head, see the module docstring); ``block_tokens``:
+    tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads per KV head)."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -631,21 +639,24 @@ def decode_launches(
         valid = valid.view(torch.uint8) if valid.dtype == torch.bool and valid.stride(-1) == 1 else valid.to(torch.uint8).contiguous()
         mask = dict(valid_ptr=valid, valid_s_b=valid.stride(0), MASKED=True)
     no_rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
+    key_rotation = no_rope  # for encoded keys of pre-RoPE codecs: converted once, shared by the step's launches
+    if key_rope is not None:
+        positions = key_rope.positions.to(device, torch.int32).contiguous()
+        key_rotation = dict(positions=positions, pos_stride=positions.shape[1], rope_scaling=float(key_rope.scaling),
+                            inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(), ROPE=True,
+                            ROUND=ROUNDING.get(key_rope.dtype, 0))
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     launches, slot, sketched_queries = [], 0, {}
     for lo, hi, ki, vi, tiles, splits in plan:
         keys, values = key_segments[ki], value_segments[vi]
         stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder),
                   **_sketch_args(keys, q, placeholder, sketched_queries)}
-        rope = no_rope
-        if key_rope is not None and not isinstance(keys, torch.Tensor):
-            positions = key_rope.positions.to(device, torch.int32).contiguous()
-            rope = dict(positions=positions, pos_stride=positions.shape[1], inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(),
-                        rope_scaling=float(key_rope.scaling), ROPE=True, ROUND=ROUNDING.get(key_rope.dtype, 0))
+        rope = no_rope if isinstance(keys, torch.Tensor) else key_rotation
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
                     BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
-                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"], PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
+                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
+                    PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
                     num_warps=num_warps)
         launches.append(Launch(_split_kernel, (b * h, splits), args))
         slot += splits
@@ -655,26 +666,12 @@ def decode_launches(
     return out, launches
 
 
-def decode_attention_triton(
-    query: torch.Tensor,
-    key_segments: list[Segment],
-    value_segments: list[Segment],
-    scale: float,
-    valid: torch.Tensor | None = None,
-    key_rope: RotaryPositions | None = None,
-    num_splits: int | None = None,
-    block_tokens: int | None = None,
-    dot: bool | None = None,
-) -> torch.Tensor:
+def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], value_segments: list[Segment], scale: float,
+                            valid: torch.Tensor | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
-    ``num_splits``: slices per segment interval (default: :func:`_splits`, whole waves over the GPU's
-    multiprocessors). ``dot``: ``tl.dot``
-    for scores and ``P V`` (default: only above 8 query heads per KV head, see the module docstring);
-    ``block_tokens``: tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads
-    per KV head)."""
-    out, launches = decode_launches(query, key_segments, value_segments, scale, valid, key_rope, num_splits,
-                                    block_tokens, dot)
+    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``): see :func:`decode_launches`."""
+    out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     with launch_device(query.device):
         for launch in launches:
             launch()
