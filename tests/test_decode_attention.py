@@ -91,17 +91,48 @@ def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
 
 
 def test_nothing_that_grows_with_the_cache_specializes_a_kernel():
-    """Triton compiles a variant per value class (1, multiple of 16) of every specialised integer: lengths,
-    bounds and strides that grow with the cache would recompile the kernels as decoding goes on."""
+    """Triton compiles a variant per value class (1, multiple of 16) of every specialised integer: lengths and
+    bounds that grow with the cache would recompile the kernels as decoding goes on. (Strides stay specialised:
+    they remain multiples of head_dim as buffers grow, and the class lets the compiler vectorise loads.)"""
     from kvcomp.kernels import decode_attention_triton as kernels
 
-    growing = {"lo", "hi", "tiles", "slot0", "num_slots", "pos_stride",
-               *(f"{s}_{name}" for s in "kv" for name in ("s_b", "s_h", "s_t", "length", "first"))}
+    growing = {"lo", "hi", "tiles", "slot0", "num_slots", "pos_stride", "valid_s_b",
+               *(f"{s}_{name}" for s in "kv" for name in ("length", "first")),
+               *(f"{s}_d{i}_{bound}" for s in "kv" for i in range(3) for bound in ("lo", "hi"))}
     assert growing <= _unspecialized(kernels._split_kernel) and "num_slots" in _unspecialized(kernels._merge_kernel)
     from kvcomp.kernels.codebook_encode_triton import _encode_kernel
     from kvcomp.kernels.qjl_scores_triton import _qjl_scores_kernel
 
     assert "T" in _unspecialized(_encode_kernel) and "T" in _unspecialized(_qjl_scores_kernel)
+
+
+def test_one_launch_reads_every_segment_of_a_step():
+    """Sinks, payload, tail and the fresh token of both streams (keys and values encoded up to different
+    tokens) are one split launch plus the merge; a stream with two payloads, or more than three full-precision
+    pieces, gets one launch per run of segments that fits. Every plan equals the reference."""
+    from kvcomp.kernels.decode_attention_triton import decode_launches
+
+    b, h, r, d, group = 2, 2, 4, 32, 16
+    gen = torch.Generator().manual_seed(11)
+    x = lambda n: torch.randn(b, h, n, d, generator=gen)  # noqa: E731
+    sinks, fresh = x(3), x(1)
+    key_reader, _ = _uniform(x(4 * group), 2, group, "per_channel")
+    value_reader, _ = _uniform(x(4 * group + 5), 2, group, "per_token")
+    query = torch.randn(b, h * r, d, generator=gen)
+    cases = {  # name -> (keys, values, split launches)
+        "step": ([sinks, key_reader, x(9), fresh], [sinks, value_reader, x(4), fresh], 1),
+        "dense only": ([sinks, x(40), fresh], [sinks, x(40), fresh], 1),
+        "two payloads": ([sinks, key_reader, key_reader, x(10)], [sinks, value_reader, value_reader], 3),
+        "five pieces": ([x(5), x(7), x(2), x(9), fresh], [x(23), fresh], 2),
+    }
+    for name, (keys, values, expected) in cases.items():
+        length = sum(s.num_tokens if isinstance(s, UniformReader) else s.shape[2] for s in keys)
+        valid = _mask(b, length, gen)
+        _, launches = decode_launches(query, keys, values, d**-0.5, valid, num_splits=3)
+        assert len(launches) == expected + 1, name  # + the merge
+        reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
+        out = decode_attention(query, keys, values, d**-0.5, valid, backend="triton", num_splits=3)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def _unspecialized(kernel) -> set[str]:

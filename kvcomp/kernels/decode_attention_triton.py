@@ -3,19 +3,28 @@
 Flash-decoding in two kernels:
 
 1. ``_split_kernel``: one program per (batch x KV head, slice of tokens). It loads the ``n_rep`` query
-   heads of its KV head once, then for each tile of ``BLOCK_T`` tokens decodes K and V *in registers*
+   heads of its KV head once, then for each tile of at most ``BLOCK_T`` tokens decodes K and V *in registers*
    (dense load, packed-int dequantization, or codebook gather + denormalisation; keys of pre-RoPE
    codecs rotated by their position), and updates an online softmax (base-2 exponentials). It writes
    the slice's normalised partial output and its log-sum-exp.
-2. ``_merge_kernel``: combines the partials of all slices of all segments per query head,
+2. ``_merge_kernel``: combines the partials of all slices per query head,
    ``out = sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)``.
 
-The cache is cut at every segment boundary of either stream (keys and values follow different
-schedules), so each launch of the split kernel reads one key segment and one value segment, each of a
-format fixed at compile time. Everything that changes with the cache length (segment bounds, lengths,
-strides, slot counts) is a ``do_not_specialize`` argument: a growing cache never recompiles a kernel. The
-step's attention mask is read per token (one byte per cached token and sequence), so any mask runs in the
-kernel and nothing about it is checked on the host.
+A decode step is therefore two launches per layer.
+
+One launch of the split kernel reads every segment of a step: per stream, up to three full-precision
+pieces (sinks, tail and, under ``exact_prefill``, the fresh token: separate tensors, each with its own
+pointer, strides and token range) and one encoded payload, whose format is fixed at compile time. Each
+tile lies within one piece of each stream (tiles are cut at piece boundaries and end at multiples of
+``BLOCK_T`` from the key payload's first token), and a scalar branch per tile and stream picks the
+piece's decoder; a cache with more payloads per stream gets one launch per run of segments that fits
+(:func:`_plan`). Everything that changes with the cache length (segment bounds, lengths, slot counts) is a
+``do_not_specialize`` argument: a growing cache never recompiles a kernel. Strides are specialised: they
+stay multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned vector
+loads of the full-precision pieces. Every tensor is advanced to the program's sequence and head once, in
+int64, so no offset overflows at a large batch x context. The step's attention mask is read per token
+(one byte per cached token and sequence), so any mask runs in the kernel and nothing about it is checked
+on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), far below an MMA tile, so by
 default (``R <= 8``) scores and ``P V`` are computed one query row at a time, each a ``[BLOCK_T, C]``
@@ -31,8 +40,8 @@ Packed ints are read in their stored layout: each byte of a tile once, its ``8 /
 against the matching query sub-vectors (:func:`_packed_scores`) or weighted into a field-major
 accumulator (:func:`_packed_values`), never unpacked into head_dim order inside the token loop.
 
-Each launch shares its interval's tiles out evenly over its slices (+-1 tile), and the slice count fills
-whole waves of the GPU's multiprocessors where the interval is long enough (:func:`_splits`).
+Each launch shares the tiles of its token range out evenly over its slices (+-1 tile), and the slice count fills
+whole waves of the GPU's multiprocessors where the range is long enough (:func:`_splits`).
 """
 
 from __future__ import annotations
@@ -63,41 +72,65 @@ LOG2E = 1.4426950408889634
 # every format, with no spills, so at least one program (25 % occupancy) is resident per multiprocessor
 # on sm_90; 4 warps took 168-255 registers with spills (scripts/kernel_resources.py, BENCHMARKS.md).
 REGISTER_PATH_WARPS = 16
+MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
+
+
+@triton.jit
+def _bases(
+    bh, b, h, data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length,
+    D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
+):
+    """One encoded stream's tensors advanced to sequence ``b`` / KV head ``h`` (``bh``, ``b``: int64, so that
+    no offset overflows at a large batch x context); the helpers below index tokens from there."""
+    if FMT == 1:
+        data += bh * length * (D * BITS // 8)
+        if PER_CHANNEL:
+            params = bh * (length // GROUP) * D
+        else:
+            params = bh * length * (D // GROUP)
+        scale += params
+        zero += params
+    elif FMT == 2:
+        data += bh * (length // TL) * ((D // CL) * CODE_BITS // 8)
+        codebooks += h * (D // GC) * CENTROIDS * (TL * CL)
+        ch_scale += h * D
+        ch_center += h * D
+        tok_scale += b * length
+        tok_center += b * length
+    return data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center
 
 
 @triton.jit
 def _tile(
-    data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-    b, h, H, t, t0, t_ok, c, c0, c_ok,
+    data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, c0, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
     TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Segment-local tokens ``t`` (the first is ``t0``) x channels ``c`` (the first is ``c0``) of one stream
-    as a float32 tile (zero where masked).
+    """Payload tokens ``t`` (the first is ``t0``) x channels ``c`` (the first is ``c0``) of one encoded stream
+    (tensors at the program's sequence and head, :func:`_bases`) as a float32 tile; rows outside ``t_ok`` hold
+    anything finite.
 
     Packed ints load each scale and zero once per tile where the tile spans at most two quantization
     groups (per-channel groups of ``GROUP`` tokens when ``BLOCK_T <= GROUP``; per-token groups of
     ``GROUP`` channels when a half of the channels holds at most two), then select per token or per
     channel in registers, instead of one gathered load per value."""
     ok = t_ok[:, None] & c_ok[None, :]
-    if FMT == 0:  # full precision, any strides
-        x = tl.load(data + b * s_b + h * s_h + t[:, None] * s_t + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    elif FMT == 1:  # packed ints: x = code * scale + zero
+    if FMT == 1:  # packed ints: x = code * scale + zero
         PER_BYTE: tl.constexpr = 8 // BITS
-        row = (b * H + h) * length + t
-        byte = tl.load(data + row[:, None] * (D // PER_BYTE) + c[None, :] // PER_BYTE, mask=ok, other=0).to(tl.int32)
+        byte = tl.load(data + t[:, None] * (D // PER_BYTE) + c[None, :] // PER_BYTE, mask=ok, other=0).to(tl.int32)
         code = (byte >> ((c[None, :] % PER_BYTE) * BITS)) & ((1 << BITS) - 1)
         if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters
-            first = (b * H + h) * (length // GROUP) + t0 // GROUP
-            second_ok = c_ok & (tl.zeros_like(c) + t0 // GROUP + 1 < length // GROUP)
-            in_first = (t // GROUP == t0 // GROUP)[:, None]
+            first = t0 // GROUP
+            second_ok = c_ok & (tl.zeros_like(c) + first + 1 < length // GROUP)
+            in_first = (t // GROUP == first)[:, None]
             s = tl.where(in_first, tl.load(scale + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
                          tl.load(scale + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
             z = tl.where(in_first, tl.load(zero + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
                          tl.load(zero + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
         elif not PER_CHANNEL and (D // 2 <= GROUP or D // 2 == 2 * GROUP):  # two columns of per-token parameters
-            param = row * (D // GROUP) + c0 // GROUP
+            param = t * (D // GROUP) + c0 // GROUP
             second_ok = t_ok & (tl.zeros_like(t) + c0 // GROUP + 1 < D // GROUP)
             in_first = (c // GROUP == c0 // GROUP)[None, :]
             s = tl.where(in_first, tl.load(scale + param, mask=t_ok, other=0.0).to(tl.float32)[:, None],
@@ -106,50 +139,76 @@ def _tile(
                          tl.load(zero + param + 1, mask=second_ok, other=0.0).to(tl.float32)[:, None])
         else:  # a gathered load per value
             if PER_CHANNEL:
-                param = ((b * H + h) * (length // GROUP) + t[:, None] // GROUP) * D + c[None, :]
+                param = (t[:, None] // GROUP) * D + c[None, :]
             else:
-                param = row[:, None] * (D // GROUP) + c[None, :] // GROUP
+                param = t[:, None] * (D // GROUP) + c[None, :] // GROUP
             s = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
             z = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
     else:  # codebook: gather the centroid entry, then undo the normalisation
-        GROUPS: tl.constexpr = D // GC
         ROW_BYTES: tl.constexpr = (D // CL) * CODE_BITS // 8
         column = c // CL
-        byte = tl.load(
-            data + ((b * H + h) * (length // TL) + t[:, None] // TL) * ROW_BYTES + (column * CODE_BITS // 8)[None, :],
-            mask=ok, other=0,
-        ).to(tl.int32)
+        byte = tl.load(data + (t[:, None] // TL) * ROW_BYTES + (column * CODE_BITS // 8)[None, :], mask=ok, other=0).to(tl.int32)
         code = (byte >> ((column * CODE_BITS) % 8)[None, :]) & ((1 << CODE_BITS) - 1)
         entry = (t % TL)[:, None] * CL + (c % CL)[None, :]
-        centroid = (h * GROUPS + (c // GC)[None, :]) * CENTROIDS + code
+        centroid = (c // GC)[None, :] * CENTROIDS + code
         z = tl.load(codebooks + centroid * (TL * CL) + entry, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(ch_scale + h * D + c, mask=c_ok, other=0.0)[None, :]
-        center = tl.load(ch_center + h * D + c, mask=c_ok, other=0.0)[None, :]
+        s = tl.load(ch_scale + c, mask=c_ok, other=0.0)[None, :]
+        center = tl.load(ch_center + c, mask=c_ok, other=0.0)[None, :]
         if TOKEN_SCALE:
-            s = s * tl.load(tok_scale + b * length + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+            s = s * tl.load(tok_scale + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
         if TOKEN_CENTER:
-            center = center + tl.load(tok_center + b * length + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+            center = center + tl.load(tok_center + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
         x = z * s + center
     return x
 
 
 @triton.jit
 def _halves(
-    data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-    b, h, H, t, t0, t_ok, c, c_ok,
+    data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
     TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one stream's tile (see :func:`_tile`)."""
-    lo = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-               b, h, H, t, t0, t_ok, c, 0, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC,
-               TOKEN_SCALE, TOKEN_CENTER, BLOCK_T)
-    hi = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, s_b, s_h, s_t, length,
-               b, h, H, t, t0, t_ok, c + D // 2, D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS,
-               TL, CL, GC, TOKEN_SCALE, TOKEN_CENTER, BLOCK_T)
+    """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one encoded stream's tile (see :func:`_tile`)."""
+    lo = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, 0, c_ok,
+               D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, TOKEN_SCALE, TOKEN_CENTER, BLOCK_T)
+    hi = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c + D // 2,
+               D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, TOKEN_SCALE, TOKEN_CENTER,
+               BLOCK_T)
     return lo, hi
+
+
+@triton.jit
+def _dense(ptr, s_t, first, g, g_ok, c, c_ok):
+    """Cached tokens ``g`` x channels ``c`` of a full-precision piece that starts at cached token ``first``
+    (``ptr``: the piece at the program's sequence and head) as float32, zero outside ``g_ok``."""
+    at = ptr + (g - first)[:, None] * s_t + c[None, :]
+    return tl.load(at, mask=g_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c, c_ok):
+    """:func:`_dense` of full-precision piece ``which`` (0-2) of a stream (sinks, tail, fresh token: separate tensors)."""
+    if which == 0:
+        x = _dense(d0, s0, f0, g, g_ok, c, c_ok)
+    elif which == 1:
+        x = _dense(d1, s1, f1, g, g_ok, c, c_ok)
+    else:
+        x = _dense(d2, s2, f2, g, g_ok, c, c_ok)
+    return x
+
+
+@triton.jit
+def _piece(g0, first, end, lo0, hi0, lo1, hi1, hi2):
+    """Which piece of a stream holds cached token ``g0`` (0-2: its full-precision pieces; 3: its encoded
+    payload ``[first, end)``) and where that piece ends."""
+    encoded = (g0 >= first) & (g0 < end)
+    in0 = (g0 >= lo0) & (g0 < hi0)
+    in1 = (g0 >= lo1) & (g0 < hi1)
+    which = tl.where(encoded, 3, tl.where(in0, 0, tl.where(in1, 1, 2)))
+    stop = tl.where(encoded, end, tl.where(in0, hi0, tl.where(in1, hi1, hi2)))
+    return which, tl.maximum(stop, g0 + 1)
 
 
 @triton.jit
@@ -178,8 +237,52 @@ def _row_values(p, v, rows, BLOCK_R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
+    """Logits ``[BLOCK_R, BLOCK_T]`` (log2 units) of key halves: ``tl.dot`` or in registers, one query row at a time."""
+    if DOT:
+        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+    else:
+        s = _row_scores(q_lo, k_lo, rows, BLOCK_R, BLOCK_T) + _row_scores(q_hi, k_hi, rows, BLOCK_R, BLOCK_T)
+    return s
+
+
+@triton.jit
+def _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R: tl.constexpr, HALF_PAD: tl.constexpr, DOT: tl.constexpr):
+    """The head_dim-layout accumulator halves rescaled by ``alpha`` plus ``P V``."""
+    if DOT:
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+    else:
+        acc_lo = acc_lo * alpha[:, None] + _row_values(p, v_lo, rows, BLOCK_R, HALF_PAD)
+        acc_hi = acc_hi * alpha[:, None] + _row_values(p, v_hi, rows, BLOCK_R, HALF_PAD)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def _dense_scores(
+    which, d0, s0, f0, d1, s1, f1, d2, s2, f2, q_lo, q_hi, rows, g, g_ok, c, c_ok,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
+):
+    """Logits of a tile of full-precision keys (piece ``which``)."""
+    k_lo = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c, c_ok)
+    k_hi = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c + D // 2, c_ok)
+    return _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
+
+
+@triton.jit
+def _dense_weighted(
+    acc_lo, acc_hi, alpha, p, which, d0, s0, f0, d1, s1, f1, d2, s2, f2, rows, g, g_ok, c, c_ok,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, HALF_PAD: tl.constexpr, DOT: tl.constexpr,
+):
+    """:func:`_weighted` of a tile of full-precision values (piece ``which``)."""
+    v_lo = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c, c_ok)
+    v_hi = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c + D // 2, c_ok)
+    return _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
+
+
+@triton.jit
 def _packed_scores(
-    q_ptr, bh, R, rows, row_ok, qk_scale, data, scale, zero, length, b, h, H, t, t0, t_ok,
+    q_ptr, R, rows, row_ok, qk_scale, data, scale, zero, length, t, t0, t_ok,
     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -189,35 +292,34 @@ def _packed_scores(
     PER_BYTE: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // PER_BYTE
     i = tl.arange(0, W)
-    row = (b * H + h) * length + t
     ok = t_ok[:, None]
-    byte = tl.load(data + row[:, None] * W + i[None, :], mask=ok, other=0).to(tl.int32)  # [BLOCK_T, W]
+    byte = tl.load(data + t[:, None] * W + i[None, :], mask=ok, other=0).to(tl.int32)  # [BLOCK_T, W]
     s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
     for j in tl.static_range(PER_BYTE):
         channel = i * PER_BYTE + j
         code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
         if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see _tile)
-            first = (b * H + h) * (length // GROUP) + t0 // GROUP
-            second_ok = tl.zeros_like(i) + t0 // GROUP + 1 < length // GROUP
-            in_first = (t // GROUP == t0 // GROUP)[:, None]
+            first = t0 // GROUP
+            second_ok = tl.zeros_like(i) + first + 1 < length // GROUP
+            in_first = (t // GROUP == first)[:, None]
             sc = tl.where(in_first, tl.load(scale + first * D + channel).to(tl.float32)[None, :],
                           tl.load(scale + (first + 1) * D + channel, mask=second_ok, other=0.0).to(tl.float32)[None, :])
             zc = tl.where(in_first, tl.load(zero + first * D + channel).to(tl.float32)[None, :],
                           tl.load(zero + (first + 1) * D + channel, mask=second_ok, other=0.0).to(tl.float32)[None, :])
         else:
             if PER_CHANNEL:
-                param = ((b * H + h) * (length // GROUP) + t[:, None] // GROUP) * D + channel[None, :]
+                param = (t[:, None] // GROUP) * D + channel[None, :]
             else:
-                param = row[:, None] * (D // GROUP) + channel[None, :] // GROUP
+                param = t[:, None] * (D // GROUP) + channel[None, :] // GROUP
             sc = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
             zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         k = code * sc + zc  # [BLOCK_T, W]
         if DOT:
-            q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + channel[None, :], mask=row_ok[:, None], other=0.0)
+            q = tl.load(q_ptr + rows[:, None] * D + channel[None, :], mask=row_ok[:, None], other=0.0)
             s += tl.dot(q.to(tl.float32) * qk_scale, tl.trans(k))  # q: the field's query sub-vectors [BLOCK_R, W]
         else:  # one query row at a time, its field sub-vector [W] loaded as is (L1-resident)
             for r in tl.static_range(BLOCK_R):
-                q_r = tl.load(q_ptr + (bh * R + r) * D + channel, mask=tl.zeros_like(channel) + r < R, other=0.0)
+                q_r = tl.load(q_ptr + r * D + channel, mask=tl.zeros_like(channel) + r < R, other=0.0)
                 s_r = tl.sum(k * (q_r.to(tl.float32) * qk_scale)[None, :], 1)
                 s = tl.where(rows[:, None] == r, s + s_r[None, :], s)
     return s
@@ -225,7 +327,7 @@ def _packed_scores(
 
 @triton.jit
 def _packed_values(
-    p, rows, data, scale, zero, length, b, h, H, t, t_ok,
+    p, rows, data, scale, zero, t, t_ok,
     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """``P V`` of per-token packed-int values in their stored layout, ``[BLOCK_R, 8 / BITS, W]`` where
@@ -237,18 +339,35 @@ def _packed_values(
     W: tl.constexpr = D // PER_BYTE
     GROUPS: tl.constexpr = D // GROUP
     i = tl.arange(0, W)
-    row = (b * H + h) * length + t
-    byte = tl.load(data + row[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
+    byte = tl.load(data + t[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
     group_of = (i // (GROUP // PER_BYTE))[None, :]
     sc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
     zc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
     for k in tl.static_range(GROUPS):
-        sc = tl.where(group_of == k, tl.load(scale + row * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], sc)
-        zc = tl.where(group_of == k, tl.load(zero + row * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
+        sc = tl.where(group_of == k, tl.load(scale + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], sc)
+        zc = tl.where(group_of == k, tl.load(zero + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
     field = tl.arange(0, PER_BYTE)[None, :, None]
     out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
     for j in tl.static_range(PER_BYTE):
         v = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * sc + zc  # channels PER_BYTE * i + j
+        out = tl.where(field == j, _row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
+    return out
+
+
+@triton.jit
+def _dense_fields(
+    which, d0, s0, f0, d1, s1, f1, d2, s2, f2, p, rows, g, g_ok,
+    D: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """``P V`` of full-precision values into the field-major accumulator of :func:`_packed_values` (the
+    few full-precision tokens of a stream whose payload is weighted in its packed layout)."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PER_BYTE
+    i = tl.arange(0, W)
+    field = tl.arange(0, PER_BYTE)[None, :, None]
+    out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
+    for j in tl.static_range(PER_BYTE):
+        v = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, i * PER_BYTE + j, i < W)
         out = tl.where(field == j, _row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
     return out
 
@@ -262,7 +381,7 @@ def _signs(packed, row, row_bytes, m, ok):
 
 @triton.jit
 def _sketch_scores(
-    q_ptr, bh, R, rows, row_ok, qk_scale, signs, norm, length, t, t0, t_ok,
+    q_ptr, R, rows, row_ok, qk_scale, signs, norm, t, t0, t_ok,
     y_ptr, proj, out_signs, out_norm, channels, scale_in, scale_out,
     D: tl.constexpr, M: tl.constexpr, M_OUT: tl.constexpr, N_OUT: tl.constexpr, GROUP: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -271,36 +390,37 @@ def _sketch_scores(
     ``sqrt(pi/2)/m ||k_in|| <S q - u_g, sign(S k_in)> + sqrt(pi/2)/m_o ||k_out|| <u_g[:m_o], sign(S_{:m_o} k_out)>``
     with ``y = S q`` precomputed per query and ``u_g = S[:, O_g] q_{O_g}`` built here from ``N_OUT`` columns
     of ``S`` for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
-    are aligned to the payload's first token). Sketch rows are padded to ``M_PAD``, a power of two, and
-    the padding contributes nothing (``y = 0``, ``S = 0``, no sign bits)."""
+    end at multiples of ``BLOCK_T`` from the payload's first token). Sketch rows are padded to ``M_PAD``, a
+    power of two, and the padding contributes nothing (``y = 0``, ``S = 0``, no sign bits)."""
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     ok = t_ok[:, None] & m_ok[None, :]
-    sign = _signs(signs, bh * length + t, M // 8, m, ok)  # [BLOCK_T, M_PAD]
-    y = tl.load(y_ptr + (bh * R + rows[:, None]) * M + m[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
+    sign = _signs(signs, t, M // 8, m, ok)  # [BLOCK_T, M_PAD]
+    y = tl.load(y_ptr + rows[:, None] * M + m[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
     if N_OUT > 0:
         group = t0 // GROUP
         u = tl.zeros((BLOCK_R, M_PAD), dtype=tl.float32)
         for o in tl.static_range(N_OUT):
-            channel = tl.load(channels + (bh * (length // GROUP) + group) * N_OUT + o).to(tl.int32)
-            q_c = tl.load(q_ptr + (bh * R + rows) * D + channel, mask=row_ok, other=0.0).to(tl.float32)
+            channel = tl.load(channels + group * N_OUT + o).to(tl.int32)
+            q_c = tl.load(q_ptr + rows * D + channel, mask=row_ok, other=0.0).to(tl.float32)
             u += q_c[:, None] * tl.load(proj + m * D + channel, mask=m_ok, other=0.0)[None, :]
         y = y - u
-    inlier = tl.load(norm + bh * length + t, mask=t_ok, other=0.0).to(tl.float32)
+    inlier = tl.load(norm + t, mask=t_ok, other=0.0).to(tl.float32)
     s = _row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (scale_in * inlier)[None, :]  # padded rows: y = 0
     if N_OUT > 0:
         first_rows = m < M_OUT
-        sign = tl.where(first_rows[None, :], _signs(out_signs, bh * length + t, M_OUT // 8, m, ok & first_rows[None, :]), 0.0)
-        outlier = tl.load(out_norm + bh * length + t, mask=t_ok, other=0.0).to(tl.float32)
+        sign = tl.where(first_rows[None, :], _signs(out_signs, t, M_OUT // 8, m, ok & first_rows[None, :]), 0.0)
+        outlier = tl.load(out_norm + t, mask=t_ok, other=0.0).to(tl.float32)
         s += _row_scores(u, sign, rows, BLOCK_R, BLOCK_T) * (scale_out * outlier)[None, :]
     return s * qk_scale
 
 
 @triton.jit
-def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND: tl.constexpr):
-    """RoPE of the two channel halves at the positions of cached tokens ``g``; cos/sin rounded to the model's
-    dtype like the rotary embedding's output (ROUND 1: bfloat16, 2: float16)."""
-    pos = tl.load(positions + b * pos_stride + g, mask=g_ok, other=0).to(tl.float32)
+def _rotate(lo, hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND: tl.constexpr):
+    """RoPE of the two channel halves at the positions of cached tokens ``g`` (``positions``: the program's
+    sequence); cos/sin rounded to the model's dtype like the rotary embedding's output (ROUND 1: bfloat16,
+    2: float16)."""
+    pos = tl.load(positions + g, mask=g_ok, other=0).to(tl.float32)
     angle = pos[:, None] * tl.load(inv_freq + c, mask=c_ok, other=0.0)[None, :]
     cos = tl.cos(angle) * rope_scaling
     sin = tl.sin(angle) * rope_scaling
@@ -312,16 +432,19 @@ def _rotate(lo, hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c
 
 
 @triton.jit(do_not_specialize=[
-    "valid_s_b", "lo", "hi", "tiles", "slot0", "num_slots", "k_s_b", "k_s_h", "k_s_t", "k_length", "k_first",
-    "v_s_b", "v_s_h", "v_s_t", "v_length", "v_first", "pos_stride",
+    "valid_s_b", "lo", "hi", "tiles", "slot0", "num_slots", "pos_stride",
+    *(f"{s}_d{i}_{bound}" for s in "kv" for i in range(3) for bound in ("lo", "hi")),
+    *(f"{s}_{name}" for s in "kv" for name in ("length", "first")),
 ])
 def _split_kernel(
     q_ptr, part_ptr, lse_ptr, valid_ptr, valid_s_b,
     H, R, lo, hi, tiles, unit, slot0, num_slots, qk_scale,
-    k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
-    k_s_b, k_s_h, k_s_t, k_length, k_first,
-    v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
-    v_s_b, v_s_h, v_s_t, v_length, v_first,
+    k_d0, k_d0_s_b, k_d0_s_h, k_d0_s_t, k_d0_lo, k_d0_hi, k_d1, k_d1_s_b, k_d1_s_h, k_d1_s_t, k_d1_lo, k_d1_hi,
+    k_d2, k_d2_s_b, k_d2_s_h, k_d2_s_t, k_d2_lo, k_d2_hi,
+    k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center, k_length, k_first,
+    v_d0, v_d0_s_b, v_d0_s_h, v_d0_s_t, v_d0_lo, v_d0_hi, v_d1, v_d1_s_b, v_d1_s_h, v_d1_s_t, v_d1_lo, v_d1_hi,
+    v_d2, v_d2_s_b, v_d2_s_h, v_d2_s_t, v_d2_lo, v_d2_hi,
+    v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center, v_length, v_first,
     positions, pos_stride, inv_freq, rope_scaling,
     sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -340,15 +463,41 @@ def _split_kernel(
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
-    splits = tl.num_programs(1)  # the interval's tiles of ``unit`` tokens, shared out evenly (+-1 tile)
+    b64 = b.to(tl.int64)
+    bh64 = bh.to(tl.int64)
+    splits = tl.num_programs(1)  # the launch's tiles of ``unit`` tokens, shared out evenly (+-1 tile)
     split_lo = lo + (split * tiles // splits) * unit
     split_hi = tl.minimum(lo + ((split + 1) * tiles // splits) * unit, hi)
+
+    # every tensor advanced to this program's sequence and head once (int64 offsets)
+    q_ptr += bh * R * D
+    k_d0 += b64 * k_d0_s_b + h * k_d0_s_h
+    k_d1 += b64 * k_d1_s_b + h * k_d1_s_h
+    k_d2 += b64 * k_d2_s_b + h * k_d2_s_h
+    v_d0 += b64 * v_d0_s_b + h * v_d0_s_h
+    v_d1 += b64 * v_d1_s_b + h * v_d1_s_h
+    v_d2 += b64 * v_d2_s_b + h * v_d2_s_h
+    k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center = _bases(
+        bh64, b64, h, k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center, k_length,
+        D, K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC)
+    v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center = _bases(
+        bh64, b64, h, v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center, v_length,
+        D, V_FMT, V_BITS, V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC)
+    if K_FMT == 3:  # sketched keys: sign bits and norms per token, outlier channels per group
+        k_data += bh64 * k_length * (SK_M // 8)
+        k_scale += bh64 * k_length
+        sk_out_signs += bh64 * k_length * (SK_M_OUT // 8)
+        sk_out_norm += bh64 * k_length
+        sk_channels += bh64 * (k_length // SK_GROUP) * SK_N_OUT
+        sk_y += bh * R * SK_M
+    positions += b64 * pos_stride
+    valid_ptr += b64 * valid_s_b
 
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < R
     c = tl.arange(0, HALF_PAD)
     c_ok = c < D // 2
-    q_at = q_ptr + (bh * R + rows[:, None]) * D + c[None, :]
+    q_at = q_ptr + rows[:, None] * D + c[None, :]
     q_mask = row_ok[:, None] & c_ok[None, :]
     q_lo = tl.load(q_at, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
     q_hi = tl.load(q_at + D // 2, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
@@ -361,53 +510,69 @@ def _split_kernel(
     else:
         acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
         acc_hi = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
-    tile_lo = split_lo
-    if K_FMT == 3:  # sketched keys: tiles aligned to the payload's groups (the first one partly masked)
-        tile_lo = split_lo - (split_lo - k_first) % BLOCK_T
-    for g0 in range(tile_lo, split_hi, BLOCK_T):
+    k_end = k_first + k_length
+    v_end = v_first + v_length
+    align = k_first % BLOCK_T  # tiles end at multiples of BLOCK_T from the key payload's first token
+    g0 = split_lo
+    while g0 < split_hi:  # one tile per iteration, within one piece of each stream
+        k_which, k_stop = _piece(g0, k_first, k_end, k_d0_lo, k_d0_hi, k_d1_lo, k_d1_hi, k_d2_hi)
+        v_which, v_stop = _piece(g0, v_first, v_end, v_d0_lo, v_d0_hi, v_d1_lo, v_d1_hi, v_d2_hi)
+        end = tl.minimum(tl.minimum(split_hi, g0 + BLOCK_T - (g0 + BLOCK_T - align) % BLOCK_T), tl.minimum(k_stop, v_stop))
         g = g0 + tl.arange(0, BLOCK_T)
-        g_ok = (g >= split_lo) & (g < split_hi)
+        g_ok = g < end
         if MASKED:  # the step's attention mask, one byte per cached token (any pattern: no host check)
-            g_ok = g_ok & (tl.load(valid_ptr + b * valid_s_b + g, mask=g_ok, other=0) != 0)
-        if K_FMT == 3:
-            s = _sketch_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_length, g - k_first, g0 - k_first,
-                               g_ok, sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
-                               D, SK_M, SK_M_OUT, SK_N_OUT, SK_GROUP, SK_M_PAD, BLOCK_R, BLOCK_T)
-        elif PACKED_K:  # packed-int keys in their stored layout
-            s = _packed_scores(q_ptr, bh, R, rows, row_ok, qk_scale, k_data, k_scale, k_zero, k_length, b, h, H,
-                               g - k_first, g0 - k_first, g_ok, D, K_BITS, K_GROUP, K_PER_CHANNEL, BLOCK_R, BLOCK_T, DOT)
-        else:
-            k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
-                                 k_s_b, k_s_h, k_s_t, k_length, b, h, H, g - k_first, g0 - k_first, g_ok, c, c_ok, D,
-                                 K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC,
-                                 K_TOKEN_SCALE, K_TOKEN_CENTER, BLOCK_T)
-            if ROPE:
-                k_lo, k_hi = _rotate(k_lo, k_hi, positions, pos_stride, inv_freq, rope_scaling, b, g, g_ok, c, c_ok, ROUND)
-            if DOT:
-                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [BLOCK_R, BLOCK_T], log2 units
-            else:  # in registers, one query row at a time
-                s = _row_scores(q_lo, k_lo, rows, BLOCK_R, BLOCK_T) + _row_scores(q_hi, k_hi, rows, BLOCK_R, BLOCK_T)
+            g_ok = g_ok & (tl.load(valid_ptr + g, mask=g_ok, other=0) != 0)
+        if K_FMT == 0:  # no encoded keys in this launch
+            s = _dense_scores(k_which, k_d0, k_d0_s_t, k_d0_lo, k_d1, k_d1_s_t, k_d1_lo, k_d2, k_d2_s_t, k_d2_lo, q_lo, q_hi,
+                              rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
+        elif k_which == 3:  # the encoded payload
+            t = g - k_first
+            if K_FMT == 3:
+                s = _sketch_scores(q_ptr, R, rows, row_ok, qk_scale, k_data, k_scale, t, g0 - k_first, g_ok, sk_y, sk_proj,
+                                   sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
+                                   D, SK_M, SK_M_OUT, SK_N_OUT, SK_GROUP, SK_M_PAD, BLOCK_R, BLOCK_T)
+            elif PACKED_K:  # packed-int keys in their stored layout
+                s = _packed_scores(q_ptr, R, rows, row_ok, qk_scale, k_data, k_scale, k_zero, k_length, t, g0 - k_first, g_ok,
+                                   D, K_BITS, K_GROUP, K_PER_CHANNEL, BLOCK_R, BLOCK_T, DOT)
+            else:
+                k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
+                                     k_length, t, g0 - k_first, g_ok, c, c_ok, D, K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL,
+                                     K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER, BLOCK_T)
+                if ROPE:
+                    k_lo, k_hi = _rotate(k_lo, k_hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
+                s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
+        else:  # a full-precision piece
+            s = _dense_scores(k_which, k_d0, k_d0_s_t, k_d0_lo, k_d1, k_d1_s_t, k_d1_lo, k_d2, k_d2_s_t, k_d2_lo, q_lo, q_hi,
+                              rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
         s = tl.where(g_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if PACKED_V:  # packed-int values in their stored layout
-            acc = acc * alpha[:, None, None] + _packed_values(p, rows, v_data, v_scale, v_zero, v_length, b, h, H,
-                                                              g - v_first, g_ok, D, V_BITS, V_GROUP, BLOCK_R, BLOCK_T)
-        else:
-            v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
-                                 v_s_b, v_s_h, v_s_t, v_length, b, h, H, g - v_first, g0 - v_first, g_ok, c, c_ok, D,
-                                 V_FMT, V_BITS, V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC,
-                                 V_TOKEN_SCALE, V_TOKEN_CENTER, BLOCK_T)
-            if DOT:
-                acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
-                acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+        if V_FMT != 0:
+            if v_which == 3:  # the encoded payload
+                t = g - v_first
+                if PACKED_V:  # packed-int values in their stored layout
+                    acc = acc * alpha[:, None, None] + _packed_values(p, rows, v_data, v_scale, v_zero, t, g_ok,
+                                                                      D, V_BITS, V_GROUP, BLOCK_R, BLOCK_T)
+                else:
+                    v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale,
+                                         v_tok_center, v_length, t, g0 - v_first, g_ok, c, c_ok, D, V_FMT, V_BITS, V_GROUP,
+                                         V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE,
+                                         V_TOKEN_CENTER, BLOCK_T)
+                    acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
+            elif PACKED_V:  # a full-precision piece, into the field-major accumulator
+                acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d0_s_t, v_d0_lo, v_d1, v_d1_s_t, v_d1_lo,
+                                                                 v_d2, v_d2_s_t, v_d2_lo, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
             else:
-                acc_lo = acc_lo * alpha[:, None] + _row_values(p, v_lo, rows, BLOCK_R, HALF_PAD)
-                acc_hi = acc_hi * alpha[:, None] + _row_values(p, v_hi, rows, BLOCK_R, HALF_PAD)
+                acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d0_s_t, v_d0_lo, v_d1, v_d1_s_t,
+                                                 v_d1_lo, v_d2, v_d2_s_t, v_d2_lo, rows, g, g_ok, c, c_ok, D, BLOCK_R, HALF_PAD, DOT)
+        else:  # no encoded values in this launch
+            acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d0_s_t, v_d0_lo, v_d1, v_d1_s_t, v_d1_lo,
+                                             v_d2, v_d2_s_t, v_d2_lo, rows, g, g_ok, c, c_ok, D, BLOCK_R, HALF_PAD, DOT)
         m_i = m_new
+        g0 = end
 
     filled = l_i > 0
     inv_l = 1.0 / tl.where(filled, l_i, 1.0)
@@ -446,40 +611,46 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, R, num_slots, D: tl.constexpr, BLO
     tl.store(out_ptr + (bh * R + rows[:, None]) * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _stream_args(prefix: str, segment: Segment, first: int, placeholder: torch.Tensor) -> dict:
-    """Kernel arguments of one stream segment: runtime ``{prefix}_*`` and compile-time ``{PREFIX}_*``."""
+def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indices: tuple, placeholder: torch.Tensor) -> dict:
+    """Kernel arguments of one stream's segments ``indices`` in one launch (at most :data:`MAX_DENSE`
+    full-precision pieces and one encoded payload): runtime ``{prefix}_*`` and compile-time ``{PREFIX}_*``."""
     runtime = dict(data=placeholder, scale=placeholder, zero=placeholder, codebooks=placeholder, ch_scale=placeholder,
-                   ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, s_b=0, s_h=0, s_t=0,
-                   length=segment_length(segment), first=first)
+                   ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0)
     static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
                   TOKEN_SCALE=False, TOKEN_CENTER=False)
-    if isinstance(segment, UniformReader):
-        if 8 % segment.bits:
-            raise ValueError(f"decode kernel: {segment.bits}-bit codes straddle bytes; supported: 1, 2, 4, 8 bits")
-        runtime.update(data=segment.codes.contiguous(), scale=segment.scale.contiguous(), zero=segment.zero.contiguous())
-        static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
-    elif isinstance(segment, CodebookReader):
-        layout = segment.layout
-        if 8 % segment.code_bits:
-            raise ValueError(f"decode kernel: {segment.code_bits}-bit codebook indices straddle bytes")
-        runtime.update(data=segment.codes.contiguous(), codebooks=segment.codebooks.contiguous(),
-                       ch_scale=segment.channel_scale.float().contiguous(),
-                       ch_center=segment.channel_center.float().contiguous())
-        for name in ("token_scale", "token_center"):
-            tensor = getattr(segment, name)
-            if tensor is not None:
-                runtime[name.replace("token", "tok")] = tensor.reshape(tensor.shape[0], -1).contiguous()
-        static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
-                      CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
-                      TOKEN_CENTER=segment.token_center is not None)
-    elif isinstance(segment, SketchReader):  # keys only; the rest of the format is in _sketch_args
-        runtime.update(data=segment.keys.signs.contiguous(), scale=segment.keys.inlier_norm.contiguous())
-        static.update(FMT=SKETCH)
-    else:
-        if segment.stride(-1) != 1:
-            segment = segment.contiguous()
-        s_b, s_h, s_t, _ = segment.stride()
-        runtime.update(data=segment, s_b=s_b, s_h=s_h, s_t=s_t)
+    dense = []
+    for index in indices:
+        segment = segments[index]
+        if isinstance(segment, torch.Tensor):
+            dense.append((segment if segment.stride(-1) == 1 else segment.contiguous(), bounds[index], bounds[index + 1]))
+            continue
+        runtime.update(length=segment.num_tokens, first=bounds[index])
+        if isinstance(segment, UniformReader):
+            if 8 % segment.bits:
+                raise ValueError(f"decode kernel: {segment.bits}-bit codes straddle bytes; supported: 1, 2, 4, 8 bits")
+            runtime.update(data=segment.codes.contiguous(), scale=segment.scale.contiguous(), zero=segment.zero.contiguous())
+            static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
+        elif isinstance(segment, CodebookReader):
+            layout = segment.layout
+            if 8 % segment.code_bits:
+                raise ValueError(f"decode kernel: {segment.code_bits}-bit codebook indices straddle bytes")
+            runtime.update(data=segment.codes.contiguous(), codebooks=segment.codebooks.contiguous(),
+                           ch_scale=segment.channel_scale.float().contiguous(),
+                           ch_center=segment.channel_center.float().contiguous())
+            for name in ("token_scale", "token_center"):
+                tensor = getattr(segment, name)
+                if tensor is not None:
+                    runtime[name.replace("token", "tok")] = tensor.reshape(tensor.shape[0], -1).contiguous()
+            static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
+                          CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
+                          TOKEN_CENTER=segment.token_center is not None)
+        else:  # QJL's sketched keys; the rest of the format is in _sketch_args
+            runtime.update(data=segment.keys.signs.contiguous(), scale=segment.keys.inlier_norm.contiguous())
+            static.update(FMT=SKETCH)
+    for i in range(MAX_DENSE):  # unused pieces: empty, never read
+        tensor, first, end = dense[i] if i < len(dense) else (placeholder, 0, 0)
+        s_b, s_h, s_t = tensor.stride()[:3] if tensor.dim() == 4 else (0, 0, 0)
+        runtime.update({f"d{i}": tensor, f"d{i}_s_b": s_b, f"d{i}_s_h": s_h, f"d{i}_s_t": s_t, f"d{i}_lo": first, f"d{i}_hi": end})
     return {**{f"{prefix}_{k}": v for k, v in runtime.items()}, **{f"{prefix.upper()}_{k}": v for k, v in static.items()}}
 
 
@@ -558,19 +729,33 @@ def _splits(tiles: int, programs: int, wave: int, num_splits: int | None) -> int
     return whole if whole <= tiles else max(1, min(tiles, -(-2 * wave // programs)))
 
 
+def _fits(indices: set, encoded: tuple) -> bool:
+    """Whether one launch can read these segments of a stream: at most one encoded payload (its format is
+    compiled in) and :data:`MAX_DENSE` full-precision pieces."""
+    payloads = sum(encoded[i] for i in indices)
+    return payloads <= 1 and len(indices) - payloads <= MAX_DENSE
+
+
 @functools.lru_cache(maxsize=64)
-def _plan(key_bounds: tuple, value_bounds: tuple, programs: int, wave: int, block_tokens: int,
-          num_splits: int | None) -> tuple:
-    """The launches of one decode step, ``(lo, hi, key segment, value segment, tiles, splits)`` per interval
-    between segment boundaries of either stream. Every layer of a step has the same boundaries, so the
-    step's first layer computes it and the others find it here."""
+def _plan(key_bounds: tuple, key_encoded: tuple, value_bounds: tuple, value_encoded: tuple, programs: int, wave: int,
+          block_tokens: int, num_splits: int | None) -> tuple:
+    """The launches of one decode step, ``(lo, hi, key segments, value segments, tiles, splits)`` each: one
+    launch over the whole cache when each stream is at most one payload and three full-precision pieces
+    (sinks, tail, fresh token), else one per run of consecutive segments that is. Every layer of a step
+    has the same segments, so the step's first layer computes it and the others find it here."""
     cuts = sorted(set(key_bounds) | set(value_bounds))
-    launches = []
+    runs = []  # [lo, hi, key segment indices, value segment indices]
     for lo, hi in zip(cuts, cuts[1:]):
-        tiles = -(-(hi - lo) // block_tokens)
         ki = max(i for i, bound in enumerate(key_bounds[:-1]) if bound <= lo)
         vi = max(i for i, bound in enumerate(value_bounds[:-1]) if bound <= lo)
-        launches.append((lo, hi, ki, vi, tiles, _splits(tiles, programs, wave, num_splits)))
+        if runs and _fits(runs[-1][2] | {ki}, key_encoded) and _fits(runs[-1][3] | {vi}, value_encoded):
+            runs[-1][1:] = [hi, runs[-1][2] | {ki}, runs[-1][3] | {vi}]
+        else:
+            runs.append([lo, hi, {ki}, {vi}])
+    launches = []
+    for lo, hi, keys, values in runs:
+        tiles = -(-(hi - lo) // block_tokens)
+        launches.append((lo, hi, tuple(sorted(keys)), tuple(sorted(values)), tiles, _splits(tiles, programs, wave, num_splits)))
     return tuple(launches)
 
 
@@ -625,7 +810,10 @@ def decode_launches(
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     if key_bounds[-1] != value_bounds[-1]:
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
-    plan = _plan(tuple(key_bounds), tuple(value_bounds), b * h, _multiprocessors(device), block_tokens, num_splits)
+    key_encoded = tuple(not isinstance(s, torch.Tensor) for s in key_segments)
+    value_encoded = tuple(not isinstance(s, torch.Tensor) for s in value_segments)
+    plan = _plan(tuple(key_bounds), key_encoded, tuple(value_bounds), value_encoded, b * h, _multiprocessors(device),
+                 block_tokens, num_splits)
     out = torch.zeros(b, hq, d, device=device, dtype=query.dtype)
     total = sum(launch[-1] for launch in plan)
     if total == 0:
@@ -647,14 +835,17 @@ def decode_launches(
                             ROUND=ROUNDING.get(key_rope.dtype, 0))
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     launches, slot, sketched_queries = [], 0, {}
-    for lo, hi, ki, vi, tiles, splits in plan:
-        keys, values = key_segments[ki], value_segments[vi]
-        stream = {**_stream_args("k", keys, key_bounds[ki], placeholder), **_stream_args("v", values, value_bounds[vi], placeholder),
+    for lo, hi, key_indices, value_indices, tiles, splits in plan:
+        keys = next((key_segments[i] for i in key_indices if key_encoded[i]), None)  # the launch's payloads, if any
+        values = next((value_segments[i] for i in value_indices if value_encoded[i]), None)
+        stream = {**_stream_args("k", key_segments, key_bounds, key_indices, placeholder),
+                  **_stream_args("v", value_segments, value_bounds, value_indices, placeholder),
                   **_sketch_args(keys, q, placeholder, sketched_queries)}
-        rope = no_rope if isinstance(keys, torch.Tensor) else key_rotation
+        rope = no_rope if keys is None else key_rotation
+        encoded = [s for s in (keys, values) if s is not None]
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
-                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, keys, values), DOT=dot,
+                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, *encoded), DOT=dot,
                     PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
                     PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
                     num_warps=num_warps)
