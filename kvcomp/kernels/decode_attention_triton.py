@@ -180,34 +180,33 @@ def _halves(
 
 
 @triton.jit
-def _dense(ptr, s_t, first, g, g_ok, c, c_ok):
-    """Cached tokens ``g`` x channels ``c`` of a full-precision piece that starts at cached token ``first``
-    (``ptr``: the piece at the program's sequence and head) as float32, zero outside ``g_ok``."""
-    at = ptr + (g - first)[:, None] * s_t + c[None, :]
-    return tl.load(at, mask=g_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+def _dense(ptr, g, g_ok, c, c_ok, D: tl.constexpr):
+    """Cached tokens ``g`` x channels ``c`` of a full-precision piece as float32, zero outside ``g_ok``
+    (``ptr``: where cached token 0 of the program's sequence and head would lie; tokens ``D`` apart)."""
+    return tl.load(ptr + g[:, None] * D + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c, c_ok):
+def _dense_pick(which, d0, d1, d2, g, g_ok, c, c_ok, D: tl.constexpr):
     """:func:`_dense` of full-precision piece ``which`` (0-2) of a stream (sinks, tail, fresh token: separate tensors)."""
     if which == 0:
-        x = _dense(d0, s0, f0, g, g_ok, c, c_ok)
+        x = _dense(d0, g, g_ok, c, c_ok, D)
     elif which == 1:
-        x = _dense(d1, s1, f1, g, g_ok, c, c_ok)
+        x = _dense(d1, g, g_ok, c, c_ok, D)
     else:
-        x = _dense(d2, s2, f2, g, g_ok, c, c_ok)
+        x = _dense(d2, g, g_ok, c, c_ok, D)
     return x
 
 
 @triton.jit
-def _piece(g0, first, end, lo0, hi0, lo1, hi1, hi2):
-    """Which piece of a stream holds cached token ``g0`` (0-2: its full-precision pieces; 3: its encoded
-    payload ``[first, end)``) and where that piece ends."""
-    encoded = (g0 >= first) & (g0 < end)
-    in0 = (g0 >= lo0) & (g0 < hi0)
-    in1 = (g0 >= lo1) & (g0 < hi1)
-    which = tl.where(encoded, 3, tl.where(in0, 0, tl.where(in1, 1, 2)))
-    stop = tl.where(encoded, end, tl.where(in0, hi0, tl.where(in1, hi1, hi2)))
+def _piece(g0, cut1, cut2, cut3, hi, ENCODED: tl.constexpr):
+    """Which piece of a stream holds cached token ``g0`` and where it ends: the stream's pieces in the launch
+    lie in token order, separated at ``cut1 < cut2 < cut3`` (unused cuts: ``hi``); piece ``ENCODED`` is its
+    payload (returned as 3), the others its full-precision pieces 0-2 in order. Few live registers: three
+    bounds per stream."""
+    position = (g0 >= cut1).to(tl.int32) + (g0 >= cut2).to(tl.int32) + (g0 >= cut3).to(tl.int32)
+    stop = tl.where(position == 0, cut1, tl.where(position == 1, cut2, tl.where(position == 2, cut3, hi)))
+    which = tl.where(position == ENCODED, 3, position - (position > ENCODED).to(tl.int32))
     return which, tl.maximum(stop, g0 + 1)
 
 
@@ -260,23 +259,23 @@ def _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R: tl.constexpr,
 
 @triton.jit
 def _dense_scores(
-    which, d0, s0, f0, d1, s1, f1, d2, s2, f2, q_lo, q_hi, rows, g, g_ok, c, c_ok,
+    which, d0, d1, d2, q_lo, q_hi, rows, g, g_ok, c, c_ok,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
 ):
     """Logits of a tile of full-precision keys (piece ``which``)."""
-    k_lo = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c, c_ok)
-    k_hi = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c + D // 2, c_ok)
+    k_lo = _dense_pick(which, d0, d1, d2, g, g_ok, c, c_ok, D)
+    k_hi = _dense_pick(which, d0, d1, d2, g, g_ok, c + D // 2, c_ok, D)
     return _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
 
 
 @triton.jit
 def _dense_weighted(
-    acc_lo, acc_hi, alpha, p, which, d0, s0, f0, d1, s1, f1, d2, s2, f2, rows, g, g_ok, c, c_ok,
+    acc_lo, acc_hi, alpha, p, which, d0, d1, d2, rows, g, g_ok, c, c_ok,
     D: tl.constexpr, BLOCK_R: tl.constexpr, HALF_PAD: tl.constexpr, DOT: tl.constexpr,
 ):
     """:func:`_weighted` of a tile of full-precision values (piece ``which``)."""
-    v_lo = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c, c_ok)
-    v_hi = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, c + D // 2, c_ok)
+    v_lo = _dense_pick(which, d0, d1, d2, g, g_ok, c, c_ok, D)
+    v_hi = _dense_pick(which, d0, d1, d2, g, g_ok, c + D // 2, c_ok, D)
     return _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
 
 
@@ -356,7 +355,7 @@ def _packed_values(
 
 @triton.jit
 def _dense_fields(
-    which, d0, s0, f0, d1, s1, f1, d2, s2, f2, p, rows, g, g_ok,
+    which, d0, d1, d2, p, rows, g, g_ok,
     D: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """``P V`` of full-precision values into the field-major accumulator of :func:`_packed_values` (the
@@ -367,7 +366,7 @@ def _dense_fields(
     field = tl.arange(0, PER_BYTE)[None, :, None]
     out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
     for j in tl.static_range(PER_BYTE):
-        v = _dense_pick(which, d0, s0, f0, d1, s1, f1, d2, s2, f2, g, g_ok, i * PER_BYTE + j, i < W)
+        v = _dense_pick(which, d0, d1, d2, g, g_ok, i * PER_BYTE + j, i < W, D)
         out = tl.where(field == j, _row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
     return out
 
@@ -433,27 +432,26 @@ def _rotate(lo, hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND: 
 
 @triton.jit(do_not_specialize=[
     "valid_s_b", "lo", "hi", "tiles", "slot0", "num_slots", "pos_stride",
-    *(f"{s}_d{i}_{bound}" for s in "kv" for i in range(3) for bound in ("lo", "hi")),
-    *(f"{s}_{name}" for s in "kv" for name in ("length", "first")),
+    *(f"{s}_{name}" for s in "kv" for name in ("d0_lo", "d1_lo", "d2_lo", "cut1", "cut2", "cut3", "length", "first")),
 ])
 def _split_kernel(
     q_ptr, part_ptr, lse_ptr, valid_ptr, valid_s_b,
     H, R, lo, hi, tiles, unit, slot0, num_slots, qk_scale,
-    k_d0, k_d0_s_b, k_d0_s_h, k_d0_s_t, k_d0_lo, k_d0_hi, k_d1, k_d1_s_b, k_d1_s_h, k_d1_s_t, k_d1_lo, k_d1_hi,
-    k_d2, k_d2_s_b, k_d2_s_h, k_d2_s_t, k_d2_lo, k_d2_hi,
+    k_d0, k_d0_s_b, k_d0_s_h, k_d0_lo, k_d1, k_d1_s_b, k_d1_s_h, k_d1_lo, k_d2, k_d2_s_b, k_d2_s_h, k_d2_lo,
+    k_cut1, k_cut2, k_cut3,
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center, k_length, k_first,
-    v_d0, v_d0_s_b, v_d0_s_h, v_d0_s_t, v_d0_lo, v_d0_hi, v_d1, v_d1_s_b, v_d1_s_h, v_d1_s_t, v_d1_lo, v_d1_hi,
-    v_d2, v_d2_s_b, v_d2_s_h, v_d2_s_t, v_d2_lo, v_d2_hi,
+    v_d0, v_d0_s_b, v_d0_s_h, v_d0_lo, v_d1, v_d1_s_b, v_d1_s_h, v_d1_lo, v_d2, v_d2_s_b, v_d2_s_h, v_d2_lo,
+    v_cut1, v_cut2, v_cut3,
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center, v_length, v_first,
     positions, pos_stride, inv_freq, rope_scaling,
     sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
     K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
-    K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr, K_ENCODED: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
-    V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr,
+    V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr, V_ENCODED: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
     SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, SK_M_PAD: tl.constexpr,
     MASKED: tl.constexpr,
@@ -471,12 +469,12 @@ def _split_kernel(
 
     # every tensor advanced to this program's sequence and head once (int64 offsets)
     q_ptr += bh * R * D
-    k_d0 += b64 * k_d0_s_b + h * k_d0_s_h
-    k_d1 += b64 * k_d1_s_b + h * k_d1_s_h
-    k_d2 += b64 * k_d2_s_b + h * k_d2_s_h
-    v_d0 += b64 * v_d0_s_b + h * v_d0_s_h
-    v_d1 += b64 * v_d1_s_b + h * v_d1_s_h
-    v_d2 += b64 * v_d2_s_b + h * v_d2_s_h
+    k_d0 += b64 * k_d0_s_b + h * k_d0_s_h - k_d0_lo * D
+    k_d1 += b64 * k_d1_s_b + h * k_d1_s_h - k_d1_lo * D
+    k_d2 += b64 * k_d2_s_b + h * k_d2_s_h - k_d2_lo * D
+    v_d0 += b64 * v_d0_s_b + h * v_d0_s_h - v_d0_lo * D
+    v_d1 += b64 * v_d1_s_b + h * v_d1_s_h - v_d1_lo * D
+    v_d2 += b64 * v_d2_s_b + h * v_d2_s_h - v_d2_lo * D
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center = _bases(
         bh64, b64, h, k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center, k_length,
         D, K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC)
@@ -510,21 +508,18 @@ def _split_kernel(
     else:
         acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
         acc_hi = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
-    k_end = k_first + k_length
-    v_end = v_first + v_length
     align = k_first % BLOCK_T  # tiles end at multiples of BLOCK_T from the key payload's first token
     g0 = split_lo
     while g0 < split_hi:  # one tile per iteration, within one piece of each stream
-        k_which, k_stop = _piece(g0, k_first, k_end, k_d0_lo, k_d0_hi, k_d1_lo, k_d1_hi, k_d2_hi)
-        v_which, v_stop = _piece(g0, v_first, v_end, v_d0_lo, v_d0_hi, v_d1_lo, v_d1_hi, v_d2_hi)
+        k_which, k_stop = _piece(g0, k_cut1, k_cut2, k_cut3, hi, K_ENCODED)
+        v_which, v_stop = _piece(g0, v_cut1, v_cut2, v_cut3, hi, V_ENCODED)
         end = tl.minimum(tl.minimum(split_hi, g0 + BLOCK_T - (g0 + BLOCK_T - align) % BLOCK_T), tl.minimum(k_stop, v_stop))
         g = g0 + tl.arange(0, BLOCK_T)
         g_ok = g < end
         if MASKED:  # the step's attention mask, one byte per cached token (any pattern: no host check)
             g_ok = g_ok & (tl.load(valid_ptr + g, mask=g_ok, other=0) != 0)
         if K_FMT == 0:  # no encoded keys in this launch
-            s = _dense_scores(k_which, k_d0, k_d0_s_t, k_d0_lo, k_d1, k_d1_s_t, k_d1_lo, k_d2, k_d2_s_t, k_d2_lo, q_lo, q_hi,
-                              rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
+            s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
         elif k_which == 3:  # the encoded payload
             t = g - k_first
             if K_FMT == 3:
@@ -542,8 +537,7 @@ def _split_kernel(
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
         else:  # a full-precision piece
-            s = _dense_scores(k_which, k_d0, k_d0_s_t, k_d0_lo, k_d1, k_d1_s_t, k_d1_lo, k_d2, k_d2_s_t, k_d2_lo, q_lo, q_hi,
-                              rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
+            s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
         s = tl.where(g_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -563,14 +557,13 @@ def _split_kernel(
                                          V_TOKEN_CENTER, BLOCK_T)
                     acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
             elif PACKED_V:  # a full-precision piece, into the field-major accumulator
-                acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d0_s_t, v_d0_lo, v_d1, v_d1_s_t, v_d1_lo,
-                                                                 v_d2, v_d2_s_t, v_d2_lo, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
+                acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
             else:
-                acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d0_s_t, v_d0_lo, v_d1, v_d1_s_t,
-                                                 v_d1_lo, v_d2, v_d2_s_t, v_d2_lo, rows, g, g_ok, c, c_ok, D, BLOCK_R, HALF_PAD, DOT)
+                acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d1, v_d2, rows, g, g_ok, c, c_ok,
+                                                 D, BLOCK_R, HALF_PAD, DOT)
         else:  # no encoded values in this launch
-            acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d0_s_t, v_d0_lo, v_d1, v_d1_s_t, v_d1_lo,
-                                             v_d2, v_d2_s_t, v_d2_lo, rows, g, g_ok, c, c_ok, D, BLOCK_R, HALF_PAD, DOT)
+            acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d1, v_d2, rows, g, g_ok, c, c_ok,
+                                             D, BLOCK_R, HALF_PAD, DOT)
         m_i = m_new
         g0 = end
 
@@ -611,19 +604,23 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, R, num_slots, D: tl.constexpr, BLO
     tl.store(out_ptr + (bh * R + rows[:, None]) * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indices: tuple, placeholder: torch.Tensor) -> dict:
-    """Kernel arguments of one stream's segments ``indices`` in one launch (at most :data:`MAX_DENSE`
-    full-precision pieces and one encoded payload): runtime ``{prefix}_*`` and compile-time ``{PREFIX}_*``."""
+def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indices: tuple, hi: int,
+                 placeholder: torch.Tensor) -> dict:
+    """Kernel arguments of one stream's segments ``indices`` (in token order; at most :data:`MAX_DENSE`
+    full-precision pieces and one encoded payload) in a launch that ends at cached token ``hi``: runtime
+    ``{prefix}_*`` and compile-time ``{PREFIX}_*``."""
     runtime = dict(data=placeholder, scale=placeholder, zero=placeholder, codebooks=placeholder, ch_scale=placeholder,
                    ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0)
     static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
                   TOKEN_SCALE=False, TOKEN_CENTER=False)
-    dense = []
-    for index in indices:
+    dense, encoded_at = [], 4  # the payload's position among the pieces (4: none)
+    for position, index in enumerate(indices):
         segment = segments[index]
         if isinstance(segment, torch.Tensor):
-            dense.append((segment if segment.stride(-1) == 1 else segment.contiguous(), bounds[index], bounds[index + 1]))
+            dense.append((segment if segment.stride(-1) == 1 and (segment.shape[2] == 1 or segment.stride(2) == segment.shape[3])
+                          else segment.contiguous(), bounds[index]))  # tokens head_dim apart
             continue
+        encoded_at = position
         runtime.update(length=segment.num_tokens, first=bounds[index])
         if isinstance(segment, UniformReader):
             if 8 % segment.bits:
@@ -647,10 +644,13 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
         else:  # QJL's sketched keys; the rest of the format is in _sketch_args
             runtime.update(data=segment.keys.signs.contiguous(), scale=segment.keys.inlier_norm.contiguous())
             static.update(FMT=SKETCH)
-    for i in range(MAX_DENSE):  # unused pieces: empty, never read
-        tensor, first, end = dense[i] if i < len(dense) else (placeholder, 0, 0)
-        s_b, s_h, s_t = tensor.stride()[:3] if tensor.dim() == 4 else (0, 0, 0)
-        runtime.update({f"d{i}": tensor, f"d{i}_s_b": s_b, f"d{i}_s_h": s_h, f"d{i}_s_t": s_t, f"d{i}_lo": first, f"d{i}_hi": end})
+    for i in range(MAX_DENSE):  # unused pieces: never read
+        tensor, first = dense[i] if i < len(dense) else (placeholder, 0)
+        s_b, s_h = tensor.stride()[:2] if tensor.dim() == 4 else (0, 0)
+        runtime.update({f"d{i}": tensor, f"d{i}_s_b": s_b, f"d{i}_s_h": s_h, f"d{i}_lo": first})
+    cuts = [bounds[index + 1] for index in indices[:-1]] + [hi] * (MAX_DENSE + 1 - len(indices))
+    runtime.update(cut1=cuts[0], cut2=cuts[1], cut3=cuts[2])
+    static.update(ENCODED=encoded_at)
     return {**{f"{prefix}_{k}": v for k, v in runtime.items()}, **{f"{prefix.upper()}_{k}": v for k, v in static.items()}}
 
 
@@ -685,7 +685,7 @@ def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
     """Whether values are weighted in their packed layout (:func:`_packed_values`): per-token packed ints
     whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
     scales are selected in registers), on the register path. (Beside QJL's sketched keys above 4 query
-    rows the caller keeps the per-channel path: 88 bytes of spills otherwise, ``scripts/kernel_resources.py``.)"""
+    rows the caller keeps the per-channel path, which compiles without spills, ``scripts/kernel_resources.py``.)"""
     if dot or not isinstance(segment, UniformReader) or segment.per_channel:
         return False
     per_byte, width = 8 // segment.bits, d * segment.bits // 8
@@ -701,16 +701,15 @@ def _packed(segment: Segment, d: int, dot: bool) -> bool:
     return not width & (width - 1) and (width >= 16 or not dot)
 
 
-def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
+def _tile_tokens(block_tokens: int, dot: bool, block_r: int, *segments: Segment) -> int:
     """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
     16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`);
-    for QJL's sketched keys, at most their group and 8192 sign bits (no spills at m = 512 on sm_90).
-    Slices start at multiples of ``block_tokens`` from their interval's start, hence of any smaller power
-    of two."""
+    for QJL's sketched keys, at most their group and 16 K sign bits x query rows (no spills at 4 and 8
+    query rows and m = 256 on sm_90, ``scripts/kernel_resources.py``; at least 8 tokens, 16 for ``tl.dot``)."""
     for segment in segments:
-        if isinstance(segment, SketchReader):  # within one group of outlier channels; 8 K sign bits per tile
+        if isinstance(segment, SketchReader):  # within one group of outlier channels
             rows = triton.next_power_of_2(segment.keys.sketch_dim)
-            block_tokens = min(block_tokens, segment.keys.group_size, max(16, 8192 // rows))
+            block_tokens = min(block_tokens, segment.keys.group_size, max(16 if dot else 8, 16384 // (rows * block_r)))
         group = getattr(segment, "group_size", 0)
         if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
             block_tokens = group
@@ -792,10 +791,11 @@ def decode_launches(
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
-    rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per segment interval (default:
+    rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
     ``P V`` (default: only above 8 query heads per KV head, see the module docstring); ``block_tokens``:
-    tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads per KV head)."""
+    tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads per KV head; fewer
+    for sketched keys, :func:`_tile_tokens`)."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -838,14 +838,14 @@ def decode_launches(
     for lo, hi, key_indices, value_indices, tiles, splits in plan:
         keys = next((key_segments[i] for i in key_indices if key_encoded[i]), None)  # the launch's payloads, if any
         values = next((value_segments[i] for i in value_indices if value_encoded[i]), None)
-        stream = {**_stream_args("k", key_segments, key_bounds, key_indices, placeholder),
-                  **_stream_args("v", value_segments, value_bounds, value_indices, placeholder),
+        stream = {**_stream_args("k", key_segments, key_bounds, key_indices, hi, placeholder),
+                  **_stream_args("v", value_segments, value_bounds, value_indices, hi, placeholder),
                   **_sketch_args(keys, q, placeholder, sketched_queries)}
         rope = no_rope if keys is None else key_rotation
         encoded = [s for s in (keys, values) if s is not None]
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
-                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, *encoded), DOT=dot,
+                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, block_r, *encoded), DOT=dot,
                     PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
                     PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
                     num_warps=num_warps)
