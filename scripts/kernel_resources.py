@@ -10,6 +10,10 @@ x compile-time constants) is one row. These are static facts of the compiled cod
 
     python scripts/kernel_resources.py --write
     python scripts/kernel_resources.py --block-tokens 16 32 64 --warps 4 8   # other tile shapes
+    # the GPU machine's Triton 3.6 (one section per Triton version):
+    pip download --no-deps --only-binary=:all: triton==3.6.0 -d /tmp/w
+    python -m zipfile -e /tmp/w/triton-3.6.0-*.whl /tmp/t36 && chmod +x /tmp/t36/triton/backends/nvidia/bin/*
+    PYTHONPATH=/tmp/t36 python scripts/kernel_resources.py --write
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from kvcomp.kernels.decode_attention_triton import decode_launches  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
-SECTION = "## Decode kernel resources on sm_90 (static, compiled without a GPU)"
+SECTION = f"## Decode kernel resources on sm_90, Triton {triton.__version__} (static, compiled without a GPU)"
 FORMATS = {0: "dense", 1: "packed ints", 2: "codebook", 3: "QJL sign bits"}
 QJL_LAYER = 31  # a layer past QJL's initial_layers: the authors' 256 + 256 sign bits per key
 
@@ -113,9 +117,9 @@ def main(argv=None) -> str:
             rows += rows_for(launch, "qjl scores", args.warps, ratio)
     ptxas = "Triton " + triton.__version__
     body = (f"Static resources of every distinct decode launch (`python scripts/kernel_resources.py --write`; {ptxas}, "
-            f"its ptxas, target sm_90a; head_dim 128). Occupancy: resident warps "
+            f"its ptxas, target sm_90a; head_dim 128; Llama-3.1 heads). Occupancy: resident warps "
             "over 64 by the sm_90 rules (64 K registers per SM in 256-register warp units, 228 KB shared memory, 1 KB "
-            "reserved per block). The GPU machine runs Triton 3.6, whose code generation may differ.\n\n" + table(rows))
+            "reserved per block). The GPU machine runs Triton 3.6.\n\n" + table(rows))
     print(body)
     if args.write:
         write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)

@@ -30,10 +30,11 @@ Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), far b
 default (``R <= 8``) scores and ``P V`` are computed one query row at a time, each a ``[BLOCK_T, C]``
 product reduced in registers (:func:`_row_scores`): no ``tl.dot``, whose operand conversions staged every
 decoded K/V tile through shared memory (110 KB per block, 12.5 % occupancy on an H100), and no
-``[R, BLOCK_T, C]`` broadcast, which needed 255 registers per thread with spills. Tiles are 32 tokens (16
-from 5 query rows up) for 16 warps: at most 128 registers per thread and no spills for every format
-(``scripts/kernel_resources.py``). More query
-heads per KV head use ``tl.dot``. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
+``[R, BLOCK_T, C]`` broadcast, which needed 255 registers per thread with spills. Tiles are 16 tokens (8
+for codebook payloads and QJL's sketched keys) for 16 warps, compiled with ``maxnreg=128`` (the register
+file's share of a program; without it the ptxas of Triton 3.6 settles on 64 registers and spills): no
+spills for any format but QJL's under Triton 3.6 (``scripts/kernel_resources.py``). More query heads per
+KV head use ``tl.dot``. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
 is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
@@ -72,6 +73,7 @@ LOG2E = 1.4426950408889634
 # every format, with no spills, so at least one program (25 % occupancy) is resident per multiprocessor
 # on sm_90; 4 warps took 168-255 registers with spills (scripts/kernel_resources.py, BENCHMARKS.md).
 REGISTER_PATH_WARPS = 16
+CODEBOOK_TILE = 8  # tokens per tile of codebook payloads on the register path (no spills, see _tile_tokens)
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 
 
@@ -703,13 +705,16 @@ def _packed(segment: Segment, d: int, dot: bool) -> bool:
 
 def _tile_tokens(block_tokens: int, dot: bool, block_r: int, *segments: Segment) -> int:
     """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
-    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`);
-    for QJL's sketched keys, at most their group and 16 K sign bits x query rows (no spills at 4 and 8
-    query rows and m = 256 on sm_90, ``scripts/kernel_resources.py``; at least 8 tokens, 16 for ``tl.dot``)."""
+    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`).
+    On the register path, :data:`CODEBOOK_TILE` tokens for codebook payloads, and for QJL's sketched keys
+    at most their group and 8 K sign bits x query rows (at least 8 tokens): no spills on sm_90 with the
+    ptxas of Triton 3.6 and 3.9 (``scripts/kernel_resources.py``)."""
     for segment in segments:
         if isinstance(segment, SketchReader):  # within one group of outlier channels
             rows = triton.next_power_of_2(segment.keys.sketch_dim)
-            block_tokens = min(block_tokens, segment.keys.group_size, max(16 if dot else 8, 16384 // (rows * block_r)))
+            block_tokens = min(block_tokens, segment.keys.group_size, max(16 if dot else 8, 8192 // (rows * block_r)))
+        if isinstance(segment, CodebookReader) and not dot:
+            block_tokens = min(block_tokens, CODEBOOK_TILE)
         group = getattr(segment, "group_size", 0)
         if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
             block_tokens = group
@@ -717,9 +722,9 @@ def _tile_tokens(block_tokens: int, dot: bool, block_r: int, *segments: Segment)
 
 
 def _splits(tiles: int, programs: int, wave: int, num_splits: int | None) -> int:
-    """Slices of an interval of ``tiles`` tiles run by ``programs`` (batch x KV head) programs each: the
+    """Slices of a launch of ``tiles`` tiles run by ``programs`` (batch x KV head) programs each: the
     fewest that fill at least two waves of ``wave`` resident programs in whole waves (a multiple of
-    ``wave / gcd(wave, programs)``), or fewer where the interval has too few tiles (then at most two waves);
+    ``wave / gcd(wave, programs)``), or fewer where the launch has too few tiles (then at most two waves);
     ``num_splits`` forces a count."""
     if num_splits:
         return max(1, min(tiles, num_splits))
@@ -794,8 +799,8 @@ def decode_launches(
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
     ``P V`` (default: only above 8 query heads per KV head, see the module docstring); ``block_tokens``:
-    tokens per tile (default: 64 with ``tl.dot``, else 32, or 16 above 4 query heads per KV head; fewer
-    for sketched keys, :func:`_tile_tokens`)."""
+    tokens per tile (default: 64 with ``tl.dot``, else 16; fewer for codebook
+    payloads and sketched keys, :func:`_tile_tokens`)."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -805,8 +810,10 @@ def decode_launches(
     device = query.device
     dot = r > 8 if dot is None else dot
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    block_tokens = block_tokens or (64 if dot else min(32, max(16, 128 // block_r)))
+    block_tokens = block_tokens or (64 if dot else 16)
     num_warps = 4 if dot else REGISTER_PATH_WARPS
+    # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
+    registers = {} if dot else {"maxnreg": 65536 // (32 * REGISTER_PATH_WARPS)}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     if key_bounds[-1] != value_bounds[-1]:
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
@@ -848,7 +855,7 @@ def decode_launches(
                     BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, block_r, *encoded), DOT=dot,
                     PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
                     PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
-                    num_warps=num_warps)
+                    num_warps=num_warps, **registers)
         launches.append(Launch(_split_kernel, (b * h, splits), args))
         slot += splits
     merge = dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, R=r, num_slots=total, D=d, BLOCK_R=block_r,
