@@ -50,6 +50,8 @@ UNIFORM_SHAPES = [
 def test_uniform_kernel_matches_the_reference(shape):
     """KIVI's layout: per-channel keys and per-token values whose payloads end at different tokens, between
     full-precision sinks and tails (several segment intervals, several slices per interval)."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
     b, h, r, d, key_bits, value_bits, group = shape
     gen = torch.Generator().manual_seed(sum(shape))
     sinks = torch.randn(b, h, 3, d, generator=gen)
@@ -65,6 +67,9 @@ def test_uniform_kernel_matches_the_reference(shape):
         out = decode_attention(query, keys, values, d**-0.5, valid, backend="triton", num_splits=splits)
         assert out.shape == (b, h * r, d)
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    if group >= 16:  # the GPU's 16-token tiles (smaller groups cap every tile at the group)
+        gpu_tiles = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=3, gpu=True)
+        torch.testing.assert_close(gpu_tiles, reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("r, dot, d, group, key_axis", [
@@ -165,6 +170,8 @@ def _codebook_reader(b, h, d, tokens, layout, centroids, per_token, gen):
 def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
     """Codebook gather + denormalisation + RoPE at each token's position (left-padded sequences have shifted
     positions) for keys and values, GQA 2:1."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
     b, h, r, d, tokens = 2, 2, 2, 32, 48
     gen = torch.Generator().manual_seed(7)
     reader = _codebook_reader(b, h, d, tokens, *LAYOUTS[layout], per_token, gen)
@@ -180,6 +187,9 @@ def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
         reference = decode_attention_reference(query, segments, segments, d**-0.5, valid, rope)
         out = decode_attention(query, segments, segments, d**-0.5, valid, rope, backend="triton", num_splits=2)
         torch.testing.assert_close(out, reference, rtol=tolerance, atol=tolerance)
+        if dtype == torch.float32:  # the GPU's 8-token tiles
+            gpu_tiles = decode_attention_triton(query, segments, segments, d**-0.5, valid, key_rope=rope, num_splits=2, gpu=True)
+            torch.testing.assert_close(gpu_tiles, reference, rtol=tolerance, atol=tolerance)
 
 
 def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):
@@ -359,7 +369,7 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
     valid = torch.ones(b, 80, dtype=torch.bool)
     valid[0, :5] = False
     reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
-    for splits in (None, 3):
-        out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits)
+    for splits, gpu in ((None, True), (3, None)):  # the GPU's 8-token tiles, the interpreter's
+        out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits, gpu=gpu)
         assert ((out - reference).norm() / reference.norm()) < 1e-5
     assert not build_codec({**config, "group_size": 8}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)

@@ -73,6 +73,7 @@ LOG2E = 1.4426950408889634
 # every format, with no spills, so at least one program (25 % occupancy) is resident per multiprocessor
 # on sm_90; 4 warps took 168-255 registers with spills (scripts/kernel_resources.py, BENCHMARKS.md).
 REGISTER_PATH_WARPS = 16
+INTERPRETER_TILE = 32  # tokens per tile under TRITON_INTERPRET (tests pass the GPU's tiles explicitly too)
 CODEBOOK_TILE = 8  # tokens per tile of codebook payloads on the register path (no spills, see _tile_tokens)
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 
@@ -703,17 +704,20 @@ def _packed(segment: Segment, d: int, dot: bool) -> bool:
     return not width & (width - 1) and (width >= 16 or not dot)
 
 
-def _tile_tokens(block_tokens: int, dot: bool, block_r: int, *segments: Segment) -> int:
+def _tile_tokens(block_tokens: int, gpu_defaults: bool, dot: bool, block_r: int, *segments: Segment) -> int:
     """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
-    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`).
-    On the register path, :data:`CODEBOOK_TILE` tokens for codebook payloads, and for QJL's sketched keys
-    at most their group and 8 K sign bits x query rows (at least 8 tokens): no spills on sm_90 with the
-    ptxas of Triton 3.6 and 3.9 (``scripts/kernel_resources.py``)."""
+    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`), and
+    for QJL's sketched keys at most their group. ``gpu_defaults`` (the default tiles on a GPU, register
+    path): :data:`CODEBOOK_TILE` tokens for codebook payloads, and for sketched keys at most 8 K sign bits x
+    query rows (at least 8 tokens): no spills on sm_90 with the ptxas of Triton 3.6 and 3.9, QJL's under
+    3.6 aside (``scripts/kernel_resources.py``)."""
     for segment in segments:
         if isinstance(segment, SketchReader):  # within one group of outlier channels
-            rows = triton.next_power_of_2(segment.keys.sketch_dim)
-            block_tokens = min(block_tokens, segment.keys.group_size, max(16 if dot else 8, 8192 // (rows * block_r)))
-        if isinstance(segment, CodebookReader) and not dot:
+            block_tokens = min(block_tokens, segment.keys.group_size)
+            if gpu_defaults:
+                rows = triton.next_power_of_2(segment.keys.sketch_dim)
+                block_tokens = min(block_tokens, max(8, 8192 // (rows * block_r)))
+        if isinstance(segment, CodebookReader) and gpu_defaults:
             block_tokens = min(block_tokens, CODEBOOK_TILE)
         group = getattr(segment, "group_size", 0)
         if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
@@ -793,14 +797,17 @@ def decode_launches(
     num_splits: int | None = None,
     block_tokens: int | None = None,
     dot: bool | None = None,
+    gpu: bool | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
     ``P V`` (default: only above 8 query heads per KV head, see the module docstring); ``block_tokens``:
-    tokens per tile (default: 64 with ``tl.dot``, else 16; fewer for codebook
-    payloads and sketched keys, :func:`_tile_tokens`)."""
+    tokens per tile (default: 64 with ``tl.dot``, else 16 on a GPU, fewer for
+    codebook payloads and sketched keys, :func:`_tile_tokens`; :data:`INTERPRETER_TILE` on the CPU). ``gpu``:
+    size tiles for a GPU (default: whether the query is on one; ``scripts/kernel_resources.py`` compiles CPU
+    tensors for sm_90)."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -810,7 +817,10 @@ def decode_launches(
     device = query.device
     dot = r > 8 if dot is None else dot
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    block_tokens = block_tokens or (64 if dot else 16)
+    gpu = device.type == "cuda" if gpu is None else gpu
+    gpu_defaults = block_tokens is None and not dot and gpu
+    if block_tokens is None:  # the interpreter runs a tile per Python step: larger tiles on the CPU
+        block_tokens = 64 if dot else 16 if gpu else INTERPRETER_TILE
     num_warps = 4 if dot else REGISTER_PATH_WARPS
     # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
     registers = {} if dot else {"maxnreg": 65536 // (32 * REGISTER_PATH_WARPS)}
@@ -852,7 +862,7 @@ def decode_launches(
         encoded = [s for s in (keys, values) if s is not None]
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
-                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, block_r, *encoded), DOT=dot,
+                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, gpu_defaults, dot, block_r, *encoded), DOT=dot,
                     PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
                     PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
                     num_warps=num_warps, **registers)
