@@ -116,7 +116,8 @@ def main(argv=None) -> str:
             _, launch = qjl_score_launch(torch.randn(1, h, ratio, d), codec.sketched_keys(payload, QJL_LAYER))
             rows += rows_for(launch, "qjl scores", args.warps, ratio)
     ptxas = "Triton " + triton.__version__
-    body = (f"Static resources of every distinct decode launch (`python scripts/kernel_resources.py --write`; {ptxas}, "
+    body = (f"Static resources of every distinct decode launch (`python scripts/kernel_resources.py --write` with {ptxas} "
+            "first on the path, see the script's docstring; "
             f"its ptxas, target sm_90a; head_dim 128; Llama-3.1 heads). Occupancy: resident warps "
             "over 64 by the sm_90 rules (64 K registers per SM in 256-register warp units, 228 KB shared memory, 1 KB "
             "reserved per block). The GPU machine runs Triton 3.6.\n\n" + table(rows))
