@@ -3,7 +3,7 @@
 After a left-padded prefill and 300 greedy decode steps (60 when decoding per step), every tensor reachable from the cache is
 collected (unique storages, so views count once) and its bytes must equal the cache's reported storage
 (:attr:`nbytes`) + bookkeeping (position ids) + working memory (the torch path's decoded copy, spare
-capacity of growing buffers) within 1 %. Model-level tensors (the codec and its fitted state, the
+capacity of growing buffers, a preallocated cache's reservation: the ``capacity`` path) within 1 %. Model-level tensors (the codec and its fitted state, the
 model's weights and RoPE buffers) are not the cache's and are left out.
 
 The fused path runs with the kernels' torch references (``backend="torch"`` inside the attention
@@ -28,7 +28,7 @@ from tests.conftest import TINY
 
 STEPS = 300
 STEPS_DECODING_PER_STEP = 60  # decode_per_step decodes every block at every step: quadratic, so fewer
-PATHS = ("torch", "fused", "decode_per_step")
+PATHS = ("torch", "fused", "decode_per_step", "capacity")  # capacity: the torch path, storage preallocated
 
 
 def held_bytes(root, exclude: set[int]) -> int:
@@ -57,7 +57,8 @@ def _run(model, codec, path, monkeypatch) -> CompressedCache:
         monkeypatch.setattr(attention, "decode_attention", partial(_reference_decode_attention, attention.decode_attention))
         monkeypatch.setattr(codec, "payload_scores", partial(_reference_scores, codec.payload_scores), raising=False)
         install(model, kernel_backend="triton")
-    cache = CompressedCache(codec, "exact_prefill", decode_per_step=path == "decode_per_step")
+    cache = CompressedCache(codec, "exact_prefill", decode_per_step=path == "decode_per_step",
+                            capacity=37 + STEPS if path == "capacity" else None)
     try:
         with torch.no_grad():
             steps = STEPS_DECODING_PER_STEP if path == "decode_per_step" else STEPS
@@ -93,9 +94,9 @@ def test_reported_memory_equals_held_memory(long_llama, name, path, monkeypatch)
     if name != "fp16":
         assert all(s.num_encoded > 0 for s in streams)
     decodes_values = path == "fused" and codec.scores_from_payload  # QJL's fused path scores keys, decodes values
-    if path != "torch":  # no decoded copy: everything held besides storage is spare capacity
+    if path in ("fused", "decode_per_step"):  # no decoded copy: everything held besides storage is spare capacity
         assert all(s.decoded.length == 0 for s in streams if not (decodes_values and s.kind == "value"))
-    if name != "fp16" and path != "torch" and not decodes_values:
+    if name != "fp16" and path in ("fused", "decode_per_step") and not decodes_values:
         # what the compressed cache holds is less than the full-precision K/V it replaces (fp32 tiny model)
         assert held < sum(s.num_values for s in streams) * 4
 

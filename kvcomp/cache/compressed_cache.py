@@ -81,9 +81,9 @@ class ModelUnit:
     the forward that completed the block saw it in full precision). Holds those payloads and the
     per-sequence state."""
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: Codec, capacity: int = 0):
         self.codec = codec
-        self.store = PayloadStore(codec.payload_layout)
+        self.store = PayloadStore(codec.payload_layout, capacity)
         self.state: SequenceState | None = None
         self.layers: list[CompressedLayer] = []
 
@@ -132,10 +132,10 @@ class CompressedLayer(CacheLayerMixin):
 
     def __init__(self, codec: Codec, layer_idx: int, protocol: str = "streaming", check_finite: bool | str = True,
                  compress_generated: bool = True, decode_per_step: bool = False, previous: "CompressedLayer | None" = None,
-                 model_unit: ModelUnit | None = None):
+                 model_unit: ModelUnit | None = None, capacity: int = 0):
         super().__init__()
         self.codec, self.layer_idx, self.protocol, self.check_finite = codec, layer_idx, protocol, check_finite
-        self.compress_generated, self.decode_per_step = compress_generated, decode_per_step
+        self.compress_generated, self.decode_per_step, self.capacity = compress_generated, decode_per_step, capacity
         self.previous, self.model_unit = previous, model_unit  # layer-scope predecessor; model-scope unit
         self.is_last = layer_idx == codec.model.num_layers - 1
         self.attention_hooked = False  # set by the kvcomp attention pre-hook
@@ -147,7 +147,7 @@ class CompressedLayer(CacheLayerMixin):
         joint = self.codec.scope != "stream"  # K and V blocks decode together, through the layer
         self.key_stream, self.value_stream = (
             KVStream(self.codec, kind, self.layer_idx, self.rope, self.decode_per_step,
-                     (lambda block, kind=kind: self._decode_jointly(kind, block)) if joint else None)
+                     (lambda block, kind=kind: self._decode_jointly(kind, block)) if joint else None, self.capacity)
             for kind in ("key", "value")
         )
         self.state: SequenceState | None = None  # stateful layer-scope codecs
@@ -155,11 +155,11 @@ class CompressedLayer(CacheLayerMixin):
         self.decoded_other: dict[tuple[str, int], torch.Tensor] = {}  # the half of a joint decode not asked for yet
         self.encode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's encode
         self.decode_handoff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer scope: for the next layer's decode
-        self.position_ids = GrowingTensor(1)  # of every cached token [B, L] (pre-RoPE codecs)
+        self.position_ids = GrowingTensor(1, self.capacity)  # of every cached token [B, L] (pre-RoPE codecs)
         self.pending_check: tuple[DeviceFlag, int, int] | None = None  # check_finite="deferred": verdicts, first, count
         self.positions_known = True  # False once a forward came without position ids
         # cos/sin [B, L, D] of every cached token, kept only when they cannot be recomputed from position ids
-        self.cos, self.sin = GrowingTensor(1), GrowingTensor(1)
+        self.cos, self.sin = GrowingTensor(1, self.capacity), GrowingTensor(1, self.capacity)
         self.incoming_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the attention pre-hook
         self.incoming_positions: torch.Tensor | None = None  # set by the attention pre-hook
         self.incoming_pads = 0  # left padding of the first forward's batch, set by the attention pre-hook
@@ -458,7 +458,12 @@ class CompressedCache(Cache):
     :class:`~kvcomp.errors.NonFiniteKVError` at once (``True``: a host sync per layer on a GPU), one
     forward later without any sync (``"deferred"``, which also defers uniform/KIVI's check that scales fit
     ``param_dtype``, an error then instead of a float32 fallback; :meth:`raise_if_nonfinite` reads the
-    last ones), or never (``False``).
+    last ones), or never (``False``). ``capacity``: the tokens per sequence (prompt, padding and generated
+    tokens) to preallocate storage for, e.g. ``prompt + max_new_tokens``: every buffer is reserved at its
+    first append (payloads for ``capacity`` tokens, the full-precision tail as two small buffers it moves
+    between, position ids), so decode steps within it allocate no storage and keep their buffers'
+    addresses; the reservation beyond what is held counts as :attr:`working_nbytes`. Beyond ``capacity``
+    the buffers grow as without it (``None``: grow as needed).
 
     Scheduling follows the codec's scope (:mod:`kvcomp.codecs.base`): stream- and layer-scope blocks are
     encoded in the layer's ``update`` (a layer-scope encode receives the previous layer's reconstruction
@@ -476,12 +481,15 @@ class CompressedCache(Cache):
     receives_position_embeddings = True
 
     def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool | str = True,
-                 compress_generated: bool = True, decode_per_step: bool = False):
+                 compress_generated: bool = True, decode_per_step: bool = False, capacity: int | None = None):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
         if check_finite not in (True, False, "deferred"):
             raise ConfigError(f"unknown check_finite {check_finite!r}; valid choices: True, False, 'deferred'")
-        self.model_unit = ModelUnit(codec) if codec.scope == "model" else None
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ConfigError(f"capacity={capacity!r}: a positive number of tokens per sequence, or None (grow as needed)")
+        self.capacity = capacity or 0
+        self.model_unit = ModelUnit(codec, self.capacity) if codec.scope == "model" else None
         info = codec.model
         encoded = dict(zip(info.model_layers, range(info.num_layers)))  # model layer -> codec layer
         layers, compressed = [], []
@@ -491,7 +499,7 @@ class CompressedCache(Cache):
                 continue
             previous = compressed[-1] if compressed and codec.scope == "layer" else None
             compressed.append(CompressedLayer(codec, encoded[i], protocol, check_finite, compress_generated,
-                                              decode_per_step, previous, self.model_unit))
+                                              decode_per_step, previous, self.model_unit, self.capacity))
             layers.append(compressed[-1])
         if self.model_unit is not None:
             self.model_unit.layers = compressed

@@ -8,6 +8,14 @@ and moves the live ones to a fitting buffer once the dropped ones outnumber them
 never overwritten (a move allocates a new buffer), so a :attr:`view` handed out earlier stays valid.
 :attr:`nbytes` counts the live entries (storage) and :attr:`reserved_nbytes` the rest of the buffer
 (spare capacity and dropped entries: working memory), so the two together are what the buffer occupies.
+
+Preallocated capacity (``reserve``, :class:`~kvcomp.cache.CompressedCache`'s ``capacity``): the first
+buffer holds at least ``reserve`` entries, so appends within it never allocate. A tensor that also drops
+(``standby=True``: a stream's full-precision tail, a window sliding over the sequence) keeps a second
+buffer of ``reserve`` entries: when an append does not fit at the end, the live entries move to the other
+buffer and the two swap, so a steady stream of appends and drops allocates nothing. Entries are then
+overwritten, but never those of the buffer in use: a view stays valid until the tensor has moved twice,
+i.e. at least until its next append (what a cache layer's views need within one forward).
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ def spare(length: int) -> int:
 
 
 class GrowingTensor:
-    """A tensor that grows along ``dim``; read it through :attr:`view`."""
+    """A tensor that grows along ``dim``; read it through :attr:`view`. ``reserve`` / ``standby``:
+    preallocated capacity (see the module docstring)."""
 
-    def __init__(self, dim: int):
-        self.dim = dim
+    def __init__(self, dim: int, reserve: int = 0, standby: bool = False):
+        self.dim, self.reserve, self.keeps_standby = dim, reserve, standby and reserve > 0
         self.buffer: torch.Tensor | None = None
+        self.standby: torch.Tensor | None = None  # the second buffer of ``reserve`` entries (standby=True)
         self.start = 0  # first live entry of the buffer
         self.end = 0  # one past the last written entry
 
@@ -48,28 +58,51 @@ class GrowingTensor:
         self.buffer.narrow(self.dim, self.end, n).copy_(x)
         self.end += n
 
-    def _move(self, need: int, dtype: torch.dtype, like: torch.Tensor) -> None:
-        """Put the live entries at the start of a new buffer for ``need`` entries plus :func:`spare` (earlier
-        views keep the old buffer)."""
+    def _empty(self, entries: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
         shape = list(like.shape)
-        shape[self.dim] = need + spare(need)
-        moved = torch.empty(shape, dtype=dtype, device=like.device)
+        shape[self.dim] = entries
+        return torch.empty(shape, dtype=dtype, device=like.device)
+
+    def _fits_standby(self, need: int, dtype: torch.dtype) -> bool:
+        return self.standby is not None and need <= self.reserve and self.standby.dtype == dtype
+
+    def _move(self, need: int, dtype: torch.dtype, like: torch.Tensor) -> None:
+        """Put the live entries at the start of a buffer for ``need`` entries: the standby buffer where they
+        fit (the two swap), else a new one of ``need`` plus :func:`spare` (at least ``reserve``) entries
+        (earlier views keep the old buffer)."""
+        old = self.buffer
+        if self._fits_standby(need, dtype):
+            moved, self.standby = self.standby, old if old.shape[self.dim] == self.reserve else None
+        else:
+            moved = self._empty(max(need + spare(need), self.reserve), dtype, like)
         if self.length:
             moved.narrow(self.dim, 0, self.length).copy_(self.view)
         self.buffer, self.start, self.end = moved, 0, self.length
+        if self.keeps_standby and (self.standby is None or self.standby.dtype != dtype):
+            self.standby = self._empty(self.reserve, dtype, like)
 
     def drop_front(self, n: int) -> None:
         """Forget the ``n`` oldest entries; once the dropped entries outnumber the live ones (and 16), move
-        the live ones to a fitting buffer, freeing the rest."""
+        the live ones to a fitting buffer, freeing the rest. With a standby buffer, only a buffer larger
+        than ``reserve`` (after a long append) moves, to the standby one, once the live entries fit it."""
         self.start += min(n, self.length)
-        if self.start > max(self.length, 16):
+        if self.keeps_standby:
+            if self.buffer.shape[self.dim] > self.reserve and self.length <= self.reserve:
+                self._move(self.length, self.buffer.dtype, self.buffer)
+        elif self.start > max(self.length, 16):
             self._move(self.length, self.buffer.dtype, self.buffer)
 
     def map(self, fn) -> None:
-        """Replace the content by ``fn(view)`` (batch reorder / select / repeat), without spare capacity."""
-        if self.buffer is not None:
-            self.buffer = fn(self.view).contiguous()
-            self.start, self.end = 0, self.buffer.shape[self.dim]
+        """Replace the content by ``fn(view)`` (batch reorder / select / repeat), without spare capacity
+        (preallocated capacity is kept: the result is copied into a buffer of at least ``reserve`` entries)."""
+        if self.buffer is None:
+            return
+        mapped = fn(self.view)
+        self.buffer, self.standby, self.start, self.end = None, None, 0, 0
+        if self.reserve:
+            self.append(mapped)
+        else:
+            self.buffer, self.end = mapped.contiguous(), mapped.shape[self.dim]
 
     @property
     def nbytes(self) -> int:
@@ -78,5 +111,6 @@ class GrowingTensor:
 
     @property
     def reserved_nbytes(self) -> int:
-        """Spare capacity and dropped entries: allocated but holding nothing live."""
-        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size() - self.nbytes
+        """Spare capacity, dropped entries and the standby buffer: allocated but holding nothing live."""
+        held = sum(t.numel() * t.element_size() for t in (self.buffer, self.standby) if t is not None)
+        return held - self.nbytes

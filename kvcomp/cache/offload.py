@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from kvcomp.cache.compressed_cache import CompressedCache
-from kvcomp.cache.growing import GrowingTensor
 from kvcomp.cache.stream import Block, PayloadStore
 from kvcomp.codecs.base import Codec, Payload
 from kvcomp.errors import ConfigError
@@ -101,8 +100,8 @@ def _take_store(store: PayloadStore, meta: dict, prefix: str, tensors: dict, dev
     store.num_tokens, store.num_blocks = meta["num_tokens"], meta["num_blocks"]
     if store.layout == "tokens":
         for name in meta["names"]:
-            grown = store.tensors.setdefault(name, GrowingTensor(2))
-            grown.append(tensors[f"{prefix}.{name}"].to(device))
+            stored = tensors[f"{prefix}.{name}"]
+            store.tensor(name, stored.shape[2], store.num_tokens).append(stored.to(device))
         return
     store.payloads = [
         Payload({name: tensors[f"{prefix}.{j}.{name}"].to(device) for name in p["names"]}, p["num_tokens"],

@@ -54,10 +54,12 @@ class PayloadStore:
     ``layout="tokens"``: one :class:`GrowingTensor` per payload tensor (blocks concatenate along dim 2),
     so :meth:`view` is every block as one payload without a copy (what fused kernels read).
     ``layout="blocks"``: a list of payloads, each kept as encoded (variable-length, ragged rows).
+    ``capacity``: tokens to preallocate (``"tokens"`` layout): each tensor's buffer is reserved, at its
+    first append, for that many tokens at the rows per token of that block.
     """
 
-    def __init__(self, layout: str = "tokens"):
-        self.layout = layout
+    def __init__(self, layout: str = "tokens", capacity: int = 0):
+        self.layout, self.capacity = layout, capacity
         self.tensors: dict[str, GrowingTensor] = {}
         self.payloads: list[Payload] = []
         self.num_tokens = self.num_blocks = 0
@@ -70,12 +72,18 @@ class PayloadStore:
             if payload.ragged:
                 raise ValueError("a payload with ragged rows needs payload_layout='blocks'")
             for k, t in payload.tensors.items():
-                grown = self.tensors.setdefault(k, GrowingTensor(2))
+                grown = self.tensor(k, t.shape[2], payload.num_tokens)
                 rows[k], sizes[k] = grown.length, t.shape[2]
                 grown.append(t)
         self.num_tokens += payload.num_tokens
         self.num_blocks += 1
         return Block(self.num_blocks - 1, rows, sizes, first, payload.num_tokens)
+
+    def tensor(self, name: str, rows: int, tokens: int) -> GrowingTensor:
+        """The growing tensor of payload tensor ``name``, created for ``rows`` rows per ``tokens`` tokens."""
+        if name not in self.tensors:
+            self.tensors[name] = GrowingTensor(2, -(-self.capacity * rows // max(tokens, 1)) if self.capacity else 0)
+        return self.tensors[name]
 
     def view(self) -> Payload:
         if self.layout == "blocks":
@@ -116,6 +124,10 @@ class KVStream:
     slower). A stream whose attention reads the payload directly (:meth:`segments`, fused kernels)
     never decodes it.
 
+    ``capacity``: tokens (per sequence) to preallocate: the store, the decoded copy and (two small
+    buffers, :meth:`tail_reserve`) the tail are reserved at their first append, so later updates within
+    ``capacity`` tokens allocate no storage (:mod:`kvcomp.cache.growing`); 0: buffers grow as needed.
+
     ``rope(first, count)`` returns the layer's cos/sin of cached tokens ``first .. first + count - 1``
     (pre-RoPE keys only): blocks are un-rotated before encoding and re-rotated when decoded, with the
     positions' own angles. ``decoder(block)`` decodes one block (un-rotated); layer- and model-scope
@@ -128,22 +140,32 @@ class KVStream:
     """
 
     def __init__(self, codec: Codec, kind: str, layer_idx: int, rope=None, decode_per_step: bool = False,
-                 decoder: Callable[[Block], torch.Tensor] | None = None):
+                 decoder: Callable[[Block], torch.Tensor] | None = None, capacity: int = 0):
         self.codec, self.kind, self.layer_idx = codec, kind, layer_idx
         self.rope, self.decode_per_step = rope, decode_per_step
         self.decoder = decoder or self._decode_own
         self.policy = codec.policy(kind, layer_idx)
         self.pre_rope = codec.pre_rope and kind == "key"
         self.sinks: torch.Tensor | None = None
-        self.store = PayloadStore(codec.payload_layout)
+        self.store = PayloadStore(codec.payload_layout, capacity)
         self.state: SequenceState | None = None  # stateful stream-scope codecs
         self.blocks: list[Block] = []  # every encoded block, in token order
-        self.decoded = GrowingTensor(2)  # the torch path's decoded blocks (working memory)
+        self.decoded = GrowingTensor(2, capacity)  # the torch path's decoded blocks (working memory)
         self.pending: list[Block] = []  # encoded blocks not in ``decoded`` yet
-        self.tail_buffer = GrowingTensor(2)  # appended in place: no copy of the tail per step
+        # appended in place: no copy of the tail per step (with a capacity: two buffers, see tail_reserve)
+        self.tail_buffer = GrowingTensor(2, self.tail_reserve(capacity), standby=self.policy.block_size is not None)
         self.length = self.num_encoded = self.batch = 0
         self.frozen = False  # True: keep every further token in the full-precision tail
         self.leading_pads = 0  # left padding of the batch: kept with the sinks, never encoded (set by the layer)
+
+    def tail_reserve(self, capacity: int) -> int:
+        """Tail entries preallocated for a cache of ``capacity`` tokens: all of them when the stream never
+        encodes, else ``window + 2 block_size + 16`` (at most ``window + block_size`` are live after an
+        update, so the tail moves between its two buffers every ``block_size + 16`` or more appends)."""
+        block = self.policy.block_size
+        if not capacity or block is None:
+            return capacity
+        return min(capacity, self.policy.window + 2 * block + 16)
 
     def freeze(self) -> None:
         """Stop encoding: tokens appended from now on stay in full precision (the [REF] protocol that

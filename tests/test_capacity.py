@@ -1,0 +1,139 @@
+"""Preallocated capacity: ``CompressedCache(capacity=N)`` reserves its buffers once, so decode steps within
+``N`` tokens allocate no storage, and the cache decodes exactly as one that grows as needed."""
+
+import pytest
+import torch
+
+from kvcomp.cache import CompressedCache, with_cache
+from kvcomp.cache.growing import GrowingTensor
+from kvcomp.errors import ConfigError
+from tests.codec_matrix import MATRIX, make_codec
+
+
+class Allocations:
+    """Counts the buffers growing tensors allocate (patched in by ``counting``)."""
+
+    def __init__(self):
+        self.count = 0
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    counter, empty = Allocations(), GrowingTensor._empty
+
+    def counted(self, *args):
+        counter.count += 1
+        return empty(self, *args)
+
+    monkeypatch.setattr(GrowingTensor, "_empty", counted)
+    return counter
+
+
+def _tail_like(grown: GrowingTensor, steps: int, window: int, block: int, first: int = 40):
+    """Feed ``grown`` as a stream's tail is fed: a prompt of ``first`` entries, then one entry per step, the
+    oldest ``block`` dropped whenever ``window + block`` are live; checks the view against a list."""
+    held = list(range(first))
+    grown.append(torch.arange(first, dtype=torch.float32)[None])
+    for step in range(first, first + steps):
+        before = grown.view.clone()
+        view = grown.view
+        grown.append(torch.tensor([[float(step)]]))
+        assert torch.equal(view, before)  # a view stays valid across the next append
+        held.append(step)
+        while len(held) >= window + block:
+            grown.drop_front(block)
+            held = held[block:]
+        assert grown.view[0].tolist() == held
+
+
+def test_a_reserved_tail_moves_between_two_buffers_without_allocating(allocations):
+    grown = GrowingTensor(1, reserve=16 + 2 * 8 + 16, standby=True)
+    _tail_like(grown, 5, window=16, block=8)
+    # the prompt's buffer (larger than the reserve) and a standby; once the live entries fit, they move to
+    # the standby and a new standby is made
+    assert allocations.count == 3
+    buffers = set()
+    for _ in range(60):
+        grown.append(torch.zeros(1, 1))
+        if grown.length >= 24:
+            grown.drop_front(8)
+        buffers.add(grown.buffer.data_ptr())
+    assert allocations.count == 3
+    assert len(buffers) == 2
+    assert grown.reserved_nbytes == 2 * 48 * 4 - grown.nbytes
+
+
+def test_a_reserved_tail_holds_the_right_entries_over_many_moves(allocations):
+    grown = GrowingTensor(1, reserve=16 + 2 * 8 + 16, standby=True)
+    _tail_like(grown, 300, window=16, block=8)
+    assert allocations.count == 3
+
+
+def test_an_unreserved_tail_allocates_as_it_moves(allocations):
+    grown = GrowingTensor(1)
+    _tail_like(grown, 300, window=16, block=8)
+    assert allocations.count > 10
+
+
+def test_a_reserve_is_a_minimum_not_a_limit():
+    grown = GrowingTensor(0, reserve=8)
+    grown.append(torch.arange(5.0))
+    assert grown.buffer.shape[0] == 21 and grown.standby is None  # 5 + spare(5) = 21 >= 8, no standby without drops
+    grown.append(torch.arange(5.0, 30.0))
+    assert grown.view.tolist() == list(range(30))
+    grown.map(lambda t: t[:3])
+    assert grown.view.tolist() == [0.0, 1.0, 2.0] and grown.buffer.shape[0] >= 8
+
+
+def _generate(model, codec, capacity, steps):
+    ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = CompressedCache(codec, "exact_prefill", capacity=capacity)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             **with_cache(model, cache), pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    return out, cache
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_a_preallocated_cache_decodes_the_same_and_allocates_nothing_in_decode(tiny_llama, name, allocations):
+    codec = make_codec(tiny_llama, name)
+    steps = 64
+    grown_out, grown_cache = _generate(tiny_llama, codec, None, steps)
+    counts = []
+    handle = tiny_llama.register_forward_pre_hook(lambda *_: counts.append(allocations.count))
+    try:
+        out, cache = _generate(tiny_llama, codec, 37 + steps, steps)
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, grown_out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, grown_out.logits))
+    assert cache.nbytes == grown_cache.nbytes  # the same storage; the reservation is working memory
+    # every buffer is reserved by the time the second block is encoded; after that, nothing grows
+    late = counts[steps // 2:]
+    assert late[-1] == late[0], f"{late[-1] - late[0]} buffers allocated in the last {len(late)} decode steps"
+
+
+def test_without_capacity_the_same_decode_allocates(tiny_llama, allocations):
+    counts = []
+    handle = tiny_llama.register_forward_pre_hook(lambda *_: counts.append(allocations.count))
+    try:
+        _generate(tiny_llama, make_codec(tiny_llama, "kivi"), None, 64)
+    finally:
+        handle.remove()
+    assert counts[-1] > counts[32]
+
+
+def test_a_cache_beyond_its_capacity_grows(tiny_llama):
+    codec = make_codec(tiny_llama, "kivi")
+    grown, _ = _generate(tiny_llama, codec, None, 40)
+    small, cache = _generate(tiny_llama, codec, 50, 40)
+    assert torch.equal(small.sequences, grown.sequences)
+    assert cache.get_seq_length() == 37 + 39
+
+
+@pytest.mark.parametrize("capacity", [0, -3, 2.5, True, "64"])
+def test_a_bad_capacity_is_refused(tiny_llama, capacity):
+    with pytest.raises(ConfigError, match="capacity"):
+        CompressedCache(make_codec(tiny_llama, "fp16"), capacity=capacity)
