@@ -216,6 +216,19 @@ def _leading_pads(mask) -> int:
     return mask._kvcomp_pads
 
 
+def decode_step_mask(*args, **kwargs):
+    """transformers' ``sdpa_mask``, always materialised for single-token forwards: its test whether the mask
+    can be skipped reads the padding mask on the host (``padding_mask.all()``, a host sync every decode
+    step on a GPU), and decode steps read the mask on the device anyway (the kernels, per token). Longer
+    forwards keep the skip (SDPA's causal kernels for prefill). The query length is ``q_length``
+    (transformers >= 5.2x) or the length of ``cache_position`` (earlier 5.x)."""
+    positions = kwargs.get("cache_position")
+    q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
+    if q_length == 1:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
 def _attention_modules(model):
     return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
 
@@ -259,7 +272,7 @@ def install(model, kernel_backend: str = "torch") -> None:
     if kernel_backend not in KERNEL_BACKENDS:
         raise unknown_choice("kernel backend", kernel_backend, KERNEL_BACKENDS)
     AttentionInterface.register(ATTENTION_NAME, compressed_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, decode_step_mask)
     layer_types = attention_layer_types(model.config.get_text_config(decoder=True))  # refuses unsupported kinds
     model.set_attn_implementation(ATTENTION_NAME)
     modules = _attention_modules(model)

@@ -237,7 +237,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def raise_if_nonfinite(self) -> None:
         """Read this layer's verdicts of its last forward under ``check_finite="deferred"``: NaN/Inf in the
-        incoming K/V, and quantization parameters that overflowed their storage dtype (uniform/KIVI). They
+        incoming K/V, and quantization parameters that overflowed their storage dtype (uniform/KIVI, HIGGS). They
         were copied to the host without waiting, so reading them one forward later costs no sync."""
         pending, self.pending_check = self.pending_check, None
         if pending is None:
@@ -250,7 +250,8 @@ class CompressedLayer(CacheLayerMixin):
             raise NonFiniteKVError(
                 f"layer {self.layer_idx}: a quantization group's scale or zero overflowed its storage dtype "
                 f"(cache positions {positions}; reported one forward late by check_finite='deferred'): "
-                "set codec.param_dtype=float32, or use check_finite=True to fall back to float32 per block")
+                "set codec.param_dtype=float32 (HIGGS, AQUA-KV: codec.scale_dtype=float32), or use check_finite=True "
+                "(uniform/KIVI then fall back to float32 per block)")
 
     def _encode_layer_ready(self) -> tuple[FreshlyEncoded | None, FreshlyEncoded | None]:
         """Layer scope: encode the block both streams have ready, with the previous layer's reconstruction."""

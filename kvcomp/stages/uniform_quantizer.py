@@ -45,6 +45,16 @@ def deferred_range_checks(verdicts: list):
     finally:
         _DEFERRED_RANGE_CHECKS.reset(token)
 
+def range_fits(fits: torch.Tensor) -> bool:
+    """Whether a device bool ``fits`` holds: read on the host (a sync on a GPU), or, within
+    :func:`deferred_range_checks`, left on the device for the cache to read later (then ``True``)."""
+    verdicts = _DEFERRED_RANGE_CHECKS.get()
+    if verdicts is None:
+        return bool(fits)
+    verdicts.append(fits)
+    return True
+
+
 AXES = ("per_token", "per_channel")
 
 
@@ -104,10 +114,9 @@ class GroupQuantizer:
         """Scale and zero as stored: in ``param_dtype`` when the top code of every group then decodes to a
         finite value (``levels * s + z``, as :meth:`decode` and the fused kernel compute it), else in
         float32; raise :class:`NonFiniteKVError` when not even float32 holds the range."""
-        verdicts = _DEFERRED_RANGE_CHECKS.get()
-        if verdicts is not None:
+        if _DEFERRED_RANGE_CHECKS.get() is not None:
             s, z = scale.to(self.param_dtype), lo.to(self.param_dtype)
-            verdicts.append(torch.isfinite(levels * s.float() + z.float()).all())
+            range_fits(torch.isfinite(levels * s.float() + z.float()).all())
             return s, z
         for dtype in (self.param_dtype, torch.float32):
             s, z = scale.to(dtype), lo.to(dtype)
