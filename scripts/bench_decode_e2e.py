@@ -13,7 +13,8 @@ prompt is prefilled in 2,048-token chunks, then greedy decode steps run after wa
 Per row: median ms per decode step (CUDA events around each step), tokens per second, peak GPU memory
 (``max_memory_allocated`` from the prefill on, model weights included), the ratio to DynamicCache's
 step, and the synchronising CUDA calls of one more step (``torch.cuda.set_sync_debug_mode``: 0 means the
-host never waits for the device within a step; CUDA-graph capture is not attempted, the cache grows). ``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the
+host never waits for the device within a step; CUDA-graph capture is not attempted). Compressed caches
+are preallocated (``capacity``: prompt + every step), so decode steps allocate no storage. ``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the
 device, found by real allocations (doubling, then bisection, out-of-memory errors caught), for each
 row. ``--agreement``: teacher-forced decoding through the fused path and through the torch path of
 the same codec, fed the same tokens: relative error of the logits and greedy agreement.
@@ -42,6 +43,7 @@ from bench_decode_attention import synthetic_state  # noqa: E402
 from bench_decode_overhead import machine, revision  # noqa: E402
 
 from kvcomp.cache import CompressedCache, install, with_cache  # noqa: E402
+from kvcomp.cache.host_syncs import HostSyncs  # noqa: E402
 from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
 from kvcomp.kernels.benchmarking import write_section  # noqa: E402
@@ -75,8 +77,9 @@ def build_models(setting: dict, layers: int, device: torch.device):
     return plain, hooked
 
 
-def new_cache(name: str, models: tuple, backend: str = "triton"):
-    """``(model, cache)`` of a row; codecs with codebooks get random ones."""
+def new_cache(name: str, models: tuple, capacity: int, backend: str = "triton"):
+    """``(model, cache)`` of a row, compressed caches preallocated for ``capacity`` tokens per sequence;
+    codecs with codebooks get random ones."""
     if ROWS[name] is None:
         return models[0], DynamicCache(config=models[0].config)
     model = models[1]
@@ -85,7 +88,7 @@ def new_cache(name: str, models: tuple, backend: str = "triton"):
     codec.kernel_backend = backend
     if isinstance(codec, CodebookCodec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
-    return model, CompressedCache(codec, protocol="exact_prefill", check_finite="deferred")
+    return model, CompressedCache(codec, protocol="exact_prefill", check_finite="deferred", capacity=capacity)
 
 
 def forward(model, cache, ids: torch.Tensor) -> torch.Tensor:
@@ -117,9 +120,12 @@ def step_ms(model, cache, token: torch.Tensor, device: torch.device) -> tuple[fl
 
 def host_syncs(model, cache, token: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
     """Synchronising CUDA calls (device-to-host reads, stream syncs) during one decode step, counted by
-    torch's sync debug mode; NaN on a CPU."""
+    torch's sync debug mode; on a CPU, the operations that would synchronise on a GPU
+    (:class:`~kvcomp.cache.host_syncs.HostSyncs`)."""
     if device.type != "cuda":
-        return float("nan"), forward(model, cache, token).argmax(-1, keepdim=True)
+        with HostSyncs() as syncs:
+            token = forward(model, cache, token).argmax(-1, keepdim=True)
+        return float(len(syncs.found)), token
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -151,7 +157,7 @@ def speed(setting: dict, models: tuple, rows: list[str], device: torch.device, l
         baseline = None
         for name in rows:
             _fresh(device)
-            model, cache = new_cache(name, models)
+            model, cache = new_cache(name, models, context + setting["warmup"] + setting["steps"] + 2)
             token = prefill(model, cache, ids, setting["chunk"])
             times = []
             for i in range(setting["warmup"] + setting["steps"]):
@@ -172,7 +178,7 @@ def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.dev
     """Whether a prefill of ``max_batch_context`` tokens and two decode steps fit at ``batch``."""
     _fresh(device)
     try:
-        model, cache = new_cache(name, models)
+        model, cache = new_cache(name, models, setting["max_batch_context"] + 3)
         ids = torch.randint(0, models[0].config.vocab_size, (batch, setting["max_batch_context"]), device=device)
         chunk = max(16, min(setting["chunk"], (1 << 15) // batch))  # activations of a forward stay small
         token = prefill(model, cache, ids, chunk)
@@ -218,7 +224,7 @@ def agreement(setting: dict, models: tuple, rows: list[str], device: torch.devic
         return forward(models[1], cache, tokens)
 
     for name in [r for r in rows if r != BASELINE]:
-        caches = {backend: new_cache(name, models, backend)[1] for backend in ("torch", "triton")}
+        caches = {backend: new_cache(name, models, context + steps + 1, backend)[1] for backend in ("torch", "triton")}
         logits = {b: run(b, c, ids) for b, c in caches.items()}
         errors, agree = [], []
         for _ in range(steps):

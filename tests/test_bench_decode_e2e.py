@@ -18,6 +18,8 @@ def test_end_to_end_benchmark_runs_and_the_fused_path_agrees(monkeypatch):
     table = module.main(["--smoke", "--rows", "DynamicCache", "kivi-2"])
     speed, batches, agreement = table.split("\n\n")[0], table.split("real allocations")[1], table.split("teacher-forced")[1]
     assert "| 2 | 192 | DynamicCache |" in speed and "| 2 | 192 | kivi-2 |" in speed
+    kivi = next(line for line in speed.splitlines() if line.startswith("| 2 | 192 | kivi-2 |"))
+    assert kivi.endswith("| 0 |")  # host syncs of a decode step (found on the CPU by HostSyncs)
     assert "| kivi-2 | 2+ |" in batches  # capped at the smoke limit: nothing runs out of memory on a CPU
     row = next(line for line in agreement.splitlines() if line.startswith("| kivi-2 |")).split(" | ")
     assert 0 < float(row[1]) < 1e-4 and float(row[3].rstrip(" |")) == 1.0  # two real paths, equal up to fp32 rounding

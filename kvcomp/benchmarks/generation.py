@@ -29,9 +29,10 @@ class GenerationProtocol:
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"generation protocol {self.protocol!r}: choose from {', '.join(PROTOCOLS)}")
 
-    def new_cache(self, codec: Codec) -> CompressedCache:
-        """A fresh cache for one request (or one batch of requests)."""
-        return CompressedCache(codec, self.protocol, compress_generated=self.compress_generated)
+    def new_cache(self, codec: Codec, capacity: int | None = None) -> CompressedCache:
+        """A fresh cache for one request (or one batch of requests); ``capacity``: tokens per sequence to
+        preallocate (prompt + new tokens: decode steps then allocate no storage)."""
+        return CompressedCache(codec, self.protocol, compress_generated=self.compress_generated, capacity=capacity)
 
 
 @torch.no_grad()
@@ -47,14 +48,14 @@ def generate_greedy(
     metrics: list[dict] | None = None,
 ) -> torch.Tensor:
     """Greedy continuation of ``input_ids [B, T]`` (left-padded when ``attention_mask`` is given) through
-    a fresh compressed cache; returns the new tokens ``[B, <= max_new_tokens]`` (padded with the first
+    a fresh compressed cache, preallocated for the prompt and ``max_new_tokens``; returns the new tokens ``[B, <= max_new_tokens]`` (padded with the first
     EOS id after a row stops). ``metrics``: gets the codec's :meth:`~kvcomp.codecs.base.Codec.example_metrics`
     of the filled cache appended."""
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    cache = protocol.new_cache(codec)
+    cache = protocol.new_cache(codec, input_ids.shape[1] + max_new_tokens)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask.to(device),

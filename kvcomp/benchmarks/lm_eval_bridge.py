@@ -78,7 +78,8 @@ def _lm_class():
                 return self.model(inps, **with_cache(self.model, cache), use_cache=True).logits
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
-            generation_kwargs.update(with_cache(self.model, self.protocol.new_cache(self.codec)))
+            # lm-eval's max_length is the context plus the generation budget: the cache is preallocated for it
+            generation_kwargs.update(with_cache(self.model, self.protocol.new_cache(self.codec, max_length)))
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
         def generate_until(self, requests, disable_tqdm: bool = False):
