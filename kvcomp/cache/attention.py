@@ -217,14 +217,15 @@ def _leading_pads(mask) -> int:
 
 
 def decode_step_mask(*args, **kwargs):
-    """transformers' ``sdpa_mask``, always materialised for single-token forwards: its test whether the mask
-    can be skipped reads the padding mask on the host (``padding_mask.all()``, a host sync every decode
-    step on a GPU), and decode steps read the mask on the device anyway (the kernels, per token). Longer
-    forwards keep the skip (SDPA's causal kernels for prefill). The query length is ``q_length``
-    (transformers >= 5.2x) or the length of ``cache_position`` (earlier 5.x)."""
+    """transformers' ``sdpa_mask``, always materialised for single-token forwards that carry a padding
+    mask: its test whether the mask can be skipped reads that mask on the host (``padding_mask.all()``, a
+    host sync every decode step on a GPU, e.g. in ``generate``), and the fused kernels read the mask per
+    token on the device anyway. Without a padding mask the test reads no data, and longer forwards keep
+    the skip (SDPA's causal kernels for prefill). The query length is ``q_length`` (transformers >= 5.2x)
+    or the length of ``cache_position`` (earlier 5.x)."""
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
-    if q_length == 1:
+    if q_length == 1 and kwargs.get("attention_mask") is not None:
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
