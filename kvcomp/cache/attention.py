@@ -119,7 +119,8 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
 
 def _valid_tokens(layer, attention_mask, batch: int) -> ValidTokens | None:
     """The step's :class:`ValidTokens` from its 4-D mask (bool or additive). Every layer of a step receives
-    the same mask object, so the result is kept on it: one host sync per step, freed with the mask."""
+    the same mask object, so the result is kept on it (made once per step, freed with the mask; no host
+    sync: the kernels read it per token)."""
     if attention_mask is None:
         return None
     length = layer.get_seq_length()
@@ -221,7 +222,8 @@ def decode_step_mask(*args, **kwargs):
     mask: its test whether the mask can be skipped reads that mask on the host (``padding_mask.all()``, a
     host sync every decode step on a GPU, e.g. in ``generate``), and the fused kernels read the mask per
     token on the device anyway. Without a padding mask the test reads no data, and longer forwards keep
-    the skip (SDPA's causal kernels for prefill). The query length is ``q_length`` (transformers >= 5.2x)
+    the skip (SDPA's causal kernels for prefill). ``generate`` always passes a padding mask, so its decode
+    steps on the torch path run SDPA with a mask. The query length is ``q_length`` (transformers >= 5.3)
     or the length of ``cache_position`` (earlier 5.x)."""
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])

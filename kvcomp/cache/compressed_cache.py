@@ -457,13 +457,13 @@ class CompressedCache(Cache):
     ``compress_generated=False`` encodes the first forward's tokens only and keeps every later
     (generated) token in full precision. ``check_finite``: NaN/Inf in incoming K/V raise
     :class:`~kvcomp.errors.NonFiniteKVError` at once (``True``: a host sync per layer on a GPU), one
-    forward later without any sync (``"deferred"``, which also defers uniform/KIVI's check that scales fit
-    ``param_dtype``, an error then instead of a float32 fallback; :meth:`raise_if_nonfinite` reads the
+    forward later without any sync (``"deferred"``, which also defers the checks that uniform/KIVI's and HIGGS'
+    scales fit their dtype, an error then instead of uniform's float32 fallback; :meth:`raise_if_nonfinite` reads the
     last ones), or never (``False``). ``capacity``: the tokens per sequence (prompt, padding and generated
     tokens) to preallocate storage for, e.g. ``prompt + max_new_tokens``: every buffer is reserved at its
     first append (payloads for ``capacity`` tokens, the full-precision tail as two small buffers it moves
-    between, position ids), so decode steps within it allocate no storage and keep their buffers'
-    addresses; the reservation beyond what is held counts as :attr:`working_nbytes`. Beyond ``capacity``
+    between, position ids), so decode steps within it allocate no storage (the tail alternates between
+    its two buffers); the reservation beyond what is held counts as :attr:`working_nbytes`. Beyond ``capacity``
     the buffers grow as without it (``None``: grow as needed).
 
     Scheduling follows the codec's scope (:mod:`kvcomp.codecs.base`): stream- and layer-scope blocks are

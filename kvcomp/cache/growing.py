@@ -4,13 +4,15 @@ they hold on every append.
 A :class:`GrowingTensor` keeps a buffer with spare capacity (:func:`spare`: 1/8 of what it holds, at
 most 256 entries), so appending one entry costs ``O(1)`` amortised copies (``O(length / 256)`` for
 long buffers) instead of the ``O(length)`` of ``torch.cat``; :meth:`drop_front` forgets the oldest entries
-and moves the live ones to a fitting buffer once the dropped ones outnumber them. Written entries are
-never overwritten (a move allocates a new buffer), so a :attr:`view` handed out earlier stays valid.
+and moves the live ones to a fitting buffer once the dropped ones outnumber them. Without a reserve,
+written entries are never overwritten (a move allocates a new buffer), so a :attr:`view` handed out
+earlier stays valid.
 :attr:`nbytes` counts the live entries (storage) and :attr:`reserved_nbytes` the rest of the buffer
 (spare capacity and dropped entries: working memory), so the two together are what the buffer occupies.
 
 Preallocated capacity (``reserve``, :class:`~kvcomp.cache.CompressedCache`'s ``capacity``): the first
-buffer holds at least ``reserve`` entries, so appends within it never allocate. A tensor that also drops
+buffer holds ``reserve`` entries (more only for a longer first append), so appends within it never
+allocate. A tensor that also drops
 (``standby=True``: a stream's full-precision tail, a window sliding over the sequence) keeps a second
 buffer of ``reserve`` entries: when an append does not fit at the end, the live entries move to the other
 buffer and the two swap, so a steady stream of appends and drops allocates nothing. Entries are then
@@ -68,13 +70,13 @@ class GrowingTensor:
 
     def _move(self, need: int, dtype: torch.dtype, like: torch.Tensor) -> None:
         """Put the live entries at the start of a buffer for ``need`` entries: the standby buffer where they
-        fit (the two swap), else a new one of ``need`` plus :func:`spare` (at least ``reserve``) entries
-        (earlier views keep the old buffer)."""
+        fit (the two swap), else a new one of ``reserve`` entries where they fit, else of ``need`` plus
+        :func:`spare` (earlier views keep the old buffer)."""
         old = self.buffer
         if self._fits_standby(need, dtype):
             moved, self.standby = self.standby, old if old.shape[self.dim] == self.reserve else None
         else:
-            moved = self._empty(max(need + spare(need), self.reserve), dtype, like)
+            moved = self._empty(self.reserve if need <= self.reserve else need + spare(need), dtype, like)
         if self.length:
             moved.narrow(self.dim, 0, self.length).copy_(self.view)
         self.buffer, self.start, self.end = moved, 0, self.length
@@ -85,6 +87,8 @@ class GrowingTensor:
         """Forget the ``n`` oldest entries; once the dropped entries outnumber the live ones (and 16), move
         the live ones to a fitting buffer, freeing the rest. With a standby buffer, only a buffer larger
         than ``reserve`` (after a long append) moves, to the standby one, once the live entries fit it."""
+        if self.buffer is None:
+            return
         self.start += min(n, self.length)
         if self.keeps_standby:
             if self.buffer.shape[self.dim] > self.reserve and self.length <= self.reserve:
@@ -93,8 +97,8 @@ class GrowingTensor:
             self._move(self.length, self.buffer.dtype, self.buffer)
 
     def map(self, fn) -> None:
-        """Replace the content by ``fn(view)`` (batch reorder / select / repeat), without spare capacity
-        (preallocated capacity is kept: the result is copied into a buffer of at least ``reserve`` entries)."""
+        """Replace the content by ``fn(view)`` (batch reorder / select / repeat), without spare capacity;
+        with a reserve, the result is copied into newly reserved buffers instead."""
         if self.buffer is None:
             return
         mapped = fn(self.view)

@@ -7,9 +7,9 @@ shape depends on the data (``nonzero``, ``masked_select``, ``unique``, boolean-m
 ``repeat_interleave`` without ``output_size``, ``bincount``, ``equal``). Each is attributed to the
 innermost frame of a ``kvcomp`` module on the stack (:attr:`HostSync.where`), or ``None`` when kvcomp is
 not on the stack (transformers' own step); operations inside a Triton launch (the CPU interpreter's own
-copies) are left out. It sees what goes through torch's dispatcher:
-``tensor.tolist()`` and copies to the host are not seen, so ``scripts/bench_decode_e2e.py`` counts with
-the debug mode on a GPU.
+copies) are left out. It sees what goes through torch's dispatcher from Python: ``tensor.tolist()``,
+copies to the host and synchronisation inside a C++ operator are not seen, so
+``scripts/bench_decode_e2e.py`` counts with the debug mode on a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-PACKAGE = Path(__file__).resolve().parent.parent  # .../kvcomp
+PACKAGE = Path(os.path.realpath(__file__)).parent.parent  # .../kvcomp
 DATA_DEPENDENT = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
                   "bincount", "equal", "argwhere"}
 
@@ -43,20 +43,22 @@ def _synchronises(func, args, kwargs) -> bool:
         return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
     if name in ("index", "index_put", "index_put_"):  # boolean masks as indices become nonzero()
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
     return False
 
 
 def _origin() -> tuple[bool, str | None]:
-    """``(inside a Triton launch, innermost kvcomp frame)`` of the current operation. Operations inside a
-    launch are the CPU interpreter's own (a launch on a GPU is asynchronous)."""
+    """``(inside a Triton launch, innermost kvcomp frame)`` of the current operation, from the modules on
+    the stack. Operations inside a launch are the CPU interpreter's own (a launch on a GPU is
+    asynchronous)."""
     frame, where = sys._getframe(2), None
     while frame is not None:
-        name = frame.f_code.co_filename
-        if f"{os.sep}triton{os.sep}" in name and "site-packages" in name:
+        module = frame.f_globals.get("__name__", "")
+        if module == "triton" or module.startswith("triton."):
             return True, None
-        if where is None and name.startswith(str(PACKAGE)) and not name.endswith("host_syncs.py"):
-            where = f"{Path(name).relative_to(PACKAGE.parent)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if where is None and module.startswith("kvcomp.") and module != __name__:
+            path = Path(os.path.realpath(frame.f_code.co_filename))
+            where = f"{path.relative_to(PACKAGE.parent) if PACKAGE in path.parents else path}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return False, where
 

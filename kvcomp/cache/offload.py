@@ -76,20 +76,26 @@ def _check_supported(codec: Codec) -> None:
                                   "supported; set codec.compress_sliding=true to store every layer encoded")
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A copy in CPU memory, also of a CPU tensor (``.cpu()`` would return the cache's own buffer, which
+    the cache reuses as it goes on, e.g. a preallocated tail)."""
+    return t.to("cpu", copy=True)
+
+
 def _put_store(store: PayloadStore, prefix: str, tensors: dict) -> dict:
     meta = {"num_tokens": store.num_tokens, "num_blocks": store.num_blocks}
     if store.layout == "tokens":
         for name, grown in store.tensors.items():
-            tensors[f"{prefix}.{name}"] = grown.view.cpu()
+            tensors[f"{prefix}.{name}"] = _host(grown.view)
         meta["names"] = list(store.tensors)
         return meta
     payloads = []
     for j, payload in enumerate(store.payloads):
         for name, t in payload.tensors.items():
-            tensors[f"{prefix}.{j}.{name}"] = t.cpu()
+            tensors[f"{prefix}.{j}.{name}"] = _host(t)
         for name, rows in payload.ragged.items():
             for r, t in enumerate(rows):
-                tensors[f"{prefix}.{j}.ragged.{name}.{r}"] = t.cpu()
+                tensors[f"{prefix}.{j}.ragged.{name}.{r}"] = _host(t)
         payloads.append({"num_tokens": payload.num_tokens, "names": list(payload.tensors),
                          "ragged": {name: len(rows) for name, rows in payload.ragged.items()}})
     meta["payloads"] = payloads
@@ -127,13 +133,13 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
         if not layer.positions_known:
             raise NotImplementedError("storing a cache whose forwards came without position ids is not supported")
         if layer.position_ids.length:
-            tensors[f"layer{i}.position_ids"] = layer.position_ids.view.cpu()
+            tensors[f"layer{i}.position_ids"] = _host(layer.position_ids.view)
         streams = {}
         for stream in layer.streams:
             prefix = f"layer{i}.{stream.kind}"
             for part in ("sinks", "tail"):
                 if getattr(stream, part) is not None:
-                    tensors[f"{prefix}.{part}"] = getattr(stream, part).cpu()
+                    tensors[f"{prefix}.{part}"] = _host(getattr(stream, part))
             streams[stream.kind] = {
                 "length": stream.length, "num_encoded": stream.num_encoded, "batch": stream.batch,
                 "leading_pads": stream.leading_pads, "frozen": stream.frozen,

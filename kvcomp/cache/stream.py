@@ -142,7 +142,7 @@ class KVStream:
     def __init__(self, codec: Codec, kind: str, layer_idx: int, rope=None, decode_per_step: bool = False,
                  decoder: Callable[[Block], torch.Tensor] | None = None, capacity: int = 0):
         self.codec, self.kind, self.layer_idx = codec, kind, layer_idx
-        self.rope, self.decode_per_step = rope, decode_per_step
+        self.rope, self.decode_per_step, self.capacity = rope, decode_per_step, capacity
         self.decoder = decoder or self._decode_own
         self.policy = codec.policy(kind, layer_idx)
         self.pre_rope = codec.pre_rope and kind == "key"
@@ -169,7 +169,12 @@ class KVStream:
 
     def freeze(self) -> None:
         """Stop encoding: tokens appended from now on stay in full precision (the [REF] protocol that
-        compresses the prompt only, never generated tokens)."""
+        compresses the prompt only, never generated tokens). A preallocated tail is reserved again for the
+        whole capacity (it now keeps every later token)."""
+        if not self.frozen and self.tail_buffer.keeps_standby:
+            tail, self.tail_buffer = self.tail_buffer, GrowingTensor(2, self.capacity)
+            if tail.length:
+                self.tail_buffer.append(tail.view)
         self.frozen = True
 
     @property
@@ -226,7 +231,7 @@ class KVStream:
     def take(self, count: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Remove the ``count`` oldest tail tokens: ``(first cache index, tokens as stored, tokens to encode)``
         (the latter un-rotated for pre-RoPE keys)."""
-        chunk = self.tail[:, :, :count]  # stays valid: the buffer never overwrites what it holds
+        chunk = self.tail[:, :, :count]  # stays valid until the tail's next append (kvcomp.cache.growing)
         self.tail_buffer.drop_front(count)
         first = self.num_sinks + self.num_encoded
         to_encode = undo_rope(chunk, *self.rope(first, count)) if self.pre_rope else chunk
@@ -274,7 +279,7 @@ class KVStream:
         return self.decoded.view
 
     def parts(self) -> list[torch.Tensor]:
-        """The held pieces in token order: sinks, decoded blocks, tail (appends replace, never mutate, them)."""
+        """The held pieces in token order: sinks, decoded blocks, tail (views: valid until the next append)."""
         return [t for t in (self.sinks, self.decoded_blocks(), self.tail) if t is not None]
 
     def segments(self) -> list[torch.Tensor | Payload]:
