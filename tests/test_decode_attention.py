@@ -5,7 +5,7 @@ attention path that serves decode steps from the payloads."""
 import pytest
 import torch
 
-from kvcomp.cache import CompressedCache, install
+from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import (
@@ -373,3 +373,32 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
         out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits, gpu=gpu)
         assert ((out - reference).norm() / reference.norm()) < 1e-5
     assert not build_codec({**config, "group_size": 8}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)
+
+
+@pytest.mark.parametrize("name", ["kivi", "qjl", "temporalkv", "channelkv", "kvquant"])
+def test_the_kernel_reads_a_cache_payload_in_place(tiny_llama, name, monkeypatch):
+    """A payload store's views are narrowed along tokens from buffers with spare capacity, so they are not
+    contiguous; the kernel reads them in place (by their sequence and head strides) instead of copying
+    every payload tensor at every layer and step, and agrees with the reference."""
+    from kvcomp.codecs import Payload
+    from kvcomp.kernels.decode_attention_triton import decode_launches
+    from tests.codec_matrix import make_codec
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    codec = make_codec(tiny_llama, name)
+    cache = CompressedCache(codec, "exact_prefill", capacity=64)
+    ids = torch.randint(1, 96, (2, 45), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        tiny_llama(ids, **with_cache(tiny_llama, cache))
+    layer = cache.layers[1]
+    stores = [s.store for s in layer.streams]
+    assert not any(g.view.is_contiguous() for store in stores for g in store.tensors.values())
+    keys, values = ([codec.payload_reader(s, kind, 1) if isinstance(s, Payload) else s for s in stream.segments()]
+                    for kind, stream in zip(("key", "value"), layer.streams))
+    query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))
+    rope = layer.key_rope()
+    _, launches = decode_launches(query, keys, values, 0.25, key_rope=rope)
+    read = {t.untyped_storage().data_ptr() for launch in launches for t in launch.args.values() if isinstance(t, torch.Tensor)}
+    assert all(g.buffer.untyped_storage().data_ptr() in read for store in stores for g in store.tensors.values())
+    out = decode_attention(query, keys, values, 0.25, key_rope=rope, backend="triton")
+    torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.25, key_rope=rope), rtol=1e-4, atol=1e-4)

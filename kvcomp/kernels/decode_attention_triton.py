@@ -76,31 +76,30 @@ REGISTER_PATH_WARPS = 16
 INTERPRETER_TILE = 32  # tokens per tile under TRITON_INTERPRET (tests pass the GPU's tiles explicitly too)
 CODEBOOK_TILE = 8  # tokens per tile of codebook payloads on the register path (no spills, see _tile_tokens)
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
+SKETCH_STRIDES = ("sk_out_s_b", "sk_out_s_h", "sk_onorm_s_b", "sk_onorm_s_h", "sk_ch_s_b", "sk_ch_s_h")
 
 
 @triton.jit
 def _bases(
-    bh, b, h, data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length,
-    D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
+    b, h, data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center,
+    data_s_b, data_s_h, param_s_b, param_s_h, tok_s_b,
+    D: tl.constexpr, FMT: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
 ):
-    """One encoded stream's tensors advanced to sequence ``b`` / KV head ``h`` (``bh``, ``b``: int64, so that
-    no offset overflows at a large batch x context); the helpers below index tokens from there."""
-    if FMT == 1:
-        data += bh * length * (D * BITS // 8)
-        if PER_CHANNEL:
-            params = bh * (length // GROUP) * D
-        else:
-            params = bh * length * (D // GROUP)
-        scale += params
-        zero += params
-    elif FMT == 2:
-        data += bh * (length // TL) * ((D // CL) * CODE_BITS // 8)
+    """One encoded stream's tensors advanced to sequence ``b`` / KV head ``h`` (int64, so that no offset
+    overflows at a large batch x context) by their own sequence and head strides: a payload store's view,
+    narrowed along tokens from a buffer with spare capacity, is read in place. Within a sequence and head
+    the helpers below index tokens as stored (rows contiguous). ``scale`` / ``zero``: packed ints' parameters,
+    or QJL's key norms (``data``: its sign bits); ``tok_*``: per-token normalisation ``[B, T]``."""
+    if FMT != 0:
+        data += b * data_s_b + h * data_s_h
+        scale += b * param_s_b + h * param_s_h
+        zero += b * param_s_b + h * param_s_h
+    if FMT == 2:
         codebooks += h * (D // GC) * CENTROIDS * (TL * CL)
         ch_scale += h * D
         ch_center += h * D
-        tok_scale += b * length
-        tok_center += b * length
+        tok_scale += b * tok_s_b
+        tok_center += b * tok_s_b
     return data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center
 
 
@@ -443,11 +442,14 @@ def _split_kernel(
     k_d0, k_d0_s_b, k_d0_s_h, k_d0_lo, k_d1, k_d1_s_b, k_d1_s_h, k_d1_lo, k_d2, k_d2_s_b, k_d2_s_h, k_d2_lo,
     k_cut1, k_cut2, k_cut3,
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center, k_length, k_first,
+    k_data_s_b, k_data_s_h, k_param_s_b, k_param_s_h, k_tok_s_b,
     v_d0, v_d0_s_b, v_d0_s_h, v_d0_lo, v_d1, v_d1_s_b, v_d1_s_h, v_d1_lo, v_d2, v_d2_s_b, v_d2_s_h, v_d2_lo,
     v_cut1, v_cut2, v_cut3,
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center, v_length, v_first,
+    v_data_s_b, v_data_s_h, v_param_s_b, v_param_s_h, v_tok_s_b,
     positions, pos_stride, inv_freq, rope_scaling,
     sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
+    sk_out_s_b, sk_out_s_h, sk_onorm_s_b, sk_onorm_s_h, sk_ch_s_b, sk_ch_s_h,
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
     K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
@@ -465,7 +467,7 @@ def _split_kernel(
     b = bh // H
     h = bh % H
     b64 = b.to(tl.int64)
-    bh64 = bh.to(tl.int64)
+    h64 = h.to(tl.int64)
     splits = tl.num_programs(1)  # the launch's tiles of ``unit`` tokens, shared out evenly (+-1 tile)
     split_lo = lo + (split * tiles // splits) * unit
     split_hi = tl.minimum(lo + ((split + 1) * tiles // splits) * unit, hi)
@@ -479,17 +481,15 @@ def _split_kernel(
     v_d1 += b64 * v_d1_s_b + h * v_d1_s_h - v_d1_lo * D
     v_d2 += b64 * v_d2_s_b + h * v_d2_s_h - v_d2_lo * D
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center = _bases(
-        bh64, b64, h, k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center, k_length,
-        D, K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL, K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC)
+        b64, h64, k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
+        k_data_s_b, k_data_s_h, k_param_s_b, k_param_s_h, k_tok_s_b, D, K_FMT, K_CENTROIDS, K_TL, K_CL, K_GC)
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center = _bases(
-        bh64, b64, h, v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center, v_length,
-        D, V_FMT, V_BITS, V_GROUP, V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC)
-    if K_FMT == 3:  # sketched keys: sign bits and norms per token, outlier channels per group
-        k_data += bh64 * k_length * (SK_M // 8)
-        k_scale += bh64 * k_length
-        sk_out_signs += bh64 * k_length * (SK_M_OUT // 8)
-        sk_out_norm += bh64 * k_length
-        sk_channels += bh64 * (k_length // SK_GROUP) * SK_N_OUT
+        b64, h64, v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
+        v_data_s_b, v_data_s_h, v_param_s_b, v_param_s_h, v_tok_s_b, D, V_FMT, V_CENTROIDS, V_TL, V_CL, V_GC)
+    if K_FMT == 3:  # sketched keys (sign bits and norms per token: _bases): outlier sketches and channel ids
+        sk_out_signs += b64 * sk_out_s_b + h64 * sk_out_s_h
+        sk_out_norm += b64 * sk_onorm_s_b + h64 * sk_onorm_s_h
+        sk_channels += b64 * sk_ch_s_b + h64 * sk_ch_s_h
         sk_y += bh * R * SK_M
     positions += b64 * pos_stride
     valid_ptr += b64 * valid_s_b
@@ -607,13 +607,27 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, R, num_slots, D: tl.constexpr, BLO
     tl.store(out_ptr + (bh * R + rows[:, None]) * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _in_place(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int]:
+    """Tensors ``[B, H, ...]`` (or ``[B, T]``) of one shape as a kernel reads them, and their shared sequence
+    and head strides (0 for ``[B, T]``): read in place when each (sequence, head) slice is contiguous and
+    the strides agree (a payload store's views, narrowed along tokens from buffers with spare capacity),
+    else copied contiguous. The copy would read and write the whole payload at every layer and step."""
+    inner = (lambda t: t[0, 0]) if tensors[0].dim() > 2 else (lambda t: t[0])
+    strides = {t.stride()[:2] for t in tensors}
+    if len(strides) > 1 or not all(inner(t).is_contiguous() for t in tensors):
+        tensors = tuple(t.contiguous() for t in tensors)
+    first = tensors[0]
+    return list(tensors), first.stride(0), first.stride(1) if first.dim() > 2 else 0
+
+
 def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indices: tuple, hi: int,
                  placeholder: torch.Tensor) -> dict:
     """Kernel arguments of one stream's segments ``indices`` (in token order; at most :data:`MAX_DENSE`
     full-precision pieces and one encoded payload) in a launch that ends at cached token ``hi``: runtime
     ``{prefix}_*`` and compile-time ``{PREFIX}_*``."""
     runtime = dict(data=placeholder, scale=placeholder, zero=placeholder, codebooks=placeholder, ch_scale=placeholder,
-                   ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0)
+                   ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0,
+                   data_s_b=0, data_s_h=0, param_s_b=0, param_s_h=0, tok_s_b=0)
     static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
                   TOKEN_SCALE=False, TOKEN_CENTER=False)
     dense, encoded_at = [], 4  # the payload's position among the pieces (4: none)
@@ -628,24 +642,31 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
         if isinstance(segment, UniformReader):
             if 8 % segment.bits:
                 raise ValueError(f"decode kernel: {segment.bits}-bit codes straddle bytes; supported: 1, 2, 4, 8 bits")
-            runtime.update(data=segment.codes.contiguous(), scale=segment.scale.contiguous(), zero=segment.zero.contiguous())
+            (data,), data_s_b, data_s_h = _in_place(segment.codes)
+            (scale, zero), param_s_b, param_s_h = _in_place(segment.scale, segment.zero)
+            runtime.update(data=data, scale=scale, zero=zero, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
+                           param_s_h=param_s_h)
             static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
         elif isinstance(segment, CodebookReader):
             layout = segment.layout
             if 8 % segment.code_bits:
                 raise ValueError(f"decode kernel: {segment.code_bits}-bit codebook indices straddle bytes")
-            runtime.update(data=segment.codes.contiguous(), codebooks=segment.codebooks.contiguous(),
+            (data,), data_s_b, data_s_h = _in_place(segment.codes)
+            runtime.update(data=data, data_s_b=data_s_b, data_s_h=data_s_h, codebooks=segment.codebooks.contiguous(),
                            ch_scale=segment.channel_scale.float().contiguous(),
                            ch_center=segment.channel_center.float().contiguous())
-            for name in ("token_scale", "token_center"):
-                tensor = getattr(segment, name)
-                if tensor is not None:
-                    runtime[name.replace("token", "tok")] = tensor.reshape(tensor.shape[0], -1).contiguous()
+            names = [name for name in ("token_scale", "token_center") if getattr(segment, name) is not None]
+            if names:  # per-token normalisation [B, T]
+                tokens, runtime["tok_s_b"], _ = _in_place(*(getattr(segment, name) for name in names))
+                runtime.update({name.replace("token", "tok"): t for name, t in zip(names, tokens)})
             static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
                           CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
                           TOKEN_CENTER=segment.token_center is not None)
         else:  # QJL's sketched keys; the rest of the format is in _sketch_args
-            runtime.update(data=segment.keys.signs.contiguous(), scale=segment.keys.inlier_norm.contiguous())
+            (data,), data_s_b, data_s_h = _in_place(segment.keys.signs)
+            (norm,), param_s_b, param_s_h = _in_place(segment.keys.inlier_norm)
+            runtime.update(data=data, scale=norm, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
+                           param_s_h=param_s_h)
             static.update(FMT=SKETCH)
     for i in range(MAX_DENSE):  # unused pieces: never read
         tensor, first = dense[i] if i < len(dense) else (placeholder, 0)
@@ -662,19 +683,22 @@ def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, q
     keeps each payload's ``y = S q`` ``[B, H, R, m]`` for the step's other launches."""
     if not isinstance(segment, SketchReader):
         return dict(sk_y=placeholder, sk_proj=placeholder, sk_out_signs=placeholder, sk_out_norm=placeholder,
-                    sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1,
-                    SK_M_PAD=16)
+                    sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, **dict.fromkeys(SKETCH_STRIDES, 0),
+                    SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1, SK_M_PAD=16)
     keys = segment.keys
     projection = keys.projection.to(q.device, torch.float32).contiguous()
     if id(segment) not in queries:
         queries[id(segment)] = (q.float() @ projection.T).contiguous()
     m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
     out = dict(sk_y=queries[id(segment)], sk_proj=projection, sk_out_signs=placeholder, sk_out_norm=placeholder,
-               sk_channels=placeholder, sk_scale_in=estimator_scale(m), sk_scale_out=0.0, SK_M=m, SK_M_OUT=m_out,
-               SK_N_OUT=n_out, SK_GROUP=keys.group_size, SK_M_PAD=triton.next_power_of_2(m))
+               sk_channels=placeholder, sk_scale_in=estimator_scale(m), sk_scale_out=0.0, **dict.fromkeys(SKETCH_STRIDES, 0),
+               SK_M=m, SK_M_OUT=m_out, SK_N_OUT=n_out, SK_GROUP=keys.group_size, SK_M_PAD=triton.next_power_of_2(m))
     if n_out:
-        out.update(sk_out_signs=keys.outlier_signs.contiguous(), sk_out_norm=keys.outlier_norm.contiguous(),
-                   sk_channels=keys.outlier_channels.contiguous(), sk_scale_out=estimator_scale(m_out))
+        out["sk_scale_out"] = estimator_scale(m_out)
+        for arg, strides, tensor in (("sk_out_signs", "sk_out", keys.outlier_signs),
+                                     ("sk_out_norm", "sk_onorm", keys.outlier_norm),
+                                     ("sk_channels", "sk_ch", keys.outlier_channels)):
+            (out[arg],), out[f"{strides}_s_b"], out[f"{strides}_s_h"] = _in_place(tensor)
     return out
 
 
