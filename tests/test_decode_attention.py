@@ -399,6 +399,9 @@ def test_the_kernel_reads_a_cache_payload_in_place(tiny_llama, name, monkeypatch
     rope = layer.key_rope()
     _, launches = decode_launches(query, keys, values, 0.25, key_rope=rope)
     read = {t.untyped_storage().data_ptr() for launch in launches for t in launch.args.values() if isinstance(t, torch.Tensor)}
-    assert all(g.buffer.untyped_storage().data_ptr() in read for store in stores for g in store.tensors.values())
+    held = [g.buffer for store in stores for g in store.tensors.values()]
+    if rope is not None:
+        held.append(layer.position_ids.buffer)  # pre-RoPE codecs rotate by the cached position ids
+    assert all(t.untyped_storage().data_ptr() in read for t in held)
     out = decode_attention(query, keys, values, 0.25, key_rope=rope, backend="triton")
     torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.25, key_rope=rope), rtol=1e-4, atol=1e-4)

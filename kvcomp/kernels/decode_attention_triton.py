@@ -870,8 +870,9 @@ def decode_launches(
     no_rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
     key_rotation = no_rope  # for encoded keys of pre-RoPE codecs: converted once, shared by the step's launches
     if key_rope is not None:
-        positions = key_rope.positions.to(device, torch.int32).contiguous()
-        key_rotation = dict(positions=positions, pos_stride=positions.shape[1], rope_scaling=float(key_rope.scaling),
+        positions = key_rope.positions.to(device, torch.int32)  # the cache's position ids, read in place
+        positions = positions if positions.stride(-1) == 1 else positions.contiguous()
+        key_rotation = dict(positions=positions, pos_stride=positions.stride(0), rope_scaling=float(key_rope.scaling),
                             inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(), ROPE=True,
                             ROUND=ROUNDING.get(key_rope.dtype, 0))
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
