@@ -14,7 +14,7 @@ FUSED = ("kivi", "qjl", "temporalkv")  # the kernel's three payload formats: pac
 # CSR's online guard atoms pick the worst-coded vectors per row and head on the host (csr.py, _guard)
 TORCH = tuple(name for name in MATRIX if name != "csr")
 STEPS = 9  # more than a block of every codec of the matrix: the steps include encodes (checked)
-FUSED_STEPS = 5  # the interpreter is slow; enough for an encode of each fused codec (checked)
+FUSED_STEPS = 3  # the interpreter is slow; enough for an encode of each fused codec (checked)
 
 
 def test_host_syncs_finds_what_would_synchronise_and_where():
