@@ -1,6 +1,8 @@
 """Preallocated capacity: ``CompressedCache(capacity=N)`` reserves its buffers once, so decode steps within
 ``N`` tokens allocate no storage, and the cache decodes exactly as one that grows as needed."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -11,10 +13,20 @@ from tests.codec_matrix import MATRIX, make_codec
 
 
 class Allocations:
-    """Counts the buffers growing tensors allocate (patched in by ``counting``)."""
+    """Counts the buffers growing tensors allocate (the ``allocations`` fixture patches it in)."""
 
     def __init__(self):
         self.count = 0
+
+    @contextlib.contextmanager
+    def per_forward(self, model):
+        """Yields a list that gets the count at the start of each forward of ``model``."""
+        counts = []
+        handle = model.register_forward_pre_hook(lambda *_: counts.append(self.count))
+        try:
+            yield counts
+        finally:
+            handle.remove()
 
 
 @pytest.fixture
@@ -99,12 +111,8 @@ def test_a_preallocated_cache_decodes_the_same_and_allocates_nothing_in_decode(t
     codec = make_codec(tiny_llama, name)
     steps = 64
     grown_out, grown_cache = _generate(tiny_llama, codec, None, steps)
-    counts = []
-    handle = tiny_llama.register_forward_pre_hook(lambda *_: counts.append(allocations.count))
-    try:
+    with allocations.per_forward(tiny_llama) as counts:
         out, cache = _generate(tiny_llama, codec, 37 + steps, steps)
-    finally:
-        handle.remove()
     assert torch.equal(out.sequences, grown_out.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, grown_out.logits))
     assert cache.nbytes == grown_cache.nbytes  # the same storage; the reservation is working memory
@@ -114,12 +122,8 @@ def test_a_preallocated_cache_decodes_the_same_and_allocates_nothing_in_decode(t
 
 
 def test_without_capacity_the_same_decode_allocates(tiny_llama, allocations):
-    counts = []
-    handle = tiny_llama.register_forward_pre_hook(lambda *_: counts.append(allocations.count))
-    try:
+    with allocations.per_forward(tiny_llama) as counts:
         _generate(tiny_llama, make_codec(tiny_llama, "kivi"), None, 64)
-    finally:
-        handle.remove()
     assert counts[-1] > counts[32]
 
 
@@ -150,14 +154,9 @@ def test_a_cache_that_encodes_the_prompt_only_reserves_its_tail_for_the_capacity
     codec = make_codec(tiny_llama, "kivi")
     ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
     cache = CompressedCache(codec, "exact_prefill", compress_generated=False, capacity=37 + 64)
-    counts = []
-    handle = tiny_llama.register_forward_pre_hook(lambda *_: counts.append(allocations.count))
-    try:
-        with torch.no_grad():
-            tiny_llama.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
-                                **with_cache(tiny_llama, cache))
-    finally:
-        handle.remove()
+    with allocations.per_forward(tiny_llama) as counts, torch.no_grad():
+        tiny_llama.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
+                            **with_cache(tiny_llama, cache))
     assert counts[-1] == counts[2]  # the generated tokens stay in the tail, which never grows
     assert all(s.num_tail >= 64 for layer in cache.layers for s in layer.streams)
 
