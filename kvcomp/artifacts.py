@@ -26,6 +26,18 @@ class ArtifactError(KVCompError, RuntimeError):
     """A cached file is missing, truncated, altered or unreadable."""
 
 
+def safetensors_problem(path: str | Path) -> str | None:
+    """Why a safetensors file's header cannot be read (missing, truncated, garbled), or None; reads only
+    the header."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            return None
+    except Exception as err:  # SafetensorError, or OSError for a missing file
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file, read in chunks."""
     digest = hashlib.sha256()

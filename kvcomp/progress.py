@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger("kvcomp.progress")
 
@@ -81,6 +82,19 @@ def progress(iterable: Iterable, desc: str, total: int | None = None, unit: str 
             bar.update(1)
     finally:
         bar.close()
+
+
+@contextmanager
+def phase(description: str, timings: dict[str, float] | None = None, key: str | None = None) -> Iterator[None]:
+    """Log ``description`` when a step starts and its duration when it ends; with ``timings``, record the
+    seconds under ``key``, added to what is there (a phase may run in parts)."""
+    log.info("%s ...", description)
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    log.info("%s: done in %.1fs", description, seconds)
+    if timings is not None and key is not None:
+        timings[key] = round(timings.get(key, 0.0) + seconds, 2)
 
 
 def quiet_library_bars() -> None:

@@ -40,6 +40,7 @@ TABLE_COLUMNS = [
     ("ppl_streaming", "PPL streaming"),
     ("ppl_simulated", "PPL simulated"),
     ("ppl_chunked", "PPL chunked"),
+    ("note", "note"),
 ]
 
 
@@ -65,9 +66,10 @@ def _format(value) -> str:
 
 
 def table_columns(rows: list[dict], leading: list[str] = ()) -> list[tuple[str, str]]:
-    """Model and codec, then ``leading`` columns (a sweep's overrides), the other standard columns, any
-    other metric the rows carry, and ``status`` / ``error`` when some member failed."""
-    standard = [(k, h) for k, h in TABLE_COLUMNS if any(k in row for row in rows)]
+    """Model and codec, then ``leading`` columns (a sweep's overrides), the other standard columns (``paper
+    bits/value`` only where it differs from ``bits/value``), any other metric the rows carry, and ``status`` /
+    ``error`` when some member failed."""
+    standard = [(k, h) for k, h in TABLE_COLUMNS if any(k in row for row in rows) and not _repeats(k, rows)]
     known = {key for key, _ in TABLE_COLUMNS}
     overrides = [(k, k) for k in leading if k not in known]
     extra = sorted({
@@ -75,6 +77,11 @@ def table_columns(rows: list[dict], leading: list[str] = ()) -> list[tuple[str, 
     })
     failed = [("status", "status"), ("error", "error")] if any(row.get("status") == "failed" for row in rows) else []
     return standard[:2] + overrides + standard[2:] + [(k, k) for k in extra] + failed
+
+
+def _repeats(key: str, rows: list[dict]) -> bool:
+    """``paper bits/value`` adds nothing where it equals ``bits/value`` in every row (it stays in results.json)."""
+    return key == "paper_bits_per_value" and all(row.get(key) == row.get("bits_per_value") for row in rows)
 
 
 def markdown_table(rows: list[dict], leading: list[str] = ()) -> str:

@@ -30,7 +30,7 @@ from kvcomp.models.fingerprint import model_fingerprint
 from kvcomp.models.loading import check_device, layer_devices, load_model, model_location
 from kvcomp.paths import cache_dir
 from kvcomp.plots import X_AXES
-from kvcomp.progress import quiet_library_bars
+from kvcomp.progress import phase, quiet_library_bars
 from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, versions
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,10 @@ class RunPlan:
     codec: CodecConfig
 
 
-def check_config(cfg: DictConfig) -> RunPlan:
+def check_config(cfg: DictConfig, overrides: list[str] | None = None) -> RunPlan:
     """Validate every group of a composed config and the machine it needs; raise :class:`ConfigError`
-    naming the field and the valid choices. Needs no model (a sweep checks all members up front)."""
+    naming the field and the valid choices. Needs no model (a sweep checks all members up front).
+    ``overrides``: the run's command-line overrides (they decide a local folder's name, :func:`model_name`)."""
     if cfg.benchmark.name not in BENCHMARKS:
         raise unknown_choice("benchmark", cfg.benchmark.name, BENCHMARKS)
     if cfg.get("plot") is not None and cfg.plot.x not in X_AXES:
@@ -71,20 +72,46 @@ def check_config(cfg: DictConfig) -> RunPlan:
     check_device(plan.hardware.device)
     check_kernel_backend(plan.hardware.kernel_backend, plan.hardware.device)
     model_location(plan.model.source, plan.model.hub_id, fetch=False, embedded=plan.model.embedded)
+    plan.model.name = model_name(plan.model, overrides or [])
     return plan
 
 
-def check_codec_for_model(plan: RunPlan) -> None:
+def model_name(model: ModelConfig, overrides: list[str]) -> str:
+    """The name results, tables and messages use: ``model.name``, except for a local folder
+    (``model.source=<folder>``) without an explicit ``model.name=`` override, which is named after the folder
+    (the name in the config then belongs to the group file the folder replaced)."""
+    if model.source in ("embedded", "hub") or any(o.lstrip("+~").split("=")[0] == "model.name" for o in overrides):
+        return model.name
+    return Path(model.source).expanduser().resolve().name
+
+
+def check_codec_for_model(plan: RunPlan) -> Codec | None:
     """Build the codec against the model's shapes when its config is at hand without loading weights
-    (embedded once fetched, local folders, hub models in the local cache); raise its ConfigError."""
+    (embedded once fetched, local folders, hub models in the local cache); raise its ConfigError. Returns
+    the codec (None when the config is not at hand)."""
     from transformers import AutoConfig
 
     location = model_location(plan.model.source, plan.model.hub_id, fetch=False, embedded=plan.model.embedded)
     try:
         config = AutoConfig.from_pretrained(location, local_files_only=True)
     except Exception:  # not fetched yet: the member checks its codec once the model is loaded
-        return
-    build_codec(plan.codec, ModelInfo.from_hf_config(config, name=plan.model.name))
+        return None
+    return build_codec(plan.codec, ModelInfo.from_hf_config(config, name=_label(plan.model)))
+
+
+def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None) -> None:
+    """Before the model loads: the benchmark's data, and the calibration corpus of a codec that calibrates
+    (or may: ``codec`` is None when it could not be built yet), are at hand (offline: in the local cache)."""
+    from kvcomp.data import check_corpus_available
+
+    benchmark.check(plan.model)
+    if codec is None or codec.needs_calibration:
+        check_corpus_available(plan.calibration.name, split="calibration")
+
+
+def _label(model: ModelConfig) -> str:
+    """How messages name the model: its hub id, or its (folder's) name."""
+    return model.hub_id if model.source == "hub" else model.name
 
 
 def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = None) -> dict:
@@ -107,9 +134,9 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
             clear_failure(output_dir)
             return previous
 
-    plan = check_config(cfg)
-    check_codec_for_model(plan)  # before the (possibly slow) weights load
+    plan = check_config(cfg, overrides)
     benchmark = build_benchmark(plan.benchmark)
+    check_data(plan, benchmark, check_codec_for_model(plan))  # before the (possibly slow) weights load
     hardware, model_cfg = plan.hardware, plan.model
     torch.manual_seed(cfg.get("seed", 0))
     if hardware.device == "cpu":
@@ -120,34 +147,41 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     device = hardware.device
     if device == "cuda" and hardware.device_map is None:
         device = f"cuda:{torch.cuda.current_device()}"  # the GPU a local parallel member leased
-    model, tokenizer = load_model(
-        model_cfg.source, hub_id=model_cfg.hub_id, embedded=model_cfg.embedded, dtype=model_cfg.dtype or hardware.dtype, device=device,
-        device_map=hardware.device_map, gpu_memory=hardware.gpu_memory, cpu_memory=hardware.cpu_memory,
-    )
+    with phase(f"loading model {_label(model_cfg)} ({model_cfg.source})", timings, "load_seconds"):
+        model, tokenizer = load_model(
+            model_cfg.source, hub_id=model_cfg.hub_id, embedded=model_cfg.embedded, dtype=model_cfg.dtype or hardware.dtype,
+            device=device, device_map=hardware.device_map, gpu_memory=hardware.gpu_memory, cpu_memory=hardware.cpu_memory,
+        )
     if hardware.device_map is not None:
         log.info("layers placed by device_map=%s: %s", hardware.device_map, _spans(layer_devices(model)))
     install(model, hardware.kernel_backend)
-    fingerprint = model_fingerprint(model, tokenizer)
-    info = ModelInfo.from_hf_config(
-        model.config, name=model_cfg.hub_id or model_cfg.name, fingerprint=fingerprint["fingerprint"]
-    )
-    codec = build_codec(plan.codec, info)
-    timings["load_seconds"] = round(time.perf_counter() - start, 2)
+    with phase("model fingerprint (weight files are hashed once)", timings, "fingerprint_seconds"):
+        fingerprint = model_fingerprint(model, tokenizer)
+    info = ModelInfo.from_hf_config(model.config, name=_label(model_cfg), fingerprint=fingerprint["fingerprint"])
+    with phase(f"building codec {plan.codec.name}", timings, "codec_seconds"):
+        codec = build_codec(plan.codec, info)
     codec.kernel_backend = hardware.kernel_backend
 
-    benchmark.prepare(model, tokenizer, model_cfg)
-    calibration_report = calibrate(
-        codec, plan.calibration, lambda: calibration_data(model, tokenizer, plan.calibration, force).activations(codec),
-        path=plan.calibration.artifact, force=force,
-    )
+    with phase(f"{plan.benchmark.name} data", timings, "benchmark_data_seconds"):
+        benchmark.prepare(model, tokenizer, model_cfg)
+    calibration_report = {}
+    if codec.needs_calibration:
+        with phase(f"calibrating {codec.name} on {plan.calibration.name}", timings, "calibration_seconds"):
+            calibration_report = calibrate(
+                codec, plan.calibration,
+                lambda: calibration_data(model, tokenizer, plan.calibration, force).activations(codec),
+                path=plan.calibration.artifact, force=force,
+            )
     calibration_report.update(codec.summary())
     if hardware.kernel_backend == "triton":
         _report_kernels(codec)
     rows = []
     if plan.benchmark.include_reference and codec.name != "fp16":
-        reference = build_codec({"name": "fp16"}, info)
-        rows += _reference_rows(model, reference, benchmark, model_cfg, hardware, force)
-    rows += _rows(model, codec, benchmark, model_cfg)
+        reference = build_codec({"name": "fp16", "compress_sliding": plan.codec.compress_sliding}, info)
+        with phase("uncompressed reference (cached across runs)", timings, "reference_seconds"):
+            rows += _reference_rows(model, reference, benchmark, model_cfg, hardware, force)
+    with phase(f"evaluating {codec.describe()}", timings, "evaluation_seconds"):
+        rows += _rows(model, codec, benchmark, model_cfg)
     timings["total_seconds"] = round(time.perf_counter() - start, 2)
 
     results = {
@@ -215,6 +249,7 @@ def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, ha
     key = json.dumps(
         {
             "model": reference.model.identity,
+            "reference": reference.describe(),  # compress_sliding changes the stored bytes
             "dtype": str(model.dtype),
             "device": hardware.device,
             "benchmark": benchmark.fingerprint(),

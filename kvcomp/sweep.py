@@ -116,7 +116,7 @@ def check_members(config: DictConfig) -> list[tuple[list[str], str]]:
         except Exception:
             continue
         try:
-            check_codec_for_model(check_config(member))
+            check_codec_for_model(check_config(member, overrides))
         except KVCompError as error:
             problems.append((overrides, str(error)))
     return problems

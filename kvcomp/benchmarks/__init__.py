@@ -1,6 +1,6 @@
 """Benchmarks that read the compressed cache: perplexity, RULER (own generator) and lm-eval tasks.
 
-Each is a :class:`Benchmark`: ``prepare`` builds its data once per run (token windows, prompts, task
+Each is a :class:`Benchmark`: ``check`` looks for its data before the model loads, ``prepare`` builds its data once per run (token windows, prompts, task
 objects), ``evaluate`` measures one codec and returns metric rows, ``fingerprint`` identifies what the
 rows depend on (the runner caches the uncompressed reference rows under it).
 """
@@ -16,6 +16,10 @@ from kvcomp.errors import unknown_choice
 class Benchmark(ABC):
     def __init__(self, config):
         self.config = config
+
+    def check(self, model_cfg) -> None:
+        """Cheap checks run before the model loads (e.g. that offline data is present); raise a
+        :class:`~kvcomp.errors.KVCompError` naming the problem and the remedy. Default: nothing to check."""
 
     @abstractmethod
     def prepare(self, model, tokenizer, model_cfg) -> None:

@@ -13,18 +13,36 @@ its ``generate`` builds its own cache. :class:`CompressedCacheLM` fixes both:
 - ``truncation: middle`` keeps the first and last halves of an over-long context (LongBench's
   reference; lm-eval cuts on the left).
 
-Data: ``data: hub`` uses the tasks unchanged; ``data: fixtures`` rebuilds each task from its lm-eval
-YAML with the dataset replaced by a local JSON-lines file in the hub format
-(``kvcomp/benchmarks/fixtures/``); ``auto`` picks the hub when it answers.
+Data (``benchmark.data``), decided by :meth:`LMEvalBenchmark.check` before the model loads:
+
+- ``hub``: online, the tasks run unchanged (``datasets`` downloads their data); the hub must answer.
+  In Hugging Face offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) it means the local cache.
+  ``datasets`` offline resolves a hub id only through its own prepared Arrow cache (``$HF_HOME/datasets``),
+  never from the repository files that ``hf download ORG/NAME --repo-type dataset`` leaves in the hub
+  cache (``$HF_HOME/hub/datasets--ORG--NAME/snapshots/<commit>/``). So a task (of a group or tag: each of
+  its tasks) whose data ``datasets`` already loads offline runs unchanged, and one whose repository is in
+  the hub cache is pointed at the snapshot folder: ``dataset_path`` becomes that folder in the task
+  index of the run's ``TaskManager``, ``dataset_name`` stays. ``datasets`` then resolves the config's
+  files from the repository's own README ``configs:`` (or its file layout) and its features from the
+  README, as it does on the hub, rather than kvcomp re-deriving them for a ``parquet`` / ``json`` builder.
+  A task whose data is in neither place is one error, before the model loads, naming the ``hf download``
+  commands. Tasks whose data lm-eval's own code makes (``custom_dataset``, Python tasks) run unchanged:
+  they may need the network.
+- ``fixtures``: each task is rebuilt from its lm-eval YAML with the dataset replaced by a local JSON-lines
+  file in the hub format (``kvcomp/benchmarks/fixtures/``).
+- ``auto``: the hub when online and it answers; offline, the local cache when every task's data is
+  there; otherwise the fixtures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import time
 import urllib.request
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,19 +50,22 @@ import torch
 from kvcomp.benchmarks import Benchmark
 from kvcomp.benchmarks.generation import GenerationProtocol
 from kvcomp.cache import CompressedCache, with_cache
-from kvcomp.data import HubUnavailableError
+from kvcomp.data import HubUnavailableError, hub_offline
 from kvcomp.errors import ConfigError, unknown_choice
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DATA_SOURCES = ("auto", "hub", "fixtures")
 TRUNCATIONS = ("left", "middle")
+SPLIT_FIELDS = ("training_split", "validation_split", "test_split", "fewshot_split")
+DATASET_FIELDS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset"}
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 log = logging.getLogger(__name__)
 
 
 def hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether the Hugging Face hub answers (False when ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` is set)."""
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    """Whether the Hugging Face hub answers (False in offline mode, without asking)."""
+    if hub_offline():
         return False
     try:
         urllib.request.urlopen(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=timeout)
@@ -127,11 +148,143 @@ def fixture_task_spec(task_manager, task: str, data_file: Path) -> dict:
     return spec
 
 
+def download_command(repo_id: str) -> str:
+    """The command that puts hub dataset ``repo_id`` in the local hub cache."""
+    return f"hf download {repo_id} --repo-type dataset"
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The snapshot folder of hub dataset ``repo_id`` in the local hub cache (``$HF_HOME/hub``, as
+    ``hf download --repo-type dataset`` leaves it), or None when it is not there."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="dataset")
+    ref = storage / "refs" / (revision or "main")
+    commit = ref.read_text().strip() if ref.is_file() else revision  # a revision may name a commit
+    folder = storage / "snapshots" / commit if commit else None
+    return folder if folder is not None and folder.is_dir() else None
+
+
+@dataclass
+class TaskData:
+    """Where one lm-eval task's data comes from offline (see the module docstring)."""
+
+    task: str
+    repo: str | None = None  # its hub dataset (None: lm-eval's code generates the data, or local files)
+    config: str | None = None
+    snapshot: Path | None = None  # the hub-cache snapshot it is pointed at (None: it runs unchanged)
+    problem: str | None = None  # why it cannot run offline (None: it can)
+    generated: bool = False  # lm-eval's own code makes the data (custom_dataset, Python task)
+
+
+def _shorten(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def leaf_tasks(task_manager, name: str) -> list[tuple[str, dict, bool]]:
+    """``(task, config, redirectable)`` for each task ``name`` runs: itself, or the members of a tag or a
+    group (recursively). Configs are the task index's (includes merged, functions unresolved);
+    ``redirectable``: a YAML task of the index, whose dataset :func:`point_task_at` can replace."""
+    from lm_eval.tasks._index import Kind
+
+    entry = task_manager.task_index.get(name)
+    if entry is None:
+        raise ConfigError(f"lm-eval has no task, group or tag named {name!r}")
+    if entry.kind is Kind.TAG:
+        return [leaf for task in sorted(entry.tags) for leaf in leaf_tasks(task_manager, task)]
+    if entry.kind is Kind.GROUP:
+        return _group_members(task_manager, name, (entry.cfg or {}).get("task", []))
+    return [(name, entry.cfg or {}, entry.kind is Kind.TASK and entry.yaml_path is not None)]
+
+
+def _group_members(task_manager, group: str, members) -> list[tuple[str, dict, bool]]:
+    """:func:`leaf_tasks` of a group's ``task:`` list: names, or dicts (a reference with overrides, an inline
+    task or group)."""
+    leaves = []
+    for member in members if isinstance(members, list) else [members]:
+        if isinstance(member, str):
+            leaves += leaf_tasks(task_manager, member)
+            continue
+        ref = member.get("group") or member.get("task")
+        entry = task_manager.task_index.get(ref)
+        if entry is not None and not DATASET_FIELDS & member.keys():
+            leaves += leaf_tasks(task_manager, ref)
+        elif "group" in member:
+            leaves += _group_members(task_manager, f"{group}::{ref}", member.get("task", []))
+        else:  # an inline task, or one whose dataset the group overrides: its data is defined in the group's file
+            base = entry.cfg if entry is not None and entry.cfg else {}
+            leaves.append((f"{group}::{ref}", {**base, **member}, False))
+    return leaves
+
+
+def find_offline_data(task: str, config: dict, redirectable: bool) -> TaskData:
+    """Where ``task`` (its index ``config``) reads its data offline: the Arrow cache of ``datasets`` (the task
+    runs unchanged), a hub-cache snapshot (it is to be pointed there), or nowhere (``problem`` says why)."""
+    import datasets
+
+    if config.get("custom_dataset") or "class" in config:
+        return TaskData(task, generated=True)
+    path = config.get("dataset_path")
+    if not isinstance(path, str) or not HUB_ID.fullmatch(path) or Path(path).exists():
+        return TaskData(task)  # a packaged builder (json, csv, ...) or local files: unchanged
+    name = config.get("dataset_name") or None
+    kwargs = {k: v for k, v in (config.get("dataset_kwargs") or {}).items() if k != "trust_remote_code"}
+    found = TaskData(task, path, name)
+    try:  # offline, datasets resolves a hub id through its prepared Arrow cache only
+        datasets.load_dataset_builder(path, name, **kwargs)
+        return found
+    except Exception:  # not prepared (datasets raises ConnectionError, FileNotFoundError or ValueError)
+        pass
+    found.snapshot = hub_snapshot(path, kwargs.pop("revision", None))
+    if found.snapshot is None:
+        found.problem = f"not in the local cache; download it with `{download_command(path)}`"
+    elif not redirectable:
+        found.problem = ("its dataset is defined inside a group's file, which kvcomp cannot point at the local "
+                         f"cache {found.snapshot}; run it once online so that datasets prepares its Arrow cache")
+    else:
+        found.problem = _snapshot_problem(found, kwargs, [config.get(f) for f in SPLIT_FIELDS])
+    return found
+
+
+def _snapshot_problem(found: TaskData, kwargs: dict, splits: list) -> str | None:
+    """Why ``datasets`` cannot read ``found.config`` (the task's ``splits``) from ``found.snapshot``, or None."""
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(str(found.snapshot), found.config, **kwargs)
+    except Exception as err:  # unknown config, no data files: datasets raises ValueError, FileNotFoundError, ...
+        return f"datasets cannot read the local copy {found.snapshot}: {type(err).__name__}: {err}"
+    files = {str(split): paths for split, paths in (builder.config.data_files or {}).items()}
+    empty = [s for s in dict.fromkeys(splits) if isinstance(s, str) and files and not files.get(s)]
+    if empty:
+        return (f"the local copy {found.snapshot} has no files for split(s) {empty} (a partial download?); "
+                f"download the whole repository with `{download_command(found.repo)}`")
+    return None
+
+
+def point_task_at(task_manager, task: str, snapshot: Path) -> None:
+    """Make ``task_manager`` build ``task`` from the local hub-cache ``snapshot`` of its dataset: its index
+    entry becomes its YAML config with ``dataset_path`` = the snapshot folder (``dataset_name`` stays: datasets
+    reads the repository's README ``configs:`` from the folder as from the hub; ``revision`` is dropped)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = task_manager.task_index[task]
+    spec = load_yaml(entry.yaml_path, resolve_func=True)
+    kwargs = {k: v for k, v in (spec.get("dataset_kwargs") or {}).items() if k != "revision"}
+    spec.update(dataset_path=str(snapshot), dataset_kwargs=kwargs or None)
+    task_manager.task_index[task] = dataclasses.replace(entry, yaml_path=None, cfg=spec)
+
+
 class LMEvalBenchmark(Benchmark):
     """lm-eval tasks with every request through the compressed cache: one row, ``score_<task>`` (each
     task's first metric) and ``score_avg``; every metric lm-eval reports is kept under ``lm_eval``."""
 
-    def prepare(self, model, tokenizer, model_cfg) -> None:
+    def check(self, model_cfg) -> None:
+        """Settings, the data source, and offline that every task's data is in the local cache (the module
+        docstring): raises before the model loads. Builds lm-eval's task index once, for :meth:`prepare` too."""
+        if getattr(self, "source", None) is not None:
+            return  # checked already
         from lm_eval.tasks import TaskManager
 
         c = self.config
@@ -142,37 +295,98 @@ class LMEvalBenchmark(Benchmark):
         if c.truncation not in TRUNCATIONS:
             raise unknown_choice("truncation", c.truncation, TRUNCATIONS)
         self.protocol = GenerationProtocol(c.protocol, c.compress_generated)
-        self.tokenizer, self.max_length = tokenizer, c.max_length or model_cfg.max_context
-        self.source = c.data if c.data != "auto" else ("hub" if hub_reachable() else "fixtures")
-        if c.data == "hub" and not hub_reachable():
+        offline = c.data != "fixtures" and hub_offline()
+        source = "hub_cache" if offline else "hub" if c.data != "fixtures" and hub_reachable() else "fixtures"
+        if source == "fixtures" and c.data == "hub":
             raise HubUnavailableError(
-                f"benchmark {c.name} reads {list(c.tasks)} from the Hugging Face hub, which is unreachable; offline, "
-                "use benchmark=ruler (kvcomp's RULER generator) or benchmark.data=fixtures where fixtures exist"
+                f"benchmark {c.name} reads {list(c.tasks)} from the Hugging Face hub, which is unreachable; to read "
+                f"datasets downloaded before (`{download_command('ORG/NAME')}`), set HF_HUB_OFFLINE=1; or use "
+                "benchmark=ruler (kvcomp's RULER generator), or benchmark.data=fixtures where fixtures exist"
+            )
+        if source == "fixtures":
+            self._check_fixtures()
+        elif source == "hub_cache" and c.name == "ruler_lmeval":
+            raise HubUnavailableError(
+                f"benchmark {c.name}: lm-eval's RULER downloads its essays, SQuAD and HotpotQA at run time, which "
+                "offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) forbids; offline, use benchmark=ruler "
+                "(kvcomp's RULER generator)"
             )
         self.metadata = dict(c.metadata)
         if c.name == "ruler_lmeval":
             self.metadata.setdefault("pretrained", model_cfg.hub_id)
-        self.task_manager = TaskManager(metadata=self.metadata or None)
-        if self.source == "hub":
-            self.tasks = list(c.tasks)
-            return
+        self.task_manager = getattr(self, "task_manager", None) or TaskManager(metadata=self.metadata or None)
+        self.local_data: dict[str, TaskData] = {}
+        if source == "hub_cache" and not self._use_local_cache():
+            source = "fixtures"  # data=auto, some task's data missing offline: all run on their fixtures
+            self._check_fixtures()
+        self.source = source
+
+    def _use_local_cache(self) -> bool:
+        """Offline: point every task at its local data. When some is missing: False (``auto``, every task
+        has a fixture), else one error listing the missing datasets."""
+        c = self.config
+        has_fixtures = all(t in c.fixtures for t in c.tasks)
+        leaves = {task: leaf for name in c.tasks for task, *leaf in leaf_tasks(self.task_manager, name)}
+        found = [find_offline_data(task, *leaf) for task, leaf in leaves.items()]
+        if missing := [d for d in found if d.problem]:
+            lines = {}  # one line per dataset and problem
+            for d in missing:
+                lines.setdefault((d.repo, d.problem), []).append(d.task)
+            listing = "".join(f"  - {repo} (task{'s' * (len(tasks) > 1)} {_shorten(tasks)}): {problem}\n"
+                              for (repo, problem), tasks in lines.items())
+            if c.data == "auto" and has_fixtures:
+                log.warning("%s: offline, some data is not in the local cache, so every task runs on its fixture:\n%s",
+                            c.name, listing)
+                return False
+            from huggingface_hub import constants
+
+            raise HubUnavailableError(
+                f"benchmark {c.name}: Hugging Face offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and "
+                f"{len(missing)} task(s) cannot read their data from the local cache ({constants.HF_HUB_CACHE}):\n"
+                f"{listing}Download where the hub is reachable, into this HF_HOME (or copy its hub/ folder here)"
+                + ("; or set benchmark.data=fixtures" if has_fixtures else "")
+            )
+        for data in found:
+            if data.snapshot is not None:
+                point_task_at(self.task_manager, data.task, data.snapshot)
+                log.info("%s: %s reads %s from the local hub cache (%s)", c.name, data.task, data.repo, data.snapshot)
+            elif data.generated:
+                log.warning("%s: %s runs unchanged offline: lm-eval's own code makes its data (it may need the "
+                            "network)", c.name, data.task)
+        self.local_data = {d.task: d for d in found}
+        return True
+
+    def _check_fixtures(self) -> None:
+        c = self.config
         missing = [t for t in c.tasks if t not in c.fixtures]
         if missing:
             raise ConfigError(
-                f"data=fixtures (the hub is {'not used' if c.data == 'fixtures' else 'unreachable'}) but "
+                f"data=fixtures (the hub is {'not used' if c.data == 'fixtures' else 'unavailable'}) but "
                 f"{missing} have no local fixture in benchmark.fixtures; run with the hub (data=hub) or add fixtures"
             )
         self.fixture_files = {t: (FIXTURES / c.fixtures[t]).resolve() for t in c.tasks}
         for task, path in self.fixture_files.items():
             if not path.is_file():
                 raise ConfigError(f"fixture for {task} not found: {path}")
+
+    def prepare(self, model, tokenizer, model_cfg) -> None:
+        self.check(model_cfg)
+        c = self.config
+        self.tokenizer, self.max_length = tokenizer, c.max_length or model_cfg.max_context
+        if self.source != "fixtures":
+            self.tasks = list(c.tasks)  # hub_cache: the task manager's index points them at the local copies
+            return
         self.tasks = [fixture_task_spec(self.task_manager, t, self.fixture_files[t]) for t in c.tasks]
         log.warning("%s: running the local fixtures (kvcomp/benchmarks/fixtures/), not the hub datasets: they exercise "
                     "the pipeline, their scores say nothing about the benchmark", c.name)
 
     def fingerprint(self) -> dict:
         files = {t: p.read_text() for t, p in getattr(self, "fixture_files", {}).items()}
-        return {"source": self.source, "fixtures": files, "benchmark": asdict(self.config) | {"include_reference": None}}
+        out = {"source": self.source, "fixtures": files, "benchmark": asdict(self.config) | {"include_reference": None}}
+        if self.source == "hub_cache":  # a snapshot folder is named after its commit
+            out["local"] = {t: f"{d.repo}@{d.snapshot.name}" if d.snapshot else d.repo
+                            for t, d in self.local_data.items()}
+        return out
 
     def evaluate(self, model, codec) -> list[dict]:
         import lm_eval

@@ -36,12 +36,19 @@ from kvcomp.progress import progress_bar
 
 PERPLEXITY_PROTOCOLS = ("streaming", "simulated", "chunked")
 WINDOW_SELECTIONS = ("spread", "first")
+LOW_ENCODED_SHARE = 0.5  # rows whose cache holds less than this share encoded get a note and a warning
 
 log = logging.getLogger(__name__)
 
 
 class PerplexityBenchmark(Benchmark):
     """Perplexity on ``num_windows`` windows of a corpus split (one row)."""
+
+    def check(self, model_cfg) -> None:
+        from kvcomp.data import check_corpus_available
+
+        _check_settings(self.config, model_cfg)
+        check_corpus_available(self.config.dataset, split=self.config.split)
 
     def prepare(self, model, tokenizer, model_cfg) -> None:
         self.windows = evaluation_windows(self.config, tokenizer, model_cfg)
@@ -63,10 +70,7 @@ def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.
     evenly spaced over the whole split so that a few windows represent all of its documents."""
     from kvcomp.data import load_corpus, token_windows
 
-    if config.seq_len > model_cfg.max_context:
-        raise ConfigError(f"benchmark.seq_len={config.seq_len} exceeds {model_cfg.name}'s max_context={model_cfg.max_context}")
-    if config.window_selection not in WINDOW_SELECTIONS:
-        raise unknown_choice("window_selection", config.window_selection, WINDOW_SELECTIONS)
+    _check_settings(config, model_cfg)
     texts = load_corpus(config.dataset, config.split)
     tag = f"{config.dataset}-{config.split}"
     if config.window_selection == "first":
@@ -77,6 +81,13 @@ def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.
                  len(windows), config.seq_len, tag, config.num_windows, len(config.protocols))
         return windows
     return windows[torch.linspace(0, len(windows) - 1, config.num_windows).round().long()]
+
+
+def _check_settings(config: PerplexityConfig, model_cfg) -> None:
+    if config.seq_len > model_cfg.max_context:
+        raise ConfigError(f"benchmark.seq_len={config.seq_len} exceeds {model_cfg.name}'s max_context={model_cfg.max_context}")
+    if config.window_selection not in WINDOW_SELECTIONS:
+        raise unknown_choice("window_selection", config.window_selection, WINDOW_SELECTIONS)
 
 
 def protocols_for(protocols: list[str], scope: str) -> list[str]:
@@ -135,6 +146,11 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         metrics[f"ppl_{protocol}"] = math.exp(nll / count)
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
     metrics["tokens_scored"] = int(windows[:, 1:].numel())
+    share = cache_stats["encoded_share"]
+    if share < LOW_ENCODED_SHARE and not shortcut:
+        metrics["note"] = (f"only {share:.0%} of the cached values were encoded (the rest stayed in full precision): "
+                           f"the row says little about {codec.name}; raise benchmark.seq_len")
+        log.warning("perplexity %s with %s: %s", codec.describe(), f"seq_len={windows.shape[1]}", metrics["note"])
     return {**metrics, **cache_stats, **example_summary(examples)}
 
 

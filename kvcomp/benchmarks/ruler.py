@@ -23,6 +23,10 @@ Differences from RULER, all deliberate:
   frequencies (common words x6, others x1; example x3 / x1).
 - Keys are adjective-noun pairs from ``wonderwords`` (RULER's source); values 7-digit numbers or UUIDs.
 
+A task that cannot be built at a length (e.g. ``cwe``'s word list in 512 tokens of a Llama-3 prompt) is
+skipped there: its ``acc_<task>`` is ``n/a``, the row's ``skipped`` names the reason and its note the
+tasks, ``acc_avg`` averages the others, and the run goes on.
+
 Scoring is RULER's: ``string_match_all`` (the share of references found, case-insensitive, in the
 prediction), averaged and x100.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import json
+import logging
 import random
 import re
 import string
@@ -47,6 +52,8 @@ from kvcomp.benchmarks import Benchmark, example_summary
 from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
+
+log = logging.getLogger(__name__)
 
 NIAH_TEMPLATE = (
     "Some special magic {type_v} are hidden within the following text. Make sure to memorize it. "
@@ -206,6 +213,11 @@ METRICS = {"string_match_all": string_match_all, "string_match_part": string_mat
 # ------------------------------------------------------------------------------------------------
 # generation
 # ------------------------------------------------------------------------------------------------
+class LengthError(ConfigError):
+    """A task's prompt cannot be built at a RULER length (the length is too short for it, or too long for
+    the haystack): that task is skipped at that length."""
+
+
 def _word_list(*names: str) -> list[str]:
     assets = importlib.resources.files("wonderwords") / "assets"
     words = []
@@ -279,7 +291,7 @@ class RulerGenerator:
         tail_ids = self._encode(tail + after + answer_prefix)
         budget = prompt_len - len(head_ids) - len(tail_ids)
         if budget < 16:
-            raise ConfigError(f"RULER length {prompt_len} leaves no room for a context ({budget} tokens)")
+            raise LengthError(f"RULER length {prompt_len} leaves no room for a context ({budget} tokens)")
         context, spans = fill_context(budget)
         assert len(context) == budget, (len(context), budget)
         offset = len(head_ids)
@@ -295,7 +307,7 @@ class RulerGenerator:
             used += len(haystack[count])
             count += 1
         if used + len(haystack[count]) <= room:
-            raise ConfigError(f"the haystack is too short for a {budget}-token context")
+            raise LengthError(f"the haystack is too short for a {budget}-token context")
         at = positions(count)
         ids, spans = [], []
         needle_iter = iter(needles)
@@ -432,7 +444,7 @@ class RulerGenerator:
             return self._numbered_list(words + [w for w in pool[10 : 10 + rare] for _ in range(freq_rare)], seed)
 
         if len(listing(0)) > budget:
-            raise ConfigError(f"cwe: {budget} tokens cannot hold 10 common words x{freq_common}")
+            raise LengthError(f"cwe: {budget} tokens cannot hold 10 common words x{freq_common}")
         lo, hi = 0, len(pool) - 10
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -525,7 +537,7 @@ class RulerGenerator:
                     break
                 chosen.remove(next(d for d in reversed(chosen) if d not in item.gold))
             if count < len(item.gold) or len(ids) > budget:
-                raise ConfigError(f"{spec.dataset} question {index}: its gold paragraphs do not fit in {budget} tokens; "
+                raise LengthError(f"{spec.dataset} question {index}: its gold paragraphs do not fit in {budget} tokens; "
                                   "use a longer RULER length")
             fillers = [d for d in candidates[count:] if d not in chosen]
             position = len(chosen)
@@ -555,7 +567,9 @@ def score(task: str, predictions: list[str], references: list[list[str]]) -> flo
 class RulerBenchmark(Benchmark):
     """RULER on the configured tasks and lengths: one row per length, ``acc_<task>`` and ``acc_avg``."""
 
-    def prepare(self, model, tokenizer, model_cfg) -> None:
+    def check(self, model_cfg) -> None:
+        from kvcomp.data import check_corpus_available
+
         c = self.config
         for task in c.tasks:
             if task not in TASKS:
@@ -563,18 +577,25 @@ class RulerBenchmark(Benchmark):
         too_long = [n for n in c.lengths if n > model_cfg.max_context]
         if too_long:
             raise ConfigError(f"RULER lengths {too_long} exceed {model_cfg.name}'s max_context={model_cfg.max_context}")
-        if c.num_samples < 1 or c.batch_size < 1:
-            raise ConfigError("benchmark.num_samples and benchmark.batch_size must be >= 1")
+        if c.haystack != "essays":
+            check_corpus_available(c.haystack, split="evaluation")
+
+    def prepare(self, model, tokenizer, model_cfg) -> None:
+        c = self.config
+        self.check(model_cfg)
         self.protocol = GenerationProtocol(c.protocol, c.compress_generated)
         self.tokenizer, self.eos = tokenizer, eos_ids(tokenizer, model)
         haystack, random_start = ruler_haystack(c.haystack)
         generator = RulerGenerator(tokenizer, haystack, seed=c.seed, chat_template=c.chat_template, random_start=random_start,
                                    qa_sets=load_qa_sets({TASKS[t].dataset for t in c.tasks if TASKS[t].family == "qa"}))
-        self.samples = {
-            (length, task): [generator.sample(task, length, i) for i in range(c.num_samples)]
-            for length in c.lengths
-            for task in c.tasks
-        }
+        self.samples, self.skipped = {}, {}
+        for length in c.lengths:
+            for task in c.tasks:
+                try:
+                    self.samples[(length, task)] = [generator.sample(task, length, i) for i in range(c.num_samples)]
+                except LengthError as error:
+                    self.skipped[(length, task)] = str(error)
+                    log.warning("RULER %s at %d tokens is skipped (n/a): %s", task, length, error)
 
     def fingerprint(self) -> dict:
         ids = json.dumps({f"{k[0]}/{k[1]}": [s.input_ids for s in v] for k, v in self.samples.items()})
@@ -588,7 +609,11 @@ class RulerBenchmark(Benchmark):
             start = time.perf_counter()
             row = {"benchmark": f"ruler:{c.haystack} {length} tokens x{c.num_samples}", "length": length}
             examples: list[dict] = []
+            skipped = {task: self.skipped[(length, task)] for task in c.tasks if (length, task) in self.skipped}
             for task in c.tasks:
+                if task in skipped:
+                    row[f"acc_{task}"] = "n/a"
+                    continue
                 samples = self.samples[(length, task)]
                 budget = min(TASKS[task].tokens_to_generate, c.max_new_tokens or TASKS[task].tokens_to_generate)
                 predictions = []
@@ -601,7 +626,11 @@ class RulerBenchmark(Benchmark):
                     bar.update(len(batch))
                 row[f"acc_{task}"] = score(task, predictions, [s.answers for s in samples])
                 row.setdefault("predictions", {})[task] = predictions
-            row["acc_avg"] = sum(row[f"acc_{t}"] for t in c.tasks) / len(c.tasks)
+            scored = [row[f"acc_{t}"] for t in c.tasks if t not in skipped]
+            row["acc_avg"] = sum(scored) / len(scored) if scored else "n/a"
+            if skipped:
+                row["skipped"] = skipped
+                row["note"] = f"n/a (cannot be built at {length} tokens): {', '.join(skipped)}; acc_avg over the others"
             row.update(example_summary(examples))
             row["eval_seconds"] = round(time.perf_counter() - start, 2)
             rows.append(row)

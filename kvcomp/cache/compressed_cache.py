@@ -568,7 +568,8 @@ class CompressedCache(Cache):
         return sum(layer.working_nbytes for layer in self.compressed_layers)
 
     def bits_breakdown(self) -> dict[str, float]:
-        """Measured storage apart: ``code_bits_per_value`` (payload bits per encoded value),
+        """Measured storage apart: ``encoded_share`` (the share of cached values held encoded, the others in
+        full precision), ``code_bits_per_value`` (payload bits per encoded value),
         ``state_bits_per_value`` (per-sequence state per cached value) and ``bits_per_value_measured``
         (everything, full-precision tokens included, per cached value). Model-level overhead is the
         codec's (:meth:`~kvcomp.codecs.base.Codec.overhead_bits`). Models with sliding-window layers also
@@ -579,6 +580,7 @@ class CompressedCache(Cache):
         values = max(sum(s.num_values for s in streams) + sum(_window_values(w) for w in self.window_layers), 1)
         encoded = sum(s.batch * self.codec.model.num_kv_heads * self.codec.model.head_dim * s.num_encoded for s in streams)
         bits = {
+            "encoded_share": encoded / values,
             "code_bits_per_value": 8 * self.payload_nbytes / encoded if encoded else 0.0,
             "state_bits_per_value": 8 * self.state_nbytes / values,
             "bits_per_value_measured": 8 * self.nbytes / values,

@@ -43,7 +43,8 @@ from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
 from kvcomp.progress import progress_bar
 from kvcomp.stages.bit_allocation import (
-    DP_TYPES, FP8_MAX, GROUP_SIZES, TYPE_BITS, GroupErrors, Plan, allocate_from, group_errors, truncation_plan,
+    DP_TYPES, FP8_MAX, GROUP_OVERHEAD_BITS, GROUP_SIZES, TYPE_BITS, GroupErrors, Plan, allocate_from, group_errors,
+    truncation_plan,
 )
 from kvcomp.stages.transform_coding import PCABasis, decode_rows, deflate, encode_rows, feature_rows, fit_pca, inflate
 
@@ -114,6 +115,7 @@ class KVTCCodec(Codec):
         self.layer_groups = [range(a, min(a + size, layers)) for a in range(0, layers, size)]
         self.pca: dict[tuple[str, int], PCABasis] = {}
         self.plans: dict[tuple[str, int], Plan] = {}
+        self._check_budgets()
         self._coefficients: dict[tuple[int, int], tuple[Payload, dict]] = {}  # see decode_model
 
     @property
@@ -165,6 +167,20 @@ class KVTCCodec(Codec):
     def budget_bits(self, kind: str, group: int = 0) -> int:
         """Bits per token the plan of ``kind`` and layer group ``group`` may spend: ``floor(16 p / CR)`` (K8)."""
         return int(16 * self.width * len(self.layer_groups[group]) // self.ratio(kind))
+
+    def _check_budgets(self) -> None:
+        """Refuse ratios whose budget cannot pay for one coded group per token (every coefficient dropped):
+        the smallest int2 group plus its shift and scale (DP), or one fp16 coefficient (truncate)."""
+        cheapest = (TYPE_BITS["fp16"] if self.config.quantization == "truncate"
+                    else min(self.config.group_sizes) * TYPE_BITS["int2"] + GROUP_OVERHEAD_BITS)
+        for kind in KINDS:
+            budget = self.budget_bits(kind, len(self.layer_groups) - 1)  # the last group is the smallest
+            if budget < cheapest:
+                features = self.width * len(self.layer_groups[-1])
+                raise ConfigError(
+                    f"{self.name}: a {kind} compression ratio of {self.ratio(kind):g} leaves {budget} bits per token for "
+                    f"{features} features (floor(16 p / cr)), fewer than the {cheapest} bits of the cheapest coded group; "
+                    f"valid: cr <= {16 * features / cheapest:g}")
 
     def _group_of(self, layer_idx: int) -> int:
         return layer_idx // len(self.layer_groups[0])

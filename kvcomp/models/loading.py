@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from kvcomp.data.corpora import HubUnavailableError
+from kvcomp.artifacts import ArtifactError, safetensors_problem
 from kvcomp.errors import ConfigError, unknown_choice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -44,6 +45,9 @@ def load_model(source: str, *, hub_id: str | None = None, embedded: str | None =
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(location)
     except Exception as err:
+        damaged = damaged_checkpoint(location)
+        if damaged is not None:
+            raise damaged from err
         if source == "hub":
             raise _hub_error(hub_id, err) from err
         if source != "embedded" and isinstance(err, (OSError, ValueError, KeyError)):
@@ -139,6 +143,21 @@ def model_location(source: str, hub_id: str | None = None, fetch: bool = True, e
             "(save one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder))"
         )
     return str(folder)
+
+
+def damaged_checkpoint(location: str) -> ArtifactError | None:
+    """An error naming the first weight file of a model folder (or of a hub id's cached snapshot) whose
+    safetensors header cannot be read (truncated or garbled), with the remedy; None when all read."""
+    from kvcomp.models.fingerprint import checkpoint_files, model_folder
+
+    folder = model_folder(location)
+    for path in checkpoint_files(folder) if folder is not None else []:
+        problem = safetensors_problem(path) if path.suffix == ".safetensors" else None
+        if problem is not None:
+            remedy = ("copy or save the model into the folder again (model.save_pretrained)" if Path(location).is_dir()
+                      else f"download it again (hf download {location})")
+            return ArtifactError(f"model weight file {path} is damaged ({problem}); {remedy}")
+    return None
 
 
 def check_device(device: str) -> None:

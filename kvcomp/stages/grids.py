@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvcomp.paths import cache_dir
+from kvcomp.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def lloyd_grid(n: int, d: int = 2, samples: int = GRID_SAMPLES, steps: int = GRI
     generator = torch.Generator().manual_seed(seed)
     grid = torch.randn(n, d, generator=generator)
     a, b, gamma0 = 4 * n ** (1 / d), math.pi ** 2 * n ** (-2 / d), 2.0
-    for t in range(steps):
+    for t in progress(range(steps), f"Gaussian grid of {n} points in {d}-D (computed once, then cached)", unit="step"):
         x = torch.randn(samples, d, generator=generator)
         cell = nearest(x, grid)
         counts = torch.bincount(cell, minlength=n)
