@@ -100,12 +100,15 @@ def check_codec_for_model(plan: RunPlan) -> Codec | None:
 
 
 def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None) -> None:
-    """Before the model loads: the benchmark's data, and the calibration corpus of a codec that calibrates
-    (or may: ``codec`` is None when it could not be built yet), are at hand (offline: in the local cache)."""
+    """Before the model loads: the benchmark's data, and the calibration corpus of a codec that calibrates,
+    are at hand (offline: in the local cache). ``codec`` is None when it could not be built yet: then its
+    class says whether it calibrates, or that it depends on the config (a property), and the corpus is checked."""
+    from kvcomp.codecs.registry import codec_class
     from kvcomp.data import check_corpus_available
 
     benchmark.check(plan.model)
-    if codec is None or codec.needs_calibration:
+    calibrates = codec.needs_calibration if codec is not None else codec_class(plan.codec.name).needs_calibration
+    if not isinstance(calibrates, bool) or calibrates:
         check_corpus_available(plan.calibration.name, split="calibration")
 
 

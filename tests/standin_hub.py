@@ -233,3 +233,29 @@ def build_standin_hub(hf_home: str | Path, tokenizer_dir: str | Path | None = No
         for repo_id in models:
             stage_model(hf_home, repo_id, tokenizer_dir)
     return hf_home
+
+
+def use_hub(monkeypatch, hf_home: str | Path, offline: bool = True) -> None:
+    """Point huggingface_hub and datasets at the cache ``hf_home``, offline or not: the environment, and the
+    constants both libraries read from it at import."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    home = Path(hf_home)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+        if offline and var != "TRANSFORMERS_OFFLINE":
+            monkeypatch.setenv(var, "1")
+    for name, value in {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": offline}.items():
+        monkeypatch.setattr(constants, name, value)
+    datasets_cache = home / "datasets"
+    for name, value in {
+        "HF_HUB_OFFLINE": offline, "HF_DATASETS_OFFLINE": offline, "HF_CACHE_HOME": str(home),
+        "HF_DATASETS_CACHE": datasets_cache, "HF_MODULES_CACHE": home / "modules",
+        "DOWNLOADED_DATASETS_PATH": datasets_cache / "downloads",
+        "EXTRACTED_DATASETS_PATH": datasets_cache / "downloads" / "extracted",
+    }.items():
+        monkeypatch.setattr(datasets.config, name, value)
+

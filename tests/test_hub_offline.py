@@ -5,6 +5,7 @@ The stand-in is built once per session (tiny random models, a few KB of text per
 ``huggingface_hub`` reads ``HF_HOME`` / ``HF_HUB_OFFLINE`` at import, so its constants are patched too.
 """
 
+import json
 import math
 from pathlib import Path
 
@@ -13,8 +14,11 @@ from hydra import compose, initialize_config_dir
 
 from kvcomp.config import register_configs
 from kvcomp.data import HubUnavailableError, check_corpus_available, hub_download_command, load_corpus
+from kvcomp.errors import ConfigError
+from tests.standin_hub import (
+    CORPUS_FILES, MISTRAL_WINDOW, MODELS, REDPAJAMA_SOURCES, build_standin_hub, stage_corpus, use_hub,
+)
 
-from .standin_hub import CORPUS_FILES, MODELS, MISTRAL_WINDOW, REDPAJAMA_SOURCES, build_standin_hub, stage_corpus
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
 HUB_CORPORA = tuple(CORPUS_FILES)
@@ -43,25 +47,9 @@ def kvcomp_cache(tmp_path_factory):
     return cache
 
 
-def _use_hub(monkeypatch, hf_home, offline=True):
-    """Point huggingface_hub (environment and its import-time constants) at ``hf_home``."""
-    from huggingface_hub import constants
-
-    hub = str(hf_home / "hub")
-    monkeypatch.setenv("HF_HOME", str(hf_home))
-    monkeypatch.setenv("HF_HUB_CACHE", hub)
-    monkeypatch.setattr(constants, "HF_HOME", str(hf_home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", hub)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    if offline:
-        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture
 def offline(standin, kvcomp_cache, monkeypatch):
-    _use_hub(monkeypatch, standin)
+    use_hub(monkeypatch, standin)
     monkeypatch.setenv("KVCOMP_CACHE", str(kvcomp_cache))
     return standin
 
@@ -69,7 +57,7 @@ def offline(standin, kvcomp_cache, monkeypatch):
 @pytest.fixture
 def bare_hub(tmp_path, monkeypatch):
     """An empty offline HF_HOME (stage files into it) and an empty KVCOMP_CACHE."""
-    _use_hub(monkeypatch, tmp_path / "hf")
+    use_hub(monkeypatch, tmp_path / "hf")
     monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path / "kvcomp"))
     return tmp_path / "hf"
 
@@ -135,7 +123,7 @@ def test_unreadable_corpus_file_is_named(bare_hub):
 def test_online_check_reports_an_unreachable_hub(tmp_path, monkeypatch):
     import huggingface_hub
 
-    _use_hub(monkeypatch, tmp_path / "hf", offline=False)
+    use_hub(monkeypatch, tmp_path / "hf", offline=False)
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("Failed to resolve 'huggingface.co'")
@@ -167,13 +155,16 @@ def test_standin_models_load_offline(offline, repo_id):
         assert config.sliding_window == MISTRAL_WINDOW
 
 
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 def _run(tmp_path, *overrides):
     from kvcomp.runner import run
 
-    base = ["hardware.threads=1", "benchmark.seq_len=64", "benchmark.num_windows=2"]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=base + list(overrides))
-    results = run(cfg, tmp_path / "out")
+    overrides = ["hardware.threads=1", "benchmark.seq_len=64", "benchmark.num_windows=2", *overrides]
+    results = run(_compose(*overrides), tmp_path / "out", overrides)
     assert results["rows"] and all(math.isfinite(row["ppl_streaming"]) for row in results["rows"])
     return results
 
@@ -199,3 +190,86 @@ def test_run_sliding_window_model_offline(offline, tmp_path):
     reference, kivi = results["rows"]
     assert results["model"]["name"] == "mistral_7b" and reference["codec"] == "fp16(compress_sliding=True)"
     assert kivi["encoded_share"] > 0 and kivi["bits_per_value_sliding_attention"] < 32
+
+
+def test_run_lm_eval_task_offline_from_the_hub_cache(offline, tmp_path, monkeypatch):
+    """``benchmark=lm_eval`` on a task whose dataset was fetched with ``hf download --repo-type dataset``;
+    lm-eval's task index (seconds to build) is built once for the check and the run."""
+    import lm_eval.tasks
+
+    from kvcomp.runner import run
+    from tests.standin_lmeval import stage_task_dataset
+
+    full, built = lm_eval.tasks.TaskManager, []
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: built.append(1) or full(**kw))
+    staged = stage_task_dataset(offline)
+    overrides = ["hardware.threads=1", "model=llama32_1b", "benchmark=lm_eval", f"benchmark.tasks=[{staged.task}]",
+                 "benchmark.limit=2", "benchmark.max_length=256"]
+    results = run(_compose(*overrides), tmp_path / "out", overrides)
+    assert [row["benchmark"] for row in results["rows"]] == ["lm_eval:hub_cache (1 tasks)"] * 2
+    assert all(0 <= row[f"score_{staged.task}"] <= 1 for row in results["rows"]) and len(built) == 1
+    assert set(results["rows"][1]["lm_eval"][staged.task]) == {"acc,none", "acc_norm,none"}
+
+
+def test_data_is_checked_before_the_model_loads(bare_hub, monkeypatch, tmp_path):
+    """Missing hub data stops a run before its weights load; data a run does not read is not asked for."""
+    from kvcomp import runner
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(runner, "load_model", load_model)
+    for overrides, missing in [
+        (["codec=kvquant", "calibration=wikitext2"], "train-00000-of-00001.parquet"),  # calibrates on it
+        (["benchmark.dataset=c4"], "c4-validation"),
+        (["benchmark=ruler", "benchmark.haystack=fineweb"], "000_00000.parquet"),
+        (["benchmark=lm_eval", "benchmark.tasks=[arc_easy]", "benchmark.data=hub"], "allenai/ai2_arc"),
+    ]:
+        with pytest.raises(HubUnavailableError, match=missing):
+            runner.run(_compose(*overrides), tmp_path / "out", overrides)
+    with pytest.raises(Loaded):  # KIVI calibrates on nothing: its calibration corpus is never needed
+        runner.run(_compose("codec=kivi", "calibration=wikitext2"), tmp_path / "out")
+
+
+def _folder(snapshot, tmp_path, name):
+    """A hub snapshot copied to a plain folder ``name`` (links resolved), as a user's local model folder."""
+    import shutil
+
+    return shutil.copytree(snapshot, tmp_path / name)
+
+
+def test_a_local_folder_run_carries_the_folder_name_and_times_its_phases(offline, tmp_path):
+    from tests.standin_hub import snapshot_dir
+
+    folder = _folder(snapshot_dir(offline, "google/gemma-3-1b-pt"), tmp_path, "my-gemma-3")
+    results = _run(tmp_path, f"model.source={folder}", "benchmark.protocols=[streaming]")
+    assert results["model"]["name"] == "my-gemma-3" and {row["model"] for row in results["rows"]} == {"my-gemma-3"}
+    assert {"load_seconds", "fingerprint_seconds", "codec_seconds", "benchmark_data_seconds", "reference_seconds",
+            "evaluation_seconds", "total_seconds"} <= set(results["timings"])
+    named = _run(tmp_path / "named", f"model.source={folder}", "model.name=gemma3_tiny", "benchmark.protocols=[streaming]")
+    assert named["model"]["name"] == "gemma3_tiny"
+
+    mistral = _folder(snapshot_dir(offline, "mistralai/Mistral-7B-v0.3"), tmp_path, "my-mistral")
+    with pytest.raises(ConfigError, match="every layer of my-mistral uses sliding-window attention"):
+        _run(tmp_path, f"model.source={mistral}")
+
+
+def test_the_fingerprint_ignores_mistrals_consolidated_file(offline):
+    """Mistral's repository carries consolidated.safetensors beside the shards transformers loads."""
+    from kvcomp.models import load_model
+    from kvcomp.models.fingerprint import model_fingerprint, weight_files
+    from tests.standin_hub import snapshot_dir
+
+    model, tokenizer = load_model("hub", hub_id="mistralai/Mistral-7B-v0.3")
+    snapshot = snapshot_dir(offline, "mistralai/Mistral-7B-v0.3")
+    files = weight_files(model)
+    assert files and all(f.name.startswith("model-") for f in files)
+    assert sorted(f.name for f in files) == sorted(set(json.loads(
+        (snapshot / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    before = model_fingerprint(model, tokenizer)["weights"]
+    (snapshot / "consolidated.safetensors").unlink()
+    assert model_fingerprint(model, tokenizer)["weights"] == before
+

@@ -7,12 +7,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
-from kvcomp.data import hub_offline
 from kvcomp.config import LMEvalConfig, ModelConfig
-from kvcomp.data import HubUnavailableError
+from kvcomp.data import HubUnavailableError, hub_offline
+from tests.standin_hub import use_hub
 from tests.standin_lmeval import COMMIT, REPO, ROWS, stage_arrow_cache, stage_task_dataset
 
 
@@ -20,23 +19,8 @@ from tests.standin_lmeval import COMMIT, REPO, ROWS, stage_arrow_cache, stage_ta
 def hf_home(tmp_path, monkeypatch):
     """An empty ``HF_HOME`` in offline mode: the environment, and the constants huggingface_hub and datasets
     read from it at import; asking the hub fails the test."""
-    import datasets.config
-    from huggingface_hub import constants
-
     home = tmp_path / "hf"
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setenv("HF_HOME", str(home))
-    for name, value in {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": True}.items():
-        monkeypatch.setattr(constants, name, value)
-    datasets_cache = home / "datasets"
-    for name, value in {
-        "HF_HUB_OFFLINE": True, "HF_DATASETS_OFFLINE": True, "HF_CACHE_HOME": str(home),
-        "HF_DATASETS_CACHE": datasets_cache, "HF_MODULES_CACHE": home / "modules",
-        "DOWNLOADED_DATASETS_PATH": datasets_cache / "downloads",
-        "EXTRACTED_DATASETS_PATH": datasets_cache / "downloads" / "extracted",
-    }.items():
-        monkeypatch.setattr(datasets.config, name, value)
+    use_hub(monkeypatch, home)
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("asked the hub while offline"))
     assert hub_offline()
     return home
@@ -121,40 +105,3 @@ def test_auto_offline_falls_back_to_fixtures_when_data_is_missing(hf_home, small
                                    "correct_answer": "d", "support": "S."}) + "\n")
     bench = _checked(tasks=["sciq"], data="auto", fixtures={"sciq": str(fixture)})
     assert bench.source == "fixtures" and bench.fixture_files == {"sciq": fixture.resolve()}
-
-
-@pytest.fixture
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from kvcomp.data.assets import embedded_assets_ready, embedded_model_dir
-
-    if not embedded_assets_ready():
-        pytest.skip("embedded assets not fetched (run scripts/setup.sh)")
-    return AutoTokenizer.from_pretrained(embedded_model_dir("smollm2_135m"))
-
-
-def test_end_to_end_offline_run_scores_the_staged_task(hf_home, tokenizer, monkeypatch):
-    """check + prepare + evaluate through the compressed cache, lm-eval's full task index built once."""
-    import lm_eval.tasks
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvcomp.cache import install
-    from kvcomp.codecs import ModelInfo, build_codec
-
-    full, built = lm_eval.tasks.TaskManager, []
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: built.append(1) or full(**kw))
-    stage_task_dataset(hf_home)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)).eval()
-    install(model)
-    model_cfg = ModelConfig(max_context=256)
-    bench = LMEvalBenchmark(LMEvalConfig(tasks=["arc_easy"], data="hub", limit=2))
-    bench.check(model_cfg)
-    bench.prepare(model, tokenizer, model_cfg)
-    [row] = bench.evaluate(model, build_codec({"name": "fp16"}, ModelInfo.from_hf_config(model.config)))
-    assert row["benchmark"] == "lm_eval:hub_cache (1 tasks)" and len(built) == 1
-    assert 0 <= row["score_arc_easy"] <= 1 and row["score_avg"] == row["score_arc_easy"]
-    assert set(row["lm_eval"]["arc_easy"]) == {"acc,none", "acc_norm,none"}
