@@ -33,6 +33,22 @@ def test_markdown_table_has_both_protocols():
     assert "| m | kivi(bits=2) | 3.000 |" in table
 
 
+def test_the_readme_main_table_has_the_columns_the_main_job_prints():
+    """The main job's rows carry ``paper_bits_per_value`` equal to ``bits_per_value`` (fp16, KIVI): the table
+    leaves that column out, as the README's table does; a codebook row where they differ brings it back."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    header = next(line for line in readme.splitlines() if line.startswith("| model | codec |"))
+    metrics = {"benchmark": "b", "bits_per_value_measured": 6.6, "cache_bytes_per_window": 1, "ppl_streaming": 23.1,
+               "ppl_simulated": 34.5, "encoded_share": 0.75, "code_bits_per_value": 3.0, "eval_seconds_streaming": 1.0}
+    rows = [{"model": "m", "codec": name, "bits_per_value": bits, "paper_bits_per_value": bits, "overhead_bits": 0,
+             **metrics} for name, bits in (("fp16()", 16.0), ("kivi(bits=2)", 3.0))]
+    assert markdown_table(rows).splitlines()[0] == header
+    codebook = {**rows[1], "codec": "temporalkv(bits=2)", "bits_per_value": 2.06, "paper_bits_per_value": 2.0}
+    assert "paper bits/value" in markdown_table(rows + [codebook]).splitlines()[0]
+
+
 def _member(directory, overrides, rows):
     write_json_atomic(directory / ",".join(overrides) / "results.json", {"overrides": overrides, "rows": rows})
 

@@ -71,7 +71,7 @@ class LMEvalConfig:
 
     name: str = "lm_eval"
     tasks: list[str] = field(default_factory=list)
-    data: str = "auto"  # auto: the hub when reachable, else the local fixtures | hub | fixtures
+    data: str = "auto"  # auto: the hub (offline: the local HF cache) if it has the data, else fixtures | hub | fixtures
     fixtures: dict[str, str] = field(default_factory=dict)  # task -> JSON-lines file (relative: kvcomp/benchmarks/fixtures)
     limit: int | None = None  # documents per task (None: all)
     num_fewshot: int | None = None
