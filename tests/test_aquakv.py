@@ -60,6 +60,30 @@ def test_lloyd_grids_beat_uniform_grids_and_improve_with_size():
     assert mses[0] < 0.1175  # below the 1-D Lloyd-Max 2-bit MSE (spec §5.1)
 
 
+def test_the_default_grids_ship_with_the_package(tmp_path, monkeypatch):
+    """HIGGS' 2/3/4-bit grids are read from the package (checked), never computed; a damaged shipped file
+    is reported and the grid is computed and cached instead."""
+    import shutil
+
+    from kvcomp.stages import grids
+
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(grids, "_LOADED", {})
+    monkeypatch.setattr(grids, "lloyd_grid", lambda *a, **k: pytest.fail("a shipped grid was computed"))
+    for n, mse in ((16, 0.1079), (64, 0.0298), (256, 0.0078)):
+        grid = grids.gaussian_grid(n)
+        assert grid.shape == (n, 2) and abs(grid_mse(grid) - mse) < 5e-4
+    assert not (tmp_path / "cache" / "grids").exists()
+
+    shipped = shutil.copytree(grids.PACKAGED, tmp_path / "grid_data")
+    next(shipped.glob("*n16-*")).write_bytes(b"damaged")
+    monkeypatch.setattr(grids, "PACKAGED", shipped)
+    monkeypatch.setattr(grids, "_LOADED", {})
+    monkeypatch.setattr(grids, "lloyd_grid", lambda n, d, *a: torch.zeros(n, d))
+    assert torch.equal(grids.gaussian_grid(16), torch.zeros(16, 2))
+    assert (tmp_path / "cache" / "grids" / next(shipped.glob("*n16-*")).name).is_file()
+
+
 def test_nearest_is_the_closest_grid_point():
     grid, x = torch.randn(16, 2), torch.randn(500, 2)
     torch.testing.assert_close(nearest(x, grid), torch.cdist(x, grid).argmin(1))

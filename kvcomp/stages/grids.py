@@ -7,8 +7,11 @@ and every point moves toward its cell's centroid by ``gamma_t = gamma_0 A / (A +
 ``A = 4 n^(1/d)``, ``B = pi^2 n^(-2/d)`` and ``gamma_0 = 2``; steps are capped at 1 (a full Lloyd step:
 a step past the centroid only overshoots). The reference used 10 M samples x 600 steps; the defaults
 here (:data:`GRID_SAMPLES` x :data:`GRID_STEPS`) reach the same MSE to 3 digits on this machine's CPU in
-well under a minute, and :func:`gaussian_grid` computes each grid once (seeded) and caches it as a small
-safetensors file under ``cache_dir()/grids`` with its per-coordinate MSE in the header.
+well under a minute. The grids HIGGS uses by default (2-D, 16 / 64 / 256 points, seed 0) ship with the
+package (``grid_data/``, 4 KB in all, made by ``scripts/make_grids.py``), so every machine uses the same
+ones and none computes them; :func:`gaussian_grid` computes any other grid once (seeded) and caches it as a
+small safetensors file under ``cache_dir()/grids``. Every file carries its sha256 and per-coordinate MSE
+in its header and is checked when read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import logging
 import math
 import os
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 GRID_SAMPLES = 100_000
 GRID_STEPS = 300
 CHUNK = 1 << 16  # points per nearest-search chunk (bounds the [points, n] score matrix)
+PACKAGED = Path(__file__).with_name("grid_data")  # HIGGS' 2-D grids of 16, 64 and 256 points, shipped (scripts/make_grids.py)
 _LOADED: dict[tuple, torch.Tensor] = {}  # grids already read or computed by this process
 
 
@@ -85,23 +90,39 @@ def gaussian_grid(n: int, d: int = 2, seed: int = 0, samples: int = GRID_SAMPLES
     return _LOADED[key]
 
 
-def _cached_grid(meta: dict) -> torch.Tensor:
+def grid_file_name(meta: dict) -> str:
     n, d, seed, samples, steps = meta.values()
-    path = cache_dir() / "grids" / f"gauss-d{d}-n{n}-seed{seed}-{samples}x{steps}.safetensors"
-    if path.is_file():
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                header = f.metadata() or {}
-            grid = load_file(str(path))["grid"]
-            if header.get("sha256") == _checksum(grid, meta):
+    return f"gauss-d{d}-n{n}-seed{seed}-{samples}x{steps}.safetensors"
+
+
+def _checked_grid(path: Path, meta: dict) -> torch.Tensor | None:
+    """The grid in ``path`` when its checksum matches ``meta``, else None."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        grid = load_file(str(path))["grid"]
+    except Exception:  # noqa: BLE001  (an unreadable file counts as missing)
+        return None
+    return grid if header.get("sha256") == _checksum(grid, meta) else None
+
+
+def _cached_grid(meta: dict) -> torch.Tensor:
+    """The shipped grid (:data:`PACKAGED`), else the cache's, else computed and written to the cache."""
+    for path in (PACKAGED / grid_file_name(meta), cache_dir() / "grids" / grid_file_name(meta)):
+        if path.is_file():
+            grid = _checked_grid(path, meta)
+            if grid is not None:
                 return grid
-        except Exception:  # noqa: BLE001  (an unreadable file is recomputed below)
-            pass
-        log.warning("grid file %s is damaged; computing it again", path)
-    grid = lloyd_grid(n, d, samples, steps, seed)
+            log.warning("grid file %s is damaged; %s", path, "using the cache" if path.parent == PACKAGED else "computing it again")
+    grid = lloyd_grid(meta["n"], meta["d"], meta["samples"], meta["steps"], meta["seed"])
+    write_grid(grid, meta, cache_dir() / "grids" / grid_file_name(meta))
+    return grid
+
+
+def write_grid(grid: torch.Tensor, meta: dict, path: Path) -> None:
+    """Write ``grid`` atomically with its checksum and per-coordinate MSE in the header."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     header = {"sha256": _checksum(grid, meta), "mse_per_coordinate": f"{grid_mse(grid):.6f}", **{k: str(v) for k, v in meta.items()}}
     save_file({"grid": grid}, str(tmp), metadata=header)
     tmp.replace(path)
-    return grid
