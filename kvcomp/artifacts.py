@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from kvcomp.errors import KVCompError
+from kvcomp.errors import KVCompError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def safetensors_problem(path: str | Path) -> str | None:
         with safe_open(str(path), "pt"):
             return None
     except Exception as err:  # SafetensorError, or OSError for a missing file
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
+        return first_line(err)
 
 
 def sha256_file(path: str | Path) -> str:

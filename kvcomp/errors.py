@@ -21,6 +21,12 @@ class NonFiniteStateError(KVCompError, FloatingPointError):
     """A fitted or loaded codec state (codebooks, statistics, predictors) holds NaN or Inf."""
 
 
+def first_line(err: BaseException) -> str:
+    """``Type: first line of the message`` of an exception, for one-line errors that wrap it."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
 def unknown_choice(kind: str, name: str, choices) -> ConfigError:
     """An error for an unknown name among known ones, listing the valid choices."""
     return ConfigError(f"unknown {kind} {name!r}; valid choices: {', '.join(sorted(choices))}")

@@ -90,11 +90,15 @@ def phase(description: str, timings: dict[str, float] | None = None, key: str | 
     seconds under ``key``, added to what is there (a phase may run in parts)."""
     log.info("%s ...", description)
     start = time.perf_counter()
-    yield
-    seconds = time.perf_counter() - start
-    log.info("%s: done in %.1fs", description, seconds)
-    if timings is not None and key is not None:
-        timings[key] = round(timings.get(key, 0.0) + seconds, 2)
+    outcome = "failed after"
+    try:
+        yield
+        outcome = "done in"
+    finally:
+        seconds = time.perf_counter() - start
+        log.info("%s: %s %.1fs", description, outcome, seconds)
+        if timings is not None and key is not None:
+            timings[key] = round(timings.get(key, 0.0) + seconds, 2)
 
 
 def quiet_library_bars() -> None:

@@ -77,12 +77,16 @@ def check_config(cfg: DictConfig, overrides: list[str] | None = None) -> RunPlan
 
 
 def model_name(model: ModelConfig, overrides: list[str]) -> str:
-    """The name results, tables and messages use: ``model.name``, except for a local folder
-    (``model.source=<folder>``) without an explicit ``model.name=`` override, which is named after the folder
-    (the name in the config then belongs to the group file the folder replaced)."""
-    if model.source in ("embedded", "hub") or any(o.lstrip("+~").split("=")[0] == "model.name" for o in overrides):
+    """The name results, tables and messages use: ``model.name``, except for a local folder given in the
+    overrides (``model.source=<folder>``) without ``model.name=``, whose name in the config belongs to the
+    group file the folder replaced: then the folder's name (a hub snapshot folder: its repository's name)."""
+    keys = {o.lstrip("+~").split("=")[0] for o in overrides}
+    if model.source in ("embedded", "hub") or "model.source" not in keys or "model.name" in keys:
         return model.name
-    return Path(model.source).expanduser().resolve().name
+    folder = Path(os.path.abspath(os.path.expanduser(model.source)))
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.split("--")[-1]  # .../models--org--name/snapshots/<commit>
+    return folder.name or model.name
 
 
 def check_codec_for_model(plan: RunPlan) -> Codec | None:
@@ -99,16 +103,24 @@ def check_codec_for_model(plan: RunPlan) -> Codec | None:
     return build_codec(plan.codec, ModelInfo.from_hf_config(config, name=_label(plan.model)))
 
 
-def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None) -> None:
-    """Before the model loads: the benchmark's data, and the calibration corpus of a codec that calibrates,
-    are at hand (offline: in the local cache). ``codec`` is None when it could not be built yet: then its
-    class says whether it calibrates, or that it depends on the config (a property), and the corpus is checked."""
+def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None, force: bool = False) -> None:
+    """Before the model loads: the benchmark's data, and the calibration corpus of a codec that will fit,
+    are at hand (offline: in the local cache).
+
+    The corpus is checked when the codec calibrates (``codec`` is None when it could not be built yet: then
+    its class says so, unless that depends on the config) and no fitted artifact may serve instead: none
+    given (``calibration.artifact``) and none of this codec in the cache, whose key needs the model's
+    fingerprint, known only once it loads. Otherwise a fit that turns out to be needed reads the corpus
+    after the load and raises the same error."""
     from kvcomp.codecs.registry import codec_class
     from kvcomp.data import check_corpus_available
 
     benchmark.check(plan.model)
     calibrates = codec.needs_calibration if codec is not None else codec_class(plan.codec.name).needs_calibration
-    if not isinstance(calibrates, bool) or calibrates:
+    artifact = plan.calibration.artifact
+    reusable = not force and ((artifact is not None and Path(artifact).is_file())
+                              or any((cache_dir() / "calibration").glob(f"{plan.codec.name}-*.safetensors")))
+    if calibrates is True and not reusable:
         check_corpus_available(plan.calibration.name, split="calibration")
 
 
@@ -139,7 +151,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
 
     plan = check_config(cfg, overrides)
     benchmark = build_benchmark(plan.benchmark)
-    check_data(plan, benchmark, check_codec_for_model(plan))  # before the (possibly slow) weights load
+    check_data(plan, benchmark, check_codec_for_model(plan), force)  # before the (possibly slow) weights load
     hardware, model_cfg = plan.hardware, plan.model
     torch.manual_seed(cfg.get("seed", 0))
     if hardware.device == "cpu":
@@ -252,7 +264,7 @@ def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, ha
     key = json.dumps(
         {
             "model": reference.model.identity,
-            "reference": reference.describe(),  # compress_sliding changes the stored bytes
+            **({"reference": reference.describe()} if reference.config.compress_sliding else {}),  # other bytes
             "dtype": str(model.dtype),
             "device": hardware.device,
             "benchmark": benchmark.fingerprint(),

@@ -128,6 +128,7 @@ class _NoTokenizer:
 def test_an_impossible_kvtc_ratio_is_refused_when_the_codec_is_built():
     info = ModelInfo("m", num_layers=30, num_kv_heads=3, head_dim=64)
     assert build_codec({"name": "kvtc", "cr": 64}, info).budget_bits("key") == 1440
+    assert build_codec({"name": "kvtc", "cr": 16 * 5760 / 34}, info).budget_bits("key") == 34  # the largest valid
     with pytest.raises(ConfigError, match=r"ratio of 1e\+09 leaves 0 bits per token .* valid: cr <= "):
         build_codec({"name": "kvtc", "cr": 1e9}, info)
     with pytest.raises(ConfigError, match="value compression ratio"):
@@ -162,6 +163,11 @@ def test_ruler_skips_a_task_that_cannot_fit_a_length_and_runs_the_others(monkeyp
     assert row["acc_cwe"] == "n/a" and "cwe" in row["skipped"] and "cannot hold 10 common words" in row["skipped"]["cwe"]
     assert isinstance(row["acc_niah_single_1"], float) and row["acc_avg"] == row["acc_niah_single_1"]
     assert "n/a" in row["note"] and "cwe" in row["note"]
+    nothing = ruler.RulerBenchmark(RulerConfig(tasks=["cwe"], lengths=[600], num_samples=1, haystack="lee"))
+    with pytest.raises(ConfigError, match="no RULER task can be built at lengths \\[600\\]: cwe at 600"):
+        nothing.prepare(model, ByteTokenizer(), ModelConfig())
+    with pytest.raises(ConfigError, match="unknown RULER haystack 'wiki'.*essays"):
+        ruler.RulerBenchmark(RulerConfig(haystack="wiki")).check(ModelConfig())
 
 
 # --- a local folder's own name -------------------------------------------------------------------
@@ -170,7 +176,12 @@ def test_a_local_folder_is_named_after_itself_unless_named(tiny_folder):
     assert model_name(folder, [f"model.source={tiny_folder}"]) == "tiny-llama"
     named = ModelConfig(name="mine", source=str(tiny_folder))
     assert model_name(named, [f"model.source={tiny_folder}", "model.name=mine"]) == "mine"
+    assert model_name(folder, []) == "smollm2_135m"  # a folder from a config file keeps the file's name
     assert model_name(ModelConfig(), []) == "smollm2_135m"
+    snapshot = str(tiny_folder.parent / "models--org--Tiny-1B" / "snapshots" / ("0" * 40))
+    assert model_name(ModelConfig(source=snapshot), [f"model.source={snapshot}"]) == "Tiny-1B"
+    relative = ModelConfig(source="some/dir/")
+    assert model_name(relative, ["model.source=some/dir/"]) == "dir"
     assert model_name(ModelConfig(name="llama32_1b", source="hub", hub_id="meta-llama/Llama-3.2-1B"), []) == "llama32_1b"
 
 

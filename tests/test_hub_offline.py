@@ -232,6 +232,10 @@ def test_data_is_checked_before_the_model_loads(bare_hub, monkeypatch, tmp_path)
             runner.run(_compose(*overrides), tmp_path / "out", overrides)
     with pytest.raises(Loaded):  # KIVI calibrates on nothing: its calibration corpus is never needed
         runner.run(_compose("codec=kivi", "calibration=wikitext2"), tmp_path / "out")
+    artifact = tmp_path / "fitted.safetensors"  # a fitted artifact given: the corpus may not be needed
+    artifact.write_bytes(b"checked when loaded")
+    with pytest.raises(Loaded):
+        runner.run(_compose("codec=kvquant", "calibration=wikitext2", f"calibration.artifact={artifact}"), tmp_path / "out")
 
 
 def _folder(snapshot, tmp_path, name):
@@ -270,6 +274,11 @@ def test_the_fingerprint_ignores_mistrals_consolidated_file(offline):
     assert sorted(f.name for f in files) == sorted(set(json.loads(
         (snapshot / "model.safetensors.index.json").read_text())["weight_map"].values()))
     before = model_fingerprint(model, tokenizer)["weights"]
-    (snapshot / "consolidated.safetensors").unlink()
-    assert model_fingerprint(model, tokenizer)["weights"] == before
+    consolidated = snapshot / "consolidated.safetensors"
+    kept = consolidated.read_bytes()
+    try:  # the session's stand-in hub is shared: put the file back
+        consolidated.write_bytes(b"another file that transformers never reads")
+        assert model_fingerprint(model, tokenizer)["weights"] == before
+    finally:
+        consolidated.write_bytes(kept)
 

@@ -50,7 +50,7 @@ import torch
 from kvcomp.benchmarks import Benchmark
 from kvcomp.benchmarks.generation import GenerationProtocol
 from kvcomp.cache import CompressedCache, with_cache
-from kvcomp.data import HubUnavailableError, hub_offline
+from kvcomp.data import HubUnavailableError, dataset_download_command, hub_offline
 from kvcomp.errors import ConfigError, unknown_choice
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -142,15 +142,10 @@ def fixture_task_spec(task_manager, task: str, data_file: Path) -> dict:
     spec = load_yaml(entry.yaml_path, resolve_func=True)
     spec.pop("tag", None)
     spec.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {"train": str(data_file)}})
-    for split in ("test_split", "training_split", "fewshot_split", "validation_split"):
+    for split in SPLIT_FIELDS:
         if spec.get(split):
             spec[split] = "train"
     return spec
-
-
-def download_command(repo_id: str) -> str:
-    """The command that puts hub dataset ``repo_id`` in the local hub cache."""
-    return f"hf download {repo_id} --repo-type dataset"
 
 
 def hub_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
@@ -238,7 +233,7 @@ def find_offline_data(task: str, config: dict, redirectable: bool) -> TaskData:
         pass
     found.snapshot = hub_snapshot(path, kwargs.pop("revision", None))
     if found.snapshot is None:
-        found.problem = f"not in the local cache; download it with `{download_command(path)}`"
+        found.problem = f"not in the local cache; download it with `{dataset_download_command(path)}`"
     elif not redirectable:
         found.problem = ("its dataset is defined inside a group's file, which kvcomp cannot point at the local "
                          f"cache {found.snapshot}; run it once online so that datasets prepares its Arrow cache")
@@ -259,7 +254,7 @@ def _snapshot_problem(found: TaskData, kwargs: dict, splits: list) -> str | None
     empty = [s for s in dict.fromkeys(splits) if isinstance(s, str) and files and not files.get(s)]
     if empty:
         return (f"the local copy {found.snapshot} has no files for split(s) {empty} (a partial download?); "
-                f"download the whole repository with `{download_command(found.repo)}`")
+                f"download the whole repository with `{dataset_download_command(found.repo)}`")
     return None
 
 
@@ -300,7 +295,7 @@ class LMEvalBenchmark(Benchmark):
         if source == "fixtures" and c.data == "hub":
             raise HubUnavailableError(
                 f"benchmark {c.name} reads {list(c.tasks)} from the Hugging Face hub, which is unreachable; to read "
-                f"datasets downloaded before (`{download_command('ORG/NAME')}`), set HF_HUB_OFFLINE=1; or use "
+                f"datasets downloaded before (`{dataset_download_command('ORG/NAME')}`), set HF_HUB_OFFLINE=1; or use "
                 "benchmark=ruler (kvcomp's RULER generator), or benchmark.data=fixtures where fixtures exist"
             )
         if source == "fixtures":

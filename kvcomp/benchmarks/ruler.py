@@ -568,7 +568,7 @@ class RulerBenchmark(Benchmark):
     """RULER on the configured tasks and lengths: one row per length, ``acc_<task>`` and ``acc_avg``."""
 
     def check(self, model_cfg) -> None:
-        from kvcomp.data import check_corpus_available
+        from kvcomp.data import CORPORA, check_corpus_available
 
         c = self.config
         for task in c.tasks:
@@ -578,6 +578,8 @@ class RulerBenchmark(Benchmark):
         if too_long:
             raise ConfigError(f"RULER lengths {too_long} exceed {model_cfg.name}'s max_context={model_cfg.max_context}")
         if c.haystack != "essays":
+            if c.haystack not in CORPORA:
+                raise unknown_choice("RULER haystack", c.haystack, ["essays", *CORPORA])
             check_corpus_available(c.haystack, split="evaluation")
 
     def prepare(self, model, tokenizer, model_cfg) -> None:
@@ -596,6 +598,9 @@ class RulerBenchmark(Benchmark):
                 except LengthError as error:
                     self.skipped[(length, task)] = str(error)
                     log.warning("RULER %s at %d tokens is skipped (n/a): %s", task, length, error)
+        if not self.samples:
+            raise ConfigError(f"no RULER task can be built at lengths {list(c.lengths)}: "
+                              + "; ".join(f"{t} at {n}: {why}" for (n, t), why in self.skipped.items()))
 
     def fingerprint(self) -> dict:
         ids = json.dumps({f"{k[0]}/{k[1]}": [s.input_ids for s in v] for k, v in self.samples.items()})
@@ -630,7 +635,8 @@ class RulerBenchmark(Benchmark):
             row["acc_avg"] = sum(scored) / len(scored) if scored else "n/a"
             if skipped:
                 row["skipped"] = skipped
-                row["note"] = f"n/a (cannot be built at {length} tokens): {', '.join(skipped)}; acc_avg over the others"
+                others = "; acc_avg over the others" if scored else ""
+                row["note"] = f"n/a (cannot be built at {length} tokens): {', '.join(skipped)}{others}"
             row.update(example_summary(examples))
             row["eval_seconds"] = round(time.perf_counter() - start, 2)
             rows.append(row)

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from kvcomp.artifacts import ArtifactError
-from kvcomp.errors import ConfigError, KVCompError, unknown_choice
+from kvcomp.errors import ConfigError, KVCompError, first_line, unknown_choice
 from kvcomp.paths import cache_dir
 
 SPLITS = ("calibration", "evaluation")
@@ -405,12 +405,17 @@ def load_corpus(name: str, split: str, *, seed: int = 0, max_documents: int | No
 # ================================================================================================
 # Hub corpora: named repository files, read from the local Hugging Face cache
 # ================================================================================================
+def dataset_download_command(repo: str, files: Sequence[str] = (), include: str | None = None) -> str:
+    """The ``hf download`` command that puts ``files`` (or those matching ``include``, or all) of the hub
+    dataset ``repo`` in the local Hugging Face cache."""
+    parts = ["hf download", repo, *([] if include else files), "--repo-type dataset"]
+    return " ".join(parts + ([f'--include "{include}"'] if include else []))
+
+
 def hub_download_command(name: str) -> str:
     """The ``hf download`` command that puts hub corpus ``name`` in the local Hugging Face cache."""
     spec = _HUB_CORPORA[name]
-    if spec.include:
-        return f'hf download {spec.repo} --repo-type dataset --include "{spec.include}"'
-    return f"hf download {spec.repo} {' '.join(spec.needed())} --repo-type dataset"
+    return dataset_download_command(spec.repo, () if spec.include else spec.needed(), spec.include)
 
 
 def hub_offline() -> bool:
@@ -442,7 +447,7 @@ def check_corpus_available(name: str, *, split: str | None = None) -> None:
     if not missing:
         return
     if hub_offline():
-        reason = "Hugging Face offline mode is on (HF_HUB_OFFLINE)"
+        reason = "Hugging Face offline mode is on (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE or TRANSFORMERS_OFFLINE)"
         raise HubUnavailableError(_missing_files_message(name, missing, reason))
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
@@ -450,7 +455,7 @@ def check_corpus_available(name: str, *, split: str | None = None) -> None:
         get_hf_file_metadata(hf_hub_url(spec.repo, missing[0], repo_type="dataset"), timeout=10)
     except Exception as err:  # network, auth and hub errors come in many types
         raise HubUnavailableError(
-            _missing_files_message(name, missing, f"the hub did not serve them ({_first_line(err)})")
+            _missing_files_message(name, missing, f"the hub did not serve them ({first_line(err)})")
         ) from err
 
 
@@ -477,11 +482,6 @@ def _missing_files_message(name: str, missing: Sequence[str], reason: str) -> st
 
 def _size(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n} bytes"
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _load_hub_corpus(name: str, split: str, *, seed: int, max_documents: int) -> list[str]:
@@ -511,7 +511,7 @@ def _hub_file(name: str, filename: str, offline: bool) -> Path:
     try:
         return Path(hf_hub_download(repo, filename, repo_type="dataset", local_files_only=offline))
     except Exception as err:  # network, auth and hub errors come in many types
-        reason = f"downloading failed ({_first_line(err)})"
+        reason = f"downloading failed ({first_line(err)})"
         raise HubUnavailableError(_missing_files_message(name, [filename], reason)) from err
 
 
@@ -532,8 +532,8 @@ def _file_texts(path: Path, field: str, label: str, name: str) -> Iterator[str]:
                     yield json.loads(line)[field]
     except Exception as err:  # truncated download, another format, no such field
         raise HubUnavailableError(
-            f"hub corpus {name!r}: cannot read {label} ({path}): {_first_line(err)}; delete it and fetch it "
-            f"again: `{hub_download_command(name)}`"
+            f"hub corpus {name!r}: cannot read {label} ({path}): {first_line(err)}; fetch it again: "
+            f"`{hub_download_command(name)} --force-download`"
         ) from err
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kvcomp.data.corpora import HubUnavailableError
 from kvcomp.artifacts import ArtifactError, safetensors_problem
-from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.errors import ConfigError, first_line, unknown_choice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -51,9 +51,8 @@ def load_model(source: str, *, hub_id: str | None = None, embedded: str | None =
         if source == "hub":
             raise _hub_error(hub_id, err) from err
         if source != "embedded" and isinstance(err, (OSError, ValueError, KeyError)):
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise ConfigError(
-                f"model.source={source!r}: transformers cannot load this folder ({type(err).__name__}: {first_line})"
+                f"model.source={source!r}: transformers cannot load this folder ({first_line(err)})"
             ) from err
         raise
     if "device_map" not in kwargs:
@@ -155,7 +154,7 @@ def damaged_checkpoint(location: str) -> ArtifactError | None:
         problem = safetensors_problem(path) if path.suffix == ".safetensors" else None
         if problem is not None:
             remedy = ("copy or save the model into the folder again (model.save_pretrained)" if Path(location).is_dir()
-                      else f"download it again (hf download {location})")
+                      else f"download it again: hf download {location} --force-download")
             return ArtifactError(f"model weight file {path} is damaged ({problem}); {remedy}")
     return None
 
