@@ -271,7 +271,7 @@ def test_a_destructive_codec_collapses_niah(embedded):
     from kvcomp.codecs import ModelInfo, build_codec
 
     model, tokenizer = embedded
-    benchmark, model_cfg = _ruler(["niah_single_1", "niah_single_2"], [1024], 3, max_new_tokens=24)
+    benchmark, model_cfg = _ruler(["niah_single_1", "niah_single_2"], [1024], 3, max_new_tokens=12)  # 7 digits
     benchmark.prepare(model, tokenizer, model_cfg)
     info = ModelInfo.from_hf_config(model.config)
     (fp16,) = benchmark.evaluate(model, build_codec({"name": "fp16"}, info))
