@@ -102,3 +102,35 @@ def test_seeding_samples_proportionally_to_squared_distance():
     picks = _sample_proportional(mass, torch.Generator().manual_seed(0))
     counts = torch.bincount(picks, minlength=4).float() / 4000
     assert counts[0] == 0 and counts[3] == 0 and abs(counts[2] - 0.75) < 0.03
+
+
+def test_converged_codebooks_stop_computing_and_the_result_is_unchanged(monkeypatch):
+    """Codebooks that stopped moving are left out of later iterations: the centroids, assignment and
+    iteration count are bitwise those of iterating every codebook until all have converged."""
+    from kvcomp.stages import kmeans
+    from kvcomp.stages.kmeans import _reseed_empty, kmeans_plus_plus
+
+    computed = []  # codebooks in each assignment step
+    monkeypatch.setattr(kmeans, "nearest_centroid", lambda p, c, *a: computed.append(len(p)) or nearest_centroid(p, c, *a))
+
+    generator = torch.Generator().manual_seed(3)
+    easy = torch.randn(3, 2, 4, generator=generator) * 8  # well separated clusters: converge in a few steps
+    easy = (easy.repeat_interleave(100, 1) + 0.1 * torch.randn(3, 200, 4, generator=generator))[:, torch.randperm(200)]
+    points = torch.cat([easy.repeat(1, 1, 1), torch.randn(3, 200, 4, generator=generator)])  # and 3 slow ones
+    weights = torch.rand(6, 200, generator=generator)
+    settings = KMeansSettings(iters=60, tol=0.0)
+    centroids, assign, iterations = weighted_kmeans(points, weights, 8, settings)
+
+    reference = kmeans_plus_plus(points, 8, torch.Generator().manual_seed(settings.seed))
+    for count in range(1, settings.iters + 1):  # every codebook, every iteration
+        labels = nearest_centroid(points, reference)
+        sums = torch.zeros(6, 8, 4).scatter_add_(1, labels.unsqueeze(-1).expand(-1, -1, 4), points * weights[..., None])
+        mass = torch.zeros(6, 8).scatter_add_(1, labels, weights)
+        updated = torch.where(mass[..., None] > 0, sums / mass.clamp_min(1e-30)[..., None], reference)
+        _reseed_empty(points, weights, updated, labels, mass)
+        moved = (updated - reference).square().sum((1, 2))
+        reference = updated
+        if bool((moved <= settings.tol).all()):
+            break
+    assert iterations == count > 3 and computed[0] == 6 and min(computed) < 6  # the fast ones stopped first
+    assert torch.equal(centroids, reference) and torch.equal(assign, nearest_centroid(points, reference))

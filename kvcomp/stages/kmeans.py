@@ -8,6 +8,9 @@ the update is the weighted mean ``c_j = sum_{i in j} w_i u_i / sum_{i in j} w_i`
 - Empty clusters (no point or zero total weight) are re-seeded at the points with the largest weighted
   error, so every centroid stays in use.
 - Stops after ``iters`` iterations or when every codebook's summed squared centroid shift is <= ``tol``.
+  A codebook whose centroids did not move at all (bitwise) is at a fixed point of the iteration (same
+  centroids, same assignment, same update), so later iterations compute only the others: the result is
+  the same as iterating every codebook, for a fraction of the work (codebooks converge at different times).
 - Deterministic for a given ``seed`` on a given device; distances are computed in float32, tiled so
   that the ``[codebooks, points, k]`` distance tensor never exceeds ``tile_elements``.
 
@@ -113,17 +116,23 @@ def weighted_kmeans(points: torch.Tensor, weights: torch.Tensor, k: int, setting
     else:
         centroids = kmeans_plus_plus(points, k, generator)
     weighted_points = points * weights.unsqueeze(-1)
+    shift = torch.full((count,), float("inf"), device=device)
+    active = torch.arange(count, device=device)  # codebooks that may still move
     iterations = 0
     for iterations in range(1, settings.iters + 1):
-        assign = nearest_centroid(points, centroids, settings.tile_elements)
-        sums = torch.zeros(count, k, d, device=device).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), weighted_points)
-        mass = torch.zeros(count, k, device=device).scatter_add_(1, assign, weights)
-        updated = torch.where(mass.unsqueeze(-1) > 0, sums / mass.clamp_min(1e-30).unsqueeze(-1), centroids)
-        _reseed_empty(points, weights, updated, assign, mass)
-        shift = (updated - centroids).square().sum((1, 2))
-        centroids = updated
+        subset = (lambda t: t) if len(active) == count else (lambda t: t[active])
+        u, w, c = subset(points), subset(weights), subset(centroids)
+        assign = nearest_centroid(u, c, settings.tile_elements)
+        sums = torch.zeros(len(active), k, d, device=device).scatter_add_(
+            1, assign.unsqueeze(-1).expand(-1, -1, d), subset(weighted_points))
+        mass = torch.zeros(len(active), k, device=device).scatter_add_(1, assign, w)
+        updated = torch.where(mass.unsqueeze(-1) > 0, sums / mass.clamp_min(1e-30).unsqueeze(-1), c)
+        _reseed_empty(u, w, updated, assign, mass)
+        shift[active] = (updated - c).square().sum((1, 2))
+        centroids[active] = updated
         if bool((shift <= settings.tol).all()):
             break
+        active = active[shift[active] > 0]  # a codebook that did not move at all is at a fixed point: it never will
     assign = nearest_centroid(points, centroids, settings.tile_elements)
     return centroids, assign, iterations
 
