@@ -3,10 +3,6 @@
 import csv
 import io
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,66 +10,9 @@ import torch
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.paths import cache_dir
+from tests.run_py import THREADS, run_py
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(*args, cwd, **env_overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "2", **env_overrides}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
-    )
-
-
-SWEEP = ["benchmark.num_windows=8", "hardware.threads=2"]
-
-
-@pytest.fixture(scope="module")
-def kivi_sweep(embedded, tmp_path_factory):
-    """`python run.py -m codec=kivi codec.bits=2,4` on 8 of the default benchmark's 32 windows (fp16 reference
-    included)."""
-    sweep = tmp_path_factory.mktemp("sweep")
-    result = _run("-m", "codec=kivi", "codec.bits=2,4", *SWEEP, f"hydra.sweep.dir={sweep}", cwd=sweep)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return sweep, result
-
-
-def _rows(sweep):
-    rows = {}
-    for path in sweep.rglob("results.json"):
-        for row in json.loads(path.read_text())["rows"]:
-            rows[row["codec"].split(",")[0]] = row
-    return rows
-
-
-def test_sweep_perplexities_are_sane(kivi_sweep):
-    sweep, _ = kivi_sweep
-    rows = _rows(sweep)
-    fp16, kivi2, kivi4 = rows["fp16()"], rows["kivi(bits=2"], rows["kivi(bits=4"]
-    assert 19 < fp16["ppl_streaming"] < 30 and fp16["ppl_simulated"] == fp16["ppl_streaming"]  # 8 windows: 26.0
-    for protocol in ("streaming", "simulated"):
-        assert kivi4[f"ppl_{protocol}"] <= 1.02 * fp16[f"ppl_{protocol}"]
-        assert kivi2[f"ppl_{protocol}"] > kivi4[f"ppl_{protocol}"]
-    # streaming shows early queries full-precision tokens, so it can only be closer to fp16
-    assert kivi2["ppl_streaming"] < kivi2["ppl_simulated"]
-
-
-def test_sweep_bits_and_bytes(kivi_sweep):
-    rows = _rows(kivi_sweep[0])
-    assert rows["kivi(bits=2"]["bits_per_value"] == 3.0 and rows["kivi(bits=4"]["bits_per_value"] == 5.0
-    for row in rows.values():
-        assert row["cache_bytes_per_window"] == pytest.approx(row["cache_bytes_expected"], rel=0.01)
-
-
-def test_sweep_writes_the_aggregated_table_and_resumes(kivi_sweep):
-    sweep, result = kivi_sweep
-    summary = (sweep / "summary.md").read_text()
-    assert summary.count("\n| smollm2_135m |") == 3  # fp16 once, KIVI-2, KIVI-4
-    assert (sweep / "summary.csv").is_file()
-    again = _run("-m", "codec=kivi", "codec.bits=2,4", *SWEEP, f"hydra.sweep.dir={sweep}", cwd=sweep)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("already holds this run") == 2
 
 
 def _long_prompts(tokenizer):
@@ -111,14 +50,14 @@ def test_temporalkv_end_to_end_calibrates_once(embedded, tmp_path):
     """`run.py codec=temporalkv` on a small calibration: sane perplexity, then the artifact is reused."""
     args = ["codec=temporalkv", "codec.bits=2", "codec.kmeans_iters=5", "codec.hybrid=off",
             "calibration.num_samples=4", "calibration.seq_len=256", "benchmark.seq_len=256",
-            "benchmark.num_windows=4", "hardware.threads=2"]
+            "benchmark.num_windows=4", f"hardware.threads={THREADS}"]
     private = tmp_path / "cache"  # an empty artifact store that shares the fetched assets
     private.mkdir()
     for shared in ("models", "corpora", "tokens"):
         (private / shared).symlink_to(cache_dir() / shared)
-    first = _run(*args, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path, KVCOMP_CACHE=str(private))
+    first = run_py(*args, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path, KVCOMP_CACHE=str(private))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _run(*args, f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path, KVCOMP_CACHE=str(private))
+    second = run_py(*args, f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path, KVCOMP_CACHE=str(private))
     assert second.returncode == 0, second.stderr[-3000:]
     results = [json.loads((tmp_path / d / "results.json").read_text()) for d in "ab"]
     assert results[0]["calibration"]["reused"] is False and results[1]["calibration"]["reused"] is True
@@ -130,8 +69,8 @@ def test_temporalkv_end_to_end_calibrates_once(embedded, tmp_path):
 
 
 def test_run_py_ruler_rows_per_length(embedded, tmp_path):
-    result = _run("benchmark=ruler", "benchmark.tasks=[niah_single_1,vt]", "benchmark.lengths=[512,768]",
-                  "benchmark.num_samples=1", "benchmark.max_new_tokens=16", "hardware.threads=2",
+    result = run_py("benchmark=ruler", "benchmark.tasks=[niah_single_1,vt]", "benchmark.lengths=[512,768]",
+                  "benchmark.num_samples=1", "benchmark.max_new_tokens=16", f"hardware.threads={THREADS}",
                   f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
@@ -143,8 +82,8 @@ def test_run_py_ruler_rows_per_length(embedded, tmp_path):
 @pytest.mark.parametrize("preset, tasks", [("longbench", "[longbench_hotpotqa,longbench_passage_count]"), ("aime", "[aime24]")])
 def test_run_py_lm_eval_presets_on_fixtures(embedded, tmp_path, preset, tasks):
     """The presets run offline on the fixtures through lm-eval, with the compressed cache."""
-    result = _run(f"benchmark={preset}", f"benchmark.tasks={tasks}", "benchmark.limit=1", "benchmark.max_gen_toks=8",
-                  "benchmark.data=fixtures", "hardware.threads=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    result = run_py(f"benchmark={preset}", f"benchmark.tasks={tasks}", "benchmark.limit=1", "benchmark.max_gen_toks=8",
+                  "benchmark.data=fixtures", f"hardware.threads={THREADS}", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["benchmark"].startswith(f"{preset}:fixtures") for r in rows)
@@ -203,14 +142,14 @@ def test_fused_decode_attention_on_smollm2(embedded):
     assert cache.layers[0].key_stream.num_encoded == 128
 
 
-SMALL = ["benchmark.num_windows=2", "benchmark.seq_len=128", "hardware.threads=2"]
+SMALL = ["benchmark.num_windows=2", "benchmark.seq_len=128", f"hardware.threads={THREADS}"]
 
 
 def test_sweep_survives_a_bad_member_and_keeps_every_dtype(embedded, tmp_path):
     """`-m codec.bits=9,2 hardware.dtype=float32,bfloat16`: the invalid members are recorded as failed, the
     valid ones run, the summary holds a row per member (each dtype with its own reference), exit code 1."""
     sweep = tmp_path / "sweep"
-    result = _run("-m", "codec=kivi", "codec.bits=9,2", "hardware.dtype=float32,bfloat16", *SMALL,
+    result = run_py("-m", "codec=kivi", "codec.bits=9,2", "hardware.dtype=float32,bfloat16", *SMALL,
                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "is invalid: kivi (keys): bits=9 is not supported" in result.stderr  # checked before any member ran
@@ -242,7 +181,7 @@ def test_a_perturbed_model_under_the_same_name_gets_its_own_reference(embedded, 
     tokenizer.save_pretrained(folder)
     runs = {}
     for name, source in (("real", "embedded"), ("perturbed", str(folder))):
-        result = _run("codec=kivi", f"model.source={source}", "model.name=smollm2_135m", *SMALL,
+        result = run_py("codec=kivi", f"model.source={source}", "model.name=smollm2_135m", *SMALL,
                       f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
@@ -254,8 +193,8 @@ def test_a_perturbed_model_under_the_same_name_gets_its_own_reference(embedded, 
 
 
 def test_user_errors_print_one_line_and_bugs_keep_tracebacks(tmp_path):
-    result = _run("benchmark.batch_size=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    result = run_py("benchmark.batch_size=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "kvcomp error: benchmark.batch_size=0 is out of range; valid: an integer >= 1" in result.stderr
-    full = _run("benchmark.batch_size=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path, HYDRA_FULL_ERROR="1")
+    full = run_py("benchmark.batch_size=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path, HYDRA_FULL_ERROR="1")
     assert full.returncode != 0 and "Traceback" in full.stderr

@@ -178,14 +178,14 @@ def test_run_py_on_a_hybrid_model_prints_bits_per_layer_type(embedded, tmp_path)
 
     from transformers import AutoTokenizer
 
-    from tests.test_embedded import _run
+    from tests.run_py import run_py
 
     _, tokenizer = embedded
     config_cls, model_cls, kwargs = HYBRID["gemma3"]
     torch.manual_seed(0)
     model_cls(config_cls(**(kwargs | {"vocab_size": len(tokenizer)}))).save_pretrained(tmp_path / "gemma3")
     AutoTokenizer.from_pretrained(tokenizer.name_or_path).save_pretrained(tmp_path / "gemma3")
-    result = _run(f"model.source={tmp_path / 'gemma3'}", "model.name=tiny_gemma3", "codec=kivi", "codec.residual_length=32",
+    result = run_py(f"model.source={tmp_path / 'gemma3'}", "model.name=tiny_gemma3", "codec=kivi", "codec.residual_length=32",
                   "benchmark.num_windows=2", "benchmark.seq_len=96", f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bits/value full-attention layers" in result.stderr + result.stdout
