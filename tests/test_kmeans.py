@@ -99,9 +99,39 @@ def test_seeding_samples_proportionally_to_squared_distance():
     from kvcomp.stages.kmeans import _sample_proportional
 
     mass = torch.tensor([[0.0, 1.0, 3.0, 0.0]]).expand(4000, -1)
-    picks = _sample_proportional(mass, torch.Generator().manual_seed(0))
+    picks = _sample_proportional(mass, torch.Generator().manual_seed(0), torch.empty(4000, 4, dtype=torch.float64))
     counts = torch.bincount(picks, minlength=4).float() / 4000
     assert counts[0] == 0 and counts[3] == 0 and abs(counts[2] - 0.75) < 0.03
+
+
+def plain_seeding(points: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """k-means++ as written down: ``[C, N, d]`` distances, float64 cumulative sums (the test's oracle)."""
+    rows = torch.arange(points.shape[0])
+    centroids = points[rows, torch.randint(points.shape[1], (points.shape[0],), generator=generator)][:, None]
+    closest = (points - centroids[:, 0, None]).square().sum(-1)
+    for _ in range(1, k):
+        mass = torch.where(closest.sum(-1, keepdim=True) > 0, closest, torch.ones_like(closest))
+        cumulative = mass.double().cumsum(-1)
+        u = torch.rand(len(rows), 1, generator=generator, dtype=torch.float64)
+        pick = torch.searchsorted(cumulative, u * cumulative[:, -1:], side="right").squeeze(1).clamp_max(points.shape[1] - 1)
+        centroids = torch.cat([centroids, points[rows, pick][:, None]], 1)
+        closest = torch.minimum(closest, (points - centroids[:, -1, None]).square().sum(-1))
+    return centroids
+
+
+@pytest.mark.parametrize("dim", [1, 2, 4, 8])
+def test_seeding_is_bitwise_the_plain_formulation(dim):
+    """The in-place, plane-by-plane seeding picks exactly the points the plain formulation picks (so
+    fitted codebooks, and every table row fitted with them, do not move), including rows whose points
+    all coincide with chosen centroids (uniform draws)."""
+    from kvcomp.stages.kmeans import kmeans_plus_plus
+
+    generator = torch.Generator().manual_seed(dim)
+    points = torch.randn(6, 700, dim, generator=generator) * torch.logspace(-3, 3, 6)[:, None, None]
+    points[5] = points[5, :1]  # one codebook of identical points
+    points[4, 300:] = points[4, :1]
+    ours = kmeans_plus_plus(points, 64, torch.Generator().manual_seed(7))
+    assert torch.equal(ours, plain_seeding(points, 64, torch.Generator().manual_seed(7)))
 
 
 def test_converged_codebooks_stop_computing_and_the_result_is_unchanged(monkeypatch):

@@ -65,33 +65,46 @@ def _nearest_scalar(values: torch.Tensor, centroids: torch.Tensor) -> torch.Tens
     return order.gather(1, rank)
 
 
-def _squared_distance_to(points: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
-    """``points [C, N, d]``, ``center [C, d]`` -> ``[C, N]``."""
-    return (points - center.unsqueeze(1)).square().sum(-1)
+def _squared_distance_to(planes: torch.Tensor, center: torch.Tensor, out: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """``planes [d, C, N]`` (the points, one plane per coordinate), ``center [C, d]`` -> ``[C, N]`` in ``out``.
+
+    Sums the coordinates' squared differences in order, as ``((u - c)^2).sum(-1)`` does for a short last
+    dimension (bitwise the same, a test checks), without its ``[C, N, d]`` temporaries."""
+    torch.sub(planes[0], center[:, :1], out=out).square_()
+    for i in range(1, planes.shape[0]):
+        out.add_(torch.sub(planes[i], center[:, i : i + 1], out=term).square_())
+    return out
 
 
 def kmeans_plus_plus(points: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
     """k-means++ seeding (D^2 sampling) of ``k`` centroids for each of ``C`` codebooks: ``[C, k, d]``."""
     count, n, d = points.shape
     rows = torch.arange(count, device=points.device)
+    planes = points.permute(2, 0, 1).contiguous()
     first = torch.randint(n, (count,), generator=generator, device=points.device)
     centroids = torch.empty(count, k, d, dtype=points.dtype, device=points.device)
     centroids[:, 0] = points[rows, first]
-    closest = _squared_distance_to(points, centroids[:, 0])
+    closest, distance, term = (torch.empty(count, n, dtype=points.dtype, device=points.device) for _ in range(3))
+    cumulative = torch.empty(count, n, dtype=torch.float64, device=points.device)
+    _squared_distance_to(planes, centroids[:, 0], closest, term)
     for j in range(1, k):
-        pick = _sample_proportional(closest, generator)
+        pick = _sample_proportional(closest, generator, cumulative)
         centroids[:, j] = points[rows, pick]
-        closest = torch.minimum(closest, _squared_distance_to(points, centroids[:, j]))
+        torch.minimum(closest, _squared_distance_to(planes, centroids[:, j], distance, term), out=closest)
     return centroids
 
 
-def _sample_proportional(mass: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row of ``mass [C, N]``, drawn with probability proportional to it (uniformly
-    when a row is all zero, e.g. every point coincides with a chosen centroid)."""
-    mass = torch.where(mass.sum(-1, keepdim=True) > 0, mass, torch.ones_like(mass))
-    cumulative = mass.double().cumsum(-1)
+def _sample_proportional(mass: torch.Tensor, generator: torch.Generator, cumulative: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``mass [C, N]`` (>= 0), drawn with probability proportional to it (uniformly
+    when a row is all zero, e.g. every point coincides with a chosen centroid); ``cumulative [C, N]``
+    (float64) is scratch space."""
+    torch.cumsum(mass, -1, dtype=torch.float64, out=cumulative)
+    total = cumulative[:, -1:]
+    empty = total[:, 0] <= 0
+    if bool(empty.any()):
+        cumulative[empty] = torch.arange(1, mass.shape[1] + 1, dtype=torch.float64, device=mass.device)
     u = torch.rand(mass.shape[0], 1, generator=generator, device=mass.device, dtype=torch.float64)
-    pick = torch.searchsorted(cumulative, u * cumulative[:, -1:], side="right")
+    pick = torch.searchsorted(cumulative, u * total, side="right")
     return pick.squeeze(1).clamp_max(mass.shape[1] - 1)
 
 
