@@ -3,9 +3,11 @@ the others live beside the code they configure and are gathered here: codec conf
 (:data:`kvcomp.codecs.CODECS`), :class:`~kvcomp.calibration.CalibrationConfig`, and the benchmark configs
 (:mod:`kvcomp.benchmarks.configs`). This module imports them, never the reverse.
 
-The YAML files under ``conf/`` hold exactly these fields; :func:`register_configs` puts the schemas in
-Hydra's ConfigStore and :func:`typed` validates a group against its dataclass (unknown or mistyped
-fields are errors that name the group).
+The YAML files under ``conf/`` set only fields of their group's dataclass. A codec's base file sets only its
+``name`` and a preset only what differs from its base, so every codec default is stated once, in its
+dataclass (``tests/test_config.py`` checks). :func:`register_configs` puts the schemas in Hydra's
+ConfigStore and :func:`typed` validates a group against its dataclass (unknown or mistyped fields are
+errors that name the group).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
-from kvcomp.benchmarks import Benchmark, build_benchmark
+from kvcomp.benchmarks import build_benchmark
+from kvcomp.benchmarks.base import Benchmark
 from kvcomp.cache import install
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.codecs import Codec, CodecConfig, ModelInfo, build_codec, codec_config

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from kvcomp.codecs import CODECS, codec_config
+from kvcomp.codecs import CODECS, ModelInfo, build_codec, codec_config
 from kvcomp.config import BENCHMARKS, GROUPS, register_configs, typed
 from kvcomp.errors import ConfigError
 
@@ -44,10 +44,63 @@ def test_every_option_composes_and_matches_its_dataclass(group):
         if any(not str(entry).startswith(("schema", "_self_")) for entry in raw.get("defaults", [])):
             # a preset (e.g. codec/qjl_3bit): a few overrides on top of another option of the group
             assert yaml_keys < fields and set(node) == fields, f"{group}/{option}.yaml vs {schema.__name__}"
+        elif group == "codec":  # a codec's base file names it; its dataclass holds every default
+            assert yaml_keys == {"name"} and set(node) == fields, f"{group}/{option}.yaml vs {schema.__name__}"
         else:
             assert yaml_keys == fields, f"{group}/{option}.yaml vs {schema.__name__}"
         parsed = codec_config(node) if group == "codec" else typed(group, node, schema)
         assert isinstance(parsed, schema)
+
+
+def _codec_files() -> tuple[list[str], dict[str, str]]:
+    """conf/codec's base files (``defaults: [schema_<name>, _self_]``) and its presets with the file each
+    builds on (``defaults: [<codec file>, _self_]``)."""
+    bases, presets = [], {}
+    for option in _options("codec"):
+        named = [str(e) for e in OmegaConf.load(CONF / "codec" / f"{option}.yaml").get("defaults", [])
+                 if not str(e).startswith(("schema", "_self_"))]
+        if named:
+            presets[option] = named[0]
+        else:
+            bases.append(option)
+    return bases, presets
+
+
+def test_base_codec_files_hold_only_the_name():
+    bases, _ = _codec_files()
+    assert sorted(bases) == sorted(CODECS), "every codec has one base file conf/codec/<name>.yaml"
+    errors = []
+    for option in bases:
+        raw = OmegaConf.to_container(OmegaConf.load(CONF / "codec" / f"{option}.yaml"))
+        if raw.get("defaults") != [f"schema_{option}", "_self_"] or raw.get("name") != option:
+            errors.append(f"codec/{option}.yaml: needs defaults: [schema_{option}, _self_] and name: {option}")
+        errors += [f"codec/{option}.yaml: {key}: the default belongs in {CODECS[option].config_class.__name__}, "
+                   f"not in the YAML" for key in sorted(set(raw) - {"defaults", "name"})]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_composed_codec_defaults_are_the_dataclass_defaults(name):
+    node = _compose(f"codec={name}").codec
+    composed, defaults = OmegaConf.to_container(node), CODECS[name].config_class()
+    built = build_codec({"name": name}, ModelInfo("m", 2, 2, 64)).config  # what a library caller gets
+    assert set(composed) == {f.name for f in dataclasses.fields(defaults)}, f"codec/{name}.yaml: fields"
+    errors = [f"codec/{name}.yaml: {f.name} composes to {composed[f.name]!r}, {type(defaults).__name__} "
+              f"default {getattr(defaults, f.name)!r}, build_codec gives {getattr(built, f.name)!r}"
+              for f in dataclasses.fields(defaults)
+              if not composed[f.name] == getattr(defaults, f.name) == getattr(built, f.name)]
+    assert not errors, "\n".join(errors)
+
+
+def test_codec_presets_set_only_what_differs_from_their_base():
+    _, presets = _codec_files()
+    errors = []
+    for option, base in presets.items():
+        raw, below = OmegaConf.load(CONF / "codec" / f"{option}.yaml"), _compose(f"codec={base}").codec
+        restated = {key for key in set(raw) - {"defaults"} if raw[key] == below[key]}
+        errors += [f"codec/{option}.yaml: {key}: {raw[key]!r} restates codec/{base}'s default; remove it"
+                   for key in sorted(restated)]
+    assert not errors, "\n".join(errors)
 
 
 def test_hub_models_restate_no_shapes():
@@ -70,8 +123,6 @@ def test_unknown_and_mistyped_fields_are_rejected_at_compose_time():
 
 def test_bit_width_the_codec_cannot_do():
     cfg = _compose("codec=kivi", "codec.bits=12")
-    from kvcomp.codecs import ModelInfo, build_codec
-
     with pytest.raises(ConfigError, match="bits=12 is not supported; choose an integer in 1..8"):
         build_codec(cfg.codec, ModelInfo("m", 2, 2, 64))
 

@@ -8,13 +8,8 @@ import torch
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.kernels.codebook_encode import encode_codebook
-from kvcomp.kernels.decode_attention import (
-    CodebookReader,
-    RotaryPositions,
-    UniformReader,
-    decode_attention,
-    decode_attention_reference,
-)
+from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference
+from kvcomp.kernels.payloads import CodebookReader, RotaryPositions, UniformReader
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 from tests.conftest import info_of

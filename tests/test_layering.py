@@ -1,5 +1,5 @@
-"""The package's layering: no import cycle between kvcomp's packages (every import statement counts, those
-inside functions too), every import goes down the layer order, and everything below :mod:`kvcomp.config`
+"""The package's layering: no import cycle between kvcomp's packages nor between the modules inside one (every
+import statement counts, those inside functions too), every import goes down the layer order, and everything below :mod:`kvcomp.config`
 (the codecs, the cache, the kernels, calibration, the benchmarks' base) imports without omegaconf or Hydra."""
 
 import ast
@@ -74,6 +74,17 @@ def import_graph() -> dict[str, dict[str, list[str]]]:
     return graph
 
 
+def module_graph() -> dict[str, set[str]]:
+    """``{module: {kvcomp module it imports}}`` over every module under ``kvcomp/`` (a package is its
+    ``__init__``; self-edges left out)."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        found = imported_modules(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
+        graph[module] = {t for t in found if t.startswith("kvcomp") and _is_module(t) and t != module}
+    return graph
+
+
 def find_cycle(graph) -> list[str] | None:
     """One cycle of ``graph`` (``{node: iterable of successors}``) as ``[a, b, ..., a]``, or ``None``."""
     state: dict[str, str] = {}  # "active" while on the depth-first path, then "done"
@@ -133,6 +144,16 @@ def test_no_import_cycle_between_packages():
     if cycle:
         hops = "\n".join(f"  {a} -> {b}: {', '.join(graph[a][b])}" for a, b in zip(cycle, cycle[1:]))
         raise AssertionError(f"import cycle {' -> '.join(cycle)}:\n{hops}")
+
+
+def test_no_import_cycle_between_modules():
+    """Also inside a package: e.g. a torch reference and its Triton launcher both import the payload
+    readers, never each other in both directions; a package's modules never import the package's own
+    ``__init__`` when it imports them."""
+    graph = module_graph()
+    assert {"kvcomp.kernels.payloads", "kvcomp.benchmarks.base"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle {' -> '.join(cycle)}"
 
 
 def test_imports_go_down_the_layers():

@@ -13,7 +13,8 @@ import torch
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
 from kvcomp.errors import ConfigError
-from kvcomp.kernels.qjl_scores import SketchedKeys, qjl_scores_reference
+from kvcomp.kernels.payloads import SketchedKeys
+from kvcomp.kernels.qjl_scores import qjl_scores_reference
 from kvcomp.stages.jl_sketch import (
     channel_mask,
     estimator_scale,

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from kvcomp.benchmarks import Benchmark
+from kvcomp.benchmarks.base import Benchmark
 from kvcomp.benchmarks.generation import GenerationProtocol
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.data import HubUnavailableError, dataset_download_command, hub_offline

@@ -27,7 +27,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from kvcomp.benchmarks import Benchmark, example_summary
+from kvcomp.benchmarks.base import Benchmark, example_summary
 from kvcomp.benchmarks.configs import PerplexityConfig
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.codecs import Codec, expected_cache_bits

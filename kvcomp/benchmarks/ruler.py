@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from kvcomp.benchmarks import Benchmark, example_summary
+from kvcomp.benchmarks.base import Benchmark, example_summary
 from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar

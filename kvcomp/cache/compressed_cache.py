@@ -11,7 +11,7 @@ from kvcomp.cache.growing import GrowingTensor
 from kvcomp.cache.stream import Block, FreshlyEncoded, KVStream, PayloadStore
 from kvcomp.codecs.base import FULL, Codec, SequenceState, Unit
 from kvcomp.errors import ConfigError, NonFiniteKVError
-from kvcomp.kernels.decode_attention import RotaryPositions
+from kvcomp.kernels.payloads import RotaryPositions
 from kvcomp.stages.uniform_quantizer import deferred_range_checks
 
 PROTOCOLS = ("streaming", "simulated", "exact_prefill")

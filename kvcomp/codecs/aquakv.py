@@ -90,19 +90,20 @@ def heads_major(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 @dataclass
 class AquaKVConfig(HiggsConfig):
-    """HIGGS's fields (``bits``, grid, groups, sinks, buffer, ``pre_rope``) plus the predictors'."""
+    """HIGGS's fields (``bits`` of the residual: 2 | 3 | 4, grid, groups, sinks, buffer, ``pre_rope``) plus the
+    predictors'."""
 
     name: str = "aquakv"
-    quantizer: str = "higgs"  # higgs | quanto (int-bits per-token groups of quanto_group_size)
+    quantizer: str = "higgs"  # higgs | quanto (int-bits per-token groups of quanto_group_size, Table B)
     quanto_group_size: int = 64
-    first_layer_bits: int = 4  # HIGGS bits of layer 0 (2 | 3 | 4), or 16: kept in bf16
-    key_predictor: bool = True
-    value_predictor: bool = True
-    value_inputs: str = "current_keys"  # current_keys: [K_hat_l; V_hat_l-1] | previous_layer: [K_hat_l-1; V_hat_l-1]
-    predictor_rank: int = 0  # 0: full linear maps; r > 0: reduced-rank regression (Table C)
-    damping: float = 1.0e-3
+    first_layer_bits: int = 4  # HIGGS bits of layer 0, no predictor (2 | 3 | 4), or 16: kept in bf16 (Table D)
+    key_predictor: bool = True  # false: "w/o K predictor" (Table G)
+    value_predictor: bool = True  # false: "w/o V predictor"
+    value_inputs: str = "current_keys"  # current_keys: [K_hat_l; V_hat_l-1] (paper) | previous_layer: [K_hat_l-1; V_hat_l-1]
+    predictor_rank: int = 0  # 0: full linear maps; r > 0: reduced-rank regression (Table C: 256)
+    damping: float = 1.0e-3  # ridge: lambda * mean(diag(X^T X))
     predictor_dtype: str = "bfloat16"
-    heldout_fraction: float = 0.125  # calibration windows kept out of the fit (relative MSE per layer)
+    heldout_fraction: float = 0.125  # held-out calibration windows (the paper: 32 of 256): relative MSE per layer
     calibration_drop_first: int = 0  # the reference fits on every position (spec A9)
 
 

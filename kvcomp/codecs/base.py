@@ -60,7 +60,7 @@ class CodecConfig:
     uncompressed window-bounded cache and only full-attention layers are encoded."""
 
     name: str = "fp16"
-    compress_sliding: bool = False
+    compress_sliding: bool = False  # sliding-window layers: also encode them (default: an uncompressed window)
 
 
 @dataclass(frozen=True)
@@ -471,7 +471,7 @@ class Codec(ABC):
         return False
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int):
-        """A :class:`~kvcomp.kernels.decode_attention.PayloadReader`: how the fused decode-attention kernel
+        """A :class:`~kvcomp.kernels.payloads.PayloadReader`: how the fused decode-attention kernel
         decodes ``payload`` in registers (pre-RoPE keys are rotated by the cache's positions)."""
         raise NotImplementedError(f"codec {self.name} has no fused decode-attention format")
 

@@ -26,7 +26,7 @@ def channel_scheme(chunk_len: int, normalize: bool = False) -> Scheme:
 @dataclass
 class ChannelKVConfig(CodebookConfig):
     name: str = "channelkv"
-    normalize: bool = False
+    normalize: bool = False  # true: per-channel z-score (the thesis text; [REF] uses none)
 
 
 @register

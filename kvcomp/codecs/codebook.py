@@ -30,7 +30,7 @@ import torch
 from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, StreamPolicy
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.kernels.codebook_encode import encode_codebook
-from kvcomp.kernels.decode_attention import CodebookReader
+from kvcomp.kernels.payloads import CodebookReader
 from kvcomp.progress import progress_bar
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
@@ -227,9 +227,10 @@ class CodebookCodec(Codec):
         cfg = self.config
         return KMeansSettings(iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, seed=cfg.kmeans_seed)
 
-    def _fit_codebooks(self, scheme: Scheme, x: torch.Tensor, grad2: torch.Tensor | None, stats: ChannelStats) -> torch.Tensor:
+    def _fit_codebooks(self, scheme: Scheme, x: torch.Tensor, grad2: torch.Tensor | None,
+                       stats: ChannelStats) -> tuple[torch.Tensor, int]:
         """Fisher-weighted k-means codebooks ``[H, G, k, dim]`` of one stream from ``x, grad2 [S, H, T, D]``
-        (``grad2`` None: ``fisher`` off)."""
+        (``grad2`` None: ``fisher`` off), and the iterations k-means ran."""
         keep = torch.ones_like(x, dtype=torch.bool)
         if self.config.outliers > 0:
             selected = self.outlier_selector.select(x, stats)
@@ -251,8 +252,7 @@ class CodebookCodec(Codec):
         centroids, _, iters = weighted_kmeans(
             chunks.reshape(h * g, n, dim), chunk_weight.reshape(h * g, n), scheme.num_centroids, self._kmeans_settings()
         )
-        self._fit_iterations.append(iters)
-        return centroids.view(h, g, scheme.num_centroids, dim).to(DTYPES[self.config.codebook_dtype])
+        return centroids.view(h, g, scheme.num_centroids, dim).to(DTYPES[self.config.codebook_dtype]), iters
 
     def _heldout_mse(self, scheme, codebooks, x, grad2, stats) -> float:
         """Fisher-weighted reconstruction error ``mean(g^2 (x - x_hat)^2)`` in raw space, without outlier
@@ -285,7 +285,7 @@ class CodebookCodec(Codec):
         train = max(1, round(cfg.train_fraction * samples))
         usable = tokens // 8 * 8  # whole chunks for every chunk length
         tensors: dict[str, torch.Tensor] = {}
-        self._fit_iterations: list[int] = []
+        iterations: list[int] = []
         bar = progress_bar(self.model.num_layers * len(KINDS), f"{self.name}: k-means", "fit")
         for layer in range(self.model.num_layers):
             data = acts.layer(layer)
@@ -298,7 +298,8 @@ class CodebookCodec(Codec):
                 held_x, held_g = (x[train:], None if grad2 is None else grad2[train:]) if train < samples else (x, grad2)
                 candidates = self.schemes(kind, layer)
                 for name, scheme in candidates.items():
-                    codebooks = self._fit_codebooks(scheme, x[:train], None if grad2 is None else grad2[:train], stats)
+                    codebooks, iters = self._fit_codebooks(scheme, x[:train], None if grad2 is None else grad2[:train], stats)
+                    iterations.append(iters)
                     fitted[(kind, name)] = codebooks
                     if len(candidates) > 1:
                         mse = self._heldout_mse(scheme, codebooks, held_x, held_g, stats)
@@ -313,7 +314,7 @@ class CodebookCodec(Codec):
                 tensors[f"layer{layer}.{kind}.scheme"] = torch.tensor([names.index(name)])
         bar.close()
         log.info("%s calibration: codebooks %.1fs (k-means iterations: max %d)", self.name,
-                 time.perf_counter() - start, max(self._fit_iterations))
+                 time.perf_counter() - start, max(iterations))
         return CodecState(tensors)
 
     def load_state(self, state: CodecState) -> None:

@@ -65,22 +65,22 @@ JSD_SAMPLE = 4096  # vectors per layer and head the merging criterion compares
 class CSRConfig(CodecConfig):
     name: str = "csr"
     sparsity: int = 8  # CSR-s: s pairs per key and per value vector
-    key_sparsity: int | None = None  # MP steps per key chunk; None: sparsity / key_chunks
+    key_sparsity: int | None = None  # CSR(s, s_n) variants: MP steps per key chunk; None: sparsity / key_chunks
     value_sparsity: int | None = None  # MP steps per value chunk; None: sparsity / value_chunks
     key_chunks: int = 1  # s_n of keys (the paper: 1; Table 4 varies it)
     value_chunks: int = 2  # s_n of values
     coder: str = "mp"  # mp | omp (C2 ablation)
-    atoms: int = 256  # offline atoms per (merged layer group, KV head)
+    atoms: int = 256  # offline atoms per (merged layer group, KV head) (C4; the paper's 2048 / 8 heads)
     dict_scope: str = "per_head"  # per_head | shared (atoms x heads shared by the heads of a group, C4)
-    online_atoms: int = 256  # per (sequence, layer, KV head); 0: offline dictionary only
-    online_sampling: str = "reverse_sequential"  # reverse_sequential | random
-    guard_fraction: float = 0.0  # share of the online atoms kept for guard atoms (seed parity: 0)
+    online_atoms: int = 256  # per (sequence, layer, KV head) (the paper: = offline size); 0: offline dictionary only
+    online_sampling: str = "reverse_sequential"  # reverse_sequential (the last prompt tokens) | random
+    guard_fraction: float = 0.0  # share of the online atoms kept for guard atoms ([pub]: 2/3; seed parity: 0)
     guard_quantile: float = 0.95  # guard atoms for vectors worse than this quantile of the prompt's relative residual
     merged_groups: str = "auto"  # auto (JSD, Eqs. 6-7) | paper (32-layer models) | none (one group per layer)
     jsd_delta1: float = 0.2
     jsd_delta2: float = 1.0
     jsd_bins: int = 200
-    train_key_sparsity: int = 8
+    train_key_sparsity: int = 8  # NeuralDict is trained once at these two and reused for every CSR-s (C3)
     train_value_sparsity: int = 4
     epochs: int = 30  # this field and those down to seed: NeuralDict's settings (DictTraining)
     batch_size: int = 4096
@@ -95,8 +95,9 @@ class CSRConfig(CodecConfig):
     max_vectors: int = 1048576  # training vectors per (group, head), drawn at random when there are more
     seed: int = 0
     sinks: int = 0
-    recent_window: int = 0  # full-precision recent tokens besides the current one (C10)
-    desparse: str = "dense"  # dense: decode steps read D r (Eq. 12) | fused: values weighted as D u (§5.4)
+    recent_window: int = 0  # full-precision recent tokens besides the current one, exact in its own step only (C10)
+    # dense: decode steps read D r (Eq. 12) | fused: values weighted as D u, never decoded (§5.4)
+    desparse: str = "dense"
     pre_rope: bool = True
 
 

@@ -79,13 +79,14 @@ class HiggsConfig(CodecConfig):
     name: str = "higgs"
     bits: int = 2  # grid of 2^(bits x grid_dim) points: 16 / 64 / 256 for 2 / 3 / 4 bits
     grid_dim: int = 2
+    # Hadamard group (the paper's gs1024); D = 192 (SmolLM2) uses 64, the largest power of two dividing D
     group_size: int = 1024
-    pad_groups: bool = False
+    pad_groups: bool = False  # true: zero-pad D to whole groups as the reference does (padded codes counted)
     scale_dtype: str = "float16"
     grid_seed: int = 0
     sinks: int = 4
-    buffer: int = 128
-    pre_rope: bool = True
+    buffer: int = 128  # full-precision recent tokens, encoded `buffer` at a time
+    pre_rope: bool = True  # false: the quantizer (and AQUA-KV's predictors) see post-RoPE keys (Table F / G)
 
 
 @register

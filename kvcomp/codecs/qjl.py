@@ -35,8 +35,8 @@ from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
-from kvcomp.kernels.decode_attention import SketchReader, UniformReader
-from kvcomp.kernels.qjl_scores import SketchedKeys, qjl_scores, reconstruct_keys
+from kvcomp.kernels.payloads import SketchedKeys, SketchReader, UniformReader, reconstruct_keys
+from kvcomp.kernels.qjl_scores import qjl_scores
 from kvcomp.stages.jl_sketch import (
     PROJECTIONS,
     ROW_NORMS,
@@ -52,18 +52,18 @@ from kvcomp.stages.uniform_quantizer import GroupQuantizer
 class QJLConfig(CodecConfig):
     name: str = "qjl"
     sketch_dim: int = 256  # m: inlier sign bits per key token (layers >= initial_layers)
-    outlier_sketch_dim: int = 256  # m_o: outlier sign bits per key token (<= sketch_dim)
+    outlier_sketch_dim: int = 256  # m_o: outlier sign bits per key token: the first m_o rows of S (<= sketch_dim)
     initial_layers: int = 15  # layers 0..initial_layers-1 use the two sizes below
     initial_sketch_dim: int = 512
     initial_outlier_sketch_dim: int = 128
-    outlier_channels: int = 8  # n_out per group of tokens; 0: one sketch of the whole key
+    outlier_channels: int = 8  # n_out per group of tokens, by l2 norm; 0: one sketch of the whole key
     group_size: int = 32  # tokens sharing one outlier channel set
-    key_buffer: int = 128  # keys are sketched in chunks of this many tokens
+    key_buffer: int = 128  # keys sketched in chunks of this many tokens (0..key_buffer-1 recent keys full precision)
     value_bits: int = 2
     value_group_size: int = 32
     value_window: int = 128  # most recent values kept in full precision
-    projection: str = "orthogonal"  # orthogonal (block QR, the paper) | gaussian
-    row_norm: str = "sqrt_d"  # sqrt_d (authors' code) | chi (exactly unbiased); orthogonal only
+    projection: str = "orthogonal"  # orthogonal (block QR, the paper; rows scaled per row_norm) | gaussian
+    row_norm: str = "sqrt_d"  # sqrt_d (authors' code) | chi (rows with chi_d norms: exactly unbiased); orthogonal only
     seed: int = 42
     norm_dtype: str = "float16"  # storage of the two key norms
     param_dtype: str = "float16"  # storage of the value scales and zero-points

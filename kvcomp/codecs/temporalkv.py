@@ -30,9 +30,11 @@ GRANULARITIES = ("layer_kv", "layer")
 
 @dataclass
 class TemporalKVConfig(CodebookConfig):
+    """The codebook fields; ``bits``: 4 | 2 | 1 (chunks of 2 | 4 | 8 tokens), 8: scalar 256-level codebooks."""
+
     name: str = "temporalkv"
-    share_group: int = 0  # channels sharing one codebook; 0 = the chunk length l
-    hybrid: str = "auto"  # auto | preset | off
+    share_group: int = 0  # channels sharing one codebook; 0 = the chunk length l (ChannelKV's centroid memory)
+    hybrid: str = "auto"  # auto (held-out Fisher MSE) | preset (hybrid_layers) | off
     hybrid_granularity: str = "layer_kv"  # auto: decide per (layer, K/V) or per layer
     hybrid_layers: list[int] = field(default_factory=list)  # preset: layers coded like ChannelKV
 

@@ -12,7 +12,7 @@ import torch
 from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError
-from kvcomp.kernels.decode_attention import UniformReader
+from kvcomp.kernels.payloads import UniformReader
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 PARAM_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -21,14 +21,14 @@ PARAM_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 @dataclass
 class UniformConfig(CodecConfig):
     name: str = "uniform"
-    bits: int = 4
-    group_size: int = 64
-    key_axis: str = "per_token"
-    value_axis: str = "per_token"
-    window: int = 0
-    sinks: int = 0
-    param_dtype: str = "float16"
-    pre_rope: bool = False
+    bits: int = 4  # 1..8
+    group_size: int = 64  # channels per group (per_token) or tokens per group (per_channel)
+    key_axis: str = "per_token"  # per_token | per_channel
+    value_axis: str = "per_token"  # per_token | per_channel
+    window: int = 0  # most recent tokens kept in full precision
+    sinks: int = 0  # first tokens kept in full precision
+    param_dtype: str = "float16"  # storage of scale and zero-point
+    pre_rope: bool = False  # quantize keys before RoPE (the cache re-rotates them)
 
 
 @register

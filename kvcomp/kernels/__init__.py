@@ -2,7 +2,9 @@
 (triton is an optional dependency); the references run everywhere and are what the kernels are tested
 against (under ``TRITON_INTERPRET=1`` on a CPU).
 
-- ``decode_attention`` (reference, payload readers) / ``decode_attention_triton``: decode-step attention
+- ``payloads``: the payload readers (one per format, with its torch decoding), the sketched keys and the
+  fused encoder's layouts; imported by the references and the Triton launchers, importing neither;
+- ``decode_attention`` (reference, dispatch) / ``decode_attention_triton``: decode-step attention
   reading packed uniform/KIVI and codebook payloads, split-K + merge;
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
   packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);

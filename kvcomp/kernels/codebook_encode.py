@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
-
-
-def fused_encode_supported(layout: ChunkLayout, code_bits: int) -> bool:
-    """Whether every codebook group fills whole bytes (then a program packs its group alone)."""
-    return 8 % code_bits == 0 and (layout.group_channels // layout.channel_len * code_bits) % 8 == 0
+from kvcomp.kernels.payloads import fused_encode_supported
+from kvcomp.stages.codebook import CodebookQuantizer
 
 
 def encode_codebook(quantizer: CodebookQuantizer, z: torch.Tensor, codebooks: torch.Tensor, backend: str = "torch") -> torch.Tensor:

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
-from kvcomp.kernels.decode_attention import (
+from kvcomp.kernels.payloads import (
     CodebookReader,
     PayloadReader,
     RotaryPositions,

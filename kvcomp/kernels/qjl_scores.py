@@ -13,56 +13,11 @@ reference; :func:`qjl_scores` dispatches to the Triton kernel of :mod:`kvcomp.ke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
-
-
-@dataclass
-class SketchedKeys:
-    """Encoded keys of one layer, ``T`` tokens per (batch, KV head); ``T`` a multiple of ``group_size``.
-
-    ``signs`` uint8 ``[B, H, T, m/8]`` and ``inlier_norm`` ``[B, H, T]`` code the inlier part; with
-    outliers, ``outlier_signs`` uint8 ``[B, H, T, m_o/8]`` (sketched by the first ``m_o`` rows of
-    ``projection``), ``outlier_norm`` ``[B, H, T]`` and ``outlier_channels`` ``[B, H, T/G, n_out]``.
-    """
-
-    signs: torch.Tensor
-    inlier_norm: torch.Tensor
-    projection: torch.Tensor  # [m, D] float32
-    group_size: int
-    outlier_signs: torch.Tensor | None = None
-    outlier_norm: torch.Tensor | None = None
-    outlier_channels: torch.Tensor | None = None
-
-    @property
-    def sketch_dim(self) -> int:
-        return self.signs.shape[-1] * 8
-
-    @property
-    def outlier_sketch_dim(self) -> int:
-        return 0 if self.outlier_signs is None else self.outlier_signs.shape[-1] * 8
-
-    @property
-    def num_outliers(self) -> int:
-        return 0 if self.outlier_channels is None else self.outlier_channels.shape[-1]
-
-
-def reconstruct_keys(keys: SketchedKeys, head_dim: int) -> torch.Tensor:
-    """``k_hat`` float32 ``[B, H, T, D]``, whose logits ``<q, k_hat>`` equal the estimator's: on each part,
-    ``sqrt(pi/2)/m' ||k'|| S'^T sign(S' k')`` (outlier channels from the outlier sketch)."""
-    projection = keys.projection.to(keys.signs.device)
-
-    def reconstruct(signs, norm, rows):
-        return estimator_scale(rows) * norm.float()[..., None] * (unpack_signs(signs, rows) @ projection[:rows])
-
-    k_hat = reconstruct(keys.signs, keys.inlier_norm, keys.sketch_dim)
-    if keys.num_outliers:
-        mask = channel_mask(keys.outlier_channels, head_dim, keys.group_size)
-        k_hat = torch.where(mask, reconstruct(keys.outlier_signs, keys.outlier_norm, keys.outlier_sketch_dim), k_hat)
-    return k_hat
+from kvcomp.kernels.payloads import SketchedKeys
+from kvcomp.stages.jl_sketch import estimator_scale, unpack_signs
 
 
 def qjl_scores_reference(query: torch.Tensor, keys: SketchedKeys, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""What the kernels read: one reader per payload format, each with its torch decoding.
+
+A decode step's keys and values are each a list of *segments* in cache order: full-precision tensors
+``[B, H, T, D]`` and payload readers, which say how a kernel decodes an encoded block in registers
+(:mod:`kvcomp.kernels.decode_attention` has the formats and their equations). Both the torch references
+and the Triton launchers import this module, and it imports neither of them, so no kernel module imports
+another in a circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
+from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
+from kvcomp.stages.normalization import affine_denormalize
+from kvcomp.stages.rope import apply_rope
+from kvcomp.stages.uniform_quantizer import GroupQuantizer
+
+
+@dataclass
+class RotaryPositions:
+    """RoPE of the tokens of one key payload, recomputed from positions as the model's rotary embedding
+    does: ``cos = cos(pos * inv_freq) * scaling`` rounded to the model's ``dtype`` (HF's cos/sin dtype).
+
+    ``positions [B, L]``: the position id of every cached token; the payload's token ``t`` is cached
+    token ``first + t``.
+    """
+
+    positions: torch.Tensor
+    first: int
+    inv_freq: torch.Tensor  # [D/2] float32
+    scaling: float
+    dtype: torch.dtype
+
+    def cos_sin(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, T, D]`` (float32) of the payload's ``num_tokens`` tokens."""
+        pos = self.positions[:, self.first : self.first + num_tokens].float()
+        freqs = pos[..., None] * self.inv_freq.float().to(pos.device)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return tuple((f(angles) * self.scaling).to(self.dtype).float() for f in (torch.cos, torch.sin))
+
+
+@dataclass
+class PayloadReader:
+    """What a kernel needs to read one encoded segment; subclasses define the format."""
+
+    num_tokens: int
+    head_dim: int
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
+        """The segment decoded in torch, ``[B, H, T, D]`` float32 (rotated when ``rope`` is given)."""
+        x = self.dequantize_unrotated()
+        if rope is None:
+            return x
+        return apply_rope(x, *rope.cos_sin(self.num_tokens))
+
+
+@dataclass
+class UniformReader(PayloadReader):
+    """A :class:`~kvcomp.stages.uniform_quantizer.GroupQuantizer` payload: ``codes`` uint8
+    ``[B, H, T, D*bits/8]``; ``scale``/``zero`` ``[B, H, T, D/G]`` (per token) or ``[B, H, T/G, D]``
+    (per channel)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    per_channel: bool
+
+    @classmethod
+    def of(cls, quantizer: GroupQuantizer, payload, head_dim: int) -> UniformReader:
+        """The reader of a :class:`~kvcomp.codecs.base.Payload` that ``quantizer`` encoded."""
+        t = payload.tensors
+        return cls(payload.num_tokens, head_dim, t["codes"], t["scale"], t["zero"], quantizer.bits, quantizer.group_size,
+                   quantizer.axis == "per_channel")
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
+        return quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
+
+
+@dataclass
+class CodebookReader(PayloadReader):
+    """A :class:`~kvcomp.stages.codebook.CodebookQuantizer` payload and the normalisation to undo:
+    ``codes`` uint8 ``[B, H, T/time_len, bytes]`` of ``code_bits``-bit indices into ``codebooks``
+    ``[H, G, k, dim]``; per-channel ``channel_scale``/``channel_center`` ``[H, D]`` and optional per-token
+    ``token_scale``/``token_center`` ``[B, T]``."""
+
+    codes: torch.Tensor
+    codebooks: torch.Tensor
+    layout: ChunkLayout
+    channel_scale: torch.Tensor
+    channel_center: torch.Tensor
+    token_scale: torch.Tensor | None = None
+    token_center: torch.Tensor | None = None
+
+    @property
+    def num_centroids(self) -> int:
+        return self.codebooks.shape[2]
+
+    @property
+    def code_bits(self) -> int:
+        return CodebookQuantizer(self.layout, self.num_centroids).code_bits
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        quantizer = CodebookQuantizer(self.layout, self.num_centroids)
+        z = quantizer.decode(self.codes, self.codebooks, self.head_dim)
+        return affine_denormalize(z, self.channel_scale, self.channel_center, self.token_scale, self.token_center)
+
+
+@dataclass
+class SketchedKeys:
+    """Encoded keys of one layer, ``T`` tokens per (batch, KV head); ``T`` a multiple of ``group_size``.
+
+    ``signs`` uint8 ``[B, H, T, m/8]`` and ``inlier_norm`` ``[B, H, T]`` code the inlier part; with
+    outliers, ``outlier_signs`` uint8 ``[B, H, T, m_o/8]`` (sketched by the first ``m_o`` rows of
+    ``projection``), ``outlier_norm`` ``[B, H, T]`` and ``outlier_channels`` ``[B, H, T/G, n_out]``.
+    """
+
+    signs: torch.Tensor
+    inlier_norm: torch.Tensor
+    projection: torch.Tensor  # [m, D] float32
+    group_size: int
+    outlier_signs: torch.Tensor | None = None
+    outlier_norm: torch.Tensor | None = None
+    outlier_channels: torch.Tensor | None = None
+
+    @property
+    def sketch_dim(self) -> int:
+        return self.signs.shape[-1] * 8
+
+    @property
+    def outlier_sketch_dim(self) -> int:
+        return 0 if self.outlier_signs is None else self.outlier_signs.shape[-1] * 8
+
+    @property
+    def num_outliers(self) -> int:
+        return 0 if self.outlier_channels is None else self.outlier_channels.shape[-1]
+
+
+def reconstruct_keys(keys: SketchedKeys, head_dim: int) -> torch.Tensor:
+    """``k_hat`` float32 ``[B, H, T, D]``, whose logits ``<q, k_hat>`` equal the estimator's: on each part,
+    ``sqrt(pi/2)/m' ||k'|| S'^T sign(S' k')`` (outlier channels from the outlier sketch)."""
+    projection = keys.projection.to(keys.signs.device)
+
+    def reconstruct(signs, norm, rows):
+        return estimator_scale(rows) * norm.float()[..., None] * (unpack_signs(signs, rows) @ projection[:rows])
+
+    k_hat = reconstruct(keys.signs, keys.inlier_norm, keys.sketch_dim)
+    if keys.num_outliers:
+        mask = channel_mask(keys.outlier_channels, head_dim, keys.group_size)
+        k_hat = torch.where(mask, reconstruct(keys.outlier_signs, keys.outlier_norm, keys.outlier_sketch_dim), k_hat)
+    return k_hat
+
+
+@dataclass
+class SketchReader(PayloadReader):
+    """QJL's sign-sketched keys (:class:`SketchedKeys`). The kernel scores them
+    from their sign bits (:mod:`kvcomp.kernels.qjl_scores`: Eq. 4 plus the outlier term); the reference
+    decodes ``k_hat`` (:func:`reconstruct_keys`), whose logits are the same."""
+
+    keys: SketchedKeys
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        return reconstruct_keys(self.keys, self.head_dim)
+
+
+Segment = torch.Tensor | PayloadReader
+
+
+def segment_length(segment: Segment) -> int:
+    return segment.num_tokens if isinstance(segment, PayloadReader) else segment.shape[2]
+
+
+def fused_encode_supported(layout: ChunkLayout, code_bits: int) -> bool:
+    """Whether every codebook group fills whole bytes (then a program packs its group alone)."""
+    return 8 % code_bits == 0 and (layout.group_channels // layout.channel_len * code_bits) % 8 == 0
