@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
-from kvcomp.kernels.decode_attention import RotaryPositions, decode_attention, decode_attention_reference, relative_error
+from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
+from kvcomp.kernels.payloads import RotaryPositions
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
