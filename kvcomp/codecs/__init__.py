@@ -1,4 +1,8 @@
-"""Codecs: one file per method family, all registered by name in :data:`CODECS`."""
+"""Codecs: one file per method family, each registered by name in :data:`CODECS` (its ``@register``) when
+this package imports every module beside ``base`` and ``registry``."""
+
+import importlib
+import pkgutil
 
 from kvcomp.codecs.base import (
     Activations,
@@ -12,8 +16,11 @@ from kvcomp.codecs.base import (
     fit_layer_by_layer,
 )
 from kvcomp.codecs.registry import CODECS, codec_class
-from kvcomp.codecs import aquakv, channelkv, csr, fp16, higgs, kivi, kvquant, kvtc, qjl, temporalkv, uniform  # noqa: F401  (registration)
 from kvcomp.schema import structured
+
+for _module in pkgutil.iter_modules(__path__):  # importing a module registers the codecs it defines
+    if _module.name not in ("base", "registry"):
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def codec_config(config) -> CodecConfig:
