@@ -60,7 +60,8 @@ def test_experiment_composes_and_its_sweep_parses(name):
     override = _experiment_override(name)
     cfg = _compose(override)
     assert cfg.hydra.sweep.dir == f"multirun/{name}"
-    assert "experiment" in cfg.hydra.job.config.override_dirname.exclude_keys
+    # the base config's exclusions hold for experiments too (none restates or narrows them)
+    assert list(cfg.hydra.job.config.override_dirname.exclude_keys) == ["force", "experiment", "plot.x", "plot.y"]
     jobs = _jobs(cfg)
     assert len(jobs) >= 2
     for job in _covering(jobs):
