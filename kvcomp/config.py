@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
-from kvcomp.benchmarks.configs import BENCHMARKS, LMEvalConfig, PerplexityConfig, RulerConfig
+from kvcomp.benchmarks import BENCHMARKS
+from kvcomp.benchmarks.configs import LMEvalConfig, PerplexityConfig, RulerConfig
 from kvcomp.calibration import CalibrationConfig
 from kvcomp.codecs import CODECS
 from kvcomp.errors import ConfigError
@@ -102,7 +103,9 @@ GROUPS = {
     "hardware": HardwareConfig,
     "logger": LoggerConfig,
 }
-BENCHMARK_SCHEMAS = {"schema_ruler": RulerConfig, "schema_lm_eval": LMEvalConfig}
+# ``benchmark/schema_<name>`` for each benchmark config besides the group's own (perplexity): ruler, lm_eval
+BENCHMARK_SCHEMAS = {f"schema_{b.config_class.name}": b.config_class for b in BENCHMARKS.values()
+                     if b.config_class is not GROUPS["benchmark"]}
 
 
 def typed(group: str, config, schema: type | None = None):

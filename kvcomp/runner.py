@@ -62,7 +62,7 @@ def check_config(cfg: DictConfig, overrides: list[str] | None = None) -> RunPlan
         hardware=typed("hardware", cfg.hardware),
         logger=typed("logger", cfg.logger),
         calibration=typed("calibration", cfg.calibration),
-        benchmark=typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name]),
+        benchmark=typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name].config_class),
         codec=codec_config(cfg.codec),
     )
     if plan.benchmark.name == "perplexity":

@@ -37,7 +37,7 @@ def test_every_option_composes_and_matches_its_dataclass(group):
         node = _compose(f"{group}={option}")[group]
         schema = (
             CODECS[node.name].config_class if group == "codec"
-            else BENCHMARKS[node.name] if group == "benchmark" else GROUPS[group]
+            else BENCHMARKS[node.name].config_class if group == "benchmark" else GROUPS[group]
         )
         raw = OmegaConf.load(CONF / group / f"{option}.yaml")
         yaml_keys, fields = set(raw) - {"defaults"}, {f.name for f in dataclasses.fields(schema)}
@@ -130,3 +130,13 @@ def test_bit_width_the_codec_cannot_do():
 def test_typed_rejects_wrong_field():
     with pytest.raises(ConfigError, match="hardware config field 'thread'"):
         typed("hardware", {"thread": 2})
+
+
+def test_every_benchmark_file_names_a_registered_benchmark_and_back():
+    """``conf/benchmark/<name>.yaml`` and ``@register``-ed benchmark names are the same set, and each file
+    validates against the registered benchmark's config dataclass."""
+    files = {path.stem: OmegaConf.load(path) for path in (CONF / "benchmark").glob("*.yaml")}
+    assert {config.name for config in files.values()} == set(BENCHMARKS) == set(files)
+    for name, benchmark in BENCHMARKS.items():
+        assert benchmark.config_class.name in BENCHMARKS  # its dataclass's own name is registered too
+        assert typed("benchmark", _compose(f"benchmark={name}").benchmark, benchmark.config_class).name == name

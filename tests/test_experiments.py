@@ -76,7 +76,7 @@ def test_experiment_composes_and_its_sweep_parses(name):
             elif key.startswith("codec."):
                 got = getattr(codec, key.split(".", 1)[1])
                 assert got == float(value) if isinstance(got, float) else str(got).lower() == value.lower()
-        benchmark = typed("benchmark", run.benchmark, BENCHMARKS[run.benchmark.name])
+        benchmark = typed("benchmark", run.benchmark, BENCHMARKS[run.benchmark.name].config_class)
         if run.benchmark.name != "perplexity":
             continue
         if name.startswith("kvtc/"):  # model scope: fed one compression event (16 tokens) per forward
@@ -119,7 +119,7 @@ def test_ruler_experiment_has_the_thesis_settings():
     """Tables 10-12: lm-eval's RULER at 8192 tokens, 12 tasks, 1% outliers, simulated prefill, generated
     tokens uncompressed (the thesis' code)."""
     cfg = _compose(_experiment_override("temporalkv/table10_12_ruler"))
-    benchmark = typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name])
+    benchmark = typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name].config_class)
     assert benchmark.name == "ruler_lmeval" and benchmark.metadata == {"max_seq_lengths": [8192]}
     assert len(benchmark.tasks) == 12 and "ruler_qa_squad" in benchmark.tasks and benchmark.limit is None
     assert (benchmark.protocol, benchmark.compress_generated, benchmark.data) == ("simulated", False, "hub")

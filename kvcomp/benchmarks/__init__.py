@@ -7,19 +7,18 @@ rows depend on (the runner caches the uncompressed reference rows under it).
 
 from __future__ import annotations
 
-from kvcomp.benchmarks.base import Benchmark
-from kvcomp.benchmarks.configs import BENCHMARKS
+import importlib
+import pkgutil
+
+from kvcomp.benchmarks.base import BENCHMARKS, Benchmark
 from kvcomp.errors import unknown_choice
+
+for _module in pkgutil.iter_modules(__path__):  # importing a module registers the benchmarks it defines
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def build_benchmark(config) -> Benchmark:
     """The benchmark for a validated benchmark config (``config.name`` picks it)."""
     if config.name not in BENCHMARKS:
         raise unknown_choice("benchmark", config.name, BENCHMARKS)
-    if config.name == "perplexity":
-        from kvcomp.benchmarks.perplexity import PerplexityBenchmark as cls
-    elif config.name == "ruler":
-        from kvcomp.benchmarks.ruler import RulerBenchmark as cls
-    else:
-        from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark as cls
-    return cls(config)
+    return BENCHMARKS[config.name](config)

@@ -4,9 +4,15 @@ and the package's :func:`~kvcomp.benchmarks.build_benchmark`, importing none of 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 
 class Benchmark(ABC):
+    """One benchmark; ``@register`` makes it buildable under each of :attr:`names`."""
+
+    names: ClassVar[tuple[str, ...]]  # the ``benchmark.name`` values it serves (lm-eval's presets share one)
+    config_class: ClassVar[type]  # its config dataclass (:mod:`kvcomp.benchmarks.configs`)
+
     def __init__(self, config):
         self.config = config
 
@@ -35,3 +41,13 @@ def example_summary(examples: list[dict]) -> dict:
         values = [e[k] for e in examples if k in e]
         out |= {k: sum(values) / len(values), f"{k}_min": min(values), f"{k}_max": max(values)}
     return out
+
+
+BENCHMARKS: dict[str, type[Benchmark]] = {}
+
+
+def register(cls: type[Benchmark]) -> type[Benchmark]:
+    """Class decorator: make ``cls`` buildable under each of its ``names``."""
+    for name in cls.names:
+        BENCHMARKS[name] = cls
+    return cls

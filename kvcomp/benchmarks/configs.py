@@ -1,6 +1,6 @@
-"""The benchmark configs (Hydra group ``benchmark``), one dataclass per benchmark, and :data:`BENCHMARKS`,
-which maps each option's ``name`` to its dataclass (presets of lm-eval share :class:`LMEvalConfig`).
-Plain dataclasses: :mod:`kvcomp.config` gathers them for Hydra."""
+"""The benchmark configs (Hydra group ``benchmark``), one dataclass per benchmark (presets of lm-eval share
+:class:`LMEvalConfig`); each benchmark class names its own (``config_class``). Plain dataclasses:
+:mod:`kvcomp.config` gathers them for Hydra."""
 
 from __future__ import annotations
 
@@ -89,13 +89,3 @@ class LMEvalConfig:
         at_least(self, 1, "batch_size")
         at_least(self, 1, "limit", "max_length", "max_gen_toks", optional=True)
         at_least(self, 0, "num_fewshot", optional=True)
-
-
-BENCHMARKS = {
-    "perplexity": PerplexityConfig,
-    "ruler": RulerConfig,
-    "lm_eval": LMEvalConfig,
-    "longbench": LMEvalConfig,
-    "aime": LMEvalConfig,
-    "ruler_lmeval": LMEvalConfig,
-}

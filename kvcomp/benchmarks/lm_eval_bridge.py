@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from kvcomp.benchmarks.base import Benchmark
+from kvcomp.benchmarks.base import Benchmark, register
+from kvcomp.benchmarks.configs import LMEvalConfig
 from kvcomp.benchmarks.generation import GenerationProtocol
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.data import HubUnavailableError, dataset_download_command, hub_offline
@@ -271,9 +272,13 @@ def point_task_at(task_manager, task: str, snapshot: Path) -> None:
     task_manager.task_index[task] = dataclasses.replace(entry, yaml_path=None, cfg=spec)
 
 
+@register
 class LMEvalBenchmark(Benchmark):
     """lm-eval tasks with every request through the compressed cache: one row, ``score_<task>`` (each
     task's first metric) and ``score_avg``; every metric lm-eval reports is kept under ``lm_eval``."""
+
+    names = ("lm_eval", "longbench", "aime", "ruler_lmeval")  # lm_eval and its presets (conf/benchmark/)
+    config_class = LMEvalConfig
 
     def check(self, model_cfg) -> None:
         """Settings, the data source, and offline that every task's data is in the local cache (the module

@@ -27,7 +27,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from kvcomp.benchmarks.base import Benchmark, example_summary
+from kvcomp.benchmarks.base import Benchmark, example_summary, register
 from kvcomp.benchmarks.configs import PerplexityConfig
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.codecs import Codec, expected_cache_bits
@@ -41,8 +41,12 @@ LOW_ENCODED_SHARE = 0.5  # rows whose cache holds less than this share encoded g
 log = logging.getLogger(__name__)
 
 
+@register
 class PerplexityBenchmark(Benchmark):
     """Perplexity on ``num_windows`` windows of a corpus split (one row)."""
+
+    names = ("perplexity",)
+    config_class = PerplexityConfig
 
     def check(self, model_cfg) -> None:
         from kvcomp.data import check_corpus_available

@@ -48,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from kvcomp.benchmarks.base import Benchmark, example_summary
+from kvcomp.benchmarks.base import Benchmark, example_summary, register
+from kvcomp.benchmarks.configs import RulerConfig
 from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
@@ -564,8 +565,12 @@ def score(task: str, predictions: list[str], references: list[list[str]]) -> flo
 
 
 
+@register
 class RulerBenchmark(Benchmark):
     """RULER on the configured tasks and lengths: one row per length, ``acc_<task>`` and ``acc_avg``."""
+
+    names = ("ruler",)
+    config_class = RulerConfig
 
     def check(self, model_cfg) -> None:
         from kvcomp.data import CORPORA, check_corpus_available
