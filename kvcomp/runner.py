@@ -69,7 +69,7 @@ def check_config(cfg: DictConfig, overrides: list[str] | None = None) -> RunPlan
         from kvcomp.benchmarks.perplexity import protocols_for
         from kvcomp.codecs.registry import codec_class
 
-        plan.benchmark.protocols = protocols_for(plan.benchmark.protocols, codec_class(plan.codec.name).scope)
+        plan.benchmark.protocols = protocols_for(plan.benchmark.protocols, codec_class(plan.codec.name).encodes_after_forward())
     check_device(plan.hardware.device)
     check_kernel_backend(plan.hardware.kernel_backend, plan.hardware.device)
     model_location(plan.model.source, plan.model.hub_id, fetch=False, embedded=plan.model.embedded)

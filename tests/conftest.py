@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random models of two families, and the embedded model when it is set up."""
 
+import contextlib
 import os
+from unittest import mock
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on CPU tensors; must precede any triton import
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -57,6 +59,23 @@ def tiny_model(request):
 @pytest.fixture(scope="session")
 def tiny_llama():
     return _tiny(LlamaConfig, LlamaForCausalLM)
+
+
+@contextlib.contextmanager
+def reads_taken():
+    """``(layer index, what update_in_step returned)`` of every compressed layer's forward in the block: ``tuple``
+    (plain SDPA), ``Streaming``, ``FromSegments`` or ``FusedDecode`` (:mod:`kvcomp.cache.reads`)."""
+    from kvcomp.cache.compressed_cache import CompressedLayer
+
+    taken, original = [], CompressedLayer.update_in_step
+
+    def spy(self, key_states, value_states, step):
+        read = original(self, key_states, value_states, step)
+        taken.append((self.layer_idx, type(read).__name__))
+        return read
+
+    with mock.patch.object(CompressedLayer, "update_in_step", spy):
+        yield taken
 
 
 def info_of(model) -> ModelInfo:

@@ -228,13 +228,6 @@ def test_streaming_without_the_attention_hook_is_an_error():
 
 
 @torch.no_grad()
-def test_full_precision_copies_are_released_after_attention(tiny_llama):
-    cache = CompressedCache(build_codec(SCHEDULES[0], info_of(tiny_llama)))
-    tiny_llama(_ids(), past_key_values=cache)
-    assert all(layer.last_update is None for layer in cache.layers)
-
-
-@torch.no_grad()
 def test_exact_prefill_sees_its_own_tokens_uncompressed_and_later_ones_stored(tiny_llama):
     """exact_prefill: the prefill's logits are the plain model's even with a destructive codec; the next
     forward reads the encoded prefix, stored exactly as the streaming protocol stores it."""
@@ -274,5 +267,5 @@ def test_decoded_blocks_equal_decoding_the_whole_payload(tiny_llama, schedule):
         whole = codec.decode(stream.payload, stream.kind, 1, torch.float32)
         if stream.pre_rope:
             lo, hi = stream.num_sinks, stream.num_sinks + stream.num_encoded
-            whole = apply_rope(whole, *layer.rope(lo, hi - lo))
+            whole = apply_rope(whole, *layer.positions.rope(lo, hi - lo))
         assert torch.allclose(stream.decoded_blocks(), whole, atol=1e-6)

@@ -164,7 +164,7 @@ def test_layer_scope_codes_each_layer_from_the_previous_reconstruction(tiny_mode
     logits, cache = _close_to_plain(tiny_model, codec)
     layers = codec.model.num_layers
     assert codec.encoded_layers[:layers] == list(range(layers))  # in layer order, block by block
-    assert all(not layer.encode_handoff and not layer.decode_handoff and not layer.decoded_other for layer in cache.layers)
+    assert all(not s.encode_handoff and not s.decode_handoff and not s.decoded_other for s in (layer.schedule for layer in cache.layers))
     # decoding every block again (no decoded copy) gives the same logits: decode reproduces the encoder's loop
     again, per_step = _generate(tiny_model, _codec(PredictiveLayerCodec, tiny_model, pre_rope=pre_rope), decode_per_step=True)
     torch.testing.assert_close(again, logits, rtol=1e-5, atol=1e-5)
@@ -177,24 +177,24 @@ def test_layer_scope_prediction_matters(tiny_llama):
     codec = _codec(PredictiveLayerCodec, tiny_llama)
     _, cache = _generate(tiny_llama, codec)
     layer = cache.layers[1]
-    key_block, value_block = layer.layer_blocks[5]
+    key_block, value_block = layer.schedule.blocks[5]
     payloads = layer.key_stream.store.block(key_block), layer.value_stream.store.block(value_block)
     first = cache.layers[0]
-    k0, v0 = codec.decode_layer(first.key_stream.store.block(first.layer_blocks[5][0]),
-                                first.value_stream.store.block(first.layer_blocks[5][1]), 0, None, torch.float32)
+    k0, v0 = codec.decode_layer(first.key_stream.store.block(first.schedule.blocks[5][0]),
+                                first.value_stream.store.block(first.schedule.blocks[5][1]), 0, None, torch.float32)
     right = codec.decode_layer(*payloads, 1, (k0, v0), torch.float32)
     wrong = codec.decode_layer(*payloads, 1, (torch.zeros_like(k0), v0), torch.float32)
     assert not torch.allclose(right[0], wrong[0], atol=1e-3)
     # what attention read for that block: the right reconstruction, re-rotated (pre-RoPE keys)
     n = key_block.count
-    torch.testing.assert_close(layer.key_stream.decoded.view[:, :, :n], apply_rope(right[0], *layer.rope(5, n)))
+    torch.testing.assert_close(layer.key_stream.decoded.view[:, :, :n], apply_rope(right[0], *layer.positions.rope(5, n)))
 
 
 @torch.no_grad()
 def test_model_scope_stores_variable_length_blocks_and_measures_them(tiny_model):
     codec = _codec(DeflatedModelCodec, tiny_model)
     _, cache = _close_to_plain(tiny_model, codec)
-    unit = cache.model_unit
+    unit = cache.scope.unit
     assert unit.store.num_blocks >= 2 and cache.payload_nbytes == unit.store.nbytes
     lengths = [len(row) for p in unit.store.payloads for row in p.ragged["deflated"]]
     assert len(set(lengths)) > 1  # entropy coded: rows and blocks differ in size

@@ -288,7 +288,7 @@ def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):
     codec = fitted(tiny_llama, name, sinks=4)
     layer = _check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded.length == 0
-    assert layer.positions.shape == (2, 37 + 5) and layer.rotary is not None
+    assert layer.positions.ids.view.shape == (2, 37 + 5) and layer.positions.recomputed
 
 
 @torch.no_grad()
@@ -391,12 +391,12 @@ def test_the_kernel_reads_a_cache_payload_in_place(tiny_llama, name, monkeypatch
     keys, values = ([codec.payload_reader(s, kind, 1) if isinstance(s, Payload) else s for s in stream.segments()]
                     for kind, stream in zip(("key", "value"), layer.streams))
     query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))
-    rope = layer.key_rope()
+    rope = layer.positions.key_rope(layer.key_stream.num_sinks) if codec.pre_rope else None
     _, launches = decode_launches(query, keys, values, 0.25, key_rope=rope)
     read = {t.untyped_storage().data_ptr() for launch in launches for t in launch.args.values() if isinstance(t, torch.Tensor)}
     held = [g.buffer for store in stores for g in store.tensors.values()]
     if rope is not None:
-        held.append(layer.position_ids.buffer)  # pre-RoPE codecs rotate by the cached position ids
+        held.append(layer.positions.ids.buffer)  # pre-RoPE codecs rotate by the cached position ids
     assert all(t.untyped_storage().data_ptr() in read for t in held)
     out = decode_attention(query, keys, values, 0.25, key_rope=rope, backend="triton")
     torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.25, key_rope=rope), rtol=1e-4, atol=1e-4)

@@ -86,13 +86,15 @@ def test_a_predictor_computes_on_its_inputs_device():
 
 def test_layer_scope_handoff_lands_on_the_receiving_layers_device(tiny_llama):
     """AQUA-KV hands layer l-1's reconstruction to layer l, which may sit on another GPU."""
-    from kvcomp.cache.compressed_cache import CompressedLayer
+    from kvcomp.cache.scopes import LayerScope
     from kvcomp.codecs import ModelInfo, build_codec
 
     codec = build_codec({"name": "fp16"}, ModelInfo.from_hf_config(tiny_llama.config))
-    layer = CompressedLayer(codec, 1)
-    layer.lazy_initialization(torch.zeros(1, 1, 1, 1, device="meta"), torch.zeros(1, 1, 1, 1, device="meta"))
-    handed = layer._handed({0: (torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))}, 0, "encoded")
+    scope = LayerScope(codec)
+    first, second = scope.schedule(0, None), scope.schedule(1, None)
+    second.key_stream.append(torch.zeros(1, 2, 1, 4, device="meta"))
+    first.encode_handoff[0] = (torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    handed = second._handed("encode", 0)
     assert [t.device.type for t in handed] == ["meta", "meta"]
 
 

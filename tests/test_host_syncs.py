@@ -9,6 +9,7 @@ import torch
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.cache.host_syncs import HostSyncs
 from tests.codec_matrix import MATRIX, make_codec
+from tests.conftest import reads_taken
 
 FUSED = ("kivi", "qjl", "temporalkv")  # the kernel's three payload formats: packed ints, sketches, codebooks
 # CSR's online guard atoms pick the worst-coded vectors per row and head on the host (csr.py, _guard)
@@ -59,9 +60,11 @@ def triton_llama(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("name", FUSED)
 def test_a_fused_decode_step_never_synchronises(triton_llama, name):
-    syncs, cache = _decode_syncs(triton_llama, make_codec(triton_llama, name), "deferred", FUSED_STEPS)
+    with reads_taken() as taken:
+        syncs, cache = _decode_syncs(triton_llama, make_codec(triton_llama, name), "deferred", FUSED_STEPS)
     assert syncs.found == [], syncs.found
-    assert all(layer.fused_decode in ("attention", "scores") for layer in cache.layers)
+    steps = [read for _, read in taken][len(cache.layers):]  # after the prefill
+    assert len(steps) == FUSED_STEPS * len(cache.layers) and set(steps) <= {"FusedDecode", "FromSegments"}
 
 
 @pytest.mark.parametrize("name", TORCH)
@@ -73,5 +76,5 @@ def test_a_torch_path_decode_step_never_synchronises(tiny_llama, name):
 def test_the_immediate_finiteness_check_synchronises_every_layer(tiny_llama):
     syncs, _ = _decode_syncs(tiny_llama, make_codec(tiny_llama, "kivi"), True, steps=2)
     where = {s.where.split(":")[0] for s in syncs.in_kvcomp}
-    assert "kvcomp/cache/compressed_cache.py" in where  # the check of incoming K/V, 2 layers x 2 steps
+    assert "kvcomp/cache/checks.py" in where  # the check of incoming K/V, 2 layers x 2 steps
     assert len([s for s in syncs.in_kvcomp if "_check_incoming" in s.where]) == 4

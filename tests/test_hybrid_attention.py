@@ -139,9 +139,9 @@ def test_pre_rope_codec_rotates_each_layer_with_its_own_rope():
     cache over every layer must re-rotate each layer's keys with that layer's frequencies."""
     model = _model("gemma3")
     rotary = model.model.rotary_emb
-    modules = [layer.self_attn for layer in model.model.layers]
-    assert torch.equal(modules[0]._kvcomp_rotary.frequencies()[0], rotary.sliding_attention_inv_freq)
-    assert torch.equal(modules[1]._kvcomp_rotary.frequencies()[0], rotary.full_attention_inv_freq)
+    rotaries = install(model).rotaries  # by layer index
+    assert torch.equal(rotaries[0].frequencies()[0], rotary.sliding_attention_inv_freq)
+    assert torch.equal(rotaries[1].frequencies()[0], rotary.full_attention_inv_freq)
     assert not torch.equal(rotary.sliding_attention_inv_freq, rotary.full_attention_inv_freq)
     ids, mask = _padded()
     info = ModelInfo.from_hf_config(model.config)
@@ -150,7 +150,7 @@ def test_pre_rope_codec_rotates_each_layer_with_its_own_rope():
         plain = model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
         cache = CompressedCache(codec, "simulated")
         ours = model(ids, attention_mask=mask, past_key_values=cache).logits
-    assert all(layer.angles_recomputed for layer in cache.compressed_layers)
+    assert all(layer.positions.recomputed for layer in cache.compressed_layers)
     error = (ours - plain)[mask.bool()].norm() / plain[mask.bool()].norm()
     assert error < 0.02, error
 

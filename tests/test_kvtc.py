@@ -101,7 +101,7 @@ def test_window_and_sinks_follow_k12_and_ratios_follow_b15(tiny_llama, sink_dtyp
         assert stream.num_sinks == apart and 4 <= stream.num_tail < 8 and stream.num_encoded % 4 == 0
         assert stream.num_sinks + stream.num_encoded + stream.num_tail == n
         tiny_llama(ids[:, n:n + 1], past_key_values=cache, use_cache=True)
-    payloads = cache.model_unit.store.payloads
+    payloads = cache.scope.unit.store.payloads
     fp8 = [p.tensors["sink.key"].shape[3] if p.tensors else 0 for p in payloads]
     assert fp8 == ([2] + [0] * (len(payloads) - 1) if sink_dtype == "fp8" else [0] * len(payloads))
     metrics = codec.example_metrics(cache)
@@ -152,7 +152,7 @@ def test_per_prompt_pca_is_per_sequence_state(tiny_llama):
     cache = CompressedCache(codec, "exact_prefill")
     ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(2))
     tiny_llama(ids, past_key_values=cache, use_cache=True)
-    state = cache.model_unit.state
+    state = cache.scope.unit.state
     assert state.tensors["key.basis"].shape == (2, 64, 30)  # rank min(p, the 30 prompt tokens held at the first encode)
     assert cache.state_nbytes == state.nbytes > 0
     stream = cache.layers[1].key_stream

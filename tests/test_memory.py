@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import kvcomp.cache.attention as attention
+import kvcomp.cache.reads as reads
 from kvcomp.cache import CompressedCache, install
 from kvcomp.cache.memory import held_nbytes, model_storages
 from kvcomp.codecs import Codec
@@ -54,7 +54,7 @@ def _run(model, codec, path, monkeypatch) -> CompressedCache:
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     if path == "fused":  # the fused cache path, steps computed by the kernels' torch references
-        monkeypatch.setattr(attention, "decode_attention", partial(_reference_decode_attention, attention.decode_attention))
+        monkeypatch.setattr(reads, "decode_attention", partial(_reference_decode_attention, reads.decode_attention))
         monkeypatch.setattr(codec, "payload_scores", partial(_reference_scores, codec.payload_scores), raising=False)
         install(model, kernel_backend="triton")
     cache = CompressedCache(codec, "exact_prefill", decode_per_step=path == "decode_per_step",

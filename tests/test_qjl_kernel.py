@@ -12,7 +12,7 @@ from kvcomp.kernels.payloads import SketchedKeys
 from kvcomp.kernels.qjl_scores import qjl_scores, qjl_scores_reference
 from kvcomp.stages.jl_sketch import channel_mask, group_outlier_channels, jl_projection, sign_sketch
 from tests.codec_matrix import QJL_TINY
-from tests.conftest import info_of
+from tests.conftest import info_of, reads_taken
 
 pytest.importorskip("triton")
 
@@ -71,8 +71,10 @@ def _check_fused_decode_matches_reference(model, protocol, config=QJL_TINY, mode
     reference, _ = _generate(model, codec, ids, mask, protocol)
     install(model, kernel_backend="triton")
     try:
-        fused, cache = _generate(model, codec, ids, mask, protocol)
-        assert cache.layers[1].fused_decode == mode
+        with reads_taken() as taken:
+            fused, cache = _generate(model, codec, ids, mask, protocol)
+        steps = [read for i, read in taken if i == 1][1:]  # after the prefill
+        assert len(steps) == 11 and set(steps) == {"FusedDecode" if mode == "attention" else "FromSegments"}
     finally:
         install(model, kernel_backend="torch")
     assert torch.allclose(fused, reference, atol=1e-4, rtol=1e-4)

@@ -91,7 +91,7 @@ def _lm_class():
 
         def _model_call(self, inps, attn_mask=None, labels=None):
             with torch.no_grad():
-                if self.codec.scope == "model":  # blocks encode after a forward: feed one compression event at a time
+                if self.codec.encodes_after_forward():  # blocks encode after a forward: feed one compression event at a time
                     cache = CompressedCache(self.codec, "exact_prefill")
                     step = self.codec.policy("key", 0).block_size or inps.shape[1]
                     return torch.cat([self.model(part, **with_cache(self.model, cache), use_cache=True).logits

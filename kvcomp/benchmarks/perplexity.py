@@ -94,9 +94,9 @@ def _check_settings(config: PerplexityConfig, model_cfg) -> None:
         raise unknown_choice("window_selection", config.window_selection, WINDOW_SELECTIONS)
 
 
-def protocols_for(protocols: list[str], scope: str) -> list[str]:
-    """The protocols that measure a codec of ``scope`` (see the module docstring)."""
-    if scope != "model" or all(p == "chunked" for p in protocols):
+def protocols_for(protocols: list[str], encodes_after_forward: bool) -> list[str]:
+    """The protocols that measure a codec (``encodes_after_forward``: a model-scope one; see the module docstring)."""
+    if not encodes_after_forward or all(p == "chunked" for p in protocols):
         return list(protocols)
     log.info("perplexity: a model-scope codec never reads its blocks within one forward; protocols %s -> [chunked]",
              list(protocols))

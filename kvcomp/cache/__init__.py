@@ -3,7 +3,7 @@
 import functools
 import inspect
 
-from kvcomp.cache.attention import ATTENTION_NAME, compressed_attention, install
+from kvcomp.cache.attention import ATTENTION_NAME, Installation, compressed_attention, install
 from kvcomp.cache.compressed_cache import PROTOCOLS, CompressedCache, CompressedLayer
 
 
@@ -19,5 +19,5 @@ def with_cache(model, cache) -> dict:
     return {_cache_kwarg(type(model)): cache}
 
 
-__all__ = ["ATTENTION_NAME", "PROTOCOLS", "CompressedCache", "CompressedLayer", "compressed_attention", "install",
-           "with_cache"]
+__all__ = ["ATTENTION_NAME", "PROTOCOLS", "CompressedCache", "CompressedLayer", "Installation", "compressed_attention",
+           "install", "with_cache"]

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvcomp.cache.compressed_cache import CompressedCache
+from kvcomp.cache.scopes import make_scope
 from kvcomp.cache.stream import Block, PayloadStore
 from kvcomp.codecs.base import Codec, Payload
 from kvcomp.errors import ConfigError
@@ -67,10 +68,7 @@ class StoredCache:
 
 
 def _check_supported(codec: Codec) -> None:
-    if codec.scope == "layer" or codec.stateful:
-        raise NotImplementedError(
-            f"storing a {codec.name} cache between turns is not supported: only stream- and model-scope codecs "
-            "without per-sequence state (e.g. kvtc, kivi, uniform, qjl, fp16) can be stored")
+    make_scope(codec).check_storable()
     if codec.model.total_layers != codec.model.num_layers:
         raise NotImplementedError(f"storing a cache with uncompressed sliding-window layers ({codec.model.name}) is not "
                                   "supported; set codec.compress_sliding=true to store every layer encoded")
@@ -123,17 +121,14 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
     codec = cache.codec
     _check_supported(codec)
     if flush:
-        if cache.model_unit is None:
-            raise NotImplementedError(f"flushing the window of a {codec.name} cache is not supported: its blocks have a "
-                                      "fixed size (model-scope codecs such as kvtc can flush)")
-        cache.model_unit.encode_ready(flush=True)
+        cache.scope.flush()
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
-        if not layer.positions_known:
+        if not layer.positions.known:
             raise NotImplementedError("storing a cache whose forwards came without position ids is not supported")
-        if layer.position_ids.length:
-            tensors[f"layer{i}.position_ids"] = _host(layer.position_ids.view)
+        if layer.positions.ids.length:
+            tensors[f"layer{i}.position_ids"] = _host(layer.positions.ids.view)
         streams = {}
         for stream in layer.streams:
             prefix = f"layer{i}.{stream.kind}"
@@ -149,8 +144,8 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
         layers.append({"dtype": str(layer.dtype).removeprefix("torch."), "streams": streams})
     meta = {"format": FORMAT, "codec": codec.describe(), "model": codec.model.identity, "protocol": cache.protocol,
             "layers": layers}
-    if cache.model_unit is not None:
-        meta["model_unit"] = _put_store(cache.model_unit.store, "model_unit", tensors)
+    if cache.scope.shared_store is not None:
+        meta["model_unit"] = _put_store(cache.scope.shared_store, "model_unit", tensors)
     return StoredCache(tensors, meta)
 
 
@@ -170,7 +165,7 @@ def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu
     for i, (layer, saved) in enumerate(zip(cache.layers, meta["layers"])):
         layer.dtype, layer.device, layer.is_initialized = getattr(torch, saved["dtype"]), torch.device(device), True
         if f"layer{i}.position_ids" in tensors:
-            layer.position_ids.append(tensors[f"layer{i}.position_ids"].to(device))
+            layer.positions.ids.append(tensors[f"layer{i}.position_ids"].to(device))
         for stream in layer.streams:
             s, prefix = saved["streams"][stream.kind], f"layer{i}.{stream.kind}"
             stream.length, stream.num_encoded, stream.batch = s["length"], s["num_encoded"], s["batch"]
@@ -182,6 +177,6 @@ def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu
             stream.blocks = [Block(*b) for b in s["blocks"]]
             stream.pending = list(stream.blocks)  # decoded when attention first reads them
             _take_store(stream.store, s["store"], f"{prefix}.store", tensors, device)
-    if cache.model_unit is not None:
-        _take_store(cache.model_unit.store, meta["model_unit"], "model_unit", tensors, device)
+    if cache.scope.shared_store is not None:
+        _take_store(cache.scope.shared_store, meta["model_unit"], "model_unit", tensors, device)
     return cache

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from kvcomp.cache.growing import GrowingTensor
-from kvcomp.codecs.base import Codec, Payload, SequenceState, Unit
+from kvcomp.codecs.base import Codec, Payload, SequenceState
 from kvcomp.stages.rope import apply_rope, undo_rope
 
 
@@ -130,8 +130,8 @@ class KVStream:
 
     ``rope(first, count)`` returns the layer's cos/sin of cached tokens ``first .. first + count - 1``
     (pre-RoPE keys only): blocks are un-rotated before encoding and re-rotated when decoded, with the
-    positions' own angles. ``decoder(block)`` decodes one block (un-rotated); layer- and model-scope
-    codecs decode through their layer, stream-scope ones from this stream's store.
+    positions' own angles. ``decoder(block)`` decodes one block (un-rotated), as the layer's
+    :class:`~kvcomp.cache.scopes.Schedule` does; the schedule also encodes (:meth:`take`, :meth:`add_block`).
 
     Left padding: the first ``leading_pads`` cache positions (the most any row of the batch is padded)
     are kept with the sinks, so every row keeps at least ``policy.sinks`` real tokens in full precision
@@ -139,16 +139,16 @@ class KVStream:
     tokens in full precision than it would alone (per-row schedules would make blocks ragged).
     """
 
-    def __init__(self, codec: Codec, kind: str, layer_idx: int, rope=None, decode_per_step: bool = False,
-                 decoder: Callable[[Block], torch.Tensor] | None = None, capacity: int = 0):
+    def __init__(self, codec: Codec, kind: str, layer_idx: int, rope, decode_per_step: bool,
+                 decoder: Callable[[Block], torch.Tensor], capacity: int = 0):
         self.codec, self.kind, self.layer_idx = codec, kind, layer_idx
         self.rope, self.decode_per_step, self.capacity = rope, decode_per_step, capacity
-        self.decoder = decoder or self._decode_own
+        self.decoder = decoder
         self.policy = codec.policy(kind, layer_idx)
         self.pre_rope = codec.pre_rope and kind == "key"
         self.sinks: torch.Tensor | None = None
         self.store = PayloadStore(codec.payload_layout, capacity)
-        self.state: SequenceState | None = None  # stateful stream-scope codecs
+        self.state: SequenceState | None = None  # per-sequence codec state of a stream-scope unit (kvcomp.cache.scopes)
         self.blocks: list[Block] = []  # every encoded block, in token order
         self.decoded = GrowingTensor(2, capacity)  # the torch path's decoded blocks (working memory)
         self.pending: list[Block] = []  # encoded blocks not in ``decoded`` yet
@@ -196,9 +196,9 @@ class KVStream:
         return self.tail_buffer.length
 
     def append(self, x: torch.Tensor) -> None:
-        """Add ``x [B, H, n, D]`` to the sinks and the tail (encoding is :meth:`encode_ready`'s)."""
+        """Add ``x [B, H, n, D]`` to the sinks and the tail (encoding is the layer's schedule's)."""
         self.length += x.shape[2]
-        self.dtype, self.batch = x.dtype, x.shape[0]
+        self.dtype, self.device, self.batch = x.dtype, x.device, x.shape[0]
         take = min(x.shape[2], self.leading_pads + self.policy.sinks - self.num_sinks)
         if take > 0:
             self.sinks = _cat(self.sinks, x[:, :, :take])
@@ -246,22 +246,6 @@ class KVStream:
         size = self.policy.block_size
         block_end = block.first + (positions - block.first) // size * size + size
         return FreshlyEncoded(positions, chunk, block_end + self.policy.window - 1)
-
-    def encode_ready(self) -> FreshlyEncoded | None:
-        """Encode every block the policy now allows (stream-scope codecs)."""
-        count = self.ready()
-        if not count:
-            return None
-        if self.codec.stateful and self.state is None:
-            self.state = self.codec.init_state(Unit(self.layer_idx, self.kind), {(self.layer_idx, self.kind): self.held()})
-        first, chunk, x = self.take(count)
-        extra = {"state": self.state} if self.codec.stateful else {}
-        payload = self.codec.encode(x, self.kind, self.layer_idx, **extra)
-        return self.add_block(self.store.append(payload, first), chunk)
-
-    def _decode_own(self, block: Block) -> torch.Tensor:
-        extra = {"state": self.state} if self.codec.stateful else {}
-        return self.codec.decode(self.store.block(block), self.kind, self.layer_idx, self.dtype, **extra)
 
     def _decode(self, block: Block) -> torch.Tensor:
         decoded = self.decoder(block)

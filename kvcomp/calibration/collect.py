@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 import kvcomp
 from kvcomp.artifacts import ArtifactError, file_lock, file_record, read_json, verify_file, write_json_atomic
 from kvcomp.cache import install, with_cache
+from kvcomp.cache.step import LayerStep, StepLayer
 from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir
@@ -40,25 +41,27 @@ FIELDS = ("key", "value")
 FISHER_FIELDS = ("key_grad2", "value_grad2")
 
 
-class _RecordingLayer(CacheLayerMixin):
+class _RecordingLayer(StepLayer):
+    """Keeps one forward's K/V (with gradients) and the cos/sin of its step (the model must be installed)."""
+
     is_sliding = False
     is_compileable = False
 
     def __init__(self):
         super().__init__()
-        self.incoming_rope = None
-        self.attention_hooked = False
-        self.last_update = None
         self.recorded = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        raise ConfigError("collecting K/V needs the model's position embeddings: call kvcomp.cache.install(model) first")
+
+    def update_in_step(self, key_states, value_states, step: LayerStep):
         if key_states.requires_grad:
             key_states.retain_grad()
             value_states.retain_grad()
-        self.recorded = (key_states, value_states, self.incoming_rope)
+        self.recorded = (key_states, value_states, step.rope)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -76,8 +79,6 @@ class _RecordingLayer(CacheLayerMixin):
 
 class _RecordingCache(Cache):
     """A one-forward cache that keeps each layer's K/V (with gradients) and the RoPE cos/sin."""
-
-    receives_position_embeddings = True
 
     def __init__(self, num_layers: int):
         super().__init__(layers=[_RecordingLayer() for _ in range(num_layers)])
@@ -180,33 +181,33 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     tensors = [store.layer(i) for i in range(info.num_layers)]
-    install(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)
     start = time.perf_counter()
     what = "K/V + Fisher" if fisher else "K/V"
-    try:
-        for s, window in enumerate(progress(windows, f"calibration {what}", unit="window")):
-            ids = window[None].to(device)
-            cache = _RecordingCache(info.total_layers)
-            with torch.set_grad_enabled(fisher):
-                embeds = model.get_input_embeddings()(ids).detach().requires_grad_(fisher)
-                loss = model(inputs_embeds=embeds, labels=ids, **with_cache(model, cache), use_cache=True).loss
-            if fisher:
-                loss.backward()
-            for layer, out in zip([cache.layers[i] for i in info.model_layers], tensors):  # the layers the codec encodes
-                keys, values, rope = layer.recorded
-                grads = (keys.grad, values.grad) if fisher else ()
-                keys, values = keys.detach(), values.detach()
-                if rope is not None:
-                    cos, sin = (t.expand(1, seq_len, -1) for t in rope)
-                    keys = undo_rope(keys, cos, sin)
-                    grads = (undo_rope(grads[0], cos, sin), grads[1]) if fisher else ()
-                for field, x in zip(store.fields, (keys, values, *(g.square() for g in grads))):
-                    out[field][s] = x[0, :, drop_first:].detach().to(store.dtype).cpu()
-    finally:
-        for p in trainable:
-            p.requires_grad_(True)
+    with install(model):  # scoped: whatever the model had before is back afterwards
+        try:
+            for s, window in enumerate(progress(windows, f"calibration {what}", unit="window")):
+                ids = window[None].to(device)
+                cache = _RecordingCache(info.total_layers)
+                with torch.set_grad_enabled(fisher):
+                    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(fisher)
+                    loss = model(inputs_embeds=embeds, labels=ids, **with_cache(model, cache), use_cache=True).loss
+                if fisher:
+                    loss.backward()
+                for layer, out in zip([cache.layers[i] for i in info.model_layers], tensors):  # the layers the codec encodes
+                    keys, values, rope = layer.recorded
+                    grads = (keys.grad, values.grad) if fisher else ()
+                    keys, values = keys.detach(), values.detach()
+                    if rope is not None:
+                        cos, sin = (t.expand(1, seq_len, -1) for t in rope)
+                        keys = undo_rope(keys, cos, sin)
+                        grads = (undo_rope(grads[0], cos, sin), grads[1]) if fisher else ()
+                    for field, x in zip(store.fields, (keys, values, *(g.square() for g in grads))):
+                        out[field][s] = x[0, :, drop_first:].detach().to(store.dtype).cpu()
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)
     del tensors  # release the file mappings before hashing the shards
     store.seal(time.perf_counter() - start)
     return store

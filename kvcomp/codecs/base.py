@@ -380,6 +380,12 @@ class Codec(ABC):
         if self.pre_rope and not model.has_rope:
             raise ConfigError(f"codec {self.name} works on pre-RoPE keys but model {model.name} has no RoPE")
 
+    @classmethod
+    def encodes_after_forward(cls) -> bool:
+        """Whether blocks are encoded once a forward has ended (model scope), so that no forward ever reads a
+        block it completed."""
+        return cls.scope == "model"
+
     @property
     def pre_rope(self) -> bool:
         """Whether keys reach :meth:`encode` un-rotated (the cache re-rotates decoded keys)."""

@@ -299,14 +299,14 @@ class KVTCCodec(Codec):
         16-bit bytes of the PCA-coded tokens over their bytes before and after DEFLATE (``cr``; per-prompt PCA adds
         its basis and mean), and of every cached token over every stored byte (``cr_with_window``: sinks and
         window at their stored size)."""
-        payloads = cache.model_unit.store.payloads
+        payloads = cache.scope.unit.store.payloads
         sinks = [p.tensors["sink.key"].shape[3] if "sink.key" in p.tensors else 0 for p in payloads]
         tokens = sum(p.num_tokens for p in payloads) - sum(sinks)
         if tokens <= 0:
             return {}
         per_token = 2 * 2 * self.model.num_layers * self.width  # K and V at 16 bits
         deflated = sum(int(rows[0].numel()) for p in payloads for rows in p.ragged.values())
-        state = cache.model_unit.state
+        state = cache.scope.unit.state
         packed = sum(self.packed_nbytes(p.num_tokens - s, state) for p, s in zip(payloads, sinks))
         if state is not None:  # per-prompt PCA: the prompt's basis and mean are part of what is stored (Table 18)
             deflated += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
