@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from kvcomp.benchmarks import BENCHMARKS
 from kvcomp.benchmarks.configs import LMEvalConfig, PerplexityConfig, RulerConfig
@@ -123,10 +124,18 @@ def group_file(path) -> dict:
     return config
 
 
+def sweep_dir(experiment: str | None, stamp: str) -> str:
+    """A sweep's folder (``conf/config.yaml``): ``multirun/<experiment>`` for an experiment file, so that running
+    it again resumes its members there, else ``multirun/<date>/<time>``."""
+    return f"multirun/{experiment or stamp}"
+
+
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore: ``<group>/schema`` for each group and
     ``codec/schema_<name>`` for each codec. Every YAML file of a group names its schema first in its
-    defaults list, so Hydra rejects unknown or mistyped fields when it composes the run."""
+    defaults list, so Hydra rejects unknown or mistyped fields when it composes the run. Also registers
+    the ``kvcomp_sweep_dir`` resolver (:func:`sweep_dir`)."""
+    OmegaConf.register_new_resolver("kvcomp_sweep_dir", sweep_dir, replace=True)
     store = ConfigStore.instance()
     for group, schema in GROUPS.items():
         store.store(group=group, name="schema", node=schema)

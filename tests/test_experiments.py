@@ -6,11 +6,13 @@ results.json files written in a temporary folder.
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
@@ -59,7 +61,9 @@ def test_experiments_exist():
 def test_experiment_composes_and_its_sweep_parses(name):
     override = _experiment_override(name)
     cfg = _compose(override)
-    assert cfg.hydra.sweep.dir == f"multirun/{name}"
+    HydraConfig.instance().set_config(cfg)  # as Hydra does before it resolves its own config
+    assert cfg.hydra.sweep.dir == f"multirun/{name}"  # stated once, in config.yaml: no experiment file names it
+    assert "sweep" not in OmegaConf.load(CONF / "experiment" / f"{name}.yaml").get("hydra", {})
     # the base config's exclusions hold for experiments too (none restates or narrows them)
     assert list(cfg.hydra.job.config.override_dirname.exclude_keys) == ["force", "experiment", "plot.x", "plot.y"]
     jobs = _jobs(cfg)
@@ -243,3 +247,9 @@ def test_csr_paper_configs_have_the_paper_settings():
     mse = _compose(_experiment_override("csr/table3_4_dictionary_mse"), "codec.value_chunks=4", "codec.train_key_sparsity=4")
     typed_codec = codec_config(mse.codec)
     assert (typed_codec.key_chunks, typed_codec.train_value_sparsity) == (4, 4)  # keys and values at one (s, s_n)
+
+
+def test_a_sweep_without_an_experiment_gets_a_dated_folder():
+    cfg = _compose("codec=kivi")
+    HydraConfig.instance().set_config(cfg)
+    assert re.fullmatch(r"multirun/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", cfg.hydra.sweep.dir)

@@ -53,7 +53,6 @@ def test_generate_leaves_nothing_on_the_model_its_masks_or_the_cache(tiny_llama)
     assert [m for m in tiny_llama.modules() if _kvcomp_attributes(m)] == []
     assert [vars(m) for m in [padding, *masks] if vars(m)] == []
     assert _forward_objects() == []
-    del masks
 
 
 @torch.no_grad()

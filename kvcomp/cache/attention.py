@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
