@@ -140,3 +140,13 @@ def test_every_benchmark_file_names_a_registered_benchmark_and_back():
     for name, benchmark in BENCHMARKS.items():
         assert benchmark.config_class.name in BENCHMARKS  # its dataclass's own name is registered too
         assert typed("benchmark", _compose(f"benchmark={name}").benchmark, benchmark.config_class).name == name
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_validate_only_raises(name):
+    """A codec's state is made by build(); validate() reads the config and sets nothing (calling it again on a
+    built codec leaves every attribute as it was)."""
+    codec = build_codec({"name": name}, ModelInfo("m", 2, 2, 64))
+    before = dict(vars(codec))
+    codec.validate()
+    assert vars(codec).keys() == before.keys() and all(vars(codec)[k] is v for k, v in before.items())

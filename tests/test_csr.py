@@ -175,7 +175,7 @@ def test_bits_count_codes_and_online_bank(tiny_llama):
         for stream in layer.streams:
             assert stream.num_encoded == 29 and stream.num_tail == 1
             assert 8 * stream.store.nbytes == encoded * codec.code_bits_per_value(stream.kind, 0)
-    metrics = codec.example_metrics(cache)
+    metrics = codec.example_metrics(cache.statistics())
     assert metrics["code_bits"] == pytest.approx(codec.bits_per_value())
     bank = sum(per_stream.values()) * info.num_layers / 2  # per batch row
     assert metrics["bits_with_online_bank"] == pytest.approx(codec.bits_per_value() + 8 * bank / (encoded / 2 * 2 * info.num_layers))

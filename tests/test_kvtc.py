@@ -104,7 +104,7 @@ def test_window_and_sinks_follow_k12_and_ratios_follow_b15(tiny_llama, sink_dtyp
     payloads = cache.scope.unit.store.payloads
     fp8 = [p.tensors["sink.key"].shape[3] if p.tensors else 0 for p in payloads]
     assert fp8 == ([2] + [0] * (len(payloads) - 1) if sink_dtype == "fp8" else [0] * len(payloads))
-    metrics = codec.example_metrics(cache)
+    metrics = codec.example_metrics(cache.statistics())
     tokens = sum(p.num_tokens for p in payloads) - sum(fp8)
     raw = 2 * 2 * codec.model.num_layers * codec.width * tokens
     deflated = sum(rows[0].numel() for p in payloads for rows in p.ragged.values())
@@ -161,7 +161,7 @@ def test_per_prompt_pca_is_per_sequence_state(tiny_llama):
     tiny_llama(ids, past_key_values=reference, use_cache=True)
     exact = reference.layers[1].key_stream.materialize()
     torch.testing.assert_close(decoded, exact, atol=2e-3 * exact.abs().max().item(), rtol=0)
-    metrics = codec.example_metrics(cache)
+    metrics = codec.example_metrics(cache.statistics())
     assert metrics["cr"] < 1  # the stored basis costs more than the tokens it codes (the paper's 1.0-1.1x)
 
 

@@ -69,7 +69,7 @@ def generate_greedy(
         pad_token_id=eos_token_ids[0],
     )
     if metrics is not None:
-        metrics.append(codec.example_metrics(cache))
+        metrics.append(codec.example_metrics(cache.statistics()))
     return out[:, input_ids.shape[1]:]
 
 

@@ -144,7 +144,7 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
             if not cache_stats:
                 cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype)
             if i == 0:
-                examples.append(codec.example_metrics(cache))
+                examples.append(codec.example_metrics(cache.statistics()))
             bar.update(batch.shape[0])
         bar.close()
         metrics[f"ppl_{protocol}"] = math.exp(nll / count)

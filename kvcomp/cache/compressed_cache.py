@@ -11,7 +11,7 @@ from kvcomp.cache.reads import FromSegments, FusedDecode, Reads, Streaming
 from kvcomp.cache.scopes import Schedule, make_scope
 from kvcomp.cache.step import LayerStep, StepLayer
 from kvcomp.cache.stream import KVStream
-from kvcomp.codecs.base import FULL, Codec
+from kvcomp.codecs.base import FULL, CacheStatistics, Codec
 from kvcomp.errors import ConfigError
 
 PROTOCOLS = ("streaming", "simulated", "exact_prefill")
@@ -318,6 +318,18 @@ class CompressedCache(Cache):
     @property
     def bookkeeping_nbytes(self) -> int:
         return sum(layer.bookkeeping_nbytes for layer in self.compressed_layers)
+
+    def statistics(self) -> CacheStatistics:
+        """What the cache holds, for the codec's :meth:`~kvcomp.codecs.base.Codec.example_metrics`."""
+        streams = [s for layer in self.compressed_layers for s in layer.streams]
+        store = self.scope.shared_store
+        return CacheStatistics(
+            batch=streams[0].batch, streams=len(streams), cached_tokens=sum(s.length for s in streams),
+            encoded_tokens=sum(s.num_encoded for s in streams),
+            full_precision_nbytes=sum(layer.full_precision_nbytes for layer in self.compressed_layers),
+            payload_nbytes=sum(layer.payload_nbytes for layer in self.compressed_layers),
+            state_nbytes=sum(layer.state_nbytes for layer in self.compressed_layers),
+            shared_payloads=() if store is None else tuple(store.payloads), shared_state=self.scope.shared_state)
 
     @property
     def working_nbytes(self) -> int:

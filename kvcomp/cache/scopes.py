@@ -267,6 +267,11 @@ class Scope:
         return None
 
     @property
+    def shared_state(self) -> SequenceState | None:
+        """Per-sequence state every layer shares (model scope)."""
+        return None
+
+    @property
     def shared_state_nbytes(self) -> int:
         return 0
 
@@ -310,6 +315,10 @@ class ModelScope(Scope):
     @property
     def shared_store(self) -> PayloadStore:
         return self.unit.store
+
+    @property
+    def shared_state(self) -> SequenceState | None:
+        return self.unit.state
 
     @property
     def shared_state_nbytes(self) -> int:

@@ -130,6 +130,9 @@ class AquaKVCodec(Codec):
                               f"and buffer >= 1")
         if not 0 < cfg.heldout_fraction < 1:
             raise ConfigError(f"{self.name}: heldout_fraction={cfg.heldout_fraction} must be in (0, 1)")
+
+    def build(self) -> None:
+        cfg = self.config
         self.residual = self._higgs(cfg.bits) if cfg.quantizer == "higgs" else TokenQuanto(
             cfg.bits, cfg.quanto_group_size, self.model.head_dim, f"{self.name} (quanto)")
         self.first = BFloat16() if cfg.first_layer_bits == 16 else self._higgs(cfg.first_layer_bits)

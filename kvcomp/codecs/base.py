@@ -237,6 +237,25 @@ class SequenceState:
 
 
 @dataclass(frozen=True)
+class CacheStatistics:
+    """What a filled cache holds, as the cache reports it to :meth:`Codec.example_metrics` (the codec never
+    reads the cache itself): over the key and value ``streams`` of the encoded layers, ``cached_tokens`` and
+    ``encoded_tokens`` (sums over streams, per batch row), the bytes of their full-precision tokens, payloads
+    and per-sequence state (all rows), and a model-scope codec's ``shared_payloads`` (its blocks) and
+    ``shared_state``."""
+
+    batch: int
+    streams: int
+    cached_tokens: int
+    encoded_tokens: int
+    full_precision_nbytes: int
+    payload_nbytes: int
+    state_nbytes: int
+    shared_payloads: tuple = ()
+    shared_state: "SequenceState | None" = None
+
+
+@dataclass(frozen=True)
 class Unit:
     """One encoding unit of a codec's scope: a stream (``layer`` and ``kind`` set), a layer (``kind`` None)
     or the whole model (both None)."""
@@ -376,9 +395,10 @@ class Codec(ABC):
         self.config = config
         self.model = model.encoding(getattr(config, "compress_sliding", False))
         self.validate()
-        self.check_contract()
         if self.pre_rope and not model.has_rope:
             raise ConfigError(f"codec {self.name} works on pre-RoPE keys but model {model.name} has no RoPE")
+        self.build()
+        self.check_contract()
 
     @classmethod
     def encodes_after_forward(cls) -> bool:
@@ -392,7 +412,12 @@ class Codec(ABC):
         return bool(getattr(self.config, "pre_rope", False))
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` for settings this codec cannot do on this model."""
+        """Raise :class:`ConfigError` for settings this codec cannot do on this model; sets nothing (what the
+        codec works with is made by :meth:`build`, after it)."""
+
+    def build(self) -> None:
+        """Make what encode and decode use from the validated config (quantizers, grids, empty calibration
+        state); called once by ``__init__``, after :meth:`validate`."""
 
     def check_contract(self) -> None:
         """Raise :class:`ConfigError` when the class declares an unknown scope or layout, or when a layer-
@@ -520,9 +545,10 @@ class Codec(ABC):
         """Bits per value as the codec's paper counts them (defaults to the exact count)."""
         return self.bits_per_value()
 
-    def example_metrics(self, cache) -> dict[str, float]:
-        """Measurements of one example's filled cache (batch row 0) worth reporting per row, e.g. kvtc's
-        measured compression ratios; benchmarks give their mean, min and max over examples."""
+    def example_metrics(self, stats: CacheStatistics) -> dict[str, float]:
+        """Measurements of one example's filled cache (batch row 0; ``stats``: the cache's
+        :meth:`~kvcomp.cache.CompressedCache.statistics`) worth reporting per row, e.g. kvtc's measured
+        compression ratios; benchmarks give their mean, min and max over examples."""
         return {}
 
     def summary(self) -> dict:

@@ -112,7 +112,9 @@ class CodebookCodec(Codec):
                     problem = scheme.layout.check(self.model.head_dim)
                     if problem:
                         raise ConfigError(f"{self.name} at {cfg.bits} bits: {problem}")
-        self.outlier_selector = OutlierSelector(cfg.outliers)
+
+    def build(self) -> None:
+        self.outlier_selector = OutlierSelector(self.config.outliers)
         self.chosen: dict[tuple[int, str], str] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.stats: dict[tuple[int, str], ChannelStats] = {}  # built once from the loaded state

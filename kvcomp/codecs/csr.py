@@ -41,7 +41,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, SequenceState, StreamPolicy
+from kvcomp.codecs.base import KINDS, Activations, CacheStatistics, Codec, CodecConfig, CodecState, Payload, SequenceState, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.layer_merging import PAPER_GROUPS, merge_layers
@@ -142,6 +142,8 @@ class CSRCodec(Codec):
         if cfg.merged_groups == "paper" and self.model.num_layers != 32:
             raise ConfigError(f"{self.name}: merged_groups=paper holds the paper's groups of 32-layer models; "
                               f"{self.model.name} has {self.model.num_layers} layers: use auto or none")
+
+    def build(self) -> None:
         self.atoms: dict[str, list[torch.Tensor]] = {}  # kind -> per group [heads or 1, N, d] (fp16)
         self.groups: dict[str, list[list[int]]] = {}
         self.report: dict = {}
@@ -354,14 +356,13 @@ class CSRCodec(Codec):
         """The offline dictionaries (fp16), a per-model constant."""
         return sum(16 * a.numel() for atoms in self.atoms.values() for a in atoms)
 
-    def example_metrics(self, cache) -> dict[str, float]:
+    def example_metrics(self, stats: CacheStatistics) -> dict[str, float]:
         """Bits per encoded value of one example (batch row 0): the codes alone and with the online bank (C13)."""
-        streams = [s for layer in cache.compressed_layers for s in layer.streams]
-        encoded = sum(s.num_encoded for s in streams) * self.model.num_kv_heads * self.model.head_dim
+        encoded = stats.encoded_tokens * self.model.num_kv_heads * self.model.head_dim
         if not encoded:
             return {}
-        codes = sum(s.store.nbytes for s in streams) / max(streams[0].batch, 1)
-        bank = sum(s.state_nbytes for s in streams) / max(streams[0].batch, 1)
+        codes = stats.payload_nbytes / max(stats.batch, 1)
+        bank = stats.state_nbytes / max(stats.batch, 1)
         return {"code_bits": 8 * codes / encoded, "bits_with_online_bank": 8 * (codes + bank) / encoded}
 
     def summary(self) -> dict:

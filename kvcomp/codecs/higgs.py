@@ -100,6 +100,9 @@ class HiggsCodec(Codec):
         cfg = self.config
         if cfg.sinks < 0 or cfg.buffer < 1:
             raise ConfigError(f"{self.name}: sinks must be >= 0 and buffer >= 1, got {cfg.sinks} and {cfg.buffer}")
+
+    def build(self) -> None:
+        cfg = self.config
         self.tokens = TokenHiggs(build_higgs(self.name, self.model, cfg.bits, cfg.grid_dim, cfg.group_size,
                                              cfg.pad_groups, cfg.scale_dtype, cfg.grid_seed), self.model)
 

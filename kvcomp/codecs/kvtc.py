@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcomp.artifacts import write_json_atomic
-from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, SequenceState, StreamPolicy
+from kvcomp.codecs.base import KINDS, Activations, CacheStatistics, Codec, CodecConfig, CodecState, Payload, SequenceState, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
@@ -115,12 +115,24 @@ class KVTCCodec(Codec):
         size = cfg.layers_per_group or layers
         if not 1 <= size <= layers:
             raise ConfigError(f"{self.name}: layers_per_group must be 0 (all) or 1..{layers}, got {cfg.layers_per_group}")
-        self.width = self.model.num_kv_heads * self.model.head_dim  # feature columns per layer
-        self.layer_groups = [range(a, min(a + size, layers)) for a in range(0, layers, size)]
+        self._check_budgets()
+
+    def build(self) -> None:
         self.pca: dict[tuple[str, int], PCABasis] = {}
         self.plans: dict[tuple[str, int], Plan] = {}
-        self._check_budgets()
         self._coefficients: dict[tuple[int, int], tuple[Payload, dict]] = {}  # see decode_model
+
+    @property
+    def width(self) -> int:
+        """Feature columns per layer: every KV head's channels."""
+        return self.model.num_kv_heads * self.model.head_dim
+
+    @property
+    def layer_groups(self) -> list[range]:
+        """The layers each PCA spans (``layers_per_group``; 0: all of them)."""
+        layers = self.model.num_layers
+        size = self.config.layers_per_group or layers
+        return [range(a, min(a + size, layers)) for a in range(0, layers, size)]
 
     @property
     def needs_calibration(self) -> bool:
@@ -294,27 +306,26 @@ class KVTCCodec(Codec):
         return sum(packed_stream_nbytes(self._bases(kind, g, 1, state)[0][1], num_tokens)
                    for kind in KINDS for g in range(len(self.layer_groups)))
 
-    def example_metrics(self, cache) -> dict[str, float]:
+    def example_metrics(self, stats: CacheStatistics) -> dict[str, float]:
         """Compression ratios of one example's cache (batch row 0), as the paper reports them (K13, B.15): raw
         16-bit bytes of the PCA-coded tokens over their bytes before and after DEFLATE (``cr``; per-prompt PCA adds
         its basis and mean), and of every cached token over every stored byte (``cr_with_window``: sinks and
         window at their stored size)."""
-        payloads = cache.scope.unit.store.payloads
+        payloads = stats.shared_payloads
         sinks = [p.tensors["sink.key"].shape[3] if "sink.key" in p.tensors else 0 for p in payloads]
         tokens = sum(p.num_tokens for p in payloads) - sum(sinks)
         if tokens <= 0:
             return {}
         per_token = 2 * 2 * self.model.num_layers * self.width  # K and V at 16 bits
         deflated = sum(int(rows[0].numel()) for p in payloads for rows in p.ragged.values())
-        state = cache.scope.unit.state
+        state = stats.shared_state
         packed = sum(self.packed_nbytes(p.num_tokens - s, state) for p, s in zip(payloads, sinks))
         if state is not None:  # per-prompt PCA: the prompt's basis and mean are part of what is stored (Table 18)
             deflated += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
             packed += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
         sink_bytes = sum(t[0].numel() * t.element_size() for p in payloads for t in p.tensors.values())
-        streams = [s for layer in cache.compressed_layers for s in layer.streams]
-        kept = sum(s.full_precision_nbytes for s in streams) // max(streams[0].batch, 1)  # window (+ sinks), model dtype
-        kept_tokens = sum(s.length - s.num_encoded for s in streams) // len(streams)
+        kept = stats.full_precision_nbytes // max(stats.batch, 1)  # window (+ sinks), model dtype
+        kept_tokens = (stats.cached_tokens - stats.encoded_tokens) // stats.streams
         total_tokens = tokens + sum(sinks) + kept_tokens
         return {"cr_before_deflate": per_token * tokens / packed, "cr": per_token * tokens / deflated,
                 "cr_with_window": per_token * total_tokens / (deflated + sink_bytes + kept), "deflate_gain": packed / deflated}

@@ -119,10 +119,14 @@ class QJLCodec(Codec):
                     f"qjl: {prefix}outlier_sketch_dim={m_o} must be a positive multiple of 8 and <= "
                     f"{prefix}sketch_dim={m} (the outlier sketch uses the first m_o rows of S)"
                 )
-        self.value_quantizer = GroupQuantizer(
-            cfg.value_bits, cfg.value_group_size, "per_token", PARAM_DTYPES[cfg.param_dtype]
-        )
-        self.value_quantizer.validate(d, "qjl (values)")
+        self._value_quantizer().validate(d, "qjl (values)")
+
+    def build(self) -> None:
+        self.value_quantizer = self._value_quantizer()
+
+    def _value_quantizer(self) -> GroupQuantizer:
+        cfg = self.config
+        return GroupQuantizer(cfg.value_bits, cfg.value_group_size, "per_token", PARAM_DTYPES[cfg.param_dtype])
 
     @cached_property
     def _sketches(self) -> dict[tuple[int, int], LayerSketch]:

@@ -44,9 +44,11 @@ class UniformCodec(Codec):
                 f"{self.name}: param_dtype {self.config.param_dtype!r} unknown; valid: {', '.join(PARAM_DTYPES)}"
             )
         self.check_schedule()
-        self.quantizers = self.build_quantizers()
-        for kind, quantizer in self.quantizers.items():
+        for kind, quantizer in self.build_quantizers().items():
             quantizer.validate(self.model.head_dim, f"{self.name} ({kind}s)")
+
+    def build(self) -> None:
+        self.quantizers = self.build_quantizers()
 
     def check_schedule(self) -> None:
         """Raise :class:`ConfigError` for a sink/window setting the cache cannot follow."""
