@@ -23,7 +23,8 @@ from kvcomp.benchmarks import build_benchmark
 from kvcomp.benchmarks.base import Benchmark
 from kvcomp.cache import install
 from kvcomp.calibration import CalibrationData, calibrate
-from kvcomp.codecs import Codec, CodecConfig, ModelInfo, build_codec, codec_config
+from kvcomp.codecs import (Codec, CodecConfig, ModelInfo, build_codec, codec_config, needs_calibration, reads_fused,
+                           scores_from_payload)
 from kvcomp.config import BENCHMARKS, CalibrationConfig, HardwareConfig, LoggerConfig, ModelConfig, typed
 from kvcomp.errors import unknown_choice
 from kvcomp.kernels import check_kernel_backend
@@ -117,11 +118,11 @@ def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None, force: 
     from kvcomp.data import check_corpus_available
 
     benchmark.check(plan.model)
-    calibrates = codec.needs_calibration if codec is not None else codec_class(plan.codec.name).needs_calibration
+    calibrates = needs_calibration(codec if codec is not None else codec_class(plan.codec.name))
     artifact = plan.calibration.artifact
     reusable = not force and ((artifact is not None and Path(artifact).is_file())
                               or any((cache_dir() / "calibration").glob(f"{plan.codec.name}-*.safetensors")))
-    if calibrates is True and not reusable:
+    if calibrates and not reusable:
         check_corpus_available(plan.calibration.name, split="calibration")
 
 
@@ -181,7 +182,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     with phase(f"{plan.benchmark.name} data", timings, "benchmark_data_seconds"):
         benchmark.prepare(model, tokenizer, model_cfg)
     calibration_report = {}
-    if codec.needs_calibration:
+    if needs_calibration(codec):
         with phase(f"calibrating {codec.name} on {plan.calibration.name}", timings, "calibration_seconds"):
             calibration_report = calibrate(
                 codec, plan.calibration,
@@ -231,7 +232,7 @@ def _spans(devices: dict[int, str]) -> str:
 def _report_kernels(codec) -> None:
     """Say which layers' decode steps the Triton kernels serve (the others take the torch path)."""
     layers = range(codec.model.num_layers)
-    fused = [i for i in layers if codec.scores_from_payload or codec.fused_attention_supported(i)]
+    fused = [i for i in layers if scores_from_payload(codec) or reads_fused(codec, i)]
     if len(fused) < len(layers):
         log.info("codec %s: no fused decode kernel for layers %s; they use the torch reference path",
                  codec.describe(), sorted(set(layers) - set(fused)))

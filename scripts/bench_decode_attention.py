@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcomp.codecs.codebook import CodebookCodec
-from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits
+from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.payloads import RotaryPositions
@@ -274,7 +274,7 @@ def main(argv=None) -> str:
     codecs = {}
     for name in args.codecs:
         codec = build_codec(CODECS[name], info)
-        if codec.needs_calibration:
+        if needs_calibration(codec):
             synthetic_state(codec, generator)
         codecs[name] = codec
     copy_gbps = copy_bandwidth(timer, device)

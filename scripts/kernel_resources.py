@@ -28,7 +28,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa: E402
 
-from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
+from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_launches  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
@@ -43,7 +43,7 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
     """The split-kernel launches of one decode step over ``name``'s cache, one per distinct compilation."""
     info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
     codec = build_codec(CODECS[name], info)
-    if codec.needs_calibration:
+    if needs_calibration(codec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
     keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
     query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcomp.calibration import artifact_path, calibrate, fitted_for
-from kvcomp.codecs import CodecState, ModelInfo
+from kvcomp.codecs import Calibrated, CodecState, ModelInfo
 from kvcomp.codecs.uniform import UniformCodec, UniformConfig
 from kvcomp.config import CalibrationConfig
 from kvcomp.errors import CalibrationMismatchError
@@ -20,12 +20,11 @@ class OffsetConfig(UniformConfig):
     group_size: int = 16
 
 
-class OffsetCodec(UniformCodec):
+class OffsetCodec(UniformCodec, Calibrated):
     """Test-only codec: a fitted per-channel offset (the mean of the calibration windows' token ids)."""
 
     name = "test_offset"
     config_class = OffsetConfig
-    needs_calibration = True
 
     def fit(self, calibration):
         self.fit_calls = getattr(self, "fit_calls", 0) + 1

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
-from kvcomp.codecs import CODECS, ModelInfo, expected_cache_bits
+from kvcomp.codecs import CODECS, ModelInfo, expected_cache_bits, keeps_state
 from kvcomp.errors import CalibrationMismatchError
 from tests.codec_matrix import MATRIX, make_codec
 
@@ -46,7 +46,7 @@ def test_round_trip_through_the_cache_and_measured_bytes(tiny_llama, name):
         expected = None
     if expected is not None:  # per-sequence state (CSR's online bank) is measured apart, see tests/test_csr.py
         assert (cache.nbytes - cache.state_nbytes) * 8 == pytest.approx(expected)
-        assert codec.stateful == (cache.state_nbytes > 0)
+        assert keeps_state(codec) == (cache.state_nbytes > 0)
     assert cache.nbytes == cache.full_precision_nbytes + cache.payload_nbytes + cache.state_nbytes
 
 

@@ -6,16 +6,15 @@ import time
 import torch
 
 from kvcomp.calibration import artifact_path, calibrate
-from kvcomp.codecs import Codec, CodecConfig, CodecState, ModelInfo, StreamPolicy
+from kvcomp.codecs import Calibrated, Codec, CodecConfig, CodecState, ModelInfo, StreamPolicy
 from kvcomp.config import CalibrationConfig
 
 
-class SlowCodec(Codec):
+class SlowCodec(Codec, Calibrated):
     """Fits for half a second and records each fit in a file."""
 
     name = "slow"
     config_class = CodecConfig
-    needs_calibration = True
 
     def policy(self, kind, layer_idx):
         return StreamPolicy()

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from kvcomp.cache import CompressedCache
-from kvcomp.codecs.base import Codec, CodecConfig, LayerEncoding, ModelInfo, Payload, SequenceState, StreamPolicy
+from kvcomp.codecs.base import (Codec, CodecConfig, LayerEncoding, ModelInfo, Payload, SequenceState, Stateful,
+                                StreamPolicy)
 from kvcomp.errors import ConfigError
 from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
@@ -103,8 +104,8 @@ class DeflatedModelCodec(ToyCodec):
         return x[layer_idx].to(dtype), x[num_layers + layer_idx].to(dtype)
 
 
-class AnchoredStreamCodec(ToyCodec):
-    name, stateful = "toy_stateful", True
+class AnchoredStreamCodec(ToyCodec, Stateful):
+    name = "toy_stateful"
 
     def init_state(self, unit, held):
         (x,) = held.values()

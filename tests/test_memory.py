@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcomp.cache.reads as reads
 from kvcomp.cache import CompressedCache, install
 from kvcomp.cache.memory import held_nbytes, model_storages
-from kvcomp.codecs import Codec
+from kvcomp.codecs import Codec, reads_fused, scores_from_payload
 from tests.codec_matrix import MATRIX, make_codec
 from tests.conftest import TINY
 
@@ -55,7 +55,8 @@ def _run(model, codec, path, monkeypatch) -> CompressedCache:
     mask[1, :5] = 0
     if path == "fused":  # the fused cache path, steps computed by the kernels' torch references
         monkeypatch.setattr(reads, "decode_attention", partial(_reference_decode_attention, reads.decode_attention))
-        monkeypatch.setattr(codec, "payload_scores", partial(_reference_scores, codec.payload_scores), raising=False)
+        if scores_from_payload(codec):
+            monkeypatch.setattr(codec, "payload_scores", partial(_reference_scores, codec.payload_scores))
         install(model, kernel_backend="triton")
     cache = CompressedCache(codec, "exact_prefill", decode_per_step=path == "decode_per_step",
                             capacity=37 + STEPS if path == "capacity" else None)
@@ -83,7 +84,7 @@ def _reference_scores(original, query, payload, layer_idx, backend="torch"):
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_reported_memory_equals_held_memory(long_llama, name, path, monkeypatch):
     codec = make_codec(long_llama, name)
-    if path == "fused" and not (codec.scores_from_payload or codec.fused_attention_supported(0)):
+    if path == "fused" and not (scores_from_payload(codec) or reads_fused(codec, 0)):
         pytest.skip(f"{name} has no fused decode path")
     cache = _run(long_llama, codec, path, monkeypatch)
     assert cache.get_seq_length() == 37 + (STEPS_DECODING_PER_STEP if path == "decode_per_step" else STEPS) - 1
@@ -93,7 +94,7 @@ def test_reported_memory_equals_held_memory(long_llama, name, path, monkeypatch)
     streams = [s for layer in cache.layers for s in (layer.key_stream, layer.value_stream)]
     if name != "fp16":
         assert all(s.num_encoded > 0 for s in streams)
-    decodes_values = path == "fused" and codec.scores_from_payload  # QJL's fused path scores keys, decodes values
+    decodes_values = path == "fused" and scores_from_payload(codec)  # QJL's fused path scores keys, decodes values
     if path in ("fused", "decode_per_step"):  # no decoded copy: everything held besides storage is spare capacity
         assert all(s.decoded.length == 0 for s in streams if not (decodes_values and s.kind == "value"))
     if name != "fp16" and path in ("fused", "decode_per_step") and not decodes_values:

@@ -11,7 +11,7 @@ from kvcomp.cache.reads import FromSegments, FusedDecode, Reads, Streaming
 from kvcomp.cache.scopes import Schedule, make_scope
 from kvcomp.cache.step import LayerStep, StepLayer
 from kvcomp.cache.stream import KVStream
-from kvcomp.codecs.base import FULL, CacheStatistics, Codec
+from kvcomp.codecs.base import FULL, CacheStatistics, Codec, reads_fused, scores_from_payload, values_from_payload
 from kvcomp.errors import ConfigError
 
 PROTOCOLS = ("streaming", "simulated", "exact_prefill")
@@ -124,21 +124,21 @@ class CompressedLayer(StepLayer):
 
     def fused_decode(self, step: LayerStep | None) -> str | None:
         """How a decode step reads the cache: ``"attention"``: the fused decode-attention kernel reads both
-        payloads (``kernel_backend="triton"``; :meth:`~kvcomp.codecs.base.Codec.payload_reader`; pre-RoPE keys
+        payloads (``kernel_backend="triton"``; :class:`~kvcomp.codecs.base.FusedPayload`; pre-RoPE keys
         need fixed RoPE frequencies and every token's position); ``"scores"`` (where the kernel cannot read the
-        format): the codec's kernel scores the key payload (:meth:`~kvcomp.codecs.base.Codec.payload_scores`),
-        values are decoded; ``"values"`` (any backend, codecs that set ``values_from_payload``): keys are
-        decoded, :meth:`~kvcomp.codecs.base.Codec.payload_values` weights the value payload; ``None``: the torch
+        format): the codec's kernel scores the key payload (:class:`~kvcomp.codecs.base.PayloadScores`),
+        values are decoded; ``"values"`` (any backend, :class:`~kvcomp.codecs.base.PayloadValues`): keys are
+        decoded, the codec weights the value payload; ``None``: the torch
         path (also without kvcomp's attention, ``step`` None)."""
         if step is None:
             return None
-        if self.codec.values_from_payload:
+        if values_from_payload(self.codec):
             return "values"
         if step.kernel_backend != "triton":
             return None
-        if (not self.codec.pre_rope or self.positions.recomputed) and self.codec.fused_attention_supported(self.layer_idx):
+        if (not self.codec.pre_rope or self.positions.recomputed) and reads_fused(self.codec, self.layer_idx):
             return "attention"
-        return "scores" if self.codec.scores_from_payload else None
+        return "scores" if scores_from_payload(self.codec) else None
 
     def raise_if_nonfinite(self) -> None:
         """Read this layer's verdicts of its last forward under ``check_finite="deferred"``."""

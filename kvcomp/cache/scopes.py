@@ -18,14 +18,14 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvcomp.cache.stream import Block, FreshlyEncoded, KVStream, PayloadStore
-from kvcomp.codecs.base import KINDS, Codec, SequenceState, Unit
+from kvcomp.codecs.base import KINDS, Codec, SequenceState, Unit, keeps_state
 
 Fresh = tuple[FreshlyEncoded | None, FreshlyEncoded | None]
 
 
 def _with_state(codec: Codec, state: SequenceState | None) -> dict:
     """The ``state`` argument of a stateful codec's encode and decode calls."""
-    return {"state": state} if codec.stateful else {}
+    return {"state": state} if keeps_state(codec) else {}
 
 
 class Schedule(ABC):
@@ -90,7 +90,7 @@ class StreamSchedule(Schedule):
         count = stream.ready()
         if not count:
             return None
-        if self.codec.stateful and stream.state is None:
+        if keeps_state(self.codec) and stream.state is None:
             held = {(self.layer_idx, stream.kind): stream.held()}
             stream.state = self.codec.init_state(Unit(self.layer_idx, stream.kind), held)
         first, chunk, x = stream.take(count)
@@ -151,7 +151,7 @@ class LayerSchedule(JointSchedule):
             raise RuntimeError(f"layer-scope codec {self.codec.name}: keys and values are ready to encode different token counts")
         if not count:
             return None, None
-        if self.codec.stateful and self.own_state is None:
+        if keeps_state(self.codec) and self.own_state is None:
             held = {(self.layer_idx, s.kind): s.held() for s in self.streams}
             self.own_state = self.codec.init_state(Unit(self.layer_idx), held)
         first, key_chunk, k = keys.take(count)
@@ -203,7 +203,7 @@ class ModelUnit:
         count = counts.pop()
         if not count:
             return
-        if self.codec.stateful and self.state is None:
+        if keeps_state(self.codec) and self.state is None:
             self.state = self.codec.init_state(Unit(), {(s.layer_idx, s.kind): s.held() for s in streams})
         taken = [s.take(count) for s in streams]
         device = taken[0][2].device  # the first layer's: layers may live on several devices (device_map)
@@ -285,7 +285,7 @@ class Scope:
 
     def check_storable(self) -> None:
         """Refuse to store a cache whose codec keeps per-sequence state or hands blocks between layers."""
-        if self.codec.stateful:
+        if keeps_state(self.codec):
             raise NotImplementedError(
                 f"storing a {self.codec.name} cache between turns is not supported: only stream- and model-scope codecs "
                 "without per-sequence state (e.g. kvtc, kivi, uniform, qjl, fp16) can be stored")

@@ -20,7 +20,7 @@ import torch
 import kvcomp
 from kvcomp.artifacts import file_lock
 from kvcomp.calibration.collect import KVActivations, collect_kv
-from kvcomp.codecs import Codec, CodecState
+from kvcomp.codecs import Codec, CodecState, needs_calibration
 from kvcomp.paths import cache_dir, cache_relative
 from kvcomp.schema import at_least
 
@@ -109,7 +109,7 @@ def calibrate(codec: Codec, calibration: CalibrationConfig, load_activations, pa
     (``{"artifact": ..., "reused": bool, "seconds": float}``; the artifact path relative to the cache
     folder when it lies there); codecs that need no calibration return ``{}``.
     """
-    if not codec.needs_calibration:
+    if not needs_calibration(codec):
         return {}
     expected = fitted_for(codec, calibration)
     path = Path(path) if path is not None else artifact_path(codec, calibration)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Activations, Codec, CodecState, LayerEncoding, Payload, StreamPolicy, fit_layer_by_layer
+from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecState, LayerEncoding, Payload, StreamPolicy,
+                                fit_layer_by_layer)
 from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
@@ -108,11 +109,10 @@ class AquaKVConfig(HiggsConfig):
 
 
 @register
-class AquaKVCodec(Codec):
+class AquaKVCodec(Codec, Calibrated):
     name = "aquakv"
     config_class = AquaKVConfig
     scope = "layer"
-    needs_calibration = True
     inference_only_fields = ("sinks", "buffer")
 
     def validate(self) -> None:

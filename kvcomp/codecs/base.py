@@ -11,9 +11,11 @@ full-precision window of recent tokens. What one encode call sees is the codec's
 - ``"model"``: every layer's keys and values of a token block at once, encoded once the last layer has
   appended it (:meth:`Codec.encode_model` / :meth:`Codec.decode_model`; kvtc's cross-layer PCA).
 
-A ``stateful`` codec keeps a :class:`SequenceState` per sequence and encoding unit (e.g. CSR's
-dictionary of atoms sampled from the prompt), created by :meth:`Codec.init_state` at the unit's first
-encode, held (and counted, and batch-reordered) by the cache, and passed to every encode and decode.
+Capabilities beyond encode and decode are small mixins: :class:`Calibrated` (fitted on calibration
+activations), :class:`Stateful` (per-sequence state, e.g. CSR's dictionary of atoms sampled from the prompt,
+made by :meth:`Stateful.init_state` at a unit's first encode, held, counted and batch-reordered by the cache,
+and passed to every encode and decode), :class:`FusedPayload` (read by the fused decode-attention kernel),
+:class:`PayloadScores` and :class:`PayloadValues` (attention from the payload with the codec's own code).
 
 Payloads are stored as a list of blocks; appending never copies what is stored. With
 ``payload_layout = "tokens"`` their tensors have tokens on dim 2 and consecutive blocks read as one
@@ -384,11 +386,6 @@ class Codec(ABC):
     config_class: ClassVar[type[CodecConfig]]
     scope: ClassVar[str] = "stream"  # see SCOPES and the module docstring
     payload_layout: ClassVar[str] = "tokens"  # see PAYLOAD_LAYOUTS
-    stateful: ClassVar[bool] = False  # True: init_state, and encode/decode take ``state``
-    needs_calibration: ClassVar[bool] = False
-    inference_only_fields: ClassVar[tuple[str, ...]] = ()  # config fields a calibration does not depend on
-    scores_from_payload: ClassVar[bool] = False  # True: payload_scores serves decode steps (fused kernels)
-    values_from_payload: bool = False  # True: payload_values serves decode steps (e.g. CSR's D u)
     kernel_backend: str = "torch"  # "triton": encode with the codec's kernel where it has one (set by the runner)
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
@@ -472,39 +469,10 @@ class Codec(ABC):
         """Layer ``layer_idx``'s ``(keys, values)`` of a model-scope block (per-layer decompression)."""
         raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no model decode")
 
-    # --- stateful codecs ---
-    def init_state(self, unit: Unit, held: dict[tuple[int, str], torch.Tensor]) -> SequenceState:
-        """The per-sequence state of ``unit``, from the full-precision tokens it holds at its first encode
-        (``held[(layer, kind)]``: ``[B, H, T, D]``, pre-RoPE keys for pre-RoPE codecs; e.g. the prompt)."""
-        raise NotImplementedError(f"codec {self.name} is not stateful")
-
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         """Exact stored bits per encoded value of ``kind`` in layer ``layer_idx``: codes plus per-group
         parameters (fixed-rate codecs; variable-rate ones report measured bytes only)."""
         raise NotImplementedError(f"codec {self.name} has no fixed rate: its bits are measured")
-
-    def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
-        """Attention logits ``<q, k>`` of queries ``[B, Hq, Tq, D]`` against the encoded (post-RoPE) keys in
-        ``payload``, computed from the payload itself: float32 ``[B, Hq, Tq, T]``. Codecs that set
-        ``scores_from_payload`` implement it; ``backend`` picks the kernel ("torch" or "triton")."""
-        raise NotImplementedError(f"codec {self.name} has no payload score path")
-
-    def payload_values(self, weights: torch.Tensor, payload: Payload, layer_idx: int,
-                       state: SequenceState | None = None) -> torch.Tensor:
-        """``sum_t weights[..., t] v_t`` over the values encoded in ``payload`` without decoding them: attention
-        weights ``[B, Hq, Tq, T]`` -> float32 ``[B, Hq, Tq, D]``. Codecs that set ``values_from_payload``
-        implement it (decode steps then keep no decoded copy of the values)."""
-        raise NotImplementedError(f"codec {self.name} has no payload value path")
-
-    def fused_attention_supported(self, layer_idx: int) -> bool:
-        """Whether the fused decode-attention kernel can read both payloads of layer ``layer_idx``
-        (:meth:`payload_reader`); codecs with a kernel format override this."""
-        return False
-
-    def payload_reader(self, payload: Payload, kind: str, layer_idx: int):
-        """A :class:`~kvcomp.kernels.payloads.PayloadReader`: how the fused decode-attention kernel
-        decodes ``payload`` in registers (pre-RoPE keys are rotated by the cache's positions)."""
-        raise NotImplementedError(f"codec {self.name} has no fused decode-attention format")
 
     def overhead_bits(self) -> int:
         """Model-level storage amortised over all tokens (codebooks, dictionaries, predictors)."""
@@ -515,31 +483,6 @@ class Codec(ABC):
         layers = range(self.model.num_layers)
         total = sum(self.code_bits_per_value(kind, layer) for kind in KINDS for layer in layers)
         return total / (len(KINDS) * self.model.num_layers)
-
-    @property
-    def needs_fisher(self) -> bool:
-        """Whether :meth:`fit` uses Fisher weights (squared loss gradients; collecting them costs a
-        backward pass per calibration window, so only codecs that ask get them)."""
-        return False
-
-    @property
-    def calibration_drop_first(self) -> int:
-        """Leading tokens of every calibration window left out of the activations (attention sinks)."""
-        return 0
-
-    def fit(self, activations: "Activations") -> CodecState | None:
-        """Learn from the calibration windows' :class:`Activations` (never the model); codecs without
-        parameters return ``None``."""
-        return None
-
-    def load_state(self, state: CodecState) -> None:
-        """Install a state returned by :meth:`fit` (or loaded from disk)."""
-
-    def calibration_key(self) -> dict:
-        """The config fields a fitted state depends on (an artifact is reused only when they match;
-        ``compress_sliding`` only when set, so artifacts of models without sliding layers keep their keys)."""
-        return {k: v for k, v in asdict(self.config).items()
-                if k not in self.inference_only_fields and (k != "compress_sliding" or v)}
 
     def paper_bits_per_value(self) -> float:
         """Bits per value as the codec's paper counts them (defaults to the exact count)."""
@@ -558,6 +501,112 @@ class Codec(ABC):
     def describe(self) -> str:
         shown = {k: v for k, v in asdict(self.config).items() if k != "name" and (k != "compress_sliding" or v)}
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
+
+
+class Calibrated(ABC):
+    """Capability: a codec fitted on calibration activations (:mod:`kvcomp.calibration`). :meth:`fit` learns from
+    the windows' :class:`Activations` (never the model) and returns a :class:`CodecState`, saved as a checked
+    artifact and installed by :meth:`load_state`; ``needs_calibration`` False: this configuration fits
+    nothing (kvtc's per-prompt PCA). ``inference_only_fields``: config fields a fitted state does not
+    depend on; ``needs_fisher``: collect Fisher weights (a backward pass per window);
+    ``calibration_drop_first``: leading tokens of every window left out (attention sinks)."""
+
+    needs_calibration: bool = True
+    inference_only_fields: ClassVar[tuple[str, ...]] = ()
+    needs_fisher: bool = False
+    calibration_drop_first: int = 0
+
+    @abstractmethod
+    def fit(self, activations: Activations) -> CodecState | None:
+        """Learn from the calibration windows' activations."""
+
+    @abstractmethod
+    def load_state(self, state: CodecState) -> None:
+        """Install a state returned by :meth:`fit` (or loaded from disk)."""
+
+    def calibration_key(self) -> dict:
+        """The config fields a fitted state depends on (an artifact is reused only when they match;
+        ``compress_sliding`` only when set, so artifacts of models without sliding layers keep their keys)."""
+        return {k: v for k, v in asdict(self.config).items()
+                if k not in self.inference_only_fields and (k != "compress_sliding" or v)}
+
+
+class Stateful(ABC):
+    """Capability: per-sequence state (:class:`SequenceState`, e.g. CSR's dictionary of atoms sampled from the
+    prompt) per encoding unit, made by :meth:`init_state` at the unit's first encode, held (counted, batch-
+    reordered) by the cache and passed as ``state`` to every encode and decode; ``stateful`` False: this
+    configuration keeps none."""
+
+    stateful: bool = True
+
+    @abstractmethod
+    def init_state(self, unit: Unit, held: dict[tuple[int, str], torch.Tensor]) -> SequenceState:
+        """The per-sequence state of ``unit``, from the full-precision tokens it holds at its first encode
+        (``held[(layer, kind)]``: ``[B, H, T, D]``, pre-RoPE keys for pre-RoPE codecs; e.g. the prompt)."""
+
+
+class FusedPayload(ABC):
+    """Capability: the fused decode-attention kernel reads this codec's payloads in registers
+    (:mod:`kvcomp.kernels.decode_attention`), keys and values, for the layers :meth:`fused_attention_supported`
+    says."""
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        return True
+
+    @abstractmethod
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int):
+        """A :class:`~kvcomp.kernels.payloads.PayloadReader`: how the kernel decodes ``payload`` in registers
+        (pre-RoPE keys are rotated by the cache's positions)."""
+
+
+class PayloadScores(ABC):
+    """Capability: decode steps score the encoded keys from their payload with the codec's own kernel (where the
+    fused kernel cannot read the format)."""
+
+    @abstractmethod
+    def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
+        """Attention logits ``<q, k>`` of queries ``[B, Hq, Tq, D]`` against the encoded (post-RoPE) keys in
+        ``payload``, float32 ``[B, Hq, Tq, T]``; ``backend`` picks the kernel ("torch" or "triton")."""
+
+
+class PayloadValues(ABC):
+    """Capability: decode steps weight the encoded values without decoding them (e.g. CSR's ``D u``); decode
+    steps then keep no decoded copy of the values. ``values_from_payload`` False: this configuration decodes
+    them."""
+
+    values_from_payload: bool = True
+
+    @abstractmethod
+    def payload_values(self, weights: torch.Tensor, payload: Payload, layer_idx: int,
+                       state: SequenceState | None = None) -> torch.Tensor:
+        """``sum_t weights[..., t] v_t`` over the values encoded in ``payload``: attention weights
+        ``[B, Hq, Tq, T]`` -> float32 ``[B, Hq, Tq, D]``."""
+
+
+def needs_calibration(codec: "Codec | type[Codec]") -> bool:
+    """Whether the runner calibrates ``codec`` (an instance; or a class, which says so only when no config can
+    change it: ``needs_calibration`` a property means it depends on the config)."""
+    if isinstance(codec, type):
+        return issubclass(codec, Calibrated) and codec.needs_calibration is True
+    return isinstance(codec, Calibrated) and codec.needs_calibration
+
+
+def keeps_state(codec: "Codec") -> bool:
+    """Whether ``codec`` keeps per-sequence state (:class:`Stateful`)."""
+    return isinstance(codec, Stateful) and codec.stateful
+
+
+def reads_fused(codec: "Codec", layer_idx: int) -> bool:
+    """Whether the fused decode-attention kernel reads layer ``layer_idx``'s payloads (:class:`FusedPayload`)."""
+    return isinstance(codec, FusedPayload) and codec.fused_attention_supported(layer_idx)
+
+
+def scores_from_payload(codec: "Codec") -> bool:
+    return isinstance(codec, PayloadScores)
+
+
+def values_from_payload(codec: "Codec") -> bool:
+    return isinstance(codec, PayloadValues) and codec.values_from_payload
 
 
 def expected_cache_bits(codec: Codec, num_tokens: int, batch: int, fp_bits: int) -> float:

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcomp.codecs.base import KINDS, Activations, Codec, CodecConfig, CodecState, Payload, StreamPolicy
+from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
+                                StreamPolicy)
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.payloads import CodebookReader
@@ -73,10 +74,9 @@ class Scheme:
         return CodebookQuantizer(self.layout, self.num_centroids)
 
 
-class CodebookCodec(Codec):
+class CodebookCodec(Codec, Calibrated, FusedPayload):
     """Base of the codebook codecs; subclasses define :meth:`schemes` (and may override :meth:`chunk_len`)."""
 
-    needs_calibration = True
     inference_only_fields = ("sinks", "window")  # calibration does not depend on these
     outliers_change_schemes = False  # whether the outlier setting changes normalisation (KVQuant)
 

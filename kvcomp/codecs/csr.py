@@ -41,7 +41,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvcomp.codecs.base import KINDS, Activations, CacheStatistics, Codec, CodecConfig, CodecState, Payload, SequenceState, StreamPolicy
+from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
+                                PayloadValues, SequenceState, Stateful, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.layer_merging import PAPER_GROUPS, merge_layers
@@ -102,7 +103,7 @@ class CSRConfig(CodecConfig):
 
 
 @register
-class CSRCodec(Codec):
+class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
     name = "csr"
     config_class = CSRConfig
     inference_only_fields = ("sparsity", "key_sparsity", "value_sparsity", "coder", "online_atoms", "online_sampling",
@@ -148,10 +149,6 @@ class CSRCodec(Codec):
         self.groups: dict[str, list[list[int]]] = {}
         self.report: dict = {}
         self._on_device: dict[tuple[str, int, torch.device], torch.Tensor] = {}
-
-    @property
-    def needs_calibration(self) -> bool:
-        return True
 
     @property
     def stateful(self) -> bool:

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcomp.artifacts import write_json_atomic
-from kvcomp.codecs.base import KINDS, Activations, CacheStatistics, Codec, CodecConfig, CodecState, Payload, SequenceState, StreamPolicy
+from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
+                                SequenceState, Stateful, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
@@ -85,7 +86,7 @@ class KVTCConfig(CodecConfig):
 
 
 @register
-class KVTCCodec(Codec):
+class KVTCCodec(Codec, Calibrated, Stateful):
     name = "kvtc"
     config_class = KVTCConfig
     scope = "model"

@@ -31,7 +31,7 @@ from functools import cached_property
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, PayloadScores, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
@@ -87,10 +87,9 @@ class LayerSketch:
 
 
 @register
-class QJLCodec(Codec):
+class QJLCodec(Codec, FusedPayload, PayloadScores):
     name = "qjl"
     config_class = QJLConfig
-    scores_from_payload = True
 
     def validate(self) -> None:
         cfg, d = self.config, self.model.head_dim

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError
 from kvcomp.kernels.payloads import UniformReader
@@ -32,7 +32,7 @@ class UniformConfig(CodecConfig):
 
 
 @register
-class UniformCodec(Codec):
+class UniformCodec(Codec, FusedPayload):
     """Asymmetric min-max quantization; ``x_hat = round((x - z) / s) * s + z`` per group."""
 
     name = "uniform"
