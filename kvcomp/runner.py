@@ -177,7 +177,6 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     info = ModelInfo.from_hf_config(model.config, name=_label(model_cfg), fingerprint=fingerprint["fingerprint"])
     with phase(f"building codec {plan.codec.name}", timings, "codec_seconds"):
         codec = build_codec(plan.codec, info)
-    codec.kernel_backend = hardware.kernel_backend
 
     with phase(f"{plan.benchmark.name} data", timings, "benchmark_data_seconds"):
         benchmark.prepare(model, tokenizer, model_cfg)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
+from kvcomp.codecs.base import Request
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.payloads import RotaryPositions
@@ -73,7 +74,7 @@ def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload
     """A payload of ``tokens`` tokens shaped as the codec stores them, filled with random codes and
     parameters (positive scales): the layout of a real one without encoding gigabytes first."""
     block = codec.policy(kind, 0).block_size
-    probe = codec.encode(torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device), kind, 0)
+    probe = codec.encode(Request(0, kind, tokens=torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device)))
     tensors = {}
     for name, t in probe.tensors.items():
         shape = (batch, t.shape[1], t.shape[2] * tokens // block, *t.shape[3:])
@@ -189,15 +190,13 @@ def bench_encode(codecs: dict, tokens: int, timer: Timer, device) -> list[dict]:
     for name, codec in codecs.items():
         x = {kind: torch.randn(1, h, tokens, d, device=device, dtype=torch.bfloat16) for kind in ("key", "value")}
 
-        def encode():
+        def encode(backend):
             for kind in ("key", "value"):
-                codec.encode(x[kind], kind, 0)
+                codec.encode(Request(0, kind, tokens=x[kind], kernel_backend=backend))
 
         row = {"method": name, "fused": isinstance(codec, CodebookCodec)}
         for backend in ("torch", "triton") if row["fused"] else ("torch",):
-            codec.kernel_backend = backend
-            row[backend] = tokens / timer(encode, lambda: ()) * 1e3
-        codec.kernel_backend = "torch"
+            row[backend] = tokens / timer(lambda: encode(backend), lambda: ()) * 1e3
         rows.append(row)
     return rows
 

@@ -85,7 +85,6 @@ def new_cache(name: str, models: tuple, capacity: int, backend: str = "triton"):
     model = models[1]
     install(model, backend)
     codec = build_codec(ROWS[name], ModelInfo.from_hf_config(model.config))
-    codec.kernel_backend = backend
     if isinstance(codec, CodebookCodec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
     return model, CompressedCache(codec, protocol="exact_prefill", check_finite="deferred", capacity=capacity)

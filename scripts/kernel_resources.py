@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa: E402
 
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
+from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_launches  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
@@ -112,7 +113,7 @@ def main(argv=None) -> str:
         if not args.no_qjl:
             h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
             codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, h, d))
-            payload = codec.encode(torch.randn(1, h, args.context, d), "key", QJL_LAYER)
+            payload = codec.encode(Request(QJL_LAYER, "key", tokens=torch.randn(1, h, args.context, d)))
             _, launch = qjl_score_launch(torch.randn(1, h, ratio, d), codec.sketched_keys(payload, QJL_LAYER))
             rows += rows_for(launch, "qjl scores", args.warps, ratio)
     ptxas = "Triton " + triton.__version__

@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache, install
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
+from kvcomp.codecs.base import Request
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.rope import apply_rope, undo_rope
 from tests.conftest import info_of
@@ -264,7 +265,7 @@ def test_decoded_blocks_equal_decoding_the_whole_payload(tiny_llama, schedule):
     tiny_llama.generate(_ids(length=21), max_new_tokens=30, do_sample=False, past_key_values=cache, pad_token_id=0)
     layer = cache.layers[1]
     for stream in (layer.key_stream, layer.value_stream):
-        whole = codec.decode(stream.payload, stream.kind, 1, torch.float32)
+        whole = codec.decode(stream.payload, Request(1, stream.kind, dtype=torch.float32))
         if stream.pre_rope:
             lo, hi = stream.num_sinks, stream.num_sinks + stream.num_encoded
             whole = apply_rope(whole, *layer.positions.rope(lo, hi - lo))

@@ -8,6 +8,7 @@ from kvcomp.cache import CompressedCache
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.calibration.collect import collect_kv
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
+from kvcomp.codecs.base import Request
 from kvcomp.config import CalibrationConfig
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.stages.rope import apply_rope
@@ -34,7 +35,7 @@ def fitted(model, name, **overrides):
 
 
 def stream_error(codec, x, kind="key", layer=0):
-    decoded = codec.decode(codec.encode(x, kind, layer), kind, layer, torch.float32)
+    decoded = codec.decode(codec.encode(Request(layer, kind, tokens=x)), Request(layer, kind, dtype=torch.float32))
     return (decoded - x).square().mean().item()
 
 
@@ -118,10 +119,10 @@ def test_outliers_are_restored_exactly(tiny_llama):
     codec = fitted(tiny_llama, "channelkv", bits=1, outliers=0.05)
     x = torch.randn(1, 2, 8, 16)
     x[0, 1, 3, 5] = 60.0
-    decoded = codec.decode(codec.encode(x, "value", 0), "value", 0, torch.float32)
+    decoded = codec.decode(codec.encode(Request(0, "value", tokens=x)), Request(0, "value", dtype=torch.float32))
     assert decoded[0, 1, 3, 5] == 60.0
     plain = fitted(tiny_llama, "channelkv", bits=1)
-    assert plain.decode(plain.encode(x, "value", 0), "value", 0, torch.float32)[0, 1, 3, 5] < 30
+    assert plain.decode(plain.encode(Request(0, "value", tokens=x)), Request(0, "value", dtype=torch.float32))[0, 1, 3, 5] < 30
 
 
 def test_hybrid_preset_and_auto(tiny_llama):
@@ -149,7 +150,8 @@ def test_artifacts_are_reused_shared_across_outlier_settings_and_checked(tiny_ll
     report = calibrate(second, calibration, data(second))
     assert report["reused"] is True  # outliers (not clamped) and sinks do not change the codebooks
     x = torch.randn(1, 2, 16, 16)
-    assert torch.equal(first.encode(x, "key", 1).tensors["codes"], second.encode(x, "key", 1).tensors["codes"])
+    request = Request(1, "key", tokens=x)
+    assert torch.equal(first.encode(request).tensors["codes"], second.encode(request).tensors["codes"])
     kvquant = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5}, info)
     kvquant_outliers = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5, "outliers": 0.01}, info)
     assert calibrate(kvquant, calibration, data(kvquant), path=tmp_path / "a.safetensors")["reused"] is False
@@ -174,7 +176,7 @@ def test_bad_configurations_are_clear_errors():
     with pytest.raises(ConfigError, match="calibrate first"):
         build_codec({"name": "temporalkv"}, info).policy("key", 0)
     with pytest.raises(ConfigError, match="no calibration state"):
-        build_codec({"name": "channelkv"}, info).encode(torch.zeros(1, 2, 4, 16), "key", 0)
+        build_codec({"name": "channelkv"}, info).encode(Request(0, "key", tokens=torch.zeros(1, 2, 4, 16)))
 
 
 def test_too_little_calibration_data_is_a_clear_error(tiny_llama):

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvcomp.cache import CompressedCache
-from kvcomp.codecs.base import (Codec, CodecConfig, LayerEncoding, ModelInfo, Payload, SequenceState, Stateful,
-                                StreamPolicy)
+from kvcomp.codecs.base import (Codec, CodecConfig, LayerEncoding, ModelInfo, Payload, Request, SequenceState,
+                                Stateful, StreamPolicy)
 from kvcomp.errors import ConfigError
 from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
@@ -61,16 +61,18 @@ class PredictiveLayerCodec(ToyCodec):
     def _predict_values(keys, previous):
         return 0.25 * keys if previous is None else 0.25 * keys + 0.25 * previous[1]
 
-    def encode_layer(self, keys, values, layer_idx, previous, state=None):
+    def encode(self, request):
+        keys, values, previous = request.keys, request.values, request.previous
         predicted = self._predict_keys(previous)
         key, residual = _code(keys.float() if predicted is None else keys.float() - predicted)
         k_hat = residual if predicted is None else residual + predicted
         predicted = self._predict_values(k_hat, previous)
         value, residual = _code(values.float() - predicted)
-        self.encoded_layers.append(layer_idx)
+        self.encoded_layers.append(request.layer)
         return LayerEncoding(key, value, k_hat, residual + predicted)
 
-    def decode_layer(self, key, value, layer_idx, previous, dtype, state=None):
+    def decode(self, payload, request):
+        (key, value), previous, dtype = payload, request.previous, request.dtype
         k_hat = QUANTIZER.decode(key.tensors, self.model.head_dim, torch.float32)
         if previous is not None:
             k_hat = k_hat + self._predict_keys(previous)
@@ -81,7 +83,8 @@ class PredictiveLayerCodec(ToyCodec):
 class DeflatedModelCodec(ToyCodec):
     name, scope, payload_layout = "toy_model", "model", "blocks"
 
-    def encode_model(self, keys, values, state=None, encoded_before=0):
+    def encode(self, request):
+        keys, values = request.keys, request.values
         x = torch.stack([*keys, *values]).float()  # [2L, B, H, T, D]
         lo = x.amin(dim=(0, 2, 4)).half()  # [B, T]: one range per token and row, over every layer and head
         scale = ((x.amax(dim=(0, 2, 4)) - lo.float()) / 255).clamp_min(1e-4).half()
@@ -91,7 +94,8 @@ class DeflatedModelCodec(ToyCodec):
                 for b in range(codes.shape[1])]
         return Payload({"lo": lo, "scale": scale}, keys[0].shape[2], {"deflated": rows})
 
-    def decode_model(self, payload, layer_idx, dtype, state=None):
+    def decode(self, payload, request):
+        layer_idx, dtype = request.layer, request.dtype
         num_layers, h, d = self.model.num_layers, self.model.num_kv_heads, self.model.head_dim
         t = payload.num_tokens
         out = []
@@ -112,14 +116,16 @@ class AnchoredStreamCodec(ToyCodec, Stateful):
         self.prompts.append(x.shape[2])
         return SequenceState({"anchors": x.float().mean(2, keepdim=True)})  # [B, H, 1, D]: from the prompt
 
-    def encode(self, x, kind, layer_idx, state):
+    def encode(self, request):
+        x, state = request.tokens, request.state
         anchors = state.tensors["anchors"]
         payload, _ = _code(x.float() - anchors[:, :, -1:])
         payload.tensors["anchor"] = torch.full((x.shape[0], 1, 1), anchors.shape[2] - 1, dtype=torch.int16)
         state.tensors["anchors"] = torch.cat([anchors, x.float().mean(2, keepdim=True)], dim=2)  # grows
         return payload
 
-    def decode(self, payload, kind, layer_idx, dtype, state):
+    def decode(self, payload, request):
+        state, dtype = request.state, request.dtype
         index = payload.tensors["anchor"][:, 0, 0].long()  # per row (rows may have been reordered)
         anchors = state.tensors["anchors"][torch.arange(index.shape[0]), :, index][:, :, None]
         codes = {k: v for k, v in payload.tensors.items() if k != "anchor"}
@@ -181,10 +187,10 @@ def test_layer_scope_prediction_matters(tiny_llama):
     key_block, value_block = layer.schedule.blocks[5]
     payloads = layer.key_stream.store.block(key_block), layer.value_stream.store.block(value_block)
     first = cache.layers[0]
-    k0, v0 = codec.decode_layer(first.key_stream.store.block(first.schedule.blocks[5][0]),
-                                first.value_stream.store.block(first.schedule.blocks[5][1]), 0, None, torch.float32)
-    right = codec.decode_layer(*payloads, 1, (k0, v0), torch.float32)
-    wrong = codec.decode_layer(*payloads, 1, (torch.zeros_like(k0), v0), torch.float32)
+    k0, v0 = codec.decode((first.key_stream.store.block(first.schedule.blocks[5][0]),
+                           first.value_stream.store.block(first.schedule.blocks[5][1])), Request(0, dtype=torch.float32))
+    right = codec.decode(payloads, Request(1, previous=(k0, v0), dtype=torch.float32))
+    wrong = codec.decode(payloads, Request(1, previous=(torch.zeros_like(k0), v0), dtype=torch.float32))
     assert not torch.allclose(right[0], wrong[0], atol=1e-3)
     # what attention read for that block: the right reconstruction, re-rotated (pre-RoPE keys)
     n = key_block.count
@@ -253,7 +259,7 @@ def test_scoped_codecs_need_one_policy_per_unit(tiny_llama):
     with pytest.raises(ConfigError, match="layer-scope codec needs one policy"):
         Uneven(ToyConfig(name="uneven"), info_of(tiny_llama))
 
-    class Unknown(ToyCodec):
+    class Unknown(PredictiveLayerCodec):
         name, scope = "unknown", "token"
 
     with pytest.raises(ConfigError, match="valid scopes: stream, layer, model"):

@@ -7,6 +7,7 @@ import torch
 
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.codecs.base import Request
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvcomp.kernels.payloads import CodebookReader, RotaryPositions, UniformReader
@@ -236,9 +237,9 @@ def test_readers_decode_exactly_what_the_codecs_decode(tiny_llama):
     codecs = [kivi, fitted(tiny_llama, "temporalkv"), fitted(tiny_llama, "kvquant"), fitted(tiny_llama, "channelkv")]
     for codec in codecs:
         for kind in ("key", "value"):
-            payload = codec.encode(x, kind, 1)
+            payload = codec.encode(Request(1, kind, tokens=x))
             reader = codec.payload_reader(payload, kind, 1)
-            assert torch.equal(reader.dequantize(), codec.decode(payload, kind, 1, torch.float32)), (codec.name, kind)
+            assert torch.equal(reader.dequantize(), codec.decode(payload, Request(1, kind, dtype=torch.float32))), (codec.name, kind)
 
 
 def test_layers_with_sparse_outliers_keep_the_torch_path(tiny_llama):
@@ -252,7 +253,6 @@ def _generate(model, codec, protocol, backend):
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     install(model, kernel_backend=backend)
-    codec.kernel_backend = backend
     try:
         cache = CompressedCache(codec, protocol)
         out = model.generate(
@@ -261,7 +261,6 @@ def _generate(model, codec, protocol, backend):
         )
     finally:
         install(model, kernel_backend="torch")
-        codec.kernel_backend = "torch"
     return torch.stack(out.logits, dim=1), cache
 
 
@@ -358,8 +357,8 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
     g = torch.Generator().manual_seed(outliers)
     k, v = torch.randn(b, h, 80, d, generator=g), torch.randn(b, h, 80, d, generator=g)
     assert codec.fused_attention_supported(0)
-    keys = [codec.payload_reader(codec.encode(k[:, :, :64], "key", 0), "key", 0), k[:, :, 64:]]
-    values = [codec.payload_reader(codec.encode(v[:, :, :40], "value", 0), "value", 0), v[:, :, 40:]]
+    keys = [codec.payload_reader(codec.encode(Request(0, "key", tokens=k[:, :, :64])), "key", 0), k[:, :, 64:]]
+    values = [codec.payload_reader(codec.encode(Request(0, "value", tokens=v[:, :, :40])), "value", 0), v[:, :, 40:]]
     query = torch.randn(b, h * r, d, generator=g)
     valid = torch.ones(b, 80, dtype=torch.bool)
     valid[0, :5] = False

@@ -6,6 +6,7 @@ import torch
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs.kvtc import packed_stream_nbytes
+from kvcomp.codecs.base import Request
 from kvcomp.stages.transform_coding import decode_rows, encode_rows, inflate
 from tests.codec_matrix import make_codec
 
@@ -28,7 +29,7 @@ def test_plans_meet_the_budget_and_payloads_are_the_deflated_plan_streams(tiny_l
     for plan in codec.plans.values():
         assert 0 < plan.bits <= codec.budget_bits("key")
     keys, values = _kv()
-    payload = codec.encode_model(keys, values, encoded_before=codec.config.sinks)  # a block after the sinks
+    payload = codec.encode(Request(keys=keys, values=values, encoded_before=codec.config.sinks))  # a block after the sinks
     assert payload.nbytes == sum(row.numel() for rows in payload.ragged.values() for row in rows)
     plan = codec.plans["key", 0]
     stream = inflate(payload.ragged["key.0"][1].numpy().tobytes())  # batch row 1: 8 tokens
@@ -36,7 +37,7 @@ def test_plans_meet_the_budget_and_payloads_are_the_deflated_plan_streams(tiny_l
     rounding = 8 * len(plan.groups)  # each group's packed codes are rounded up to whole bytes
     assert abs(stream.numel() * 8 - 8 * plan.bits) <= rounding
     whole = codec.pca["key", 0].reconstruct(decode_rows(stream, plan, 8))  # [8, p]: every layer
-    k1, _ = codec.decode_model(payload, 1, torch.float32)  # layer 1 alone, from its columns
+    k1, _ = codec.decode(payload, Request(1, dtype=torch.float32))  # layer 1 alone, from its columns
     torch.testing.assert_close(k1[1], whole[:, codec.width:2 * codec.width].view(8, 2, 16).transpose(0, 1))
     more = make_codec(tiny_llama, "kvtc", cr=2)  # more bits, less error; the same calibration
     assert more.plans["key", 0].error < plan.error
@@ -51,7 +52,7 @@ def test_per_cache_ratios_and_truncation(tiny_llama):
     plan = dpq.plans["key", 0]
     assert plan.groups[0] == (0, dpq.budget_bits("key") // 16, "fp16") and plan.bits == dpq.budget_bits("key")
     keys, values = _kv()
-    k0, _ = dpq.decode_model(dpq.encode_model(keys, values, encoded_before=8), 0, torch.float32)
+    k0, _ = dpq.decode(dpq.encode(Request(keys=keys, values=values, encoded_before=8)), Request(0, dtype=torch.float32))
     coefficients = dpq.pca["key", 0].project(torch.stack(keys, 1).permute(0, 3, 1, 2, 4).reshape(16, -1))
     kept = plan.groups[0][1]
     expected = dpq.pca["key", 0].reconstruct(torch.cat([coefficients[:, :kept].half().float(),
@@ -65,9 +66,9 @@ def test_layer_groups_have_their_own_basis_and_budget(tiny_llama):
     assert codec.budget_bits("key", 1) == 16 * codec.width // 4
     assert codec.pca["key", 1].basis.shape[0] == codec.width
     keys, values = _kv()
-    payload = codec.encode_model(keys, values, encoded_before=8)
+    payload = codec.encode(Request(keys=keys, values=values, encoded_before=8))
     assert sorted(payload.ragged) == ["key.0", "key.1", "value.0", "value.1"]
-    k1, v1 = codec.decode_model(payload, 1, torch.float32)
+    k1, v1 = codec.decode(payload, Request(1, dtype=torch.float32))
     assert k1.shape == keys[1].shape and (k1 - keys[1]).norm() < keys[1].norm()
 
 
@@ -127,12 +128,12 @@ def test_fp8_sinks_round_trip_and_blocks_of_sinks_only(tiny_llama):
     assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 8).all()  # E4M3: 3 mantissa bits
     codec = make_codec(tiny_llama, "kvtc", sinks=4, every=1, window=1)
     keys, values = _kv(tokens=3)  # a block of sinks only (compressing every token)
-    payload = codec.encode_model(keys, values, encoded_before=1)
+    payload = codec.encode(Request(keys=keys, values=values, encoded_before=1))
     assert payload.tensors["sink.key"].shape == (2, 2, 2, 3, 16)
-    k, v = codec.decode_model(payload, 1, torch.float32)
+    k, v = codec.decode(payload, Request(1, dtype=torch.float32))
     torch.testing.assert_close(k, keys[1], atol=0.1 * keys[1].abs().max().item(), rtol=0)
-    later = codec.encode_model(keys, values, encoded_before=4)
-    assert not later.tensors and codec.decode_model(later, 0, torch.float32)[0].shape == keys[0].shape
+    later = codec.encode(Request(keys=keys, values=values, encoded_before=4))
+    assert not later.tensors and codec.decode(later, Request(0, dtype=torch.float32))[0].shape == keys[0].shape
 
 
 def test_per_prompt_pca_is_per_sequence_state(tiny_llama):

@@ -6,6 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.codecs.base import Request
 from kvcomp.errors import NonFiniteKVError
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 from tests.conftest import _tiny, info_of
@@ -110,9 +111,9 @@ def test_codecs_round_trip_magnitude_1e5_finite(config, head_dim):
     x = _block(1e5, (1, 2, 64, head_dim))
     kinds = ["value"] if config["name"] == "qjl" else ["key", "value"]  # QJL keys are sign sketches
     for kind in kinds:
-        payload = codec.encode(x, kind, 0)
+        payload = codec.encode(Request(0, kind, tokens=x))
         assert payload.tensors["scale"].dtype == torch.float32
-        decoded = codec.decode(payload, kind, 0, torch.float32)
+        decoded = codec.decode(payload, Request(0, kind, dtype=torch.float32))
         assert torch.isfinite(decoded).all()
         assert (decoded - x).abs().max() <= 2e5 / ((1 << getattr(codec.config, "bits", 2)) - 1)
 

@@ -104,12 +104,13 @@ class CompressedLayer(StepLayer):
             key_history, value_history = key_view(self.key_stream), value_view(self.value_stream)
         self.key_stream.append(key_states)
         self.value_stream.append(value_states)
-        fresh_keys, fresh_values = self.schedule.encode_ready()
+        backend = "torch" if step is None else step.kernel_backend
+        fresh_keys, fresh_values = self.schedule.encode_ready(backend)
         if history:
             keys, values = [*key_history, key_states], [*value_history, value_states]
         else:
             keys, values = key_view(self.key_stream), value_view(self.value_stream)
-        self.schedule.after_views()
+        self.schedule.after_views(backend)
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             for stream in self.streams:
                 stream.freeze()

@@ -18,14 +18,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvcomp.cache.stream import Block, FreshlyEncoded, KVStream, PayloadStore
-from kvcomp.codecs.base import KINDS, Codec, SequenceState, Unit, keeps_state
+from kvcomp.codecs.base import KINDS, Codec, Request, SequenceState, Unit, keeps_state
 
 Fresh = tuple[FreshlyEncoded | None, FreshlyEncoded | None]
-
-
-def _with_state(codec: Codec, state: SequenceState | None) -> dict:
-    """The ``state`` argument of a stateful codec's encode and decode calls."""
-    return {"state": state} if keeps_state(codec) else {}
 
 
 class Schedule(ABC):
@@ -52,14 +47,15 @@ class Schedule(ABC):
         return self.key_stream, self.value_stream
 
     @abstractmethod
-    def encode_ready(self) -> Fresh:
-        """Encode what the streams' policies allow now; what moved from the tails, per stream."""
+    def encode_ready(self, kernel_backend: str) -> Fresh:
+        """Encode what the streams' policies allow now (``kernel_backend``: the step's); what moved from the tails,
+        per stream."""
 
     @abstractmethod
     def decode(self, kind: str, block: Block) -> torch.Tensor:
         """One stream's block decoded (pre-RoPE keys un-rotated)."""
 
-    def after_views(self) -> None:
+    def after_views(self, kernel_backend: str) -> None:
         """Called once attention's view of a forward is taken."""
 
     @property
@@ -83,10 +79,10 @@ class Schedule(ABC):
 class StreamSchedule(Schedule):
     """Stream scope: each stream encodes and decodes its blocks alone, with its own state."""
 
-    def encode_ready(self) -> Fresh:
-        return self._encode(self.key_stream), self._encode(self.value_stream)
+    def encode_ready(self, kernel_backend: str) -> Fresh:
+        return self._encode(self.key_stream, kernel_backend), self._encode(self.value_stream, kernel_backend)
 
-    def _encode(self, stream: KVStream) -> FreshlyEncoded | None:
+    def _encode(self, stream: KVStream, kernel_backend: str) -> FreshlyEncoded | None:
         count = stream.ready()
         if not count:
             return None
@@ -94,13 +90,14 @@ class StreamSchedule(Schedule):
             held = {(self.layer_idx, stream.kind): stream.held()}
             stream.state = self.codec.init_state(Unit(self.layer_idx, stream.kind), held)
         first, chunk, x = stream.take(count)
-        payload = self.codec.encode(x, stream.kind, self.layer_idx, **_with_state(self.codec, stream.state))
+        payload = self.codec.encode(Request(self.layer_idx, stream.kind, tokens=x, state=stream.state,
+                                            kernel_backend=kernel_backend))
         return stream.add_block(stream.store.append(payload, first), chunk)
 
     def decode(self, kind: str, block: Block) -> torch.Tensor:
         stream = self.key_stream if kind == "key" else self.value_stream
-        return self.codec.decode(stream.store.block(block), kind, self.layer_idx, stream.dtype,
-                                 **_with_state(self.codec, stream.state))
+        return self.codec.decode(stream.store.block(block), Request(self.layer_idx, kind, state=stream.state,
+                                                                    dtype=stream.dtype))
 
 
 class JointSchedule(Schedule):
@@ -144,7 +141,7 @@ class LayerSchedule(JointSchedule):
     def state(self) -> SequenceState | None:
         return self.own_state
 
-    def encode_ready(self) -> Fresh:
+    def encode_ready(self, kernel_backend: str) -> Fresh:
         keys, values = self.streams
         count = keys.ready()
         if count != values.ready():
@@ -156,7 +153,8 @@ class LayerSchedule(JointSchedule):
             self.own_state = self.codec.init_state(Unit(self.layer_idx), held)
         first, key_chunk, k = keys.take(count)
         _, value_chunk, v = values.take(count)
-        encoding = self.codec.encode_layer(k, v, self.layer_idx, self._handed("encode", first), self.own_state)
+        encoding = self.codec.encode(Request(self.layer_idx, keys=k, values=v, previous=self._handed("encode", first),
+                                             state=self.own_state, kernel_backend=kernel_backend))
         if not self.is_last:
             self.encode_handoff[first] = (encoding.keys, encoding.values)
         key_block, value_block = keys.store.append(encoding.key, first), values.store.append(encoding.value, first)
@@ -165,9 +163,9 @@ class LayerSchedule(JointSchedule):
 
     def decode_both(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
         key_block, value_block = self.blocks[block.first]
-        k, v = self.codec.decode_layer(self.key_stream.store.block(key_block), self.value_stream.store.block(value_block),
-                                       self.layer_idx, self._handed("decode", block.first), self.key_stream.dtype,
-                                       self.own_state)
+        payloads = self.key_stream.store.block(key_block), self.value_stream.store.block(value_block)
+        k, v = self.codec.decode(payloads, Request(self.layer_idx, previous=self._handed("decode", block.first),
+                                                   state=self.own_state, dtype=self.key_stream.dtype))
         if not self.is_last:
             self.decode_handoff[block.first] = (k, v)
         return k, v
@@ -194,7 +192,7 @@ class ModelUnit:
         self.state: SequenceState | None = None
         self.schedules: list[ModelSchedule] = []
 
-    def encode_ready(self, flush: bool = False) -> None:
+    def encode_ready(self, kernel_backend: str = "torch", flush: bool = False) -> None:
         """Encode the block every stream has ready (``flush``: every tail token, e.g. before storing the cache)."""
         streams = [s for schedule in self.schedules for s in schedule.streams]
         counts = {s.num_tail if flush else s.ready() for s in streams}
@@ -207,8 +205,9 @@ class ModelUnit:
             self.state = self.codec.init_state(Unit(), {(s.layer_idx, s.kind): s.held() for s in streams})
         taken = [s.take(count) for s in streams]
         device = taken[0][2].device  # the first layer's: layers may live on several devices (device_map)
-        payload = self.codec.encode_model([t[2].to(device) for t in taken[0::2]], [t[2].to(device) for t in taken[1::2]],
-                                          self.state, encoded_before=self.store.num_tokens)
+        payload = self.codec.encode(Request(keys=[t[2].to(device) for t in taken[0::2]],
+                                            values=[t[2].to(device) for t in taken[1::2]], state=self.state,
+                                            encoded_before=self.store.num_tokens, kernel_backend=kernel_backend))
         block = self.store.append(payload, taken[0][0])
         for stream, (_, chunk, _) in zip(streams, taken):
             stream.add_block(block, chunk)
@@ -233,15 +232,16 @@ class ModelSchedule(JointSchedule):
         self.unit = unit
         super().__init__(codec, layer_idx, rope, decode_per_step, capacity)
 
-    def encode_ready(self) -> Fresh:
+    def encode_ready(self, kernel_backend: str) -> Fresh:
         return None, None
 
-    def after_views(self) -> None:
+    def after_views(self, kernel_backend: str) -> None:
         if self.is_last:  # every layer has appended the block
-            self.unit.encode_ready()
+            self.unit.encode_ready(kernel_backend)
 
     def decode_both(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.codec.decode_model(self.unit.store.block(block), self.layer_idx, self.key_stream.dtype, self.unit.state)
+        k, v = self.codec.decode(self.unit.store.block(block), Request(self.layer_idx, state=self.unit.state,
+                                                                       dtype=self.key_stream.dtype))
         return k.to(self.key_stream.device), v.to(self.key_stream.device)
 
 

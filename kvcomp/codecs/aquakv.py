@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecState, LayerEncoding, Payload, StreamPolicy,
-                                fit_layer_by_layer)
+from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecState, LayerEncoding, Payload, Request,
+                                StreamPolicy, fit_layer_by_layer)
 from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
@@ -179,13 +179,15 @@ class AquaKVCodec(Codec, Calibrated):
             return None
         return heads_major(predictor(self._inputs(kind, keys, previous)), self.model.num_kv_heads)
 
-    def encode_layer(self, keys, values, layer_idx, previous, state=None) -> LayerEncoding:
+    def encode(self, request: Request) -> LayerEncoding:
+        keys, values, layer_idx, previous = request.keys, request.values, request.layer, request.previous
         dtype = keys.dtype
         key, k_hat = self._step(keys, layer_idx, self._predict("key", layer_idx, None, previous), dtype)
         value, v_hat = self._step(values, layer_idx, self._predict("value", layer_idx, k_hat, previous), dtype)
         return LayerEncoding(Payload(key, keys.shape[2]), Payload(value, keys.shape[2]), k_hat, v_hat)
 
-    def decode_layer(self, key, value, layer_idx, previous, dtype, state=None):
+    def decode(self, payload: tuple[Payload, Payload], request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        (key, value), layer_idx, previous, dtype = payload, request.layer, request.previous, request.dtype
         quantizer = self._quantizer(layer_idx)
         k_hat = self._reconstruct(quantizer.decode(key.tensors), self._predict("key", layer_idx, None, previous), dtype)
         v_hat = self._reconstruct(quantizer.decode(value.tensors), self._predict("value", layer_idx, k_hat, previous), dtype)

@@ -5,11 +5,14 @@ A codec turns blocks of cached keys and values ``[batch, kv_heads, tokens, head_
 stream's :class:`StreamPolicy`: full-precision sink tokens, blocks of ``block_size`` tokens, and a
 full-precision window of recent tokens. What one encode call sees is the codec's **scope**:
 
-- ``"stream"``: one layer's keys *or* values (:meth:`Codec.encode` / :meth:`Codec.decode`);
+- ``"stream"``: one layer's keys *or* values;
 - ``"layer"``: keys and values of one layer together, with the previous layer's reconstruction of the
-  same tokens (:meth:`Codec.encode_layer` / :meth:`Codec.decode_layer`; AQUA-KV's predictors);
+  same tokens (AQUA-KV's predictors);
 - ``"model"``: every layer's keys and values of a token block at once, encoded once the last layer has
-  appended it (:meth:`Codec.encode_model` / :meth:`Codec.decode_model`; kvtc's cross-layer PCA).
+  appended it (kvtc's cross-layer PCA).
+
+Every scope has the same two calls, :meth:`Codec.encode` and :meth:`Codec.decode`, with a :class:`Request`
+whose fields the scope fills.
 
 Capabilities beyond encode and decode are small mixins: :class:`Calibrated` (fitted on calibration
 activations), :class:`Stateful` (per-sequence state, e.g. CSR's dictionary of atoms sampled from the prompt,
@@ -267,10 +270,36 @@ class Unit:
 
 
 @dataclass
+class Request:
+    """One encode or decode call: the block and its context, filled by the cache's scope
+    (:mod:`kvcomp.cache.scopes`). Every scope's codec reads the fields it has:
+
+    - ``"stream"``: ``layer`` and ``kind``; encode: ``tokens [B, H, T, D]`` (that stream's);
+    - ``"layer"``: ``layer``; encode: ``keys`` and ``values [B, H, T, D]``; both: ``previous``, the previous
+      layer's reconstruction ``(keys, values)`` of the same tokens (None for layer 0);
+    - ``"model"``: encode: ``keys`` and ``values``, lists over layers, and ``encoded_before``, the tokens of the
+      sequence earlier blocks encoded; decode: ``layer``, the layer to reconstruct.
+
+    ``state``: the unit's per-sequence state (:class:`Stateful` codecs; None otherwise); decode: ``dtype`` of
+    what it returns; encode: ``kernel_backend`` (``"triton"``: the codec may encode with its kernel)."""
+
+    layer: int | None = None
+    kind: str | None = None
+    tokens: torch.Tensor | None = None
+    keys: "torch.Tensor | list[torch.Tensor] | None" = None
+    values: "torch.Tensor | list[torch.Tensor] | None" = None
+    previous: tuple[torch.Tensor, torch.Tensor] | None = None
+    state: "SequenceState | None" = None
+    encoded_before: int = 0
+    dtype: torch.dtype | None = None
+    kernel_backend: str = "torch"
+
+
+@dataclass
 class LayerEncoding:
-    """What :meth:`Codec.encode_layer` returns: both payloads and the layer's reconstruction of the block
-    (``keys``/``values`` as :meth:`Codec.decode_layer` would give them), which the next layer's encode
-    receives as ``previous``."""
+    """What a layer-scope :meth:`Codec.encode` returns: both payloads and the layer's reconstruction of the
+    block (``keys``/``values`` as decode would give them), which the next layer's encode receives as
+    ``previous``."""
 
     key: Payload
     value: Payload
@@ -386,7 +415,6 @@ class Codec(ABC):
     config_class: ClassVar[type[CodecConfig]]
     scope: ClassVar[str] = "stream"  # see SCOPES and the module docstring
     payload_layout: ClassVar[str] = "tokens"  # see PAYLOAD_LAYOUTS
-    kernel_backend: str = "torch"  # "triton": encode with the codec's kernel where it has one (set by the runner)
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
         self.config = config
@@ -436,38 +464,17 @@ class Codec(ABC):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         """The cache schedule of layer ``layer_idx``'s ``kind`` ("key" or "value") stream."""
 
-    # --- scope "stream" (``state=`` is passed only to stateful codecs) ---
-    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
-        """Encode ``x [B, H, T, D]`` (T a multiple of the policy's block size)."""
-        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no stream encode")
+    @abstractmethod
+    def encode(self, request: Request):
+        """Encode one block (:class:`Request` says which fields each scope fills); ``T`` is a multiple of the
+        policy's block size (model scope: any length). Returns its :class:`Payload`; a layer-scope codec its
+        :class:`LayerEncoding`."""
 
-    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
-        """Decode a payload back to ``[B, H, T, D]`` in ``dtype``."""
-        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no stream decode")
-
-    # --- scope "layer" ---
-    def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,
-                     previous: tuple[torch.Tensor, torch.Tensor] | None, state: SequenceState | None = None) -> LayerEncoding:
-        """Encode one layer's block ``[B, H, T, D]`` of keys and values; ``previous``: the previous layer's
-        reconstructed ``(keys, values)`` of the same tokens (None for layer 0)."""
-        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no layer encode")
-
-    def decode_layer(self, key: Payload, value: Payload, layer_idx: int, previous: tuple[torch.Tensor, torch.Tensor] | None,
-                     dtype: torch.dtype, state: SequenceState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reconstructed ``(keys, values)`` of one layer's block, from its payloads and ``previous``."""
-        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no layer decode")
-
-    # --- scope "model" ---
-    def encode_model(self, keys: list[torch.Tensor], values: list[torch.Tensor], state: SequenceState | None = None,
-                     encoded_before: int = 0) -> Payload:
-        """Encode one token block of every layer (``keys[l]``, ``values[l]``: ``[B, H, T, D]``) as one payload;
-        ``encoded_before``: how many tokens of the sequence earlier blocks encoded (0 for the first block)."""
-        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no model encode")
-
-    def decode_model(self, payload: Payload, layer_idx: int, dtype: torch.dtype,
-                     state: SequenceState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_idx``'s ``(keys, values)`` of a model-scope block (per-layer decompression)."""
-        raise NotImplementedError(f"codec {self.name} (scope {self.scope!r}) has no model decode")
+    @abstractmethod
+    def decode(self, payload, request: Request):
+        """The block back in ``request.dtype``: a stream's ``[B, H, T, D]``; a layer's ``(keys, values)`` from
+        ``payload = (key payload, value payload)``; a model-scope block's ``(keys, values)`` of
+        ``request.layer``."""
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         """Exact stored bits per encoded value of ``kind`` in layer ``layer_idx``: codes plus per-group

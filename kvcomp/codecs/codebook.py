@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
-                                StreamPolicy)
+                                Request, StreamPolicy)
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.payloads import CodebookReader
@@ -156,7 +156,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
             key.pop("outliers")
         return key
 
-    def _encode_with(self, scheme, x, stats, codebooks, outliers: bool = True) -> dict:
+    def _encode_with(self, scheme, x, stats, codebooks, outliers: bool = True, backend: str = "torch") -> dict:
         stored: dict[str, torch.Tensor] = {}
         if outliers and self.config.outliers > 0:
             stored.update(self.outlier_selector.select(x, stats))
@@ -164,7 +164,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
                 x = self._clamped(x, stats, stored)
         z, _, params = scheme.normalizer.normalize(x, stats)
         stored.update(params)
-        stored["codes"] = encode_codebook(scheme.quantizer, z, codebooks, self.kernel_backend)
+        stored["codes"] = encode_codebook(scheme.quantizer, z, codebooks, backend)
         return stored
 
     def _decode_with(self, scheme, stored, stats, codebooks) -> torch.Tensor:
@@ -179,16 +179,18 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         low, high = (t[None, :, None, :].to(x.device) for t in (stats.low, stats.high))
         return torch.where(mask, torch.minimum(torch.maximum(x.float(), low), high), x.float())
 
-    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
+    def encode(self, request: Request) -> Payload:
+        x, kind, layer_idx = request.tokens, request.kind, request.layer
         stats = self._stats(layer_idx, kind, x.device)
         codebooks = self._codebooks(layer_idx, kind, x.device)
-        return Payload(self._encode_with(self.scheme(kind, layer_idx), x, stats, codebooks), num_tokens=x.shape[2])
+        stored = self._encode_with(self.scheme(kind, layer_idx), x, stats, codebooks, backend=request.kernel_backend)
+        return Payload(stored, num_tokens=x.shape[2])
 
-    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
-        device = payload.tensors["codes"].device
+    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+        kind, layer_idx, device = request.kind, request.layer, payload.tensors["codes"].device
         stats = self._stats(layer_idx, kind, device)
         codebooks = self._codebooks(layer_idx, kind, device)
-        return self._decode_with(self.scheme(kind, layer_idx), payload.tensors, stats, codebooks).to(dtype)
+        return self._decode_with(self.scheme(kind, layer_idx), payload.tensors, stats, codebooks).to(request.dtype)
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """Codes within bytes and no sparse outliers (their scatter stays on the torch path)."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
-                                PayloadValues, SequenceState, Stateful, StreamPolicy)
+                                PayloadValues, Request, SequenceState, Stateful, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.layer_merging import PAPER_GROUPS, merge_layers
@@ -309,8 +309,9 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
                 used[row, head] += len(worst)
 
     # --- encode / decode ---
-    def encode(self, x, kind, layer_idx, state=None) -> Payload:
+    def encode(self, request: Request) -> Payload:
         """MP codes of ``x [B, H, T, D]``: ``index`` int16 and ``coefficient`` fp16, ``[B, H, T, s_n s]``."""
+        x, kind, layer_idx, state = request.tokens, request.kind, request.layer, request.state
         b, h, t, d = x.shape
         c, s = self.chunks(kind), self.sparsity(kind)
         vectors = x.float().reshape(b * h, t * c, d // c)
@@ -324,15 +325,15 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         return Payload({"index": index.to(torch.int16).view(b, h, t, c * s),
                         "coefficient": coefficient.to(torch.float16).view(b, h, t, c * s)}, t)
 
-    def decode(self, payload, kind, layer_idx, dtype, state=None) -> torch.Tensor:
-        """``D r`` (Eq. 12) of every coded vector, ``[B, H, T, D]`` in ``dtype``."""
+    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+        """``D r`` (Eq. 12) of every coded vector, ``[B, H, T, D]`` in ``request.dtype``."""
         index, coefficient = payload.tensors["index"], payload.tensors["coefficient"]
         b, h, t, pairs = index.shape
-        c = self.chunks(kind)
-        atoms = self.dictionary(kind, layer_idx, b, index.device, state)
+        c = self.chunks(request.kind)
+        atoms = self.dictionary(request.kind, request.layer, b, index.device, request.state)
         flat = (b * h, t * c, pairs // c)
         x = reconstruct(index.reshape(flat).long(), coefficient.reshape(flat), atoms)
-        return x.view(b, h, t, self.model.head_dim).to(dtype)
+        return x.view(b, h, t, self.model.head_dim).to(request.dtype)
 
     def payload_values(self, weights, payload, layer_idx, state=None) -> torch.Tensor:
         """``sum_t w_t v~_t = D u`` per value chunk (§5.4): the weights ``[B, Hq, Tq, T]`` times each pair's

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, Payload, Request, StreamPolicy
 from kvcomp.codecs.registry import register
 
 
@@ -25,10 +25,10 @@ class FullPrecisionCodec(Codec):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(sinks=0, block_size=None, window=0)
 
-    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
+    def encode(self, request: Request) -> Payload:
         raise RuntimeError("the fp16 codec never encodes: its policy keeps every token in the tail")
 
-    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         raise RuntimeError("the fp16 codec never encodes, so there is nothing to decode")
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:

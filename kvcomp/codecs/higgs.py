@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, ModelInfo, Payload, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, ModelInfo, Payload, Request, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.grids import gaussian_grid
@@ -109,11 +109,11 @@ class HiggsCodec(Codec):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(self.config.sinks, self.config.buffer, 0)
 
-    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
-        return Payload(self.tokens.encode(x), x.shape[2])
+    def encode(self, request: Request) -> Payload:
+        return Payload(self.tokens.encode(request.tokens), request.tokens.shape[2])
 
-    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.tokens.decode(payload.tensors).to(dtype)
+    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+        return self.tokens.decode(payload.tensors).to(request.dtype)
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.tokens.bits_per_value()

@@ -38,7 +38,7 @@ import torch
 
 from kvcomp.artifacts import write_json_atomic
 from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
-                                SequenceState, Stateful, StreamPolicy)
+                                Request, SequenceState, Stateful, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.paths import cache_dir
@@ -121,7 +121,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
     def build(self) -> None:
         self.pca: dict[tuple[str, int], PCABasis] = {}
         self.plans: dict[tuple[str, int], Plan] = {}
-        self._coefficients: dict[tuple[int, int], tuple[Payload, dict]] = {}  # see decode_model
+        self._coefficients: dict[tuple[int, int], tuple[Payload, dict]] = {}  # see decode
 
     @property
     def width(self) -> int:
@@ -163,7 +163,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         return [(pca, truncation_plan(pca.basis.shape[1], self.budget_bits(kind, g))) for pca in bases]
 
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
-        """FP8 sinks are coded in the first block(s) (:meth:`encode_model`), so the cache keeps none apart."""
+        """FP8 sinks are coded in the first block(s) (:meth:`encode`), so the cache keeps none apart."""
         sinks = self.config.sinks if self.config.sink_dtype == "model" else 0
         return StreamPolicy(sinks, self.config.every, self.config.window - self.config.every)
 
@@ -253,9 +253,10 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         """The target: 16 bits over the ratio (mean of K and V)."""
         return sum(16 / self.ratio(kind) for kind in KINDS) / len(KINDS)
 
-    def encode_model(self, keys, values, state=None, encoded_before=0) -> Payload:
+    def encode(self, request: Request) -> Payload:
         """The block's first :meth:`fp8_sinks` tokens in FP8 (``sink.key`` / ``sink.value`` codes ``[B, L, H, s, d]``
         and fp16 scales), the others PCA-coded: one DEFLATE stream per batch row, cache and layer group."""
+        keys, values, state, encoded_before = request.keys, request.values, request.state, request.encoded_before
         tensors, ragged = {}, {}
         sinks = self.fp8_sinks(keys[0].shape[2], encoded_before)
         for kind, layers in (("key", keys), ("value", values)):
@@ -272,10 +273,11 @@ class KVTCCodec(Codec, Calibrated, Stateful):
                     for x, (pca, plan) in zip(rows, self._bases(kind, g, batch, state))]
         return Payload(tensors, keys[0].shape[2], ragged)
 
-    def decode_model(self, payload, layer_idx, dtype, state=None):
-        """Layer ``layer_idx`` of a block: its FP8 sinks, then its columns of the PCA reconstruction (K18). A
+    def decode(self, payload: Payload, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``request.layer`` of a block: its FP8 sinks, then its columns of the PCA reconstruction (K18). A
         block's coefficients are inflated and dequantized once, at its first layer, and kept until the group's
         last layer has read them (transient working memory: the coefficients of the blocks decoded in one pass)."""
+        layer_idx, dtype, state = request.layer, request.dtype, request.state
         g = self._group_of(layer_idx)
         group = self.layer_groups[g]
         columns = slice((layer_idx - group.start) * self.width, (layer_idx - group.start + 1) * self.width)

@@ -31,7 +31,7 @@ from functools import cached_property
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, PayloadScores, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, PayloadScores, Request, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
@@ -149,10 +149,11 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
     def norm_dtype(self) -> torch.dtype:
         return PARAM_DTYPES[self.config.norm_dtype]
 
-    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
-        if kind == "value":
+    def encode(self, request: Request) -> Payload:
+        x = request.tokens
+        if request.kind == "value":
             return Payload(self.value_quantizer.encode(x), num_tokens=x.shape[2])
-        cfg, sketch = self.config, self.sketch(layer_idx)
+        cfg, sketch = self.config, self.sketch(request.layer)
         projection = sketch.on(x.device)
         keys = x.float()
         tensors = {}
@@ -180,11 +181,11 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
             outlier_channels=p.get("outlier_channels"),
         )
 
-    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         """Values: dequantized. Keys: ``k_hat`` (module docstring), whose logits equal the estimator's."""
-        if kind == "value":
-            return self.value_quantizer.decode(payload.tensors, self.model.head_dim, dtype)
-        return reconstruct_keys(self.sketched_keys(payload, layer_idx), self.model.head_dim).to(dtype)
+        if request.kind == "value":
+            return self.value_quantizer.decode(payload.tensors, self.model.head_dim, request.dtype)
+        return reconstruct_keys(self.sketched_keys(payload, request.layer), self.model.head_dim).to(request.dtype)
 
     def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
         """Logits ``<q, k_hat>`` of queries ``[B, Hq, Tq, D]`` against the encoded keys, float32

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, Request, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError
 from kvcomp.kernels.payloads import UniformReader
@@ -68,11 +68,11 @@ class UniformCodec(Codec, FusedPayload):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(self.config.sinks, self.quantizers[kind].block_multiple, self.config.window)
 
-    def encode(self, x: torch.Tensor, kind: str, layer_idx: int) -> Payload:
-        return Payload(self.quantizers[kind].encode(x), num_tokens=x.shape[2])
+    def encode(self, request: Request) -> Payload:
+        return Payload(self.quantizers[request.kind].encode(request.tokens), num_tokens=request.tokens.shape[2])
 
-    def decode(self, payload: Payload, kind: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.quantizers[kind].decode(payload.tensors, self.model.head_dim, dtype)
+    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+        return self.quantizers[request.kind].decode(payload.tensors, self.model.head_dim, request.dtype)
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.quantizers[kind].bits_per_value(self.model.head_dim)
