@@ -78,6 +78,15 @@ def reads_taken():
         yield taken
 
 
+def encode_with_torch(monkeypatch) -> None:
+    """Codebook encodes take the torch path under ``kernel_backend="triton"`` (the Triton interpreter would take
+    minutes; ``test_decode_attention.py`` checks the kernel against it)."""
+    import kvcomp.codecs.codebook as codebook
+
+    original = codebook.encode_codebook
+    monkeypatch.setattr(codebook, "encode_codebook", lambda quantizer, z, codebooks, backend="torch": original(quantizer, z, codebooks))
+
+
 def info_of(model) -> ModelInfo:
     return ModelInfo.from_hf_config(model.config)
 

@@ -9,7 +9,7 @@ import torch
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.cache.host_syncs import HostSyncs
 from tests.codec_matrix import MATRIX, make_codec
-from tests.conftest import reads_taken
+from tests.conftest import encode_with_torch, reads_taken
 
 FUSED = ("kivi", "qjl", "temporalkv")  # the kernel's three payload formats: packed ints, sketches, codebooks
 # CSR's online guard atoms pick the worst-coded vectors per row and head on the host (csr.py, _guard)
@@ -53,6 +53,7 @@ def _encoded(cache) -> int:
 def triton_llama(tiny_llama, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    encode_with_torch(monkeypatch)
     install(tiny_llama, "triton")
     yield tiny_llama
     install(tiny_llama, "torch")

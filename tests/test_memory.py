@@ -24,7 +24,7 @@ from kvcomp.cache import CompressedCache, install
 from kvcomp.cache.memory import held_nbytes, model_storages
 from kvcomp.codecs import Codec, reads_fused, scores_from_payload
 from tests.codec_matrix import MATRIX, make_codec
-from tests.conftest import TINY
+from tests.conftest import TINY, encode_with_torch
 
 STEPS = 300
 STEPS_DECODING_PER_STEP = 60  # decode_per_step decodes every block at every step: quadratic, so fewer
@@ -55,6 +55,7 @@ def _run(model, codec, path, monkeypatch) -> CompressedCache:
     mask[1, :5] = 0
     if path == "fused":  # the fused cache path, steps computed by the kernels' torch references
         monkeypatch.setattr(reads, "decode_attention", partial(_reference_decode_attention, reads.decode_attention))
+        encode_with_torch(monkeypatch)
         if scores_from_payload(codec):
             monkeypatch.setattr(codec, "payload_scores", partial(_reference_scores, codec.payload_scores))
         install(model, kernel_backend="triton")
