@@ -12,7 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcomp.cache.reads import Reads
-from kvcomp.cache.step import LayerStep, Rotary, Step, StepLayer, leading_pads
+from kvcomp.cache.step import LayerStep, Step, StepLayer, leading_pads
 from kvcomp.codecs.base import attention_layer_types
 from kvcomp.errors import unknown_choice
 from kvcomp.kernels import KERNEL_BACKENDS
@@ -150,18 +150,14 @@ class Installation:
         """An attention module's pre-hook: its :class:`LayerStep`, in place of the cache."""
         if STEP_ARGUMENT not in kwargs:
             return None
-        kwargs = dict(kwargs)
-        step, name = kwargs.pop(STEP_ARGUMENT), _cache_argument(kwargs)
+        step, name = kwargs.pop(STEP_ARGUMENT), _cache_argument(kwargs)  # this call's own keyword dict
         cache = kwargs.get(name)
         layer = None if cache is None else cache.layers[module.layer_idx]
         if isinstance(layer, StepLayer):
-            rope, rotary = kwargs.get("position_embeddings"), self.rotaries[module.layer_idx]
-            if rope is not None and rotary is not None:
-                inv_freq, scaling = rotary.frequencies()  # on this layer's device (the rotary module may sit elsewhere)
-                rotary = Rotary(inv_freq.to(rope[0].device), scaling, rope[0].dtype)
+            rotary = self.rotaries[module.layer_idx]
             kwargs[name] = None  # the module skips cache.update: compressed_attention updates the layer
-            kwargs[LAYER_STEP_ARGUMENT] = LayerStep(step, layer, rope, kwargs.get("position_ids"),
-                                                    rotary if rope is not None else None)
+            kwargs[LAYER_STEP_ARGUMENT] = LayerStep(step, layer, kwargs.get("position_embeddings"), kwargs.get("position_ids"),
+                                                    None if rotary is None else rotary.frequencies)
         return args, kwargs
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -75,18 +76,28 @@ class Rotary:
 @dataclass
 class LayerStep:
     """One attention layer's part of a :class:`Step`: the ``layer`` it reads, the position embeddings
-    (``rope``: cos/sin ``[B or 1, n, D]``) and position ids of the forward's tokens, and ``rotary``, the
-    model's RoPE frequencies when they do not depend on the sequence (None: cos/sin must be kept)."""
+    (``rope``: cos/sin ``[B or 1, n, D]``) and position ids of the forward's tokens, and ``frequencies``, which
+    reads the model's RoPE frequencies ``(inv_freq, attention_scaling)`` when they do not depend on the sequence
+    (None: cos/sin must be kept)."""
 
     step: Step
     layer: "StepLayer"
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     positions: torch.Tensor | None = None
-    rotary: Rotary | None = None
+    frequencies: "Callable[[], tuple[torch.Tensor, float]] | None" = None
 
     @property
     def kernel_backend(self) -> str:
         return self.step.kernel_backend
+
+    @property
+    def rotary(self) -> Rotary | None:
+        """The fixed RoPE frequencies on this layer's device, in its cos/sin dtype (read when asked: only
+        pre-RoPE codecs need them)."""
+        if self.rope is None or self.frequencies is None:
+            return None
+        inv_freq, scaling = self.frequencies()  # the rotary module may sit on another device
+        return Rotary(inv_freq.to(self.rope[0].device), scaling, self.rope[0].dtype)
 
 
 class StepLayer(CacheLayerMixin):
