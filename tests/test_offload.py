@@ -1,6 +1,8 @@
 """Store -> restore of a compressed cache between turns (kvcomp.cache.offload): the stored bytes come back
 exactly, in memory and through a safetensors file, and the next turn sees the same cache."""
 
+import json
+
 import pytest
 import torch
 
@@ -90,3 +92,72 @@ def test_flush_stores_the_whole_cache_compressed(tiny_llama):
     torch.testing.assert_close(tiny_llama(ids[:, 42:], past_key_values=restored, use_cache=True).logits, expected, rtol=0, atol=0)
     with pytest.raises(NotImplementedError, match="fixed size"):
         store(CompressedCache(make_codec(tiny_llama, "kivi"), "exact_prefill"), flush=True)
+
+
+def _stored(model, tmp_path, padded: bool = True):
+    install(model)
+    codec = make_codec(model, "uniform", pre_rope=True)  # pre-RoPE: position ids are stored too
+    ids = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+    cache = CompressedCache(codec, "exact_prefill")
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return codec, store(cache), tmp_path / "turn.safetensors"
+
+
+def test_a_flipped_byte_or_zeroed_codes_fail_the_checksum(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from kvcomp.artifacts import ArtifactError
+
+    codec, stored, path = _stored(tiny_llama, tmp_path)
+    stored.save(path)
+    assert restore(StoredCache.load(path), codec).get_seq_length() == 40
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x10  # a data byte near the end of the file
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256"):
+        StoredCache.load(path)
+    stored.save(path)  # zero every code, keeping the header as written
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata()
+    tensors = load_file(str(path))
+    tensors = {k: torch.zeros_like(t) if k.endswith("codes") else t for k, t in tensors.items()}
+    save_file(tensors, str(path), metadata=header)
+    with pytest.raises(ArtifactError, match="sha256"):
+        StoredCache.load(path)
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(ArtifactError, match="not a readable stored cache"):
+        StoredCache.load(path)
+
+
+def _crafted(stored, change):
+    """A stored cache whose metadata (or tensors) an adversary edited and re-signed."""
+    meta = json.loads(json.dumps(stored.meta))
+    tensors = dict(stored.tensors)
+    change(meta, tensors)
+    return StoredCache(tensors, meta, "crafted.safetensors")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m, t: m.update(layers=[]), "holds 0 layers"),
+    (lambda m, t: m["layers"][0].update(dtype="__class__"), "dtype '__class__'; valid"),
+    (lambda m, t: m["layers"][0]["streams"]["key"].update(leading_pads=10**9), "padding tokens"),
+    (lambda m, t: m["layers"][1]["streams"]["value"].update(length=10**12), "but length"),
+    (lambda m, t: m["layers"][0]["streams"]["key"].update(num_encoded=-1), "must be counts"),
+    (lambda m, t: m["layers"][0]["streams"]["key"]["blocks"].clear(), "blocks hold 0 tokens"),
+    (lambda m, t: m["layers"][0]["streams"].pop("value"), "a key and a value stream"),
+    (lambda m, t: t.update({"layer0.position_ids": t["layer0.position_ids"].flip(-1)}), "do not increase"),
+])
+def test_restore_checks_the_metadata_before_allocating(tiny_llama, tmp_path, change, message):
+    codec, stored, path = _stored(tiny_llama, tmp_path)
+    crafted = _crafted(stored, change)
+    crafted.save(path)  # a consistent checksum: only the structure can tell
+    loaded = StoredCache.load(path)
+    with pytest.raises(ConfigError, match=message) as error:
+        restore(loaded, codec)
+    assert str(path) in str(error.value)

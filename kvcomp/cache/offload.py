@@ -12,10 +12,16 @@ too (model-scope codecs), so that the whole conversation is stored compressed.
 Stream- and model-scope codecs without per-sequence state are supported (kvtc, the fixed-rate codecs);
 layer-scope codecs hand reconstructions between layers and stateful codecs keep per-sequence state,
 neither of which is stored yet.
+
+A stored file is a checked artifact: its header carries a sha256 over the metadata and every tensor, verified
+by :meth:`StoredCache.load`, and :func:`restore` checks the metadata against the codec, the model and the
+tensors (layer and stream counts, dtypes from :data:`DTYPES`, token counts against tensor sizes, blocks that
+tile the encoded tokens, padding within the cache, position ids that increase) before it allocates anything.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,9 +33,21 @@ from kvcomp.cache.compressed_cache import CompressedCache
 from kvcomp.cache.scopes import make_scope
 from kvcomp.cache.stream import Block, PayloadStore
 from kvcomp.codecs.base import Codec, Payload
+from kvcomp.artifacts import ArtifactError
 from kvcomp.errors import ConfigError
 
 FORMAT = "kvcomp-stored-cache/1"
+DTYPES = ("float32", "float16", "bfloat16")  # model dtypes a stored cache may hold
+
+
+def digest(tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """sha256 over the metadata (canonical JSON) and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @dataclass
@@ -38,6 +56,7 @@ class StoredCache:
 
     tensors: dict[str, torch.Tensor]
     meta: dict
+    source: str = "stored cache"  # the file it was loaded from, for error messages
 
     @property
     def nbytes(self) -> int:
@@ -51,20 +70,28 @@ class StoredCache:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never clash
-        save_file({k: t.contiguous() for k, t in self.tensors.items()}, str(partial), metadata={"kvcomp": json.dumps(self.meta)})
+        header = {"kvcomp": json.dumps(self.meta), "sha256": digest(self.tensors, self.meta)}
+        save_file({k: t.contiguous() for k, t in self.tensors.items()}, str(partial), metadata=header)
         partial.replace(path)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "StoredCache":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            if "kvcomp" not in header:
-                raise ConfigError(f"{path}: not a stored kvcomp cache (no 'kvcomp' metadata)")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        return cls(tensors, json.loads(header["kvcomp"]))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                if "kvcomp" not in header:
+                    raise ConfigError(f"{path}: not a stored kvcomp cache (no 'kvcomp' metadata)")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            meta = json.loads(header["kvcomp"])
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # truncated or garbled files
+            raise ArtifactError(f"{path}: not a readable stored cache ({exc}); store the cache again") from exc
+        if header.get("sha256") != digest(tensors, meta):
+            raise ArtifactError(f"{path}: the stored cache fails its sha256 check (altered or damaged): store the cache "
+                                "again")
+        return cls(tensors, meta, str(path))
 
 
 def _check_supported(codec: Codec) -> None:
@@ -149,17 +176,79 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
     return StoredCache(tensors, meta)
 
 
+def _tokens(tensors: dict, name: str, batch: int, what) -> int:
+    """Tokens (dim 2) of an optional stored ``[B, H, T, D]`` tensor, checked against the batch."""
+    t = tensors.get(name)
+    if t is None:
+        return 0
+    if t.dim() != 4 or t.shape[0] != batch:
+        what(f"{name} has shape {tuple(t.shape)}, not [batch {batch}, heads, tokens, head_dim]")
+    return t.shape[2]
+
+
+def check_structure(stored: StoredCache, codec: Codec) -> None:
+    """Refuse metadata that does not describe the stored tensors for ``codec``'s model, before anything is
+    allocated: one :class:`ConfigError` naming the file and the first problem."""
+    meta, tensors = stored.meta, stored.tensors
+
+    def what(problem: str):
+        raise ConfigError(f"{stored.source}: {problem}; store the cache again")
+
+    layers = meta.get("layers")
+    if not isinstance(layers, list) or len(layers) != codec.model.num_layers:
+        what(f"it holds {len(layers) if isinstance(layers, list) else 'no'} layers, the model's cache has "
+             f"{codec.model.num_layers}")
+    encoded = set()
+    for i, layer in enumerate(layers):
+        if layer.get("dtype") not in DTYPES:
+            what(f"layer {i} dtype {layer.get('dtype')!r}; valid: {', '.join(DTYPES)}")
+        streams = layer.get("streams")
+        if not isinstance(streams, dict) or sorted(streams) != ["key", "value"]:
+            what(f"layer {i} must hold a key and a value stream")
+        for kind, s in streams.items():
+            where = f"layer {i} {kind}s"
+            numbers = [s.get(k) for k in ("length", "num_encoded", "batch", "leading_pads")]
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
+                what(f"{where}: length, num_encoded, batch and leading_pads must be counts, got {numbers}")
+            length, num_encoded, batch, pads = numbers
+            prefix = f"layer{i}.{kind}"
+            sinks, tail = (_tokens(tensors, f"{prefix}.{part}", batch, what) for part in ("sinks", "tail"))
+            if sinks + num_encoded + tail != length:
+                what(f"{where}: {sinks} sink + {num_encoded} encoded + {tail} tail tokens, but length {length}")
+            if pads > sinks:
+                what(f"{where}: {pads} padding tokens, but {sinks} are kept in full precision before the blocks")
+            first = sinks
+            for block in s.get("blocks", []):
+                if len(block) != 5 or block[3] != first or not isinstance(block[4], int) or block[4] < 1:
+                    what(f"{where}: the encoded blocks do not follow each other from token {sinks}")
+                first += block[4]
+            if first != sinks + num_encoded:
+                what(f"{where}: blocks hold {first - sinks} tokens, but {num_encoded} are encoded")
+            encoded.add(num_encoded)
+            positions = tensors.get(f"layer{i}.position_ids")
+            if positions is not None:
+                if tuple(positions.shape) != (batch, length):
+                    what(f"layer {i} position ids have shape {tuple(positions.shape)}, not {(batch, length)}")
+                if positions.shape[1] > pads + 1 and not bool((positions[:, pads + 1:] > positions[:, pads:-1]).all()):
+                    what(f"layer {i} position ids do not increase after the padding")
+    unit = meta.get("model_unit")
+    if unit is not None and len(encoded) == 1 and unit.get("num_tokens") != encoded.pop():
+        what(f"the shared blocks hold {unit.get('num_tokens')} tokens, the layers encoded a different count")
+
+
 def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu", protocol: str | None = None,
             **cache_options) -> CompressedCache:
     """A :class:`CompressedCache` for ``codec`` on ``device`` holding ``stored``'s bytes (``protocol``: the
     stored one by default). Refuses a store made with another codec configuration or model."""
     meta = stored.meta
     if meta.get("format") != FORMAT:
-        raise ConfigError(f"stored cache format {meta.get('format')!r}; this kvcomp reads {FORMAT!r}")
+        raise ConfigError(f"{stored.source}: format {meta.get('format')!r}; this kvcomp reads {FORMAT!r}")
     for what, mine in (("codec", codec.describe()), ("model", codec.model.identity)):
-        if meta[what] != mine:
-            raise ConfigError(f"stored cache was made with {what} {meta[what]!r}, not {mine!r}: restore it with the same one")
+        if meta.get(what) != mine:
+            raise ConfigError(f"{stored.source} was made with {what} {meta.get(what)!r}, not {mine!r}: restore it with "
+                              "the same one")
     _check_supported(codec)
+    check_structure(stored, codec)
     tensors = stored.tensors
     cache = CompressedCache(codec, protocol or meta["protocol"], **cache_options)
     for i, (layer, saved) in enumerate(zip(cache.layers, meta["layers"])):
