@@ -13,6 +13,10 @@ class CalibrationMismatchError(KVCompError, ValueError):
     """A saved calibration state was fitted for another model, codec config or calibration set."""
 
 
+class DamagedPayloadError(KVCompError, ValueError):
+    """A stored payload does not hold what its plan implies (a damaged or crafted stored cache)."""
+
+
 class NonFiniteKVError(KVCompError, FloatingPointError):
     """NaN or Inf reached the KV cache."""
 

@@ -32,7 +32,7 @@ def test_plans_meet_the_budget_and_payloads_are_the_deflated_plan_streams(tiny_l
     payload = codec.encode(Request(keys=keys, values=values, encoded_before=codec.config.sinks))  # a block after the sinks
     assert payload.nbytes == sum(row.numel() for rows in payload.ragged.values() for row in rows)
     plan = codec.plans["key", 0]
-    stream = inflate(payload.ragged["key.0"][1].numpy().tobytes())  # batch row 1: 8 tokens
+    stream = inflate(payload.ragged["key.0"][1].numpy().tobytes(), packed_stream_nbytes(plan, 8))  # row 1: 8 tokens
     assert stream.numel() == packed_stream_nbytes(plan, 8)
     rounding = 8 * len(plan.groups)  # each group's packed codes are rounded up to whole bytes
     assert abs(stream.numel() * 8 - 8 * plan.bits) <= rounding

@@ -161,3 +161,25 @@ def test_restore_checks_the_metadata_before_allocating(tiny_llama, tmp_path, cha
     with pytest.raises(ConfigError, match=message) as error:
         restore(loaded, codec)
     assert str(path) in str(error.value)
+
+
+def test_a_decompression_bomb_in_a_kvtc_row_is_refused_when_read(tiny_llama, tmp_path):
+    import zlib
+
+    from kvcomp.errors import DamagedPayloadError
+
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, "kvtc")
+    ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(3))
+    cache = CompressedCache(codec, "exact_prefill")
+    with torch.no_grad():
+        tiny_llama(ids[:, :40], past_key_values=cache, use_cache=True)
+    stored = store(cache)
+    rows = [k for k in stored.tensors if ".ragged." in k]
+    assert rows
+    bomb = torch.frombuffer(bytearray(zlib.compress(bytes(64 * 2**20), 9)), dtype=torch.uint8)  # 64 MiB of zeros
+    crafted = _crafted(stored, lambda m, t: t.update({rows[0]: bomb}))
+    crafted.save(tmp_path / "bomb.safetensors")
+    restored = restore(StoredCache.load(tmp_path / "bomb.safetensors"), codec)
+    with torch.no_grad(), pytest.raises(DamagedPayloadError, match="more than"):
+        tiny_llama(ids[:, 40:], past_key_values=restored, use_cache=True)

@@ -1,5 +1,6 @@
 """kvtc's transform coding stage: feature layout, PCA, byte stream round trip, DEFLATE (kvcomp.stages.transform_coding)."""
 
+import pytest
 import torch
 
 from kvcomp.stages.bit_allocation import allocate
@@ -40,5 +41,25 @@ def test_byte_stream_round_trips_the_plan_and_its_size_is_the_plan_bits():
     assert {kind for _, _, kind in plan.groups} - {"none"}, "the plan keeps something"
     stream = encode_rows(coefficients, plan)
     assert stream.numel() * 8 == plan.bits * 40  # whole bytes here: every group's codes fill bytes
-    decoded = decode_rows(inflate(deflate(stream)), plan, 40)
+    decoded = decode_rows(inflate(deflate(stream), stream.numel()), plan, 40)
     torch.testing.assert_close(decoded, plan.apply(coefficients))
+
+
+def test_inflate_refuses_a_bomb_and_a_short_stream_without_inflating_them():
+    import tracemalloc
+    import zlib
+
+    from kvcomp.errors import DamagedPayloadError
+
+    bomb = zlib.compress(bytes(512 * 2**20), 9)  # 512 MiB of zeros in about 0.5 MB
+    tracemalloc.start()
+    with pytest.raises(DamagedPayloadError, match="more than 1000 bytes"):
+        inflate(bomb, 1000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 * 2**20, peak
+    with pytest.raises(DamagedPayloadError, match="holds 10 bytes where its plan implies 11"):
+        inflate(zlib.compress(bytes(10)), 11)
+    with pytest.raises(DamagedPayloadError, match="corrupt"):
+        inflate(b"not deflate", 4)
+    assert inflate(zlib.compress(bytes(range(7))), 7).tolist() == list(range(7))

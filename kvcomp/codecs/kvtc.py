@@ -286,7 +286,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         key = (id(payload), g)
         if key not in self._coefficients:
             self._coefficients[key] = (payload, {
-                kind: [decode_rows(inflate(data.cpu().numpy().tobytes()), plan, t)[:, :plan.width_used].to(pca.basis.device)
+                kind: [decode_rows(inflate(data.cpu().numpy().tobytes(), packed_stream_nbytes(plan, t)), plan, t)[:, :plan.width_used].to(pca.basis.device)
                        for data, (pca, plan) in zip(payload.ragged[f"{kind}.{g}"], self._bases(kind, g, len(payload.ragged[f"{kind}.{g}"]), state))]
                 for kind in KINDS})
         coefficients = self._coefficients[key][1]

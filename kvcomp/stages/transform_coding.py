@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcomp.errors import DamagedPayloadError
 from kvcomp.stages.bit_allocation import TYPE_BITS, Plan, group_codes, group_values
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
 
@@ -104,6 +105,16 @@ def deflate(stream: torch.Tensor, level: int = 6) -> bytes:
     return zlib.compress(stream.numpy().tobytes(), level)
 
 
-def inflate(data: bytes) -> torch.Tensor:
-    raw = zlib.decompress(data)
+def inflate(data: bytes, size: int) -> torch.Tensor:
+    """The ``size`` bytes a DEFLATE stream holds; never inflates more than ``size + 1`` bytes, so a stream that
+    holds more (a decompression bomb) or less is refused (:class:`DamagedPayloadError`) at that cost."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, size + 1)
+    except zlib.error as exc:
+        raise DamagedPayloadError(f"a DEFLATE stream is corrupt ({exc}): the stored payload is damaged") from exc
+    if len(raw) != size or inflater.unconsumed_tail or not inflater.eof:
+        held = f"more than {size}" if len(raw) > size or inflater.unconsumed_tail else str(len(raw))
+        raise DamagedPayloadError(f"a DEFLATE stream holds {held} bytes where its plan implies {size}: the stored "
+                                  "payload is damaged or crafted")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
