@@ -150,6 +150,7 @@ def _crafted(stored, change):
     (lambda m, t: m["layers"][1]["streams"]["value"].update(length=10**12), "but length"),
     (lambda m, t: m["layers"][0]["streams"]["key"].update(num_encoded=-1), "must be counts"),
     (lambda m, t: m["layers"][0]["streams"]["key"]["blocks"].clear(), "blocks hold 0 tokens"),
+    (lambda m, t: m["layers"][1]["streams"]["key"]["store"].update(num_tokens=10**12), "its store holds 1000000000000"),
     (lambda m, t: m["layers"][0]["streams"].pop("value"), "a key and a value stream"),
     (lambda m, t: t.update({"layer0.position_ids": t["layer0.position_ids"].flip(-1)}), "do not increase"),
 ])

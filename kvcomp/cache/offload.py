@@ -224,6 +224,10 @@ def check_structure(stored: StoredCache, codec: Codec) -> None:
                 first += block[4]
             if first != sinks + num_encoded:
                 what(f"{where}: blocks hold {first - sinks} tokens, but {num_encoded} are encoded")
+            held = (s.get("store") or {}).get("num_tokens")  # what a restore reserves storage for
+            shared = meta.get("model_unit") is not None
+            if held != (0 if shared else num_encoded):
+                what(f"{where}: its store holds {held} tokens, but {0 if shared else num_encoded} are encoded there")
             encoded.add(num_encoded)
             positions = tensors.get(f"layer{i}.position_ids")
             if positions is not None:
