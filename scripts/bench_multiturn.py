@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--no-flush", action="store_true", help="store the window uncompressed (as the cache holds it)")
     parser.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     args = parser.parse_args(argv)
+    for name, least in (("cr", 1), ("prompt", 1), ("turn", 2), ("turns", 1), ("conversations", 1), ("repeats", 1)):
+        if getattr(args, name) < least:  # before the model loads
+            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
     rows, info = measure(args)
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     flags = " ".join(a for a in (argv if argv is not None else __import__("sys").argv[1:]))

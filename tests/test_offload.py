@@ -184,3 +184,24 @@ def test_a_decompression_bomb_in_a_kvtc_row_is_refused_when_read(tiny_llama, tmp
     restored = restore(StoredCache.load(tmp_path / "bomb.safetensors"), codec)
     with torch.no_grad(), pytest.raises(DamagedPayloadError, match="more than"):
         tiny_llama(ids[:, 40:], past_key_values=restored, use_cache=True)
+
+
+@pytest.mark.parametrize("args", [["--prompt", "0"], ["--turn", "1"], ["--cr", "0"], ["--repeats", "0"]])
+def test_the_multiturn_script_refuses_bad_arguments_before_loading(args, capsys):
+    import importlib.util
+
+    from tests.run_py import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_multiturn", ROOT / "scripts" / "bench_multiturn.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as exit_:
+        script.main(args)
+    assert exit_.value.code == 2 and f"{args[0]} must be at least" in capsys.readouterr().err
+
+
+def test_multiturn_config_refuses_counts_that_measure_nothing():
+    from kvcomp.benchmarks.multiturn import MultiTurnConfig
+
+    with pytest.raises(ConfigError, match="turn_tokens"):
+        MultiTurnConfig(24, 1, 2, 1)

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.cache.offload import StoredCache, restore, store
 from kvcomp.codecs import Codec
+from kvcomp.errors import ConfigError
 
 
 @dataclass
@@ -42,6 +43,12 @@ class MultiTurnConfig:
     repeats: int = 3
     on_disk: bool = True  # store to a safetensors file (else CPU memory)
     flush: bool = True  # compress the window too before storing (the whole cache stored compressed)
+
+    def __post_init__(self):
+        counts = {"prompt_tokens": 1, "turn_tokens": 2, "turns": 1, "repeats": 1}  # a turn's NLL needs 2 tokens
+        bad = {name: getattr(self, name) for name, least in counts.items() if getattr(self, name) < least}
+        if bad:
+            raise ConfigError(f"multi-turn benchmark: {bad} below the least values {counts}")
 
 
 def _timed(fn, repeats: int):
