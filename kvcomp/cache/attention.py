@@ -27,7 +27,6 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
     """Attention of one module: with a :class:`LayerStep` (a :class:`StepLayer` of the cache), the layer stores
     the fresh ``key``/``value`` and returns what attention reads; otherwise (other caches, uncompressed
     sliding-window layers) transformers' SDPA over ``key``/``value``."""
-    kwargs.pop(STEP_ARGUMENT, None)
     if kvcomp is not None:
         read = kvcomp.layer.update_in_step(key, value, kvcomp)
         if isinstance(read, Reads):

@@ -283,9 +283,11 @@ class Scope:
         raise NotImplementedError(f"flushing the window of a {self.codec.name} cache is not supported: its blocks have "
                                   "a fixed size (model-scope codecs such as kvtc can flush)")
 
+    hands_over = False  # layers hand reconstructions to the next layer (not stored)
+
     def check_storable(self) -> None:
         """Refuse to store a cache whose codec keeps per-sequence state or hands blocks between layers."""
-        if keeps_state(self.codec):
+        if self.hands_over or keeps_state(self.codec):
             raise NotImplementedError(
                 f"storing a {self.codec.name} cache between turns is not supported: only stream- and model-scope codecs "
                 "without per-sequence state (e.g. kvtc, kivi, uniform, qjl, fp16) can be stored")
@@ -296,10 +298,7 @@ class LayerScope(Scope):
         previous = self.schedules[-1] if self.schedules else None
         return LayerSchedule(self.codec, layer_idx, rope, self.decode_per_step, self.capacity, previous)
 
-    def check_storable(self) -> None:
-        raise NotImplementedError(
-            f"storing a {self.codec.name} cache between turns is not supported: only stream- and model-scope codecs "
-            "without per-sequence state (e.g. kvtc, kivi, uniform, qjl, fp16) can be stored")
+    hands_over = True
 
 
 class ModelScope(Scope):
