@@ -67,7 +67,7 @@ def synthetic_state(codec, generator) -> None:
             tensors[f"{prefix}.std"] = torch.rand(h, d, generator=generator) + 0.5
             tensors[f"{prefix}.low"] = -3 - torch.rand(h, d, generator=generator)
             tensors[f"{prefix}.high"] = 3 + torch.rand(h, d, generator=generator)
-    codec.load_state(CodecState(tensors))
+    codec.install_state(CodecState(tensors))
 
 
 def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload:

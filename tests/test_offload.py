@@ -10,7 +10,8 @@ from kvcomp.cache import CompressedCache, install
 from kvcomp.cache.offload import StoredCache, restore, store
 from kvcomp.errors import ConfigError
 from kvcomp.codecs import build_codec
-from tests.codec_matrix import MATRIX, make_codec
+from kvcomp.calibration import CalibrationData, calibrate
+from tests.codec_matrix import CALIBRATION, MATRIX, calibration_windows, make_codec
 from tests.conftest import info_of
 
 
@@ -58,6 +59,23 @@ def test_restore_refuses_another_codec_and_unsupported_codecs(tiny_llama):
     aquakv = build_codec(MATRIX["aquakv"].config, info_of(tiny_llama))  # layer scope (no need to fit it)
     with pytest.raises(NotImplementedError, match="not supported"):
         store(CompressedCache(aquakv, "exact_prefill"))
+
+
+def test_restore_refuses_a_kvtc_cache_stored_under_another_calibration(tiny_llama, tmp_path):
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, "kvtc")
+    cache = CompressedCache(codec, "exact_prefill")
+    tiny_llama(torch.randint(0, 96, (1, 30)), past_key_values=cache, use_cache=True)
+    stored = StoredCache.load(store(cache).save(tmp_path / "turn1.safetensors"))
+    assert stored.meta["calibration"] == codec.calibrated_with and len(codec.calibrated_with) == 64
+    other = build_codec(MATRIX["kvtc"].config, info_of(tiny_llama))  # the same configuration, fitted on other windows
+    windows = calibration_windows(seed=1)
+    calibrate(other, CALIBRATION, lambda: CalibrationData(tiny_llama, None, windows, None).activations(other),
+              tmp_path / "other-calibration.safetensors")
+    assert other.describe() == codec.describe() and other.calibrated_with != codec.calibrated_with
+    with pytest.raises(ConfigError, match=f"turn1.safetensors was made with calibration '{codec.calibrated_with}'"):
+        restore(stored, other)
+    assert restore(stored, codec).get_seq_length() == 30
 
 
 def test_multiturn_benchmark_rows(tiny_llama):

@@ -14,8 +14,8 @@ layer-scope codecs hand reconstructions between layers and stateful codecs keep 
 neither of which is stored yet.
 
 A stored file is a checked artifact: its header carries a sha256 over the metadata and every tensor, verified
-by :meth:`StoredCache.load`, and :func:`restore` checks the metadata against the codec, the model and the
-tensors (layer and stream counts, dtypes from :data:`DTYPES`, token counts against tensor sizes, blocks that
+by :meth:`StoredCache.load`, and :func:`restore` checks the metadata against the codec, its calibration, the model
+and the tensors (layer and stream counts, dtypes from :data:`DTYPES`, token counts against tensor sizes, blocks that
 tile the encoded tokens, padding within the cache, position ids that increase) before it allocates anything.
 """
 
@@ -32,7 +32,7 @@ import torch
 from kvcomp.cache.compressed_cache import CompressedCache
 from kvcomp.cache.scopes import make_scope
 from kvcomp.cache.stream import Block, PayloadStore
-from kvcomp.codecs.base import Codec, Payload
+from kvcomp.codecs.base import Codec, Payload, calibration_identity
 from kvcomp.artifacts import ArtifactError
 from kvcomp.errors import ConfigError
 
@@ -92,6 +92,12 @@ class StoredCache:
             raise ArtifactError(f"{path}: the stored cache fails its sha256 check (altered or damaged): store the cache "
                                 "again")
         return cls(tensors, meta, str(path))
+
+
+def _identity(codec: Codec) -> dict:
+    """What a stored cache must be restored with: the codec configuration, the model and, for a calibrated
+    codec, its calibration state's checksum (a cache stored under one calibration decodes wrongly under another)."""
+    return {"codec": codec.describe(), "model": codec.model.identity, "calibration": calibration_identity(codec)}
 
 
 def _check_supported(codec: Codec) -> None:
@@ -169,8 +175,7 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
                 "store": _put_store(stream.store, f"{prefix}.store", tensors),
             }
         layers.append({"dtype": str(layer.dtype).removeprefix("torch."), "streams": streams})
-    meta = {"format": FORMAT, "codec": codec.describe(), "model": codec.model.identity, "protocol": cache.protocol,
-            "layers": layers}
+    meta = {"format": FORMAT, **_identity(codec), "protocol": cache.protocol, "layers": layers}
     if cache.scope.shared_store is not None:
         meta["model_unit"] = _put_store(cache.scope.shared_store, "model_unit", tensors)
     return StoredCache(tensors, meta)
@@ -243,11 +248,11 @@ def check_structure(stored: StoredCache, codec: Codec) -> None:
 def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu", protocol: str | None = None,
             **cache_options) -> CompressedCache:
     """A :class:`CompressedCache` for ``codec`` on ``device`` holding ``stored``'s bytes (``protocol``: the
-    stored one by default). Refuses a store made with another codec configuration or model."""
+    stored one by default). Refuses a store made with another codec configuration, model or calibration."""
     meta = stored.meta
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{stored.source}: format {meta.get('format')!r}; this kvcomp reads {FORMAT!r}")
-    for what, mine in (("codec", codec.describe()), ("model", codec.model.identity)):
+    for what, mine in _identity(codec).items():
         if meta.get(what) != mine:
             raise ConfigError(f"{stored.source} was made with {what} {meta.get(what)!r}, not {mine!r}: restore it with "
                               "the same one")

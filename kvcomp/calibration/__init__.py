@@ -117,12 +117,12 @@ def calibrate(codec: Codec, calibration: CalibrationConfig, load_activations, pa
     with file_lock(path, f"the {codec.name} calibration {path.name}"):  # concurrent sweep members fit once
         reused = path.is_file() and not force
         if reused:
-            codec.load_state(CodecState.load(path, expected))
+            codec.install_state(CodecState.load(path, expected))
         else:
             state = codec.fit(load_activations())
             state.check_finite(f"{codec.name} calibration (fitted on {calibration.name})")
             state.fitted_for = expected
             state.save(path)
-            codec.load_state(state)
+            codec.install_state(state)
     return {"artifact": cache_relative(path), "reused": reused, "seconds": round(time.perf_counter() - start, 2)}
 

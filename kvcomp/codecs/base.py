@@ -527,9 +527,17 @@ class Calibrated(ABC):
     def fit(self, activations: Activations) -> CodecState | None:
         """Learn from the calibration windows' activations."""
 
+    calibrated_with: str | None = None  # sha256 of the installed state (CodecState.checksum), set by install_state
+
     @abstractmethod
     def load_state(self, state: CodecState) -> None:
         """Install a state returned by :meth:`fit` (or loaded from disk)."""
+
+    def install_state(self, state: CodecState) -> None:
+        """:meth:`load_state`, remembering the state's checksum: the calibration's identity, which a stored
+        cache carries and its restore compares (:mod:`kvcomp.cache.offload`)."""
+        self.load_state(state)
+        self.calibrated_with = state.checksum()
 
     def calibration_key(self) -> dict:
         """The config fields a fitted state depends on (an artifact is reused only when they match;
@@ -596,6 +604,11 @@ def needs_calibration(codec: "Codec | type[Codec]") -> bool:
     if isinstance(codec, type):
         return issubclass(codec, Calibrated) and codec.needs_calibration is True
     return isinstance(codec, Calibrated) and codec.needs_calibration
+
+
+def calibration_identity(codec: "Codec") -> str | None:
+    """The checksum of the calibration state ``codec`` encodes with; None for a codec that fits nothing."""
+    return codec.calibrated_with if needs_calibration(codec) else None
 
 
 def keeps_state(codec: "Codec") -> bool:
