@@ -112,17 +112,22 @@ def test_flush_stores_the_whole_cache_compressed(tiny_llama):
         store(CompressedCache(make_codec(tiny_llama, "kivi"), "exact_prefill"), flush=True)
 
 
-def _stored(model, tmp_path, padded: bool = True):
+def _stored(model, tmp_path, pads: int = 0):
     install(model)
     codec = make_codec(model, "uniform", pre_rope=True)  # pre-RoPE: position ids are stored too
     ids = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :3] = 0
+    mask[1, :pads] = 0
     cache = CompressedCache(codec, "exact_prefill")
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     return codec, store(cache), tmp_path / "turn.safetensors"
+
+
+def test_a_left_padded_cache_is_not_stored(tiny_llama, tmp_path):
+    """Its rows are grouped by padding (kvcomp.cache.rows), which a stored cache does not describe."""
+    with pytest.raises(NotImplementedError, match="left-padded cache"):
+        _stored(tiny_llama, tmp_path, pads=3)
 
 
 def test_a_flipped_byte_or_zeroed_codes_fail_the_checksum(tiny_llama, tmp_path):
@@ -164,7 +169,6 @@ def _crafted(stored, change):
 @pytest.mark.parametrize("change, message", [
     (lambda m, t: m.update(layers=[]), "holds 0 layers"),
     (lambda m, t: m["layers"][0].update(dtype="__class__"), "dtype '__class__'; valid"),
-    (lambda m, t: m["layers"][0]["streams"]["key"].update(leading_pads=10**9), "padding tokens"),
     (lambda m, t: m["layers"][1]["streams"]["value"].update(length=10**12), "but length"),
     (lambda m, t: m["layers"][0]["streams"]["key"].update(num_encoded=-1), "must be counts"),
     (lambda m, t: m["layers"][0]["streams"]["key"]["blocks"].clear(), "blocks hold 0 tokens"),

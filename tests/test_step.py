@@ -48,7 +48,8 @@ def test_generate_leaves_nothing_on_the_model_its_masks_or_the_cache(tiny_llama)
     finally:
         for handle in handles:
             handle.remove()
-    assert cache.layers[0].key_stream.num_encoded > 0 and cache.layers[0].key_stream.leading_pads == 5
+    assert [(g.rows, g.pads) for g in cache.groups] == [([0], 0), ([1], 5)]
+    assert all(part.schedule.key_stream.num_encoded > 0 for part in cache.layers[0].parts)
     assert len(masks) == 2 * 12 and all(isinstance(m, torch.Tensor) for m in masks)
     assert [m for m in tiny_llama.modules() if _kvcomp_attributes(m)] == []
     assert [vars(m) for m in [padding, *masks] if vars(m)] == []

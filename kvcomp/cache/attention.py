@@ -12,7 +12,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcomp.cache.reads import Reads
-from kvcomp.cache.step import LayerStep, Step, StepLayer, leading_pads
+from kvcomp.cache.rows import ByRows
+from kvcomp.cache.step import LayerStep, PaddedRows, Step, StepLayer, row_pads
 from kvcomp.codecs.base import attention_layer_types
 from kvcomp.errors import unknown_choice
 from kvcomp.kernels import KERNEL_BACKENDS
@@ -25,14 +26,19 @@ LAYER_STEP_ARGUMENT = "kvcomp"  # the attention module's keyword argument that c
 def compressed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                          kvcomp: LayerStep | None = None, **kwargs):
     """Attention of one module: with a :class:`LayerStep` (a :class:`StepLayer` of the cache), the layer stores
-    the fresh ``key``/``value`` and returns what attention reads; otherwise (other caches, uncompressed
+    the fresh ``key``/``value`` and returns what attention reads (per row group: :class:`ByRows`); otherwise (other caches, uncompressed
     sliding-window layers) transformers' SDPA over ``key``/``value``."""
-    if kvcomp is not None:
-        read = kvcomp.layer.update_in_step(key, value, kvcomp)
+    def attend(query, mask, read):
         if isinstance(read, Reads):
-            return read.attend(query, attention_mask, scaling, kvcomp.step)
-        key, value = read
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+            return read.attend(query, mask, scaling, kvcomp.step)[0]
+        return sdpa_attention_forward(module, query, *read, mask, dropout, scaling, is_causal, **kwargs)[0]
+
+    if kvcomp is None:
+        return attend(query, attention_mask, (key, value)), None
+    read = kvcomp.layer.update_in_step(key, value, kvcomp)
+    if isinstance(read, ByRows):
+        return read.attend(query, attention_mask, kvcomp.step, attend), None
+    return attend(query, attention_mask, read), None
 
 
 def _cache_argument(kwargs: dict) -> str:
@@ -142,8 +148,9 @@ class Installation:
         cache = kwargs.get(_cache_argument(kwargs))
         if cache is None or not any(isinstance(layer, StepLayer) for layer in getattr(cache, "layers", ())):
             return None
-        pads = leading_pads(kwargs.get("attention_mask")) if cache.get_seq_length() == 0 else 0
-        return args, {**kwargs, STEP_ARGUMENT: Step(self.kernel_backend, pads)}
+        if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
+            cache.group_rows(row_pads(kwargs.get("attention_mask")))
+        return args, {**kwargs, STEP_ARGUMENT: Step(self.kernel_backend)}
 
     def _layer_step(self, module, args, kwargs):
         """An attention module's pre-hook: its :class:`LayerStep`, in place of the cache."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from kvcomp.cache.checks import CHECK_FINITE, FiniteChecks
 from kvcomp.cache.positions import Positions
 from kvcomp.cache.reads import FromSegments, FusedDecode, Reads, Streaming
-from kvcomp.cache.scopes import Schedule, make_scope
-from kvcomp.cache.step import LayerStep, StepLayer
+from kvcomp.cache.rows import ByRows, RowGroup, group_rows
+from kvcomp.cache.scopes import Schedule, Scope, make_scope
+from kvcomp.cache.step import LayerStep, PaddedRows, StepLayer
 from kvcomp.cache.stream import KVStream
 from kvcomp.codecs.base import FULL, CacheStatistics, Codec, reads_fused, scores_from_payload, values_from_payload
 from kvcomp.errors import ConfigError
@@ -27,46 +30,83 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
+@dataclass(eq=False)
+class LayerPart:
+    """One :class:`~kvcomp.cache.rows.RowGroup`'s share of a layer: the schedule of its key and value streams and
+    the positions of its tokens (pre-RoPE codecs)."""
+
+    group: RowGroup
+    schedule: Schedule
+    positions: Positions
+
+    @property
+    def streams(self) -> tuple[KVStream, KVStream]:
+        return self.schedule.streams
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.schedule.select_rows(index)
+        self.positions.select_rows(index)
+
+
 class CompressedLayer(StepLayer):
-    """One decoder layer: a key and a value stream following the codec's policy, encoded and decoded as the
-    codec's scope says (``schedule``), with the positions of its tokens (pre-RoPE codecs) and its finiteness
-    ``checks``.
+    """One decoder layer: per group of rows padded alike (``parts``: one unless a first forward came
+    left-padded unevenly, :mod:`kvcomp.cache.rows`), a key and a value stream following the codec's policy,
+    encoded and decoded as the codec's scope says, with the positions of its tokens (pre-RoPE codecs); and its
+    finiteness ``checks``.
 
     Each forward's K/V come with the step (:meth:`update_in_step`), which returns what attention reads:
     full-precision sinks and tail, decoded blocks in between (keys re-rotated for pre-RoPE codecs), or
-    the payloads themselves (:meth:`fused_decode`). Without kvcomp's attention, transformers' ``update``
-    serves codecs that need no step.
+    the payloads themselves (:meth:`fused_decode`); per row group (:class:`~kvcomp.cache.rows.ByRows`) when
+    its rows are grouped or padded. Without kvcomp's attention, transformers' ``update`` serves codecs that need
+    no step.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, schedule: Schedule, positions: Positions, protocol: str, checks: FiniteChecks,
-                 compress_generated: bool = True):
+    def __init__(self, parts: list[LayerPart], protocol: str, checks: FiniteChecks, compress_generated: bool = True):
         super().__init__()
-        self.schedule, self.positions, self.protocol, self.checks = schedule, positions, protocol, checks
-        self.codec, self.layer_idx, self.compress_generated = schedule.codec, schedule.layer_idx, compress_generated
+        self.parts, self.protocol, self.checks = parts, protocol, checks
+        self.codec, self.layer_idx = parts[0].schedule.codec, parts[0].schedule.layer_idx
+        self.compress_generated = compress_generated
         self.keys = self.values = None
         self.is_initialized = False
+        self.length = 0  # tokens of every forward, left padding included (which no stream holds)
 
     def reset(self) -> None:
-        self.schedule.reset()
-        self.positions.reset()
+        for part in self.parts:
+            part.schedule.reset()
+            part.positions.reset()
         self.checks.pending = None
         self.is_initialized = False
+        self.length = 0
+
+    @property
+    def schedule(self) -> Schedule:
+        """The first row group's schedule (the only one unless the rows are grouped)."""
+        return self.parts[0].schedule
+
+    @property
+    def positions(self) -> Positions:
+        return self.parts[0].positions
 
     @property
     def key_stream(self) -> KVStream:
-        return self.schedule.key_stream
+        return self.parts[0].schedule.key_stream
 
     @property
     def value_stream(self) -> KVStream:
-        return self.schedule.value_stream
+        return self.parts[0].schedule.value_stream
 
     @property
-    def streams(self) -> tuple[KVStream, KVStream]:
-        return self.schedule.streams
+    def streams(self) -> tuple[KVStream, ...]:
+        """Every row group's key and value streams."""
+        return tuple(s for part in self.parts for s in part.streams)
+
+    @property
+    def batch(self) -> int:
+        return sum(part.schedule.key_stream.batch for part in self.parts)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -82,49 +122,63 @@ class CompressedLayer(StepLayer):
 
     def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None):
         """Store a forward's K/V (``step``: None outside kvcomp's attention); return ``(keys, values)`` for SDPA,
-        or the :class:`~kvcomp.cache.reads.Reads` attention needs."""
+        or the :class:`~kvcomp.cache.reads.Reads` attention needs (per row group: a
+        :class:`~kvcomp.cache.rows.ByRows`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        first = self.get_seq_length()
-        return self.checks.around(key_states, value_states, first, lambda: self._store(key_states, value_states, step))
+        first = self.length
+        self.length += key_states.shape[2]
+        return self.checks.around(key_states, value_states, first,
+                                  lambda: self._store_rows(key_states, value_states, step, first == 0))
 
-    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None):
+    def _store_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
+                    first_forward: bool):
+        whole = self.parts[0].group
+        if len(self.parts) == 1 and whole.rows is None and not whole.pads:
+            return self._store(self.parts[0], key_states, value_states, step)
+        if step is None:
+            raise RuntimeError("a cache whose rows are grouped by their padding is read by kvcomp's attention only")
+        return ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
+                                                part.group.tokens(value_states, first_forward, 2),
+                                                part.group.layer_step(step, first_forward)))
+                       for part in self.parts], first_forward)
+
+    def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None):
+        """One row group's forward: store its K/V and return what its attention reads."""
         batch, n = key_states.shape[0], key_states.shape[2]
+        key_stream, value_stream = part.streams
         if self.codec.pre_rope:
-            self.positions.record(step, batch, n, f"codec {self.codec.name} (layer {self.layer_idx})")
-        if self.get_seq_length() == 0 and step is not None:  # the first forward: left padding stays out of blocks
-            for stream in self.streams:
-                stream.leading_pads = max(stream.leading_pads, step.step.left_pads)
-        fused = self.fused_decode(step) if n == 1 else None
+            part.positions.record(step, batch, n, f"codec {self.codec.name} (layer {self.layer_idx})")
+        fused = self.fused_decode(part, step) if n == 1 else None
         key_view = KVStream.segments if fused in ("attention", "scores") else KVStream.parts
         value_view = KVStream.segments if fused in ("attention", "values") else KVStream.parts
-        history = self.protocol == "exact_prefill" and self.schedule.encodes_in_update and any(
-            s.ready_after(n) for s in self.streams)  # this forward sees its own tokens uncompressed
+        history = self.protocol == "exact_prefill" and part.schedule.encodes_in_update and any(
+            s.ready_after(n) for s in part.streams)  # this forward sees its own tokens uncompressed
         if history:
-            key_history, value_history = key_view(self.key_stream), value_view(self.value_stream)
-        self.key_stream.append(key_states)
-        self.value_stream.append(value_states)
+            key_history, value_history = key_view(key_stream), value_view(value_stream)
+        key_stream.append(key_states)
+        value_stream.append(value_states)
         backend = "torch" if step is None else step.kernel_backend
-        fresh_keys, fresh_values = self.schedule.encode_ready(backend)
+        fresh_keys, fresh_values = part.schedule.encode_ready(backend)
         if history:
             keys, values = [*key_history, key_states], [*value_history, value_states]
         else:
-            keys, values = key_view(self.key_stream), value_view(self.value_stream)
-        self.schedule.after_views(backend)
+            keys, values = key_view(key_stream), value_view(value_stream)
+        part.schedule.after_views(backend)
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
-            for stream in self.streams:
+            for stream in part.streams:
                 stream.freeze()
         if fused == "attention":
-            key_rope = self.positions.key_rope(self.key_stream.num_sinks) if self.codec.pre_rope else None
-            return FusedDecode(keys, values, self.codec, self.layer_idx, step.kernel_backend, key_rope, self.get_seq_length())
+            key_rope = part.positions.key_rope(key_stream.num_sinks) if self.codec.pre_rope else None
+            return FusedDecode(keys, values, self.codec, self.layer_idx, step.kernel_backend, key_rope, key_stream.length)
         if fused:
-            return FromSegments(keys, values, self.codec, self.layer_idx, step.kernel_backend, self.value_stream.state)
+            return FromSegments(keys, values, self.codec, self.layer_idx, step.kernel_backend, value_stream.state)
         if self.protocol == "streaming" and n > 1 and (fresh_keys or fresh_values):
             return Streaming(_joined(keys), _joined(values), fresh_keys, fresh_values)
         return _joined(keys), _joined(values)
 
-    def fused_decode(self, step: LayerStep | None) -> str | None:
-        """How a decode step reads the cache: ``"attention"``: the fused decode-attention kernel reads both
+    def fused_decode(self, part: LayerPart, step: LayerStep | None) -> str | None:
+        """How a decode step reads a row group's streams: ``"attention"``: the fused decode-attention kernel reads both
         payloads (``kernel_backend="triton"``; :class:`~kvcomp.codecs.base.FusedPayload`; pre-RoPE keys
         need fixed RoPE frequencies and every token's position); ``"scores"`` (where the kernel cannot read the
         format): the codec's kernel scores the key payload (:class:`~kvcomp.codecs.base.PayloadScores`),
@@ -137,7 +191,7 @@ class CompressedLayer(StepLayer):
             return "values"
         if step.kernel_backend != "triton":
             return None
-        if (not self.codec.pre_rope or self.positions.recomputed) and reads_fused(self.codec, self.layer_idx):
+        if (not self.codec.pre_rope or part.positions.recomputed) and reads_fused(self.codec, self.layer_idx):
             return "attention"
         return "scores" if scores_from_payload(self.codec) else None
 
@@ -146,7 +200,7 @@ class CompressedLayer(StepLayer):
         self.checks.raise_pending()
 
     def get_seq_length(self) -> int:
-        return self.key_stream.length
+        return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -170,7 +224,7 @@ class CompressedLayer(StepLayer):
     @property
     def state_nbytes(self) -> int:
         """Bytes of per-sequence codec state (stream- and layer-scope)."""
-        return self.schedule.state_nbytes
+        return sum(part.schedule.state_nbytes for part in self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -180,32 +234,18 @@ class CompressedLayer(StepLayer):
     @property
     def bookkeeping_nbytes(self) -> int:
         """Bytes held besides K/V storage: the positions of cached tokens (pre-RoPE codecs)."""
-        return self.positions.nbytes
+        return sum(part.positions.nbytes for part in self.parts)
 
     @property
     def working_nbytes(self) -> int:
         """Working memory: the torch path's decoded blocks and spare capacity of the growing buffers."""
-        return self.key_stream.working_nbytes + self.value_stream.working_nbytes + self.positions.reserved_nbytes
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` of everything held (beam reorder, batch select / repeat)."""
-        self.schedule.select_rows(index)
-        self.positions.select_rows(index)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.select_rows(torch.arange(self.key_stream.batch).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(_row_index(indices))
+        return sum(s.working_nbytes for s in self.streams) + sum(part.positions.reserved_nbytes for part in self.parts)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed cache cannot drop encoded tokens (no assisted decoding)")
 
 
-class CompressedCache(Cache):
+class CompressedCache(Cache, PaddedRows):
     """KV cache compressed by ``codec``.
 
     ``protocol``: how a multi-token forward (prefill) sees the tokens it brings in:
@@ -235,6 +275,10 @@ class CompressedCache(Cache):
     every protocol. Bytes are reported apart: :attr:`full_precision_nbytes`, :attr:`payload_nbytes`,
     :attr:`state_nbytes` (their sum is :attr:`nbytes`), :attr:`bookkeeping_nbytes`, :attr:`working_nbytes`.
 
+    Rows left-padded unevenly (a batch of prompts of several lengths) are grouped by their padding before the
+    first forward (:meth:`group_rows`, :mod:`kvcomp.cache.rows`): each group has its own streams and scope and holds
+    no pad token, so a row is compressed (and its bytes counted) as when it runs alone.
+
     Models with sliding-window layers (``codec.model.layer_types``): the layers the codec encodes
     (:attr:`compressed_layers`; see :meth:`~kvcomp.codecs.base.ModelInfo.encoding`) are
     :class:`CompressedLayer` s, the others transformers' uncompressed ``DynamicSlidingWindowLayer``
@@ -249,8 +293,9 @@ class CompressedCache(Cache):
             raise ConfigError(f"unknown check_finite {check_finite!r}; valid choices: True, False, 'deferred'")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise ConfigError(f"capacity={capacity!r}: a positive number of tokens per sequence, or None (grow as needed)")
-        self.capacity = capacity or 0
-        self.scope = make_scope(codec, self.capacity, decode_per_step)
+        self.codec, self.protocol = codec, protocol
+        self.capacity, self.decode_per_step = capacity or 0, decode_per_step
+        self.groups = [RowGroup(None, 0, make_scope(codec, self.capacity, decode_per_step))]
         info = codec.model
         encoded = dict(zip(info.model_layers, range(info.num_layers)))  # model layer -> codec layer
         layers = []
@@ -258,13 +303,38 @@ class CompressedCache(Cache):
             if i not in encoded:  # a sliding-window layer the codec leaves alone: transformers' bounded window
                 layers.append(DynamicSlidingWindowLayer(info.sliding_window))
                 continue
-            positions = Positions(self.capacity)
-            layers.append(CompressedLayer(self.scope.schedule(encoded[i], positions.rope), positions, protocol,
-                                          FiniteChecks(check_finite, encoded[i]), compress_generated))
+            layers.append(CompressedLayer(self._parts(encoded[i]), protocol, FiniteChecks(check_finite, encoded[i]),
+                                          compress_generated))
         super().__init__(layers=layers)
-        self.codec, self.protocol = codec, protocol
         self.compressed_layers = [layer for layer in layers if isinstance(layer, CompressedLayer)]
         self.window_layers = [layer for layer in layers if not isinstance(layer, CompressedLayer)]
+
+    def _parts(self, layer_idx: int) -> list[LayerPart]:
+        """Codec layer ``layer_idx``'s part of every row group (made in layer order: scopes chain their layers)."""
+        parts = []
+        for group in self.groups:
+            positions = Positions(self.capacity)
+            parts.append(LayerPart(group, group.scope.schedule(layer_idx, positions.rope), positions))
+        return parts
+
+    def group_rows(self, pads: list[int]) -> None:
+        """Give each set of rows with the same left padding its own streams and scope (:mod:`kvcomp.cache.rows`),
+        before the first forward: a row is then compressed as when it runs alone."""
+        spec = group_rows(pads)
+        if [(g.rows, g.pads) for g in self.groups] == spec:
+            return
+        if self.get_seq_length():
+            raise RuntimeError("rows are grouped by their padding before the first forward only")
+        self.groups = [RowGroup(rows, p, make_scope(self.codec, self.capacity, self.decode_per_step)) for rows, p in spec]
+        for layer in self.compressed_layers:
+            layer.parts = self._parts(layer.layer_idx)
+
+    @property
+    def scope(self) -> Scope:
+        """The scheduling of a cache whose rows are not grouped by padding (see :attr:`groups`)."""
+        if len(self.groups) > 1:
+            raise NotImplementedError("this cache's rows are grouped by their left padding: each group has its own scope")
+        return self.groups[0].scope
 
     def raise_if_nonfinite(self) -> None:
         """Read every layer's pending ``check_finite="deferred"`` verdict (e.g. after the last forward)."""
@@ -285,8 +355,7 @@ class CompressedCache(Cache):
     @property
     def shared_payload_nbytes(self) -> int:
         """Bytes of payloads every layer shares (a model-scope codec's)."""
-        store = self.scope.shared_store
-        return 0 if store is None else store.nbytes
+        return sum(g.scope.shared_store.nbytes for g in self.groups if g.scope.shared_store is not None)
 
     @property
     def payload_nbytes(self) -> int:
@@ -296,7 +365,12 @@ class CompressedCache(Cache):
     @property
     def state_nbytes(self) -> int:
         """Bytes of per-sequence codec state, e.g. dictionaries sampled from the prompt."""
-        return sum(layer.state_nbytes for layer in self.compressed_layers) + self.scope.shared_state_nbytes
+        return sum(layer.state_nbytes for layer in self.compressed_layers) + self.shared_state_nbytes
+
+    @property
+    def shared_state_nbytes(self) -> int:
+        """Bytes of per-sequence state every layer shares (a model-scope codec's)."""
+        return sum(g.scope.shared_state_nbytes for g in self.groups)
 
     @property
     def nbytes(self) -> int:
@@ -304,33 +378,57 @@ class CompressedCache(Cache):
         return self.full_precision_nbytes + self.payload_nbytes + self.state_nbytes
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self.scope.select_rows(beam_idx)
+        self.select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = self.compressed_layers[0].key_stream.batch
-        super().batch_repeat_interleave(repeats)
-        self.scope.select_rows(torch.arange(batch).repeat_interleave(repeats))
+        self.select_rows(torch.arange(self.compressed_layers[0].batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self.scope.select_rows(_row_index(indices))
+        self.select_rows(_row_index(indices))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (row ``r`` becomes old row ``index[r]``: beam reorder, batch select / repeat)
+        of everything held; grouped rows stay with their group (one host read of ``index``)."""
+        for layer in self.window_layers:
+            layer.reorder_cache(index)
+        if len(self.groups) == 1 and self.groups[0].rows is None:
+            picks = [(0, index, None)]
+        else:
+            old = index.tolist()
+            owner = {row: (k, pos) for k, g in enumerate(self.groups) for pos, row in enumerate(g.rows)}
+            picks = []
+            for k in range(len(self.groups)):
+                rows = [r for r, o in enumerate(old) if owner[o][0] == k]
+                if rows:
+                    picks.append((k, torch.tensor([owner[old[r]][1] for r in rows]), rows))
+        for k, local, rows in picks:
+            self.groups[k].scope.select_rows(local)
+            self.groups[k].rows = rows
+            for layer in self.compressed_layers:
+                layer.parts[k].select_rows(local)
+        self.groups = [self.groups[k] for k, _, _ in picks]
+        for layer in self.compressed_layers:
+            layer.parts = [layer.parts[k] for k, _, _ in picks]
 
     @property
     def bookkeeping_nbytes(self) -> int:
         return sum(layer.bookkeeping_nbytes for layer in self.compressed_layers)
 
     def statistics(self) -> CacheStatistics:
-        """What the cache holds, for the codec's :meth:`~kvcomp.codecs.base.Codec.example_metrics`."""
-        streams = [s for layer in self.compressed_layers for s in layer.streams]
-        store = self.scope.shared_store
+        """What the cache holds for batch row 0 (its row group), for the codec's
+        :meth:`~kvcomp.codecs.base.Codec.example_metrics`."""
+        k = next(k for k, g in enumerate(self.groups) if g.rows is None or 0 in g.rows)
+        parts = [layer.parts[k] for layer in self.compressed_layers]
+        streams = [s for part in parts for s in part.streams]
+        scope = self.groups[k].scope
+        store = scope.shared_store
         return CacheStatistics(
             batch=streams[0].batch, streams=len(streams), cached_tokens=sum(s.length for s in streams),
             encoded_tokens=sum(s.num_encoded for s in streams),
-            full_precision_nbytes=sum(layer.full_precision_nbytes for layer in self.compressed_layers),
-            payload_nbytes=sum(layer.payload_nbytes for layer in self.compressed_layers),
-            state_nbytes=sum(layer.state_nbytes for layer in self.compressed_layers),
-            shared_payloads=() if store is None else tuple(store.payloads), shared_state=self.scope.shared_state)
+            full_precision_nbytes=sum(s.full_precision_nbytes for s in streams),
+            payload_nbytes=sum(s.store.nbytes for s in streams),
+            state_nbytes=sum(part.schedule.state_nbytes for part in parts),
+            shared_payloads=() if store is None else tuple(store.payloads), shared_state=scope.shared_state)
 
     @property
     def working_nbytes(self) -> int:
@@ -361,7 +459,7 @@ class CompressedCache(Cache):
             for kind, layers in by_type.items():
                 held = sum(_layer_nbytes(layer) for layer in layers)
                 if kind == shared:
-                    held += self.shared_payload_nbytes + self.scope.shared_state_nbytes
+                    held += self.shared_payload_nbytes + self.shared_state_nbytes
                 count = sum(_layer_values(layer) for layer in layers)
                 bits[f"bits_per_value_{kind}"] = 8 * held / count if count else 0.0
                 bits[f"kv_bytes_{kind}"] = held

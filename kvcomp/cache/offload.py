@@ -16,7 +16,7 @@ neither of which is stored yet.
 A stored file is a checked artifact: its header carries a sha256 over the metadata and every tensor, verified
 by :meth:`StoredCache.load`, and :func:`restore` checks the metadata against the codec, its calibration, the model
 and the tensors (layer and stream counts, dtypes from :data:`DTYPES`, token counts against tensor sizes, blocks that
-tile the encoded tokens, padding within the cache, position ids that increase) before it allocates anything.
+tile the encoded tokens, position ids that increase) before it allocates anything.
 """
 
 from __future__ import annotations
@@ -153,6 +153,9 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
     stored compressed; the cache then continues from that state (its window is lossy from now on)."""
     codec = cache.codec
     _check_supported(codec)
+    if len(cache.groups) > 1 or cache.groups[0].pads:
+        raise NotImplementedError("storing a left-padded cache is not supported: store each conversation's cache "
+                                  "(rows without padding)")
     if flush:
         cache.scope.flush()
     tensors: dict[str, torch.Tensor] = {}
@@ -169,8 +172,7 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
                 if getattr(stream, part) is not None:
                     tensors[f"{prefix}.{part}"] = _host(getattr(stream, part))
             streams[stream.kind] = {
-                "length": stream.length, "num_encoded": stream.num_encoded, "batch": stream.batch,
-                "leading_pads": stream.leading_pads, "frozen": stream.frozen,
+                "length": stream.length, "num_encoded": stream.num_encoded, "batch": stream.batch, "frozen": stream.frozen,
                 "blocks": [[b.index, b.rows, b.sizes, b.first, b.count] for b in stream.blocks],
                 "store": _put_store(stream.store, f"{prefix}.store", tensors),
             }
@@ -212,16 +214,14 @@ def check_structure(stored: StoredCache, codec: Codec) -> None:
             what(f"layer {i} must hold a key and a value stream")
         for kind, s in streams.items():
             where = f"layer {i} {kind}s"
-            numbers = [s.get(k) for k in ("length", "num_encoded", "batch", "leading_pads")]
+            numbers = [s.get(k) for k in ("length", "num_encoded", "batch")]
             if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
-                what(f"{where}: length, num_encoded, batch and leading_pads must be counts, got {numbers}")
-            length, num_encoded, batch, pads = numbers
+                what(f"{where}: length, num_encoded and batch must be counts, got {numbers}")
+            length, num_encoded, batch = numbers
             prefix = f"layer{i}.{kind}"
             sinks, tail = (_tokens(tensors, f"{prefix}.{part}", batch, what) for part in ("sinks", "tail"))
             if sinks + num_encoded + tail != length:
                 what(f"{where}: {sinks} sink + {num_encoded} encoded + {tail} tail tokens, but length {length}")
-            if pads > sinks:
-                what(f"{where}: {pads} padding tokens, but {sinks} are kept in full precision before the blocks")
             first = sinks
             for block in s.get("blocks", []):
                 if len(block) != 5 or block[3] != first or not isinstance(block[4], int) or block[4] < 1:
@@ -238,8 +238,10 @@ def check_structure(stored: StoredCache, codec: Codec) -> None:
             if positions is not None:
                 if tuple(positions.shape) != (batch, length):
                     what(f"layer {i} position ids have shape {tuple(positions.shape)}, not {(batch, length)}")
-                if positions.shape[1] > pads + 1 and not bool((positions[:, pads + 1:] > positions[:, pads:-1]).all()):
-                    what(f"layer {i} position ids do not increase after the padding")
+                if positions.shape[1] > 1 and not bool((positions[:, 1:] > positions[:, :-1]).all()):
+                    what(f"layer {i} position ids do not increase")
+        if streams["key"]["length"] != streams["value"]["length"]:
+            what(f"layer {i} keys and values hold different token counts")
     unit = meta.get("model_unit")
     if unit is not None and len(encoded) == 1 and unit.get("num_tokens") != encoded.pop():
         what(f"the shared blocks hold {unit.get('num_tokens')} tokens, the layers encoded a different count")
@@ -267,7 +269,8 @@ def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu
         for stream in layer.streams:
             s, prefix = saved["streams"][stream.kind], f"layer{i}.{stream.kind}"
             stream.length, stream.num_encoded, stream.batch = s["length"], s["num_encoded"], s["batch"]
-            stream.leading_pads, stream.frozen, stream.dtype = s["leading_pads"], s["frozen"], layer.dtype
+            stream.frozen, stream.dtype = s["frozen"], layer.dtype
+            layer.length = stream.length
             if f"{prefix}.sinks" in tensors:
                 stream.sinks = tensors[f"{prefix}.sinks"].to(device)
             if f"{prefix}.tail" in tensors:

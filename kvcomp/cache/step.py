@@ -3,9 +3,9 @@
 :func:`~kvcomp.cache.attention.install` hooks two modules, as vLLM hands one ``attn_metadata`` to every
 layer of a step:
 
-- the decoder's pre-hook builds one :class:`Step` per forward from that forward's arguments (the kernel
-  backend, the left padding of a first forward) and adds it to them; transformers passes keyword
-  arguments down to every attention module;
+- the decoder's pre-hook builds one :class:`Step` per forward (the kernel backend) and adds it to that forward's
+  arguments; transformers passes keyword arguments down to every attention module. A first forward's left
+  padding goes to the cache before (:meth:`PaddedRows.group_rows`);
 - each attention module's pre-hook adds its own part (:class:`LayerStep`: the position embeddings and
   position ids it received, its RoPE frequencies) and, for a :class:`StepLayer`, takes the cache out of the
   module's arguments: the module then skips ``cache.update`` and the registered attention function
@@ -17,7 +17,7 @@ Nothing is kept on modules, masks or layers between the hooks; a step lives as l
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,25 +32,25 @@ def allowed(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
-def leading_pads(mask: torch.Tensor | None) -> int:
-    """The most left padding of any row: the padding mask ``[B, L]`` a model is called with (1: a token), or a
+def row_pads(mask: torch.Tensor | None) -> list[int]:
+    """The left padding of each row, from the padding mask ``[B, L]`` a model is called with (1: a token), or a
     4-D mask ``[B, 1, Q, L]`` (a column is padding when no query sees it; a sliding window hides old columns
-    from late queries, never from all). One host sync."""
+    from late queries, never from all); a row with no token counts as unpadded. One host sync."""
     if not isinstance(mask, torch.Tensor):
-        return 0
+        return []
     valid = mask.bool() if mask.dim() == 2 else allowed(mask[:, 0]).any(dim=-2)
-    return int(valid.int().argmax(-1).max()) if valid.any() else 0
+    return valid.int().argmax(-1).tolist()
 
 
 @dataclass
 class Step:
-    """One model forward: what every layer shares. ``left_pads``: the most left padding of any row, counted
-    once in a first forward (0 after); ``plans``: the fused kernels' valid tokens, made by the first layer that
-    needs them and reused by the others (:meth:`valid_tokens`; flashinfer's ``plan`` once per step)."""
+    """One model forward: what every layer shares. ``plans``: the fused kernels' valid tokens, made by the first
+    layer that needs them and reused by the others (:meth:`valid_tokens`; flashinfer's ``plan`` once per step);
+    ``masks``: the mask's columns of each row group (:meth:`columns`), cut once per step."""
 
     kernel_backend: str = "torch"
-    left_pads: int = 0
     plans: dict = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)
 
     def valid_tokens(self, mask: torch.Tensor | None, length: int, batch: int) -> ValidTokens | None:
         """The cached tokens each row attends to in a decode step, from its 4-D mask (bool or additive): every
@@ -61,6 +61,19 @@ class Step:
         if key not in self.plans:  # the mask is kept with its plan, so its id cannot be reused within the step
             self.plans[key] = (mask, ValidTokens(allowed(mask[:, 0, -1, :length]).expand(batch, length)))
         return self.plans[key][1]
+
+    def columns(self, mask: torch.Tensor | None, group, first_forward: bool) -> torch.Tensor | None:
+        """The part of a 4-D mask a :class:`~kvcomp.cache.rows.RowGroup` attends with: its rows, its cache
+        columns after its pads and (``first_forward``) its real queries; the same object for every layer."""
+        if mask is None or (group.rows is None and not group.pads):
+            return mask
+        key = (id(mask), id(group), first_forward)
+        if key not in self.masks:  # kept with the mask: ids stay unique within the step
+            cut = group.take(mask)[..., group.pads:]
+            if first_forward and group.pads:
+                cut = cut[..., group.pads:, :]
+            self.masks[key] = (mask, group, cut)
+        return self.masks[key][2]
 
 
 @dataclass
@@ -108,3 +121,11 @@ class StepLayer(CacheLayerMixin):
     @abstractmethod
     def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep):
         """Store the fresh K/V; return ``(keys, values)`` for SDPA, or a :class:`~kvcomp.cache.reads.Reads`."""
+
+
+class PaddedRows(ABC):
+    """A cache that schedules the rows of a left-padded batch by their own tokens (:mod:`kvcomp.cache.rows`)."""
+
+    @abstractmethod
+    def group_rows(self, pads: list[int]) -> None:
+        """Before an empty cache's first forward: the left padding of each row (empty: none)."""

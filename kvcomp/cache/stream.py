@@ -133,10 +133,7 @@ class KVStream:
     positions' own angles. ``decoder(block)`` decodes one block (un-rotated), as the layer's
     :class:`~kvcomp.cache.scopes.Schedule` does; the schedule also encodes (:meth:`take`, :meth:`add_block`).
 
-    Left padding: the first ``leading_pads`` cache positions (the most any row of the batch is padded)
-    are kept with the sinks, so every row keeps at least ``policy.sinks`` real tokens in full precision
-    and no pad token is ever encoded; a row padded by ``p`` keeps ``leading_pads - p`` more of its first
-    tokens in full precision than it would alone (per-row schedules would make blocks ragged).
+    Left padding is never held: the cache gives rows padded alike their own streams (:mod:`kvcomp.cache.rows`).
     """
 
     def __init__(self, codec: Codec, kind: str, layer_idx: int, rope, decode_per_step: bool,
@@ -156,7 +153,6 @@ class KVStream:
         self.tail_buffer = GrowingTensor(2, self.tail_reserve(capacity), standby=self.policy.block_size is not None)
         self.length = self.num_encoded = self.batch = 0
         self.frozen = False  # True: keep every further token in the full-precision tail
-        self.leading_pads = 0  # left padding of the batch: kept with the sinks, never encoded (set by the layer)
 
     def tail_reserve(self, capacity: int) -> int:
         """Tail entries preallocated for a cache of ``capacity`` tokens: all of them when the stream never
@@ -199,7 +195,7 @@ class KVStream:
         """Add ``x [B, H, n, D]`` to the sinks and the tail (encoding is the layer's schedule's)."""
         self.length += x.shape[2]
         self.dtype, self.device, self.batch = x.dtype, x.device, x.shape[0]
-        take = min(x.shape[2], self.leading_pads + self.policy.sinks - self.num_sinks)
+        take = min(x.shape[2], self.policy.sinks - self.num_sinks)
         if take > 0:
             self.sinks = _cat(self.sinks, x[:, :, :take])
             x = x[:, :, take:]
@@ -219,7 +215,7 @@ class KVStream:
 
     def ready_after(self, n: int) -> bool:
         """Whether appending ``n`` more tokens would let :meth:`ready` encode (decided before the append)."""
-        to_sinks = max(0, min(n, self.leading_pads + self.policy.sinks - self.num_sinks))
+        to_sinks = max(0, min(n, self.policy.sinks - self.num_sinks))
         return self._encodable(self.num_tail + n - to_sinks) > 0
 
     def held(self) -> torch.Tensor:

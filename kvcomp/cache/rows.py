@@ -1,0 +1,80 @@
+"""Rows of a batch that share one schedule (issue 40: rows independent of each other).
+
+A left-padded batch holds rows whose first real token sits at different cache indices. A row's blocks
+(sinks, then ``block_size`` tokens after them) must start at its own first real token, as when it runs
+alone, or its compression would depend on the other rows' padding. The cache therefore groups rows by
+their left padding (:class:`RowGroup`): each group has its own streams and scope, holds no pad token
+(pads are masked out of attention anyway, and never stored or counted), and attends over its own columns
+(:class:`ByRows`). A batch padded alike (no padding, or every row padded the same) is one group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from kvcomp.cache.scopes import Scope
+from kvcomp.cache.step import LayerStep, Step
+
+
+@dataclass(eq=False)
+class RowGroup:
+    """Batch ``rows`` (None: every row) whose first ``pads`` cache positions are left padding, with the
+    :class:`~kvcomp.cache.scopes.Scope` that schedules their blocks."""
+
+    rows: list[int] | None
+    pads: int
+    scope: Scope
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This group's rows of ``x`` (dim 0; a tensor broadcast over rows, batch 1, is kept)."""
+        if self.rows is None or x.shape[0] == 1:
+            return x
+        return x.index_select(0, torch.tensor(self.rows, device=x.device))
+
+    def tokens(self, x: torch.Tensor, first_forward: bool, dim: int) -> torch.Tensor:
+        """This group's rows of a forward's tokens along ``dim``: the first forward's pads left out."""
+        x = self.take(x)
+        return x.narrow(dim, self.pads, x.shape[dim] - self.pads) if first_forward and self.pads else x
+
+    def layer_step(self, step: LayerStep, first_forward: bool) -> LayerStep:
+        """``step`` restricted to this group: its rows' and real tokens' position embeddings and ids."""
+        rope = None if step.rope is None else tuple(self.tokens(t, first_forward, 1) for t in step.rope)
+        positions = None if step.positions is None else self.tokens(step.positions, first_forward, 1)
+        return replace(step, rope=rope, positions=positions)
+
+
+def group_rows(pads: list[int]) -> list[tuple[list[int] | None, int]]:
+    """``(rows, pads)`` of each group of rows with the same left padding, by padding (one group, rows None,
+    when every row is padded alike)."""
+    distinct = sorted(set(pads))
+    if len(distinct) <= 1:
+        return [(None, distinct[0] if distinct else 0)]
+    return [([r for r, p in enumerate(pads) if p == d], d) for d in distinct]
+
+
+@dataclass
+class ByRows:
+    """What a grouped layer's attention reads: per :class:`RowGroup`, its read over its own cache columns
+    (pads left out), and whether this is the first forward (its pad queries are left out too and attend
+    nothing: their output is zero)."""
+
+    parts: list[tuple[RowGroup, object]]
+    first_forward: bool
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, step: Step,
+               attend: Callable[[torch.Tensor, torch.Tensor | None, object], torch.Tensor]) -> torch.Tensor:
+        """Attention output ``[B, q, Hq, D]`` of ``query [B, Hq, q, D]``: ``attend(query, mask, read)`` per group."""
+        b, hq, q, d = query.shape
+        if len(self.parts) == 1 and self.parts[0][0].rows is None and not self.first_forward:
+            group, read = self.parts[0]
+            return attend(query, step.columns(mask, group, self.first_forward), read)
+        out = query.new_zeros(b, q, hq, d)
+        for group, read in self.parts:
+            skipped = group.pads if self.first_forward else 0
+            got = attend(group.tokens(query, self.first_forward, 2), step.columns(mask, group, self.first_forward), read)
+            rows = slice(None) if group.rows is None else torch.tensor(group.rows, device=query.device)
+            out[rows, skipped:] = got
+        return out
