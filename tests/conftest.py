@@ -64,14 +64,17 @@ def tiny_llama():
 @contextlib.contextmanager
 def reads_taken():
     """``(layer index, what update_in_step returned)`` of every compressed layer's forward in the block: ``tuple``
-    (plain SDPA), ``Streaming``, ``FromSegments`` or ``FusedDecode`` (:mod:`kvcomp.cache.reads`)."""
+    (plain SDPA), ``Streaming``, ``FromSegments`` or ``FusedDecode`` (:mod:`kvcomp.cache.reads`); a layer whose
+    rows are grouped by padding (:class:`~kvcomp.cache.rows.ByRows`) gives one entry per row group."""
     from kvcomp.cache.compressed_cache import CompressedLayer
+    from kvcomp.cache.rows import ByRows
 
     taken, original = [], CompressedLayer.update_in_step
 
     def spy(self, key_states, value_states, step):
         read = original(self, key_states, value_states, step)
-        taken.append((self.layer_idx, type(read).__name__))
+        parts = [r for _, r in read.parts] if isinstance(read, ByRows) else [read]
+        taken.extend((self.layer_idx, type(r).__name__) for r in parts)
         return read
 
     with mock.patch.object(CompressedLayer, "update_in_step", spy):

@@ -95,10 +95,10 @@ def test_a_reserve_is_a_minimum_not_a_limit():
     assert grown.view.tolist() == [0.0, 1.0, 2.0] and grown.buffer.shape[0] >= 8
 
 
-def _generate(model, codec, capacity, steps):
+def _generate(model, codec, capacity, steps, pads=5):
     ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    mask[1, :pads] = 0
     cache = CompressedCache(codec, "exact_prefill", capacity=capacity)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
@@ -165,7 +165,7 @@ def test_a_stored_cache_does_not_change_as_the_preallocated_cache_goes_on(tiny_l
     from kvcomp.cache.offload import store
 
     codec = make_codec(tiny_llama, "kivi")
-    _, cache = _generate(tiny_llama, codec, 200, 8)
+    _, cache = _generate(tiny_llama, codec, 200, 8, pads=0)  # a left-padded cache is not stored
     stored = store(cache)
     before = {name: t.clone() for name, t in stored.tensors.items()}
     token = torch.zeros(2, 1, dtype=torch.long)

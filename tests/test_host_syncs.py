@@ -64,8 +64,9 @@ def test_a_fused_decode_step_never_synchronises(triton_llama, name):
     with reads_taken() as taken:
         syncs, cache = _decode_syncs(triton_llama, make_codec(triton_llama, name), "deferred", FUSED_STEPS)
     assert syncs.found == [], syncs.found
-    steps = [read for _, read in taken][len(cache.layers):]  # after the prefill
-    assert len(steps) == FUSED_STEPS * len(cache.layers) and set(steps) <= {"FusedDecode", "FromSegments"}
+    per_forward = len(cache.layers) * len(cache.groups)  # one read per layer and row group
+    steps = [read for _, read in taken][per_forward:]  # after the prefill
+    assert len(steps) == FUSED_STEPS * per_forward and set(steps) <= {"FusedDecode", "FromSegments"}
 
 
 @pytest.mark.parametrize("name", TORCH)

@@ -125,3 +125,16 @@ def test_one_heavily_padded_row_leaves_the_others_compressed_as_alone(tiny_llama
     torch.testing.assert_close(logits[1, -1:], expected[1], rtol=1e-4, atol=1e-4)
     assert batch.layers[0].parts[0].schedule.key_stream.num_encoded == alone[0].layers[0].key_stream.num_encoded > 250
     assert batch.nbytes == alone[0].nbytes + alone[1].nbytes
+
+
+@pytest.mark.parametrize("name", ["kivi", "csr"])
+def test_beam_search_on_a_padded_batch_equals_each_row_alone(tiny_llama, name):
+    """Beam reorders move rows within their padding group: each row generates what it generates alone
+    (CSR: its per-sequence bank is sampled from the row's own prompt, never from pad tokens)."""
+    codec = make_codec(tiny_llama, name)
+    rows, ids, mask, _ = _inputs()
+    options = dict(num_beams=2, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    batch = tiny_llama.generate(ids, attention_mask=mask, past_key_values=CompressedCache(codec), **options)
+    for i, row in enumerate(rows):
+        alone = tiny_llama.generate(row[None], past_key_values=CompressedCache(codec), **options)
+        assert torch.equal(batch[i, -12:], alone[0, -12:])

@@ -403,7 +403,7 @@ class CompressedCache(Cache, PaddedRows):
                     picks.append((k, torch.tensor([owner[old[r]][1] for r in rows]), rows))
         for k, local, rows in picks:
             self.groups[k].scope.select_rows(local)
-            self.groups[k].rows = rows
+            self.groups[k].move(rows)
             for layer in self.compressed_layers:
                 layer.parts[k].select_rows(local)
         self.groups = [self.groups[k] for k, _, _ in picks]

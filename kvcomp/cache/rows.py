@@ -10,7 +10,7 @@ their left padding (:class:`RowGroup`): each group has its own streams and scope
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -27,12 +27,22 @@ class RowGroup:
     rows: list[int] | None
     pads: int
     scope: Scope
+    indices: dict = field(default_factory=dict, repr=False)  # rows as a tensor, by device (made once: no copy per step)
+
+    def move(self, rows: list[int] | None) -> None:
+        """The group's rows are now ``rows`` (after a batch reorder)."""
+        self.rows, self.indices = rows, {}
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        if device not in self.indices:
+            self.indices[device] = torch.tensor(self.rows, device=device)
+        return self.indices[device]
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """This group's rows of ``x`` (dim 0; a tensor broadcast over rows, batch 1, is kept)."""
         if self.rows is None or x.shape[0] == 1:
             return x
-        return x.index_select(0, torch.tensor(self.rows, device=x.device))
+        return x.index_select(0, self.index(x.device))
 
     def tokens(self, x: torch.Tensor, first_forward: bool, dim: int) -> torch.Tensor:
         """This group's rows of a forward's tokens along ``dim``: the first forward's pads left out."""
@@ -75,6 +85,6 @@ class ByRows:
         for group, read in self.parts:
             skipped = group.pads if self.first_forward else 0
             got = attend(group.tokens(query, self.first_forward, 2), step.columns(mask, group, self.first_forward), read)
-            rows = slice(None) if group.rows is None else torch.tensor(group.rows, device=query.device)
+            rows = slice(None) if group.rows is None else group.index(query.device)
             out[rows, skipped:] = got
         return out
