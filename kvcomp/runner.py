@@ -22,7 +22,7 @@ from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
 from kvcomp.benchmarks import build_benchmark
 from kvcomp.benchmarks.base import Benchmark
 from kvcomp.cache import install
-from kvcomp.calibration import CalibrationData, calibrate
+from kvcomp.calibration import CalibrationData, calibrate, check_collection, check_windows
 from kvcomp.codecs import (Codec, CodecConfig, ModelInfo, build_codec, codec_config, needs_calibration, reads_fused,
                            scores_from_payload)
 from kvcomp.config import BENCHMARKS, CalibrationConfig, HardwareConfig, LoggerConfig, ModelConfig, typed
@@ -107,7 +107,8 @@ def check_codec_for_model(plan: RunPlan) -> Codec | None:
 
 def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None, force: bool = False) -> None:
     """Before the model loads: the benchmark's data, and the calibration corpus of a codec that will fit,
-    are at hand (offline: in the local cache).
+    are at hand (offline: in the local cache), and the cache disk can hold its K/V collection
+    (:func:`~kvcomp.calibration.check_collection`, when the codec could be built).
 
     The corpus is checked when the codec calibrates (``codec`` is None when it could not be built yet: then
     its class says so, unless that depends on the config) and no fitted artifact may serve instead: none
@@ -124,6 +125,8 @@ def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None, force: 
                               or any((cache_dir() / "calibration").glob(f"{plan.codec.name}-*.safetensors")))
     if calibrates and not reusable:
         check_corpus_available(plan.calibration.name, split="calibration")
+        if codec is not None:
+            check_collection(codec, plan.calibration)
 
 
 def _label(model: ModelConfig) -> str:
@@ -238,12 +241,16 @@ def _report_kernels(codec) -> None:
 
 
 def calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:
-    from kvcomp.data import load_corpus, token_windows
+    """The calibration windows (refused, before any is cut, when the corpus cannot hold them side by side:
+    :func:`~kvcomp.calibration.check_windows`)."""
+    from kvcomp.data import load_corpus, token_windows, tokenize_documents
 
     texts = load_corpus(calibration.name, "calibration", seed=calibration.seed)
+    tag = f"{calibration.name}-calibration"
+    check_windows(tokenize_documents(texts, tokenizer, cache_tag=tag).numel(), calibration)
     windows = token_windows(
         texts, tokenizer, calibration.seq_len, calibration.num_samples, seed=calibration.seed, mode="random",
-        cache_tag=f"{calibration.name}-calibration",
+        cache_tag=tag,
     )
     return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration, force=force)
 
