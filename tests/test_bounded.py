@@ -116,16 +116,24 @@ def test_a_collection_the_disk_cannot_hold_is_refused_before_the_model_loads(cac
     check_collection(codec, CalibrationConfig(num_samples=16, seq_len=512))
 
 
-def test_the_runner_sizes_the_collection_before_loading_the_model(cache_home, free_disk):
+def test_the_runner_checks_windows_and_disk_before_loading_the_model(cache_home, free_disk, monkeypatch):
+    import kvcomp.data
+    import kvcomp.runner
     from kvcomp.benchmarks import build_benchmark
     from kvcomp.runner import check_config, check_data
 
     from .test_config import _compose
+    from .test_trust import _tokenizer
 
     plan = check_config(_compose("codec=kvquant", "calibration.num_samples=100000"))
+    benchmark, codec = build_benchmark(plan.benchmark), build_codec(plan.codec, SMOLLM2)
     free_disk(63 * 10**9)
-    with pytest.raises(ConfigError, match="needs .* TB .* windows fit"):
-        check_data(plan, build_benchmark(plan.benchmark), build_codec(plan.codec, SMOLLM2))
+    with pytest.raises(ConfigError, match="needs .* TB .* windows fit"):  # the model's tokenizer is not at hand
+        check_data(plan, benchmark, codec)
+    monkeypatch.setattr(kvcomp.runner, "_local_tokenizer", lambda model: _tokenizer())
+    monkeypatch.setattr(kvcomp.data, "load_corpus", lambda *args, **kwargs: [" ".join(f"w{i}" for i in range(90))])
+    with pytest.raises(ConfigError, match="corpus has 90: 0 windows without overlap"):
+        check_data(plan, benchmark, codec)
 
 
 def test_a_collection_is_sized_against_the_disk_before_it_is_written(tiny_llama, cache_home, free_disk):
