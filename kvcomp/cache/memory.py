@@ -52,10 +52,13 @@ def model_storages(model: torch.nn.Module) -> set[int]:
 
 def readable(nbytes: int) -> str:
     """``1180000000000`` -> ``"1.18 TB"`` (decimal units, for messages)."""
-    for unit in ("bytes", "kB", "MB", "GB", "TB"):
-        if nbytes < 1000 or unit == "TB":
-            return f"{nbytes} {unit}" if unit == "bytes" else f"{nbytes:.3g} {unit}"
+    if nbytes < 1000:
+        return f"{nbytes} bytes"
+    for unit in ("kB", "MB", "GB", "TB"):
         nbytes /= 1000
+        if nbytes < 999.5:  # 999_999 bytes: 1 MB, not 1e+03 kB
+            return f"{nbytes:.3g} {unit}"
+    return f"{nbytes:.0f} TB"
 
 
 def available_bytes(device: torch.device) -> int | None:
