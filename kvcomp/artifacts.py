@@ -90,15 +90,16 @@ def write_json_atomic(path: str | Path, obj) -> None:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | Path, what: str = ""):
+def file_lock(path: str | Path, what: str = "", wait: bool = True):
     """Hold an exclusive lock on ``<path>.lock`` (POSIX ``flock``; blocks while another process holds it), so that
     processes computing the same artifact at once (sweep members) compute it once: the first writes it, the others
     wait and then find it. The lock file is left in place (removing it would race with waiters). Without
-    ``fcntl`` (Windows) nothing is locked."""
+    ``fcntl`` (Windows) nothing is locked. Yields whether the lock is held: ``wait=False`` does not wait for
+    another process and yields False instead (a live writer holds it; without ``fcntl``: always False)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
-        yield
+        yield wait
         return
     lock = Path(path).with_name(Path(path).name + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -106,9 +107,12 @@ def file_lock(path: str | Path, what: str = ""):
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if not wait:
+                yield False
+                return
             log.info("waiting for another process computing %s", what or Path(path).name)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -22,7 +22,7 @@ from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
 from kvcomp.benchmarks import build_benchmark
 from kvcomp.benchmarks.base import Benchmark
 from kvcomp.cache import install
-from kvcomp.calibration import CalibrationData, calibrate
+from kvcomp.calibration import CalibrationData, calibrate, check_collection, check_windows
 from kvcomp.codecs import (Codec, CodecConfig, ModelInfo, build_codec, codec_config, needs_calibration, reads_fused,
                            scores_from_payload)
 from kvcomp.config import BENCHMARKS, CalibrationConfig, HardwareConfig, LoggerConfig, ModelConfig, typed
@@ -107,7 +107,9 @@ def check_codec_for_model(plan: RunPlan) -> Codec | None:
 
 def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None, force: bool = False) -> None:
     """Before the model loads: the benchmark's data, and the calibration corpus of a codec that will fit,
-    are at hand (offline: in the local cache).
+    are at hand (offline: in the local cache); when the codec could be built (the model's files are at hand),
+    the corpus holds the calibration windows side by side (:func:`calibration_texts`) and the cache disk can
+    hold their K/V collection (:func:`~kvcomp.calibration.check_collection`).
 
     The corpus is checked when the codec calibrates (``codec`` is None when it could not be built yet: then
     its class says so, unless that depends on the config) and no fitted artifact may serve instead: none
@@ -124,6 +126,22 @@ def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None, force: 
                               or any((cache_dir() / "calibration").glob(f"{plan.codec.name}-*.safetensors")))
     if calibrates and not reusable:
         check_corpus_available(plan.calibration.name, split="calibration")
+        if codec is not None:
+            tokenizer = _local_tokenizer(plan.model)
+            if tokenizer is not None:
+                calibration_texts(plan.calibration, tokenizer)
+            check_collection(codec, plan.calibration)
+
+
+def _local_tokenizer(model: ModelConfig):
+    """The model's tokenizer from its local files (no weights are loaded), or None when they are not at hand."""
+    from transformers import AutoTokenizer
+
+    location = model_location(model.source, model.hub_id, fetch=False, embedded=model.embedded)
+    try:
+        return AutoTokenizer.from_pretrained(location, local_files_only=True)
+    except Exception:  # not fetched yet: the windows are checked once the model is loaded
+        return None
 
 
 def _label(model: ModelConfig) -> str:
@@ -237,13 +255,27 @@ def _report_kernels(codec) -> None:
                  codec.describe(), sorted(set(layers) - set(fused)))
 
 
-def calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:
-    from kvcomp.data import load_corpus, token_windows
+def calibration_texts(calibration: CalibrationConfig, tokenizer) -> list[str]:
+    """The calibration corpus's documents, refused when ``num_samples`` windows of ``seq_len`` tokens do not fit
+    in it side by side (:func:`~kvcomp.calibration.check_windows`; its token ids are cached for the windows)."""
+    from kvcomp.data import load_corpus, tokenize_documents
 
     texts = load_corpus(calibration.name, "calibration", seed=calibration.seed)
+    check_windows(tokenize_documents(texts, tokenizer, cache_tag=_tokens_tag(calibration)).numel(), calibration)
+    return texts
+
+
+def _tokens_tag(calibration: CalibrationConfig) -> str:
+    return f"{calibration.name}-calibration"
+
+
+def calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:
+    """The calibration windows (refused before any is cut when the corpus cannot hold them: :func:`calibration_texts`)."""
+    from kvcomp.data import token_windows
+
     windows = token_windows(
-        texts, tokenizer, calibration.seq_len, calibration.num_samples, seed=calibration.seed, mode="random",
-        cache_tag=f"{calibration.name}-calibration",
+        calibration_texts(calibration, tokenizer), tokenizer, calibration.seq_len, calibration.num_samples,
+        seed=calibration.seed, mode="random", cache_tag=_tokens_tag(calibration),
     )
     return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration, force=force)
 

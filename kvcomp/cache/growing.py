@@ -18,13 +18,18 @@ buffer of ``reserve`` entries: when an append does not fit at the end, the live 
 buffer and the two swap, so a steady stream of appends and drops allocates nothing. Entries are then
 overwritten, but never those of the buffer in use: a view stays valid until the tensor has moved twice,
 i.e. at least until its next append (what a cache layer's views need within one forward).
+A reserved buffer of :data:`CHECKED_FROM` bytes or more that exceeds the memory its device has available is
+refused (:class:`~kvcomp.errors.ConfigError` with both numbers) before it is allocated.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvcomp.cache.memory import check_fits
+
 SPARE_FRACTION, SPARE_MAX = 0.125, 256
+CHECKED_FROM = 1 << 24  # bytes: smaller reservations are not checked against available memory (cheaper to try)
 
 
 def spare(length: int) -> int:
@@ -65,6 +70,17 @@ class GrowingTensor:
         shape[self.dim] = entries
         return torch.empty(shape, dtype=dtype, device=like.device)
 
+    def _reserved(self, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``reserve`` entries, refused before allocating when its device cannot hold it."""
+        shape = list(like.shape)
+        shape[self.dim] = self.reserve
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if nbytes >= CHECKED_FROM:
+            check_fits(nbytes, like.device, f"reserving {self.reserve} entries (a {dtype} buffer of shape {shape})",
+                       "lower CompressedCache(capacity=...) (tokens per sequence) or the batch size, or leave "
+                       "capacity=None to grow as needed")
+        return self._empty(self.reserve, dtype, like)
+
     def _fits_standby(self, need: int, dtype: torch.dtype) -> bool:
         return self.standby is not None and need <= self.reserve and self.standby.dtype == dtype
 
@@ -76,12 +92,12 @@ class GrowingTensor:
         if self._fits_standby(need, dtype):
             moved, self.standby = self.standby, old if old.shape[self.dim] == self.reserve else None
         else:
-            moved = self._empty(self.reserve if need <= self.reserve else need + spare(need), dtype, like)
+            moved = self._reserved(dtype, like) if need <= self.reserve else self._empty(need + spare(need), dtype, like)
         if self.length:
             moved.narrow(self.dim, 0, self.length).copy_(self.view)
         self.buffer, self.start, self.end = moved, 0, self.length
         if self.keeps_standby and (self.standby is None or self.standby.dtype != dtype):
-            self.standby = self._empty(self.reserve, dtype, like)
+            self.standby = self._reserved(dtype, like)
 
     def drop_front(self, n: int) -> None:
         """Forget the ``n`` oldest entries; once the dropped entries outnumber the live ones (and 16), move

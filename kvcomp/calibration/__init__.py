@@ -5,6 +5,10 @@ under ``cache_dir()/calibration/`` and reused by later runs: a changed model (ot
 tokenizer under the same name) gets a fresh fit. Loading an artifact fitted for anything else is a
 :class:`~kvcomp.errors.CalibrationMismatchError` that lists what differs; a damaged one (truncated,
 altered, non-finite) is an error that names the file and the remedy.
+
+Requests are bounded: more windows than the corpus holds side by side are refused unless
+``calibration.oversample`` (:func:`check_windows`), and a K/V collection the cache disk cannot hold is refused
+before the model loads (:func:`check_collection`) and again before it is written.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch
 
 import kvcomp
 from kvcomp.artifacts import file_lock
-from kvcomp.calibration.collect import KVActivations, collect_kv
+from kvcomp.calibration.collect import (RECORD, KVActivations, check_disk, collect_kv, collection_shape, kv_root,
+                                       remove_incomplete)
 from kvcomp.codecs import Codec, CodecState, needs_calibration
+from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir, cache_relative
 from kvcomp.schema import at_least
 
@@ -34,10 +40,55 @@ class CalibrationConfig:
     seq_len: int = 512
     seed: int = 0
     artifact: str | None = None  # a fitted codec state to use instead of the cache's (refused if fitted for another model)
+    oversample: bool = False  # allow more windows than the corpus holds side by side (they then overlap)
 
     def __post_init__(self):
         at_least(self, 1, "num_samples")
         at_least(self, 2, "seq_len")
+
+
+NOT_IDENTITY = ("artifact", "oversample")  # fields that do not change which windows are drawn
+
+
+def check_windows(corpus_tokens: int, calibration: CalibrationConfig) -> None:
+    """Raise :class:`ConfigError` when ``num_samples`` windows of ``seq_len`` tokens need more tokens than the
+    corpus holds (``corpus_tokens``), naming how many windows it holds without overlap, unless
+    ``calibration.oversample``. (Windows are drawn at seeded random offsets either way, so they may overlap
+    partly even within the bound.)"""
+    n, seq_len = calibration.num_samples, calibration.seq_len
+    disjoint = corpus_tokens // seq_len
+    if n > disjoint and not calibration.oversample:
+        raise ConfigError(
+            f"calibration.num_samples={n} windows of calibration.seq_len={seq_len} tokens need {n * seq_len} tokens, "
+            f"but the {calibration.name!r} calibration corpus has {corpus_tokens}: {disjoint} windows without "
+            "overlap; lower calibration.num_samples or calibration.seq_len, or set calibration.oversample=true to "
+            "draw overlapping windows"
+        )
+
+
+def check_collection(codec: Codec, calibration: CalibrationConfig) -> None:
+    """Before the model loads: remove incomplete K/V collections of killed runs, then refuse the collection
+    ``codec`` would need when the cache disk cannot hold it (:func:`~kvcomp.calibration.collect.check_disk`).
+    Passes when a complete collection of the same shape is cached: it may serve (its key needs the model's
+    fingerprint), and the collection is checked again before it is written."""
+    root = kv_root()
+    remove_incomplete(root)
+    shape = collection_shape(codec.model, calibration.num_samples, calibration.seq_len, codec.calibration_drop_first)
+    if list(shape) in _cached_shapes(root):
+        return
+    check_disk(KVActivations(root, shape, codec.model.num_layers, codec.needs_fisher))
+
+
+def _cached_shapes(root: Path) -> list:
+    """The shard shapes the complete collections under ``root`` record (unreadable records are skipped: they
+    are verified, and refused, where they would be reused)."""
+    shapes = []
+    for record in root.glob(f"*/{RECORD}"):
+        try:
+            shapes.append(json.loads(record.read_text()).get("shape"))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return shapes
 
 
 @dataclass
@@ -85,7 +136,7 @@ def fitted_for(codec: Codec, calibration: CalibrationConfig) -> dict:
         "model": codec.model.identity,
         "model_shape": [codec.model.num_layers, codec.model.num_kv_heads, codec.model.head_dim],
         "codec": codec.calibration_key(),
-        "calibration": {k: v for k, v in asdict(calibration).items() if k != "artifact"},
+        "calibration": {k: v for k, v in asdict(calibration).items() if k not in NOT_IDENTITY},
         "kvcomp_version": kvcomp.__version__,
     }
 

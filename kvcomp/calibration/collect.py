@@ -14,12 +14,18 @@ folder, so memory stays bounded by one window's activations (64 x 2048 tokens of
 ~34 GB of bf16 on disk), and later codecs fitted on the same model (fingerprint) and data reuse the
 files. ``complete.json`` records every shard's size and sha256; a reused folder is verified first, so a
 truncated or altered shard is an error naming it, never zeros read back.
+
+A collection is sized before anything is written: one the cache disk cannot hold is a
+:class:`~kvcomp.errors.ConfigError` naming the bytes it needs, the bytes free and how many windows fit
+(:func:`check_disk`). A folder without ``complete.json`` is never reused; one whose lock no live process holds
+(a killed collection) is removed by the next collection (:func:`remove_incomplete`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -30,15 +36,19 @@ from transformers.cache_utils import Cache
 import kvcomp
 from kvcomp.artifacts import ArtifactError, file_lock, file_record, read_json, verify_file, write_json_atomic
 from kvcomp.cache import install, with_cache
+from kvcomp.cache.memory import readable
 from kvcomp.cache.step import LayerStep, StepLayer
 from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
-from kvcomp.paths import cache_dir
+from kvcomp.paths import cache_dir, cache_relative
 from kvcomp.progress import progress
 from kvcomp.stages.rope import undo_rope
 
 FIELDS = ("key", "value")
 FISHER_FIELDS = ("key_grad2", "value_grad2")
+RECORD = "complete.json"  # written last: its presence marks a collection complete
+
+log = logging.getLogger(__name__)
 
 
 class _RecordingLayer(StepLayer):
@@ -107,8 +117,19 @@ class KVActivations(Activations):
         return {field: self.tensor(layer, field) for field in self.fields}
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of every shard together (what the collection writes to disk)."""
+        return self.shape[0] * self.window_nbytes
+
+    @property
+    def window_nbytes(self) -> int:
+        """Bytes one window adds to the shards."""
+        _, heads, tokens, head_dim = self.shape
+        return self.num_layers * len(self.fields) * heads * tokens * head_dim * self.dtype.itemsize
+
+    @property
     def record_path(self) -> Path:
-        return self.folder / "complete.json"
+        return self.folder / RECORD
 
     @property
     def complete(self) -> bool:
@@ -146,25 +167,68 @@ def activations_key(info: ModelInfo, windows: torch.Tensor, drop_first: int, fis
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 8, folder: Path | None = None,
-               force: bool = False, fisher: bool = True) -> KVActivations:
-    """Record pre-RoPE K/V (and, with ``fisher``, squared loss gradients) of every window, reusing a complete,
-    verified earlier collection unless ``force`` (one with Fisher weights serves one without)."""
-    samples, seq_len = windows.shape
+def kv_root() -> Path:
+    """The cache folder that holds a folder per K/V collection."""
+    return cache_dir() / "calibration" / "kv"
+
+
+def collection_shape(info: ModelInfo, samples: int, seq_len: int, drop_first: int) -> tuple[int, int, int, int]:
+    """Each shard's shape ``[samples, kv_heads, seq_len - drop_first, head_dim]``; a ConfigError when the
+    windows keep no token after the sinks."""
     if seq_len <= drop_first:
         raise ConfigError(
             f"calibration.seq_len={seq_len} leaves nothing after dropping {drop_first} sink tokens; "
             f"valid: calibration.seq_len > {drop_first}"
         )
-    shape = (samples, info.num_kv_heads, seq_len - drop_first, info.head_dim)
+    return samples, info.num_kv_heads, seq_len - drop_first, info.head_dim
+
+
+def check_disk(store: KVActivations) -> None:
+    """Raise :class:`ConfigError` when the disk of ``store``'s folder has less free space than the collection
+    needs, naming both, and how many windows fit."""
+    where = next(p for p in (store.folder, *store.folder.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if store.nbytes > free:
+        samples, _, tokens, _ = store.shape
+        raise ConfigError(
+            f"the calibration K/V collection of {samples} windows ({tokens} tokens kept of each, {store.num_layers} "
+            f"layers, {' + '.join(store.fields)}) needs {readable(store.nbytes)} ({store.nbytes} bytes) on the disk "
+            f"of {cache_relative(where)}, which has {readable(free)} ({free} bytes) free: "
+            f"{free // store.window_nbytes} windows fit; lower calibration.num_samples or calibration.seq_len, or set "
+            "KVCOMP_CACHE to a folder on a larger disk"
+        )
+
+
+def remove_incomplete(root: Path) -> None:
+    """Remove the collections under ``root`` that a killed run left incomplete (no :data:`RECORD`) and that no
+    live process is writing (their :func:`~kvcomp.artifacts.file_lock` is free)."""
+    if not root.is_dir():
+        return
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not (p / RECORD).is_file()):
+        with file_lock(folder, wait=False) as held:
+            if held and folder.is_dir() and not (folder / RECORD).is_file():
+                nbytes = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                shutil.rmtree(folder, ignore_errors=True)
+                log.info("removed %s, an incomplete calibration K/V collection (%s) of a killed run",
+                         cache_relative(folder), readable(nbytes))
+
+
+def collect_kv(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 8, folder: Path | None = None,
+               force: bool = False, fisher: bool = True) -> KVActivations:
+    """Record pre-RoPE K/V (and, with ``fisher``, squared loss gradients) of every window, reusing a complete,
+    verified earlier collection unless ``force`` (one with Fisher weights serves one without). Incomplete
+    collections of killed runs are removed first (:func:`remove_incomplete`); a collection the disk cannot
+    hold is refused before anything is written (:func:`check_disk`)."""
+    shape = collection_shape(info, *windows.shape, drop_first)
     device = next(model.parameters()).device
+    remove_incomplete(kv_root())
     if folder is None and not fisher and not force:
-        richer = KVActivations(cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first, True),
-                               shape, info.num_layers, True, device)
+        richer = KVActivations(kv_root() / activations_key(info, windows, drop_first, True), shape, info.num_layers,
+                               True, device)
         if richer.complete:
             richer.verify()
             return richer
-    folder = Path(folder) if folder is not None else cache_dir() / "calibration" / "kv" / activations_key(info, windows, drop_first, fisher)
+    folder = Path(folder) if folder is not None else kv_root() / activations_key(info, windows, drop_first, fisher)
     with file_lock(folder, "the calibration K/V collection"):  # concurrent sweep members collect once
         return _collect_into(KVActivations(folder, shape, info.num_layers, fisher, device), model, info, windows,
                              drop_first, force)
@@ -179,6 +243,7 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
         store.verify()
         return store
     shutil.rmtree(folder, ignore_errors=True)
+    check_disk(store)
     folder.mkdir(parents=True)
     tensors = [store.layer(i) for i in range(info.num_layers)]
     trainable = [p for p in model.parameters() if p.requires_grad]
