@@ -140,7 +140,7 @@ def _local_tokenizer(model: ModelConfig):
     location = model_location(model.source, model.hub_id, fetch=False, embedded=model.embedded)
     try:
         return AutoTokenizer.from_pretrained(location, local_files_only=True)
-    except Exception:  # not fetched yet: the windows are checked once the model is loaded
+    except (OSError, ValueError):  # not fetched yet: the windows are checked once the model is loaded
         return None
 
 
