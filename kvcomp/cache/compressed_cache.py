@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from kvcomp.cache.checks import CHECK_FINITE, FiniteChecks
 from kvcomp.cache.positions import Positions
 from kvcomp.cache.reads import FromSegments, FusedDecode, Reads, Streaming
-from kvcomp.cache.rows import ByRows, RowGroup, group_rows
+from kvcomp.cache.rows import ByRows, RowGroup, padding_groups
 from kvcomp.cache.scopes import Schedule, Scope, make_scope
 from kvcomp.cache.step import LayerStep, PaddedRows, StepLayer
 from kvcomp.cache.stream import KVStream
@@ -320,7 +320,7 @@ class CompressedCache(Cache, PaddedRows):
     def group_rows(self, pads: list[int]) -> None:
         """Give each set of rows with the same left padding its own streams and scope (:mod:`kvcomp.cache.rows`),
         before the first forward: a row is then compressed as when it runs alone."""
-        spec = group_rows(pads)
+        spec = padding_groups(pads)
         if [(g.rows, g.pads) for g in self.groups] == spec:
             return
         if self.get_seq_length():

@@ -1,4 +1,4 @@
-"""Rows of a batch that share one schedule (issue 40: rows independent of each other).
+"""Rows of a batch that share one schedule, so that a row is compressed by its own tokens only.
 
 A left-padded batch holds rows whose first real token sits at different cache indices. A row's blocks
 (sinks, then ``block_size`` tokens after them) must start at its own first real token, as when it runs
@@ -56,7 +56,7 @@ class RowGroup:
         return replace(step, rope=rope, positions=positions)
 
 
-def group_rows(pads: list[int]) -> list[tuple[list[int] | None, int]]:
+def padding_groups(pads: list[int]) -> list[tuple[list[int] | None, int]]:
     """``(rows, pads)`` of each group of rows with the same left padding, by padding (one group, rows None,
     when every row is padded alike)."""
     distinct = sorted(set(pads))
