@@ -1,8 +1,9 @@
-"""Finiteness checks of one cache layer (:class:`~kvcomp.cache.CompressedCache`'s ``check_finite``)."""
+"""Finiteness checks of one cache layer (:class:`~kvcomp.cache.CompressedCache`'s ``check_finite``): NaN/Inf
+in the K/V a forward brings, and in what the layer's codec decoded from them."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -13,9 +14,10 @@ CHECK_FINITE = (True, False, "deferred")
 T = TypeVar("T")
 
 
-def finite(key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
-    """Device bool: no NaN/Inf in the K/V (sums of finite K/V cannot overflow float32)."""
-    return torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32))
+def finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """Device bool: no NaN/Inf in ``tensors`` (summed in float64, which no sum of finite float32, bfloat16 or
+    float16 values overflows)."""
+    return torch.isfinite(sum(t.sum(dtype=torch.float64) for t in tensors))
 
 
 def _span(first: int, count: int) -> str:
@@ -44,27 +46,65 @@ class DeviceFlag:
 
 class FiniteChecks:
     """``mode=True``: NaN/Inf in incoming K/V raise :class:`NonFiniteKVError` at once (a host sync per layer on a
-    GPU); ``"deferred"``: the verdict, and those of uniform/KIVI's and HIGGS' scale ranges, stay on the device
-    and are read one forward later (no sync); ``False``: never checked."""
+    GPU), and so do NaN/Inf in the blocks the layer's codec decoded in that forward (one more sync, only in the
+    forwards that decode new blocks); ``"deferred"``: these verdicts, and those of uniform/KIVI's and HIGGS' scale
+    ranges, stay on the device and are read one forward later (no sync); ``False``: never checked.
+
+    The decoded blocks checked are the new entries of each stream's decoded copy (the torch path's reads); a
+    fused kernel's reads of the payloads and ``decode_per_step`` reads keep no decoded copy and are not checked."""
 
     def __init__(self, mode: bool | str, layer_idx: int):
         if mode not in CHECK_FINITE:
             raise ConfigError(f"unknown check_finite {mode!r}; valid choices: True, False, 'deferred'")
         self.mode, self.layer_idx = mode, layer_idx
-        self.pending: tuple[DeviceFlag, int, int] | None = None  # deferred verdicts, first position, count
+        # deferred: verdicts, first position, count, kinds of the decoded streams checked, codec
+        self.pending: tuple[DeviceFlag, int, int, str, str] | None = None
+        self.checked: dict[str, tuple[object, int]] = {}  # per stream kind: (its decoded copy, entries checked)
 
-    def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int, store: Callable[[], T]) -> T:
-        """``store()`` (which stores the forward's K/V from cache position ``first`` on), checked by the mode."""
-        if self.mode != "deferred":
-            if self.mode:
-                self._check_incoming(key_states, value_states, first)
+    def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int, store: Callable[[], T],
+               streams: Sequence = ()) -> T:
+        """``store()`` (which stores the forward's K/V from cache position ``first`` on into ``streams``, the
+        layer's :class:`~kvcomp.cache.stream.KVStream` s), checked by the mode."""
+        if not self.mode:
             return store()
+        if self.mode is True:
+            self._check_incoming(key_states, value_states, first)
+            out = self._stored(store, streams)
+            decoded = self._newly_decoded(streams)
+            if decoded and not finite(*decoded.values()):
+                bad = {kind: x for kind, x in decoded.items() if not finite(x)}
+                raise self._decoded_error(streams[0].codec.name, bad, first, key_states.shape[2])
+            return out
         self.raise_pending()  # the previous forward's verdicts, long computed
         ranges = []
         with deferred_range_checks(ranges):
-            out = store()
-        self.pending = (DeviceFlag(torch.stack([finite(key_states, value_states), *ranges])), first, key_states.shape[2])
+            out = self._stored(store, streams)
+        decoded = self._newly_decoded(streams)
+        verdicts = [finite(key_states, value_states), *(finite(x) for x in decoded.values()), *ranges]
+        self.pending = (DeviceFlag(torch.stack(verdicts)), first, key_states.shape[2], ",".join(decoded),
+                        streams[0].codec.name if streams else "")
         return out
+
+    def _stored(self, store: Callable[[], T], streams: Sequence) -> T:
+        """``store()``; a codec's own refusal of values it cannot store (:class:`NonFiniteKVError`) names the layer
+        and the codec."""
+        try:
+            return store()
+        except NonFiniteKVError as error:
+            codec = streams[0].codec.name if streams else "?"
+            raise NonFiniteKVError(f"layer {self.layer_idx}, codec {codec}: {error}") from error
+
+    def _newly_decoded(self, streams: Sequence) -> dict[str, torch.Tensor]:
+        """Per stream kind, the entries its decoded copy gained since the last check (none: left out)."""
+        fresh = {}
+        for stream in streams:
+            copy = stream.decoded
+            seen, count = self.checked.get(stream.kind, (None, 0))
+            start = count if seen is copy else 0
+            self.checked[stream.kind] = (copy, copy.length)
+            if copy.length > start:
+                fresh[stream.kind] = copy.view.narrow(2, start, copy.length - start)
+        return fresh
 
     def _check_incoming(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int) -> None:
         if not finite(key_states, value_states):
@@ -72,18 +112,31 @@ class FiniteChecks:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in incoming {kind} "
                                    f"(cache positions {_span(first, key_states.shape[2])})")
 
+    def _decoded_error(self, codec: str, decoded: dict, first: int, count: int, late: str = "") -> NonFiniteKVError:
+        kinds = " and ".join(f"{kind}s" for kind in decoded)
+        return NonFiniteKVError(
+            f"layer {self.layer_idx}: codec {codec} decoded NaN or Inf {kinds} from finite input (blocks encoded by "
+            f"the forward of cache positions {_span(first, count)} or before{late}): the values are beyond what "
+            f"{codec} can store; scale the model's K/V down or use another codec")
+
     def raise_pending(self) -> None:
-        """Read the verdicts of the last forward under ``"deferred"``: NaN/Inf in the incoming K/V, and
-        quantization parameters that overflowed their storage dtype (uniform/KIVI, HIGGS). They were copied to
-        the host without waiting, so reading them one forward later costs no sync."""
+        """Read the verdicts of the last forward under ``"deferred"``: NaN/Inf in the incoming K/V and in the
+        blocks the codec decoded, and quantization parameters that overflowed their storage dtype (uniform/KIVI,
+        HIGGS). They were copied to the host without waiting, so reading them one forward later costs no sync."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        verdicts, positions = pending[0].read(), _span(pending[1], pending[2])
+        flag, first, count, kinds, codec = pending
+        verdicts, positions = flag.read(), _span(first, count)
         if not verdicts[0]:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in the keys or values of an earlier forward "
                                    f"(cache positions {positions}; check_finite='deferred' reports it one forward late)")
-        if not all(verdicts[1:]):
+        kinds = kinds.split(",") if kinds else []
+        bad = [kind for kind, ok in zip(kinds, verdicts[1:]) if not ok]
+        if bad:
+            raise self._decoded_error(codec, dict.fromkeys(bad), first, count, "; reported one forward late by "
+                                      "check_finite='deferred'")
+        if not all(verdicts[1 + len(kinds):]):
             raise NonFiniteKVError(
                 f"layer {self.layer_idx}: a quantization group's scale or zero overflowed its storage dtype "
                 f"(cache positions {positions}; reported one forward late by check_finite='deferred'): "

@@ -86,7 +86,8 @@ class CompressedLayer(StepLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self.get_seq_length()
-        return self.checks.around(key_states, value_states, first, lambda: self._store(key_states, value_states, step))
+        return self.checks.around(key_states, value_states, first, lambda: self._store(key_states, value_states, step),
+                                  self.streams)
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None):
         batch, n = key_states.shape[0], key_states.shape[2]
