@@ -80,7 +80,7 @@ class FiniteChecks:
         with deferred_range_checks(ranges):
             out = self._stored(store, streams)
         decoded = self._newly_decoded(streams)
-        verdicts = [finite(key_states, value_states), *(finite(x) for x in decoded.values()), *ranges]
+        verdicts = [finite(key_states, value_states), *ranges, *(finite(x) for x in decoded.values())]
         self.pending = (DeviceFlag(torch.stack(verdicts)), first, key_states.shape[2], ",".join(decoded),
                         streams[0].codec.name if streams else "")
         return out
@@ -132,13 +132,14 @@ class FiniteChecks:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in the keys or values of an earlier forward "
                                    f"(cache positions {positions}; check_finite='deferred' reports it one forward late)")
         kinds = kinds.split(",") if kinds else []
-        bad = [kind for kind, ok in zip(kinds, verdicts[1:]) if not ok]
+        ranges = verdicts[1:len(verdicts) - len(kinds)]
+        if not all(ranges):
+            raise NonFiniteKVError(
+                f"layer {self.layer_idx}, codec {codec}: a scale or norm overflowed its storage dtype (cache positions "
+                f"{positions}; reported one forward late by check_finite='deferred'): set codec.param_dtype=float32 (QJL's "
+                "norms: codec.norm_dtype=float32; HIGGS, AQUA-KV: codec.scale_dtype=float32), or use check_finite=True "
+                "(the field then falls back to float32 per block where it must)")
+        bad = [kind for kind, ok in zip(kinds, verdicts[len(verdicts) - len(kinds):]) if not ok]
         if bad:
             raise self._decoded_error(codec, dict.fromkeys(bad), first, count, "; reported one forward late by "
                                       "check_finite='deferred'")
-        if not all(verdicts[1 + len(kinds):]):
-            raise NonFiniteKVError(
-                f"layer {self.layer_idx}: a quantization group's scale or zero overflowed its storage dtype "
-                f"(cache positions {positions}; reported one forward late by check_finite='deferred'): "
-                "set codec.param_dtype=float32 (HIGGS, AQUA-KV: codec.scale_dtype=float32), or use check_finite=True "
-                "(uniform/KIVI then fall back to float32 per block)")

@@ -55,6 +55,25 @@ def range_fits(fits: torch.Tensor) -> bool:
     return True
 
 
+def stored_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (finite, float32) as stored in ``dtype`` when every value stays finite there, else in float32: an
+    input beyond ``dtype``'s range (float16: 65504) keeps a wider field, counted by the cache's measured bytes.
+    Within :func:`deferred_range_checks` always ``dtype``, whether it fits left on the device."""
+    stored = x.to(dtype)
+    if dtype == x.dtype or range_fits(torch.isfinite(stored).all()):
+        return stored
+    return x
+
+
+def stable_norm(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x.norm(dim=dim)`` (float32), and where that overflows (inputs beyond ~1e19), the norm of ``x`` scaled
+    by its largest magnitude, scaled back: finite wherever the norm is."""
+    x = x.float()
+    norm = x.norm(dim=dim)
+    peak = x.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.where(torch.isfinite(norm), norm, (x / peak).norm(dim=dim) * peak.squeeze(dim))
+
+
 AXES = ("per_token", "per_channel")
 
 
