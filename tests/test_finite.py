@@ -1,0 +1,117 @@
+"""Finite in, finite out (issue 40): every codec of the matrix, fed K/V with large finite values in the cache
+dtype, gives finite reads or refuses them with a :class:`KVCompError` that names the layer and the codec; a codec
+that turns finite input into NaN/Inf is reported at the layer where it happens (the last one included)."""
+
+from unittest import mock
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvcomp.cache import CompressedCache
+from kvcomp.cache.compressed_cache import CompressedLayer
+from kvcomp.errors import NonFiniteKVError
+from tests.codec_matrix import MATRIX, make_codec
+from tests.conftest import _tiny
+
+CASES = {  # cache dtype, magnitude of the K/V fed to every layer
+    "fp32-1e5": (torch.float32, 1e5),
+    "fp32-1e30": (torch.float32, 1e30),
+    "fp16-6e4": (torch.float16, 6e4),  # near float16's max, 65504
+    "bf16-1e30": (torch.bfloat16, 1e30),
+    "bf16-3.3e38": (torch.bfloat16, 3.3e38),  # near bfloat16's max, 3.39e38
+}
+# What cannot be stored, refused with the layer and the codec named: pre-RoPE keys (CSR, KVQuant) and
+# reconstructions (QJL's k_hat, CSR's sums of atoms, KVQuant's values) beyond float16's range; group ranges
+# beyond float32's (uniform, KIVI); HIGGS / AQUA-KV norms beyond their float16 scale_dtype; kvtc's transform.
+NEAR_MAX = ("fp16-6e4", "bf16-3.3e38")
+REFUSED = {"uniform": ("bf16-3.3e38",), "kivi": ("bf16-3.3e38",), "qjl": NEAR_MAX, "kvquant": NEAR_MAX,
+           "csr": NEAR_MAX, "higgs": tuple(CASES), "aquakv": tuple(CASES), "kvtc": tuple(CASES)}
+# codebooks fitted on the model's K/V saturate far beyond them: finite, but no closer than the input's size
+SATURATING = ("temporalkv", "channelkv", "kvquant")
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+
+
+@pytest.fixture(scope="module")
+def codecs(tiny_llama):
+    made = {}
+    return lambda name: made.get(name) or made.setdefault(name, make_codec(tiny_llama, name))
+
+
+@pytest.fixture(scope="module")
+def models():
+    made = {}
+    return lambda dtype: made.get(dtype) or made.setdefault(dtype, _tiny(LlamaConfig, LlamaForCausalLM).to(dtype))
+
+
+def _feed(model, cache, magnitude, layers=None, forwards=2):
+    """Run ``forwards`` forwards (a 40-token prompt, then single tokens) whose K/V reaching the layers in
+    ``layers`` (None: all) are replaced by uniform draws in ``[-magnitude, magnitude]``; returns those K/V per layer."""
+    fed, original = {}, CompressedLayer.update_in_step
+
+    def replaced(self, key_states, value_states, step):
+        if layers is None or self.layer_idx in layers:
+            g = torch.Generator().manual_seed(10 * self.layer_idx + key_states.shape[2])
+            key_states, value_states = (((torch.rand(key_states.shape, generator=g) * 2 - 1) * magnitude)
+                                        .to(key_states.dtype) for _ in range(2))
+            fed.setdefault(self.layer_idx, []).append((key_states, value_states))
+        return original(self, key_states, value_states, step)
+
+    ids = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(0))
+    with mock.patch.object(CompressedLayer, "update_in_step", replaced), torch.no_grad():
+        model(ids, past_key_values=cache)
+        for _ in range(forwards - 1):
+            model(ids[:, :1], past_key_values=cache)
+    return fed
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_large_finite_kv_read_back_finite_or_refused_naming_layer_and_codec(codecs, models, name, case):
+    dtype, magnitude = CASES[case]
+    codec = codecs(name)
+    cache = CompressedCache(codec, "simulated")
+    if case in REFUSED.get(name, ()):
+        with pytest.raises(NonFiniteKVError, match=rf"^layer 0[,:] codec {name}"):
+            _feed(models(dtype), cache, magnitude)
+        return
+    fed = _feed(models(dtype), cache, magnitude)
+    bound = 1.0 if name in SATURATING else 1.2 * MATRIX[name].error
+    for layer in cache.layers:
+        for stream, i in ((layer.key_stream, 0), (layer.value_stream, 1)):
+            original = torch.cat([kv[i] for kv in fed[layer.layer_idx]], dim=2).double()
+            read = stream.materialize()
+            assert read.dtype == dtype and torch.isfinite(read).all(), (layer.layer_idx, stream.kind)
+            assert name == "fp16" or stream.num_encoded > 0
+            error = (read.double() - original).pow(2).mean().sqrt() / original.pow(2).mean().sqrt()
+            assert error <= bound, (layer.layer_idx, stream.kind, float(error))
+
+
+def test_refusals_name_a_real_matrix_case():
+    assert set(REFUSED) <= set(MATRIX) and all(set(cases) <= set(CASES) for cases in REFUSED.values())
+
+
+@pytest.mark.parametrize("check_finite", [True, "deferred"])
+def test_a_codec_that_decodes_nan_is_reported_at_its_layer_even_the_last(codecs, models, check_finite, monkeypatch):
+    """Layer 1 (the last) decodes NaN from finite input: the error names layer 1 and the codec (before, the
+    logits were NaN silently); under ``"deferred"`` at that layer's next forward or :meth:`raise_if_nonfinite`."""
+    codec = codecs("uniform")
+    decode = type(codec).decode
+    monkeypatch.setattr(codec, "decode", lambda payload, request: decode(codec, payload, request) * (
+        float("nan") if request.layer == 1 else 1.0))
+    cache = CompressedCache(codec, "simulated", check_finite=check_finite)
+    with pytest.raises(NonFiniteKVError, match=r"^layer 1: codec uniform decoded NaN or Inf keys and values from "
+                                               r"finite input"):
+        _feed(models(torch.float32), cache, 1.0)
+        cache.raise_if_nonfinite()
+
+
+def test_the_finiteness_check_holds_sums_beyond_float32(codecs, models):
+    """bfloat16 K/V near its max are finite: their float32 sum overflowed, which was reported as NaN/Inf."""
+    cache = CompressedCache(codecs("fp16"), "simulated")
+    _feed(models(torch.bfloat16), cache, 3.3e38)
+    assert all(torch.isfinite(s.materialize()).all() for layer in cache.layers for s in layer.streams)
