@@ -8,7 +8,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from kvcomp.errors import ConfigError, NonFiniteKVError
-from kvcomp.stages.uniform_quantizer import deferred_range_checks
+from kvcomp.stages.ranges import deferred_range_checks
 
 CHECK_FINITE = (True, False, "deferred")
 T = TypeVar("T")

@@ -47,10 +47,10 @@ from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.layer_merging import PAPER_GROUPS, merge_layers
 from kvcomp.stages.neuraldict import DictTraining, train_dictionaries
+from kvcomp.stages.ranges import saturated, stable_norm, stored_in
 from kvcomp.stages.sparse_coding import (
     matching_pursuit, normalize_rows, orthogonal_matching_pursuit, reconstruct, sparse_weighted_sum,
 )
-from kvcomp.stages.uniform_quantizer import stable_norm, stored_in
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         atoms = self.dictionary(request.kind, request.layer, b, index.device, request.state)
         flat = (b * h, t * c, pairs // c)
         x = reconstruct(index.reshape(flat).long(), coefficient.reshape(flat), atoms)
-        return x.view(b, h, t, self.model.head_dim).to(request.dtype)
+        return saturated(x.view(b, h, t, self.model.head_dim), request.dtype)
 
     def payload_values(self, weights, payload, layer_idx, state=None) -> torch.Tensor:
         """``sum_t w_t v~_t = D u`` per value chunk (§5.4): the weights ``[B, Hq, Tq, T]`` times each pair's

@@ -45,7 +45,8 @@ from kvcomp.stages.jl_sketch import (
     jl_projection,
     sign_sketch,
 )
-from kvcomp.stages.uniform_quantizer import GroupQuantizer, stable_norm, stored_in
+from kvcomp.stages.ranges import saturated, stable_norm, stored_in
+from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
 @dataclass
@@ -185,7 +186,7 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
         """Values: dequantized. Keys: ``k_hat`` (module docstring), whose logits equal the estimator's."""
         if request.kind == "value":
             return self.value_quantizer.decode(payload.tensors, self.model.head_dim, request.dtype)
-        return reconstruct_keys(self.sketched_keys(payload, request.layer), self.model.head_dim).to(request.dtype)
+        return saturated(reconstruct_keys(self.sketched_keys(payload, request.layer), self.model.head_dim), request.dtype)
 
     def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
         """Logits ``<q, k_hat>`` of queries ``[B, Hq, Tq, D]`` against the encoded keys, float32

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.stages.uniform_quantizer import stored_in
+from kvcomp.stages.ranges import stored_in
 
 MODES = ("none", "channel_zscore", "channel_range", "token_zscore", "token_range")
 LOW_QUANTILE, HIGH_QUANTILE = 0.005, 0.995

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcomp.stages.uniform_quantizer import stable_norm
+from kvcomp.stages.ranges import stable_norm
 
 
 def _rows(atoms: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
