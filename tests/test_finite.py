@@ -115,3 +115,24 @@ def test_the_finiteness_check_holds_sums_beyond_float32(codecs, models):
     cache = CompressedCache(codecs("fp16"), "simulated")
     _feed(models(torch.bfloat16), cache, 3.3e38)
     assert all(torch.isfinite(s.materialize()).all() for layer in cache.layers for s in layer.streams)
+
+
+def test_deferred_checks_report_a_16_bit_norm_overflow_at_the_layers_next_forward(codecs, models):
+    """Under ``check_finite="deferred"`` QJL's key norms stay float16 (no host sync to choose float32): keys at
+    1e5 overflow them, reported with the layer, the codec and the remedy one forward later."""
+    cache = CompressedCache(codecs("qjl"), "simulated", check_finite="deferred")
+    with pytest.raises(NonFiniteKVError, match=r"^layer 0, codec qjl: a scale or norm overflowed .*norm_dtype=float32"):
+        _feed(models(torch.float32), cache, 1e5, forwards=3)
+
+
+def test_fields_beyond_float16_are_stored_in_float32_and_counted(codecs, models):
+    """A block whose norms float16 cannot hold keeps them in float32, and the measured bytes count them; normal
+    inputs keep float16 (the nominal bits)."""
+    held = {}
+    for magnitude in (1.0, 1e5):
+        cache = CompressedCache(codecs("qjl"), "simulated")
+        _feed(models(torch.float32), cache, magnitude)
+        norms = cache.layers[0].key_stream.payload.tensors["inlier_norm"]
+        held[magnitude] = norms.dtype, cache.payload_nbytes
+    assert held[1.0][0] == torch.float16 and held[1e5][0] == torch.float32
+    assert held[1e5][1] > held[1.0][1]

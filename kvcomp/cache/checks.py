@@ -47,8 +47,9 @@ class DeviceFlag:
 class FiniteChecks:
     """``mode=True``: NaN/Inf in incoming K/V raise :class:`NonFiniteKVError` at once (a host sync per layer on a
     GPU), and so do NaN/Inf in the blocks the layer's codec decoded in that forward (one more sync, only in the
-    forwards that decode new blocks); ``"deferred"``: these verdicts, and those of uniform/KIVI's and HIGGS' scale
-    ranges, stay on the device and are read one forward later (no sync); ``False``: never checked.
+    forwards that decode new blocks); ``"deferred"``: these verdicts, and whether the codecs' 16-bit scales and norms
+    held their values (:mod:`kvcomp.stages.ranges`), stay on the device and are read one forward later (no sync);
+    ``False``: never checked.
 
     The decoded blocks checked are the new entries of each stream's decoded copy (the torch path's reads); a
     fused kernel's reads of the payloads and ``decode_per_step`` reads keep no decoded copy and are not checked."""
@@ -58,11 +59,11 @@ class FiniteChecks:
             raise ConfigError(f"unknown check_finite {mode!r}; valid choices: True, False, 'deferred'")
         self.mode, self.layer_idx = mode, layer_idx
         # deferred: verdicts, first position, count, kinds of the decoded streams checked, codec
-        self.pending: tuple[DeviceFlag, int, int, str, str] | None = None
+        self.pending: tuple[DeviceFlag, int, int, tuple[str, ...], str] | None = None
         self.checked: dict[str, tuple[object, int]] = {}  # per stream kind: (its decoded copy, entries checked)
 
     def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int, store: Callable[[], T],
-               streams: Sequence = ()) -> T:
+               streams: Sequence) -> T:
         """``store()`` (which stores the forward's K/V from cache position ``first`` on into ``streams``, the
         layer's :class:`~kvcomp.cache.stream.KVStream` s), checked by the mode."""
         if not self.mode:
@@ -81,8 +82,8 @@ class FiniteChecks:
             out = self._stored(store, streams)
         decoded = self._newly_decoded(streams)
         verdicts = [finite(key_states, value_states), *ranges, *(finite(x) for x in decoded.values())]
-        self.pending = (DeviceFlag(torch.stack(verdicts)), first, key_states.shape[2], ",".join(decoded),
-                        streams[0].codec.name if streams else "")
+        self.pending = (DeviceFlag(torch.stack(verdicts)), first, key_states.shape[2], tuple(decoded),
+                        streams[0].codec.name)
         return out
 
     def _stored(self, store: Callable[[], T], streams: Sequence) -> T:
@@ -91,8 +92,7 @@ class FiniteChecks:
         try:
             return store()
         except NonFiniteKVError as error:
-            codec = streams[0].codec.name if streams else "?"
-            raise NonFiniteKVError(f"layer {self.layer_idx}, codec {codec}: {error}") from error
+            raise NonFiniteKVError(f"layer {self.layer_idx}, codec {streams[0].codec.name}: {error}") from error
 
     def _newly_decoded(self, streams: Sequence) -> dict[str, torch.Tensor]:
         """Per stream kind, the entries its decoded copy gained since the last check (none: left out)."""
@@ -121,8 +121,7 @@ class FiniteChecks:
 
     def raise_pending(self) -> None:
         """Read the verdicts of the last forward under ``"deferred"``: NaN/Inf in the incoming K/V and in the
-        blocks the codec decoded, and quantization parameters that overflowed their storage dtype (uniform/KIVI,
-        HIGGS). They were copied to the host without waiting, so reading them one forward later costs no sync."""
+        blocks the codec decoded, and scales or norms that overflowed their 16-bit storage dtype. They were copied to the host without waiting, so reading them one forward later costs no sync."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
@@ -131,7 +130,6 @@ class FiniteChecks:
         if not verdicts[0]:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in the keys or values of an earlier forward "
                                    f"(cache positions {positions}; check_finite='deferred' reports it one forward late)")
-        kinds = kinds.split(",") if kinds else []
         ranges = verdicts[1:len(verdicts) - len(kinds)]
         if not all(ranges):
             raise NonFiniteKVError(
