@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcomp.cache import CompressedCache
 from kvcomp.cache.compressed_cache import CompressedLayer
+from kvcomp.codecs.base import Request
 from kvcomp.errors import NonFiniteKVError
 from tests.codec_matrix import MATRIX, make_codec
 from tests.conftest import _tiny
@@ -136,3 +137,17 @@ def test_fields_beyond_float16_are_stored_in_float32_and_counted(codecs, models)
         held[magnitude] = norms.dtype, cache.payload_nbytes
     assert held[1.0][0] == torch.float16 and held[1e5][0] == torch.float32
     assert held[1e5][1] > held[1.0][1]
+
+
+def test_float32_norms_are_scored_alike_by_the_triton_kernel_and_torch(codecs):
+    """QJL's score kernel reads the float32 norms of keys beyond float16 as the torch path does."""
+    pytest.importorskip("triton")
+    codec = codecs("qjl")
+    keys = (torch.rand(1, 2, 8, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 1e5
+    payload = codec.encode(Request(1, "key", tokens=keys))
+    assert payload.tensors["inlier_norm"].dtype == torch.float32
+    query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+    reference = codec.payload_scores(query, payload, 1, "torch")
+    kernel = codec.payload_scores(query, payload, 1, "triton")
+    assert torch.isfinite(reference).all()
+    torch.testing.assert_close(kernel, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
