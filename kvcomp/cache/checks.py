@@ -1,21 +1,23 @@
-"""Finiteness checks of one cache layer (:class:`~kvcomp.cache.CompressedCache`'s ``check_finite``)."""
+"""Finiteness checks of one cache layer (:class:`~kvcomp.cache.CompressedCache`'s ``check_finite``): NaN/Inf
+in the K/V a forward brings, and in what the layer's codec decoded from them."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from kvcomp.errors import ConfigError, NonFiniteKVError
-from kvcomp.stages.uniform_quantizer import deferred_range_checks
+from kvcomp.stages.ranges import deferred_range_checks
 
 CHECK_FINITE = (True, False, "deferred")
 T = TypeVar("T")
 
 
-def finite(key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
-    """Device bool: no NaN/Inf in the K/V (sums of finite K/V cannot overflow float32)."""
-    return torch.isfinite(key_states.sum(dtype=torch.float32) + value_states.sum(dtype=torch.float32))
+def finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """Device bool: no NaN/Inf in ``tensors`` (summed in float64, which no sum of finite float32, bfloat16 or
+    float16 values overflows)."""
+    return torch.isfinite(sum(t.sum(dtype=torch.float64) for t in tensors))
 
 
 def _span(first: int, count: int) -> str:
@@ -44,27 +46,71 @@ class DeviceFlag:
 
 class FiniteChecks:
     """``mode=True``: NaN/Inf in incoming K/V raise :class:`NonFiniteKVError` at once (a host sync per layer on a
-    GPU); ``"deferred"``: the verdict, and those of uniform/KIVI's and HIGGS' scale ranges, stay on the device
-    and are read one forward later (no sync); ``False``: never checked."""
+    GPU), and so do NaN/Inf in the blocks the layer's codec decoded in that forward (one more sync, only in the
+    forwards that decode new blocks); ``"deferred"``: these verdicts, and whether the codecs' 16-bit scales and norms
+    held their values (:mod:`kvcomp.stages.ranges`), stay on the device and are read one forward later (no sync);
+    ``False``: never checked.
+
+    The decoded blocks checked are the new entries of each stream's decoded copy (the torch path's reads); a
+    fused kernel's reads of the payloads and ``decode_per_step`` reads keep no decoded copy and are not checked."""
 
     def __init__(self, mode: bool | str, layer_idx: int):
         if mode not in CHECK_FINITE:
             raise ConfigError(f"unknown check_finite {mode!r}; valid choices: True, False, 'deferred'")
         self.mode, self.layer_idx = mode, layer_idx
-        self.pending: tuple[DeviceFlag, int, int] | None = None  # deferred verdicts, first position, count
+        # deferred: verdicts, first position, count, kinds of the decoded streams checked, codec
+        self.pending: tuple[DeviceFlag, int, int, tuple[str, ...], str] | None = None
+        self.checked: list[tuple[object, int]] = []  # per stream, in order: (its decoded copy, entries checked)
 
-    def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int, store: Callable[[], T]) -> T:
-        """``store()`` (which stores the forward's K/V from cache position ``first`` on), checked by the mode."""
-        if self.mode != "deferred":
-            if self.mode:
-                self._check_incoming(key_states, value_states, first)
+    def reset(self) -> None:
+        """Forget the last forward (the cache was reset)."""
+        self.pending, self.checked = None, []
+
+    def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int, store: Callable[[], T],
+               streams: Sequence) -> T:
+        """``store()`` (which stores the forward's K/V from cache position ``first`` on into ``streams``, the
+        layer's :class:`~kvcomp.cache.stream.KVStream` s), checked by the mode."""
+        if not self.mode:
             return store()
+        if self.mode is True:
+            self._check_incoming(key_states, value_states, first)
+            out = self._stored(store, streams)
+            decoded = self._newly_decoded(streams)
+            if decoded and not finite(*(x for _, x in decoded)):
+                bad = {kind: x for kind, x in decoded if not finite(x)}
+                raise self._decoded_error(streams[0].codec.name, bad, first, key_states.shape[2])
+            return out
         self.raise_pending()  # the previous forward's verdicts, long computed
         ranges = []
         with deferred_range_checks(ranges):
-            out = store()
-        self.pending = (DeviceFlag(torch.stack([finite(key_states, value_states), *ranges])), first, key_states.shape[2])
+            out = self._stored(store, streams)
+        decoded = self._newly_decoded(streams)
+        verdicts = [finite(key_states, value_states), *ranges, *(finite(x) for _, x in decoded)]
+        self.pending = (DeviceFlag(torch.stack(verdicts)), first, key_states.shape[2], tuple(kind for kind, _ in decoded),
+                        streams[0].codec.name)
         return out
+
+    def _stored(self, store: Callable[[], T], streams: Sequence) -> T:
+        """``store()``; a codec's own refusal of values it cannot store (:class:`NonFiniteKVError`) names the layer
+        and the codec."""
+        try:
+            return store()
+        except NonFiniteKVError as error:
+            raise NonFiniteKVError(f"layer {self.layer_idx}, codec {streams[0].codec.name}: {error}") from error
+
+    def _newly_decoded(self, streams: Sequence) -> list[tuple[str, torch.Tensor]]:
+        """``(stream kind, entries its decoded copy gained since the last check)`` of each stream that gained some
+        (the streams of every row group, in order)."""
+        fresh, checked = [], []
+        for i, stream in enumerate(streams):
+            copy = stream.decoded
+            seen, count = self.checked[i] if i < len(self.checked) else (None, 0)
+            start = count if seen is copy else 0
+            checked.append((copy, copy.length))
+            if copy.length > start:
+                fresh.append((stream.kind, copy.view.narrow(2, start, copy.length - start)))
+        self.checked = checked
+        return fresh
 
     def _check_incoming(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int) -> None:
         if not finite(key_states, value_states):
@@ -72,20 +118,32 @@ class FiniteChecks:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in incoming {kind} "
                                    f"(cache positions {_span(first, key_states.shape[2])})")
 
+    def _decoded_error(self, codec: str, decoded: dict, first: int, count: int, late: str = "") -> NonFiniteKVError:
+        kinds = " and ".join(f"{kind}s" for kind in decoded)
+        return NonFiniteKVError(
+            f"layer {self.layer_idx}: codec {codec} decoded NaN or Inf {kinds} from finite input (blocks encoded by "
+            f"the forward of cache positions {_span(first, count)} or before{late}): the values are beyond what "
+            f"{codec} can store; scale the model's K/V down or use another codec")
+
     def raise_pending(self) -> None:
-        """Read the verdicts of the last forward under ``"deferred"``: NaN/Inf in the incoming K/V, and
-        quantization parameters that overflowed their storage dtype (uniform/KIVI, HIGGS). They were copied to
-        the host without waiting, so reading them one forward later costs no sync."""
+        """Read the verdicts of the last forward under ``"deferred"``: NaN/Inf in the incoming K/V and in the
+        blocks the codec decoded, and scales or norms that overflowed their 16-bit storage dtype. They were copied to the host without waiting, so reading them one forward later costs no sync."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        verdicts, positions = pending[0].read(), _span(pending[1], pending[2])
+        flag, first, count, kinds, codec = pending
+        verdicts, positions = flag.read(), _span(first, count)
         if not verdicts[0]:
             raise NonFiniteKVError(f"layer {self.layer_idx}: NaN or Inf in the keys or values of an earlier forward "
                                    f"(cache positions {positions}; check_finite='deferred' reports it one forward late)")
-        if not all(verdicts[1:]):
+        ranges = verdicts[1:len(verdicts) - len(kinds)]
+        if not all(ranges):
             raise NonFiniteKVError(
-                f"layer {self.layer_idx}: a quantization group's scale or zero overflowed its storage dtype "
-                f"(cache positions {positions}; reported one forward late by check_finite='deferred'): "
-                "set codec.param_dtype=float32 (HIGGS, AQUA-KV: codec.scale_dtype=float32), or use check_finite=True "
-                "(uniform/KIVI then fall back to float32 per block)")
+                f"layer {self.layer_idx}, codec {codec}: a scale or norm overflowed its storage dtype (cache positions "
+                f"{positions}; reported one forward late by check_finite='deferred'): set codec.param_dtype=float32 (QJL's "
+                "norms: codec.norm_dtype=float32; HIGGS, AQUA-KV: codec.scale_dtype=float32), or use check_finite=True "
+                "(the field then falls back to float32 per block where it must)")
+        bad = [kind for kind, ok in zip(kinds, verdicts[len(verdicts) - len(kinds):]) if not ok]
+        if bad:
+            raise self._decoded_error(codec, dict.fromkeys(bad), first, count, "; reported one forward late by "
+                                      "check_finite='deferred'")

@@ -78,7 +78,7 @@ class CompressedLayer(StepLayer):
         for part in self.parts:
             part.schedule.reset()
             part.positions.reset()
-        self.checks.pending = None
+        self.checks.reset()
         self.is_initialized = False
         self.length = 0
 
@@ -129,7 +129,7 @@ class CompressedLayer(StepLayer):
         first = self.length
         self.length += key_states.shape[2]
         return self.checks.around(key_states, value_states, first,
-                                  lambda: self._store_rows(key_states, value_states, step, first == 0))
+                                  lambda: self._store_rows(key_states, value_states, step, first == 0), self.streams)
 
     def _store_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
                     first_forward: bool):

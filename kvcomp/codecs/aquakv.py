@@ -37,6 +37,7 @@ from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
+from kvcomp.stages.ranges import saturated
 from kvcomp.stages.ridge import LinearPredictor, RidgeFit
 from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
@@ -164,7 +165,7 @@ class AquaKVCodec(Codec, Calibrated):
 
     @staticmethod
     def _reconstruct(decoded: torch.Tensor, predicted: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        return (decoded if predicted is None else decoded + predicted).to(dtype)
+        return saturated(decoded if predicted is None else decoded + predicted, dtype)
 
     def _inputs(self, kind: str, keys: torch.Tensor | None, previous) -> torch.Tensor:
         """Predictor input rows ``[B, T, d_in]``: the previous layer's keys, or the value inputs."""

@@ -37,6 +37,7 @@ from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
 from kvcomp.stages.normalization import ChannelStats, Normalizer
 from kvcomp.stages.outliers import OutlierSelector
+from kvcomp.stages.ranges import saturated
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -190,7 +191,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         kind, layer_idx, device = request.kind, request.layer, payload.tensors["codes"].device
         stats = self._stats(layer_idx, kind, device)
         codebooks = self._codebooks(layer_idx, kind, device)
-        return self._decode_with(self.scheme(kind, layer_idx), payload.tensors, stats, codebooks).to(request.dtype)
+        return saturated(self._decode_with(self.scheme(kind, layer_idx), payload.tensors, stats, codebooks), request.dtype)
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """Codes within bytes and no sparse outliers (their scatter stays on the torch path)."""

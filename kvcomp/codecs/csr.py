@@ -47,6 +47,7 @@ from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.layer_merging import PAPER_GROUPS, merge_layers
 from kvcomp.stages.neuraldict import DictTraining, train_dictionaries
+from kvcomp.stages.ranges import saturated, stable_norm, stored_in
 from kvcomp.stages.sparse_coding import (
     matching_pursuit, normalize_rows, orthogonal_matching_pursuit, reconstruct, sparse_weighted_sum,
 )
@@ -285,8 +286,12 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         """Give the worst-coded vectors guard atoms while slots are free, and code them by their atom."""
         b, h = state.tensors["guard_used"].shape
         bank, used, tau = state.tensors["bank"], state.tensors["guard_used"], state.tensors["guard_tau"]
+        error = vectors - reconstruct(index, coefficient, atoms)
         energy = vectors.square().sum(-1)
-        residual = (vectors - reconstruct(index, coefficient, atoms)).square().sum(-1) / energy.clamp_min(1e-12)
+        residual = error.square().sum(-1) / energy.clamp_min(1e-12)
+        # vectors beyond ~1e19 overflow the squares: the ratio of their norms instead
+        exact = energy.isfinite() & residual.isfinite()
+        residual = torch.where(exact, residual, (stable_norm(error) / stable_norm(vectors).clamp_min(1e-6)).square())
         residual = residual.view(b, h, -1)
         unset = tau < 0
         if bool(unset.any()):
@@ -305,12 +310,13 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
                 bank[row, head, slots] = normalize_rows(vectors[g, worst]).to(bank.dtype)
                 index[g, worst] = (atoms.shape[1] - bank.shape[2] + slots)[:, None]
                 coefficient[g, worst] = 0.0
-                coefficient[g, worst, 0] = vectors[g, worst].norm(dim=-1)
+                coefficient[g, worst, 0] = stable_norm(vectors[g, worst])
                 used[row, head] += len(worst)
 
     # --- encode / decode ---
     def encode(self, request: Request) -> Payload:
-        """MP codes of ``x [B, H, T, D]``: ``index`` int16 and ``coefficient`` fp16, ``[B, H, T, s_n s]``."""
+        """MP codes of ``x [B, H, T, D]``: ``index`` int16 and ``coefficient`` fp16 (float32 in a block whose
+        coefficients float16 cannot hold: inputs beyond 65504), ``[B, H, T, s_n s]``."""
         x, kind, layer_idx, state = request.tokens, request.kind, request.layer, request.state
         b, h, t, d = x.shape
         c, s = self.chunks(kind), self.sparsity(kind)
@@ -323,7 +329,7 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         if state is not None and "guard_used" in state.tensors:
             self._guard(vectors, index, coefficient, atoms, state)
         return Payload({"index": index.to(torch.int16).view(b, h, t, c * s),
-                        "coefficient": coefficient.to(torch.float16).view(b, h, t, c * s)}, t)
+                        "coefficient": stored_in(coefficient, torch.float16).view(b, h, t, c * s)}, t)
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         """``D r`` (Eq. 12) of every coded vector, ``[B, H, T, D]`` in ``request.dtype``."""
@@ -333,7 +339,7 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         atoms = self.dictionary(request.kind, request.layer, b, index.device, request.state)
         flat = (b * h, t * c, pairs // c)
         x = reconstruct(index.reshape(flat).long(), coefficient.reshape(flat), atoms)
-        return x.view(b, h, t, self.model.head_dim).to(request.dtype)
+        return saturated(x.view(b, h, t, self.model.head_dim), request.dtype)
 
     def payload_values(self, weights, payload, layer_idx, state=None) -> torch.Tensor:
         """``sum_t w_t v~_t = D u`` per value chunk (§5.4): the weights ``[B, Hq, Tq, T]`` times each pair's

@@ -23,6 +23,7 @@ from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.grids import gaussian_grid
 from kvcomp.stages.hadamard import is_power_of_two
 from kvcomp.stages.higgs import HiggsQuantizer
+from kvcomp.stages.ranges import saturated
 
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -113,7 +114,7 @@ class HiggsCodec(Codec):
         return Payload(self.tokens.encode(request.tokens), request.tokens.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
-        return self.tokens.decode(payload.tensors).to(request.dtype)
+        return saturated(self.tokens.decode(payload.tensors), request.dtype)
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.tokens.bits_per_value()

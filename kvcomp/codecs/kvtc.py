@@ -40,13 +40,14 @@ from kvcomp.artifacts import write_json_atomic
 from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
                                 Request, SequenceState, Stateful, StreamPolicy)
 from kvcomp.codecs.registry import register
-from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
 from kvcomp.paths import cache_dir
 from kvcomp.progress import progress_bar
 from kvcomp.stages.bit_allocation import (
     DP_TYPES, FP8_MAX, GROUP_OVERHEAD_BITS, GROUP_SIZES, TYPE_BITS, GroupErrors, Plan, allocate_from, group_errors,
     truncation_plan,
 )
+from kvcomp.stages.ranges import saturated, stored_in
 from kvcomp.stages.transform_coding import PCABasis, decode_rows, deflate, encode_rows, feature_rows, fit_pca, inflate
 
 TYPE_NAMES = tuple(TYPE_BITS)
@@ -267,10 +268,13 @@ class KVTCCodec(Codec, Calibrated, Stateful):
             batch, tokens = layers[0].shape[0], layers[0].shape[2]
             for g, group in enumerate(self.layer_groups):
                 rows = feature_rows([layers[i] for i in group]).view(batch, tokens, len(group) * self.width)
-                ragged[f"{kind}.{g}"] = [
-                    torch.frombuffer(bytearray(deflate(encode_rows(pca.project(x, plan.width_used), plan), self.config.deflate_level)),
-                                     dtype=torch.uint8)
-                    for x, (pca, plan) in zip(rows, self._bases(kind, g, batch, state))]
+                try:
+                    ragged[f"{kind}.{g}"] = [
+                        torch.frombuffer(bytearray(deflate(encode_rows(pca.project(x, plan.width_used), plan), self.config.deflate_level)),
+                                         dtype=torch.uint8)
+                        for x, (pca, plan) in zip(rows, self._bases(kind, g, batch, state))]
+                except NonFiniteKVError as error:
+                    raise NonFiniteKVError(f"the {kind}s of layers {group.start}..{group.stop - 1}: {error}") from error
         return Payload(tensors, keys[0].shape[2], ragged)
 
     def decode(self, payload: Payload, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +300,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         for kind in KINDS:
             bases = self._bases(kind, g, len(coefficients[kind]), state)
             rows = [pca.reconstruct(c, columns) for c, (pca, _) in zip(coefficients[kind], bases)]
-            x = torch.stack(rows).view(len(rows), t, self.model.num_kv_heads, self.model.head_dim).transpose(1, 2).to(dtype)
+            x = saturated(torch.stack(rows).view(len(rows), t, self.model.num_kv_heads, self.model.head_dim).transpose(1, 2), dtype)
             if sinks:
                 codes = payload.tensors[f"sink.{kind}"][:, layer_idx].view(torch.float8_e4m3fn)
                 x = torch.cat([(codes.float() * payload.tensors[f"sink.{kind}.scale"][:, layer_idx, ..., None].float()).to(x), x], 2)
@@ -347,8 +351,9 @@ class KVTCCodec(Codec, Calibrated, Stateful):
 
 
 def fp8_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 codes of ``x [..., d]`` scaled by an fp16 absmax per vector (K11), and the scales ``[...]``."""
-    scale = (x.float().abs().amax(-1) / FP8_MAX).half().clamp_min(torch.finfo(torch.float16).tiny)
+    """E4M3 codes of ``x [..., d]`` scaled by an fp16 absmax per vector (K11; float32 in a block whose scales
+    float16 cannot hold), and the scales ``[...]``."""
+    scale = stored_in(x.float().abs().amax(-1) / FP8_MAX, torch.float16).clamp_min(torch.finfo(torch.float16).tiny)
     return (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

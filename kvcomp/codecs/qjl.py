@@ -45,6 +45,7 @@ from kvcomp.stages.jl_sketch import (
     jl_projection,
     sign_sketch,
 )
+from kvcomp.stages.ranges import saturated, stable_norm, stored_in
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
@@ -162,10 +163,10 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
             outlier_part = keys * channel_mask(channels, self.model.head_dim, cfg.group_size)
             keys = keys - outlier_part
             tensors["outlier_signs"] = sign_sketch(outlier_part, projection[: sketch.outlier_sketch_dim])
-            tensors["outlier_norm"] = outlier_part.norm(dim=-1).to(self.norm_dtype)
+            tensors["outlier_norm"] = stored_in(stable_norm(outlier_part), self.norm_dtype)
             tensors["outlier_channels"] = channels.to(torch.uint8)
         tensors["signs"] = sign_sketch(keys, projection)
-        tensors["inlier_norm"] = keys.norm(dim=-1).to(self.norm_dtype)
+        tensors["inlier_norm"] = stored_in(stable_norm(keys), self.norm_dtype)
         return Payload(tensors, num_tokens=x.shape[2])
 
     def sketched_keys(self, payload: Payload, layer_idx: int) -> SketchedKeys:
@@ -185,7 +186,7 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
         """Values: dequantized. Keys: ``k_hat`` (module docstring), whose logits equal the estimator's."""
         if request.kind == "value":
             return self.value_quantizer.decode(payload.tensors, self.model.head_dim, request.dtype)
-        return reconstruct_keys(self.sketched_keys(payload, request.layer), self.model.head_dim).to(request.dtype)
+        return saturated(reconstruct_keys(self.sketched_keys(payload, request.layer), self.model.head_dim), request.dtype)
 
     def payload_scores(self, query: torch.Tensor, payload: Payload, layer_idx: int, backend: str = "torch") -> torch.Tensor:
         """Logits ``<q, k_hat>`` of queries ``[B, Hq, Tq, D]`` against the encoded keys, float32

@@ -3,7 +3,8 @@
 For one token's vector ``r`` of ``D`` values (all KV heads of a layer, keys or values):
 
 1. zero-pad to ``D' = ceil(D / g) g`` and split into ``m = D' / g`` groups ``r_j`` of ``g`` (a power of two);
-2. ``s_j = |r_j|_2``, stored in ``scale_dtype`` (16 bits; the codes are computed with the rounded scale);
+2. ``s_j = |r_j|_2``, stored in ``scale_dtype`` (16 bits; the codes are computed with the rounded scale; float32
+   in a block whose norms ``scale_dtype`` cannot hold, e.g. beyond float16's 65504);
 3. ``u_j = H_g r_j / s_j`` (unnormalised Walsh-Hadamard, so ``|u_j|^2 = g`` and its coordinates are
    close to ``N(0, 1)``);
 4. every ``d`` consecutive coordinates of ``u_j`` are replaced by the index of their nearest point of an
@@ -22,11 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomp.errors import NonFiniteKVError
 from kvcomp.stages.grids import nearest
 from kvcomp.stages.hadamard import fwht, grouped
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
-from kvcomp.stages.uniform_quantizer import range_fits
+from kvcomp.stages.ranges import stable_norm, stored_in
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,11 +59,7 @@ class HiggsQuantizer:
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"codes": uint8 [..., bytes], "scale": [..., m]}`` of ``x [..., D]``."""
         groups, _ = grouped(x.float(), self.group)
-        scale = groups.norm(dim=-1).to(self.scale_dtype)
-        if not range_fits(torch.isfinite(scale).all()):  # deferred by the cache with check_finite="deferred"
-            raise NonFiniteKVError(
-                f"HIGGS: a group norm overflows {self.scale_dtype} (or the input holds NaN/Inf); use scale_dtype=float32"
-            )
+        scale = stored_in(stable_norm(groups), self.scale_dtype)  # checked later with check_finite="deferred"
         u = fwht(groups) / scale.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
         d = self.grid.shape[1]
         index = nearest(u.reshape(*u.shape[:-2], -1, d), self.grid_on(u.device))

@@ -8,7 +8,7 @@
 - ``channel_range``: offline per-channel mean and half the 0.5%-99.5% quantile range (KVQuant keys
   with 1% outliers).
 - ``token_zscore``: online mean and std of each token over all heads x channels of the layer
-  (KVQuant values); both are stored per token in ``param_dtype``.
+  (KVQuant values); both are stored per token in ``param_dtype`` (float32 where a token's do not fit it).
 - ``token_range``: online half quantile range of each token, offline per-channel mean as center
   (KVQuant values with 1% outliers); the scale is stored per token.
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvcomp.stages.ranges import stored_in
 
 MODES = ("none", "channel_zscore", "channel_range", "token_zscore", "token_range")
 LOW_QUANTILE, HIGH_QUANTILE = 0.005, 0.995
@@ -84,7 +86,10 @@ def _per_token_spread(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.T
     """Per-token scale (and mean for ``token_zscore``) over all heads x channels: ``[B, 1, T]``."""
     flat = x.float().permute(0, 2, 1, 3).flatten(2)  # [B, T, H*D]
     if mode == "token_zscore":
-        return flat.std(-1, correction=0)[:, None], flat.mean(-1)[:, None]
+        std = flat.std(-1, correction=0)
+        peak = flat.abs().amax(-1).clamp_min(TINY)  # tokens beyond ~1e19 overflow the variance: scaled by their peak
+        std = torch.where(std.isfinite(), std, (flat / peak[..., None]).std(-1, correction=0) * peak)
+        return std[:, None], flat.mean(-1)[:, None]
     spread = (quantile(flat, HIGH_QUANTILE) - quantile(flat, LOW_QUANTILE)) / 2
     return spread[:, None], None
 
@@ -125,9 +130,9 @@ class Normalizer:
             center, scale = _per_channel(stats.mean), _per_channel(stats.half_range)
         else:
             spread, mean = _per_token_spread(x, self.mode)
-            stored["token_scale"] = spread.clamp_min(TINY).to(self.param_dtype)
+            stored["token_scale"] = stored_in(spread.clamp_min(TINY), self.param_dtype)
             if mean is not None:
-                stored["token_center"] = mean.to(self.param_dtype)
+                stored["token_center"] = stored_in(mean, self.param_dtype)
             center, scale = self._token_params(stats, stored)
         center, scale = center.to(x.device), scale.to(x.device)
         return (x.float() - center) / scale, scale, stored

@@ -9,6 +9,8 @@ un-rotated, and the decode-attention reference rotates decoded keys (a stage: ev
 
 import torch
 
+from kvcomp.stages.ranges import saturated
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -18,10 +20,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [B, H, T, D]`` by positions whose ``cos``/``sin`` are ``[B, T, D]``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+    return saturated(x.float() * cos + rotate_half(x.float()) * sin, x.dtype)
 
 
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`apply_rope`."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x.float() * cos - rotate_half(x.float()) * sin).to(x.dtype)
+    return saturated(x.float() * cos - rotate_half(x.float()) * sin, x.dtype)

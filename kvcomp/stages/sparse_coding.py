@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcomp.stages.ranges import stable_norm
+
 
 def _rows(atoms: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``atoms [G, N, d]`` rows picked by ``index [G, T]`` -> ``[G, T, d]``."""
@@ -84,4 +86,4 @@ def sparse_weighted_sum(weights: torch.Tensor, index: torch.Tensor, coefficient:
 
 def normalize_rows(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """``x / ||x||`` along the last dim (zero rows stay zero)."""
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return x / stable_norm(x)[..., None].clamp_min(eps)

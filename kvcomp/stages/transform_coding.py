@@ -15,9 +15,10 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvcomp.errors import DamagedPayloadError
+from kvcomp.errors import DamagedPayloadError, NonFiniteKVError
 from kvcomp.stages.bit_allocation import TYPE_BITS, Plan, group_codes, group_values
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
 
@@ -66,8 +67,9 @@ def fit_pca(rows: torch.Tensor, rank: int, niter: int = 8, seed: int = 0, dtype=
 
 
 def encode_rows(coefficients: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """The byte stream (uint8, not yet deflated) of ``coefficients [N, r]`` under ``plan``."""
-    codes, params = [], []
+    """The byte stream (uint8, not yet deflated) of ``coefficients [N, r]`` under ``plan``. Coefficients beyond
+    float16's range (shifts, scales and fp16 codes would be Inf) are refused (:class:`NonFiniteKVError`)."""
+    codes, params, halves = [], [], []
     for start, end, kind in plan.groups:
         if kind == "none":
             continue
@@ -75,7 +77,12 @@ def encode_rows(coefficients: torch.Tensor, plan: Plan) -> torch.Tensor:
         flat = c.reshape(-1)
         codes.append(flat.view(torch.uint8) if kind in FLOAT_TYPES else pack_bits(flat, TYPE_BITS[kind]))
         params += [shift.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)]
-    parts = [t.cpu() for t in codes + params]
+        halves += [len(codes) - 1] if kind == "fp16" else []
+    parts = [t.cpu() for t in codes + params]  # the stream is deflated on the host: checked there, without a sync
+    stored = [parts[i] for i in halves] + parts[len(codes):]
+    if not all(np.isfinite(t.view(torch.float16).numpy()).all() for t in stored):
+        raise NonFiniteKVError(f"PCA coefficients beyond the float16 range (max {torch.finfo(torch.float16).max:.0f}) "
+                               "in which kvtc stores coefficients, shifts and scales: inputs this large cannot be coded")
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
 
 

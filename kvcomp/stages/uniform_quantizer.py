@@ -15,45 +15,21 @@ exactly. A block whose parameters do not fit ``param_dtype`` (float16 beyond 655
 magnitude 1e5) stores that block's scale and zero in float32 instead: the cache's measured bytes grow
 accordingly (consecutive blocks concatenate to float32), while ``bits_per_value`` stays the nominal
 16-bit count. Inputs whose group range ``max - min`` overflows even float32 (the top code would decode
-to Inf) raise :class:`NonFiniteKVError`. Within :func:`deferred_range_checks` (a cache with
+to Inf) raise :class:`NonFiniteKVError`. Within :func:`~kvcomp.stages.ranges.deferred_range_checks` (a cache with
 ``check_finite="deferred"``) the parameters are always stored in ``param_dtype`` and whether they fit is
 left on the device for the cache to read one forward later (no host sync per encode). Codes are packed
 along the channel axis of each token, so every stored tensor has tokens (or token groups) on dim 2
 and payloads of consecutive blocks concatenate along that dim.
 """
 
-import contextlib
 import math
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
-
-_DEFERRED_RANGE_CHECKS: ContextVar[list | None] = ContextVar("kvcomp_deferred_range_checks", default=None)
-
-
-@contextlib.contextmanager
-def deferred_range_checks(verdicts: list):
-    """Within this context, encodes store scale and zero in ``param_dtype`` without reading whether they
-    fit (a host sync on a GPU) and append that device bool to ``verdicts`` for the caller to read later."""
-    token = _DEFERRED_RANGE_CHECKS.set(verdicts)
-    try:
-        yield
-    finally:
-        _DEFERRED_RANGE_CHECKS.reset(token)
-
-def range_fits(fits: torch.Tensor) -> bool:
-    """Whether a device bool ``fits`` holds: read on the host (a sync on a GPU), or, within
-    :func:`deferred_range_checks`, left on the device for the cache to read later (then ``True``)."""
-    verdicts = _DEFERRED_RANGE_CHECKS.get()
-    if verdicts is None:
-        return bool(fits)
-    verdicts.append(fits)
-    return True
-
+from kvcomp.stages.ranges import checks_deferred, range_fits, saturated
 
 AXES = ("per_token", "per_channel")
 
@@ -114,7 +90,7 @@ class GroupQuantizer:
         """Scale and zero as stored: in ``param_dtype`` when the top code of every group then decodes to a
         finite value (``levels * s + z``, as :meth:`decode` and the fused kernel compute it), else in
         float32; raise :class:`NonFiniteKVError` when not even float32 holds the range."""
-        if _DEFERRED_RANGE_CHECKS.get() is not None:
+        if checks_deferred():
             s, z = scale.to(self.param_dtype), lo.to(self.param_dtype)
             range_fits(torch.isfinite(levels * s.float() + z.float()).all())
             return s, z
@@ -135,7 +111,7 @@ class GroupQuantizer:
         """Inverse of :meth:`encode`: ``x_hat = code * scale + zero`` as ``[B, H, T, D]`` in ``dtype``."""
         codes = unpack_bits(payload["codes"], self.bits, head_dim).float()
         s, z = self._expand(payload["scale"]), self._expand(payload["zero"])
-        return (codes * s + z).to(dtype)
+        return saturated(codes * s + z, dtype)
 
     def _expand(self, param: torch.Tensor) -> torch.Tensor:
         """Broadcast a per-group parameter to ``[B, H, T, D]`` (float32)."""
