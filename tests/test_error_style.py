@@ -1,0 +1,80 @@
+"""One error style: bad command lines end with one line ``kvcomp error: ...`` and exit status 2, bugs keep
+their traceback, ``HYDRA_FULL_ERROR=1`` shows every traceback."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from kvcomp.config import register_configs
+from kvcomp.sweep import user_problem
+from tests.run_py import ROOT, run_py
+
+CONF = ROOT / "conf"
+
+
+def _problem(*overrides) -> str:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with pytest.raises(Exception) as raised:
+            compose(config_name="config", overrides=list(overrides))
+    return user_problem(raised.value, CONF)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("codec.bogus=1", "unknown codec field 'bogus'; valid choices: bits, compress_sliding, group_size, name,"),
+    ("bogus=1", "unknown field 'bogus'; valid choices: benchmark, calibration, codec, force,"),
+    ("benchmark.batch_size=abc", "benchmark.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("codec.bits=", "codec.bits=: Value '' of type 'str' could not be converted to Integer"),
+    ("codec=nosuch", "unknown codec option 'nosuch'; valid choices: aquakv, aquakv_3bit,"),
+    ("hardware=nosuch", "unknown hardware option 'nosuch'; valid choices: a100, cpu, h100, h100_8x, h200"),
+    ("experiment=qjl/nosuch", "unknown experiment option 'qjl/nosuch'; valid choices: aquakv/embedded_ablations,"),
+    ("codec..x=1", "malformed override 'codec..x=1'; the grammar: https://hydra.cc/"),
+    ("=3", "Config group override must be a string or a list. Got int"),
+    ("codec=3", "Config group override must be a string or a list. Got int"),
+    ("~codec.bits", "~codec.bits: KIVIConfig (DictConfig) does not support deletion"),
+])
+def test_composition_errors_read_as_one_line(override, expected):
+    problem = _problem(override)
+    assert expected in problem and "\n" not in problem
+    assert "schema" not in problem  # kvcomp's registered schemas are not options
+
+
+def test_bugs_are_not_user_problems():
+    assert user_problem(ZeroDivisionError("boom"), CONF) is None
+    assert user_problem(ValueError("raised by kvcomp, not by Hydra's checks"), CONF) is None
+
+
+@pytest.mark.parametrize("args", [["codec.bogus=1"], ["benchmark.batch_size=abc"], ["-m", "codec=kivi,nosuch"]])
+def test_run_py_refuses_bad_command_lines_with_one_line(tmp_path, args):
+    result = run_py(*args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith("kvcomp error: ") and "HYDRA_FULL_ERROR" not in result.stderr
+    if args[0] == "-m":
+        assert line.startswith("kvcomp error: sweep member codec=nosuch: unknown codec option 'nosuch'")
+        assert not list((tmp_path / "sweep").rglob("results.json"))
+
+
+def test_hydra_full_error_shows_the_traceback(tmp_path):
+    result = run_py("codec.bogus=1", f"hydra.run.dir={tmp_path}", cwd=tmp_path, HYDRA_FULL_ERROR="1")
+    assert result.returncode == 1 and "Traceback" in result.stderr and "ConfigCompositionException" in result.stderr
+    assert "kvcomp error" not in result.stderr
+
+
+def test_a_bug_in_the_job_keeps_its_traceback(tmp_path):
+    """A non-kvcomp exception raised inside the job: its traceback and exit status 1, not a one-line error."""
+    script = ("import runpy, kvcomp.runner\n"
+              "def run(*args, **kwargs):\n    raise ZeroDivisionError('a bug')\n"
+              "kvcomp.runner.run = run\n"
+              f"runpy.run_path({str(ROOT / 'run.py')!r}, run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", script, f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    assert "ZeroDivisionError: a bug" in result.stderr and "kvcomp error" not in result.stderr
+
+
+def test_cfg_job_still_prints_the_config(tmp_path):
+    result = run_py("--cfg", "job", "codec.bits=4", cwd=tmp_path)
+    assert result.returncode == 0 and "bits: 4" in result.stdout
