@@ -1,13 +1,16 @@
 """One error style: bad command lines end with one line ``kvcomp error: ...`` and exit status 2, bugs keep
 their traceback, ``HYDRA_FULL_ERROR=1`` shows every traceback."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kvcomp.config import register_configs
+from kvcomp.config import LoggerConfig, register_configs
+from kvcomp.results import log_to_wandb, portable, write_failure
 from kvcomp.sweep import user_problem
 from tests.run_py import ROOT, run_py
 
@@ -78,3 +81,51 @@ def test_a_bug_in_the_job_keeps_its_traceback(tmp_path):
 def test_cfg_job_still_prints_the_config(tmp_path):
     result = run_py("--cfg", "job", "codec.bits=4", cwd=tmp_path)
     assert result.returncode == 0 and "bits: 4" in result.stdout
+
+
+def _install_paths() -> list[str]:
+    """Folders no written file may name: the checkout, the interpreter's prefix (site-packages), the home."""
+    import sysconfig
+
+    return [str(ROOT), sys.prefix, sys.executable, sysconfig.get_paths()["purelib"], str(Path.home())]
+
+
+def _yaml_bug():
+    import yaml
+
+    yaml.safe_load("a: [")  # raises inside site-packages
+
+
+def test_error_json_holds_no_install_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path / "cache"))
+    home = Path.home()
+    config = {"model": {"name": "m", "source": str(home / "models" / "m")},
+              "calibration": {"artifact": str(tmp_path / "cache" / "calibration" / "a.safetensors")}}
+    try:
+        _yaml_bug()
+    except Exception as error:
+        write_failure(tmp_path / "member", config, [f"model.source={home / 'models' / 'm'}"], error)
+    text = (tmp_path / "member" / "error.json").read_text()
+    assert not [p for p in _install_paths() if p in text], text
+    record = json.loads(text)
+    assert record["config"]["model"]["source"] == "~/models/m" and record["overrides"] == ["model.source=~/models/m"]
+    assert record["config"]["calibration"]["artifact"] == "$KVCOMP_CACHE/calibration/a.safetensors"
+    assert 'File "tests/test_error_style.py", line' in record["traceback"] and 'File "yaml/' in record["traceback"]
+    assert portable("/data/models/m") == "/data/models/m" and portable(str(ROOT)) == "."
+
+
+def test_wandb_files_hold_no_install_paths(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    rows = [{"model": "m", "codec": "kivi()", "ppl": 1.5, "note": f"read {ROOT / 'kvcomp' / 'x.py'}"}]
+    log_to_wandb(LoggerConfig(name="wandb", mode="offline"), "r", {"model": {"source": str(Path.home() / "m")}},
+                 rows, directory=tmp_path)
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    files = [p for p in run.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files) and any(p.name.endswith(".table.json") for p in files)
+    for path in files:
+        text = path.read_bytes().decode("utf-8", "replace")
+        if path.suffix == ".wandb":  # W&B's own log names its staging folder (under the home) for the table
+            text = text.replace(str(Path.home() / ".local" / "share" / "wandb"), "")
+        assert not [p for p in _install_paths() if p in text], (path, [p for p in _install_paths() if p in text])
+    assert "kvcomp/x.py" in next(p for p in files if p.name.endswith(".table.json")).read_text()
