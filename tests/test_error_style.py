@@ -129,3 +129,44 @@ def test_wandb_files_hold_no_install_paths(tmp_path, monkeypatch):
             text = text.replace(str(Path.home() / ".local" / "share" / "wandb"), "")
         assert not [p for p in _install_paths() if p in text], (path, [p for p in _install_paths() if p in text])
     assert "kvcomp/x.py" in next(p for p in files if p.name.endswith(".table.json")).read_text()
+
+
+@pytest.mark.parametrize("script, args, expected", [
+    ("key_offsets.py", ["--model", "nosuch"], "argument --model: invalid choice: 'nosuch'"),
+    ("key_offsets.py", ["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+    ("ppl_spread.py", ["--codec", "nosuch"], "argument --codec: invalid choice: 'nosuch'"),
+    ("ppl_spread.py", ["--copies", "0"], "argument --copies: must be at least 1, got 0"),
+    ("qjl_distortion.py", ["--ratios", "4", "-1"], "argument --ratios: must be at least 1, got -1"),
+    ("bench_calibration.py", ["--codecs", "kvtc,nosuch"], "unknown codec family 'nosuch'; valid choices: aquakv,"),
+    ("bench_calibration.py", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    ("bench_cache_memory.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    ("kernel_resources.py", ["--context", "-5"], "argument --context: must be at least 1, got -5"),
+    ("bench_qjl_decode.py", ["--reps", "0"], "argument --reps: must be at least 1, got 0"),
+    ("bench_decode_e2e.py", ["--layers", "0"], "argument --layers: must be at least 1, got 0"),
+    ("bench_decode_attention.py", ["--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
+    ("bench_decode_overhead.py", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    ("bench_decode_overhead.py", ["--repeats", "x"], "argument --repeats: invalid int value: 'x'"),
+    ("render_csr_tables.py", ["{missing}"], "is not a directory"),
+    ("render_csr_tables.py", ["{tmp}", "--summary"], "summary.csv is missing"),
+])
+def test_scripts_refuse_bad_arguments_before_any_work(script, args, expected, tmp_path, monkeypatch, capsys):
+    """argparse's usage error (exit status 2), not a traceback from inside the work."""
+    import runpy
+
+    args = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in args]
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    monkeypatch.setattr(sys, "path", [str(ROOT / "scripts"), *sys.path])  # as `python scripts/<script>` runs
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+    assert exit_.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_render_csr_tables_names_the_valid_columns(tmp_path, monkeypatch, capsys):
+    import runpy
+
+    (tmp_path / "summary.csv").write_text("codec,bits_per_value,ppl_streaming\nkivi,3,10\n")
+    monkeypatch.setattr(sys, "argv", ["render_csr_tables.py", str(tmp_path), "--summary", "--columns", "ppl_nope"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "scripts" / "render_csr_tables.py"), run_name="__main__")
+    assert exit_.value.code == 2
+    assert "unknown column 'ppl_nope'; valid choices: bits_per_value, codec, ppl_streaming" in capsys.readouterr().err
