@@ -78,6 +78,7 @@ def user_problem(error: BaseException, conf_dir: Path) -> str | None:
     traceback (a composition or override-parsing error) or a ``ValueError`` Hydra's own checks raise (e.g.
     ``codec=3``, a group given no name); None for anything else (a bug)."""
     from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
     if isinstance(error, KVCompError):
         return str(error)
@@ -88,7 +89,7 @@ def user_problem(error: BaseException, conf_dir: Path) -> str | None:
     if not isinstance(error, CompactHydraException) and not (isinstance(error, ValueError) and _raised_by_hydra(error)):
         return None
     cause = error.__cause__
-    if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError") and getattr(cause, "parent_node", None) is not None:
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.parent_node is not None:  # codec.bogus=1
         group, _, key = str(cause.full_key).rpartition(".")
         return str(unknown_choice(f"{group} field" if group else "field", key, cause.parent_node.keys()))
     message = str(error).strip().splitlines()[0]
@@ -108,7 +109,8 @@ def _unknown_option(error, conf_dir: Path) -> str:
     else:
         group, _, name = missing.partition("/") if "/" in missing else ("", "", missing)
         folder = conf_dir / group
-        options = sorted(str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml"))
+        files = folder.glob("**/*.yaml" if group else "*.yaml")
+        options = sorted(str(p.relative_to(folder).with_suffix("")) for p in files)
     return str(unknown_choice(f"{group} option" if group else "config", name, options))
 
 
