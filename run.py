@@ -10,9 +10,10 @@ from omegaconf import DictConfig
 from kvcomp.config import register_configs
 
 register_configs()
+CONF = Path(__file__).resolve().parent / "conf"
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from kvcomp.sweep import run_job
 
@@ -21,4 +22,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvcomp.sweep import one_line_errors
+
+    with one_line_errors(CONF):  # bad input, Hydra's composition errors included: one line, exit status 2
+        main()

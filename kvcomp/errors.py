@@ -34,3 +34,18 @@ def first_line(err: BaseException) -> str:
 def unknown_choice(kind: str, name: str, choices) -> ConfigError:
     """An error for an unknown name among known ones, listing the valid choices."""
     return ConfigError(f"unknown {kind} {name!r}; valid choices: {', '.join(sorted(choices))}")
+
+
+def at_least(least: int, kind: type = int):
+    """An argparse ``type`` for a script's counts: a ``kind`` of at least ``least``, else argparse's usage
+    error (``argument --reps: must be at least 1, got 0``, exit status 2) before any work starts."""
+    from argparse import ArgumentTypeError
+
+    def parse(text: str):
+        value = kind(text)  # a ValueError: argparse's "invalid int value"
+        if value < least:
+            raise ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

@@ -5,7 +5,8 @@ fingerprint, one row per evaluated codec (the codec of the run and, by default, 
 reference), bit accounting, measured cache bytes, timings and library versions. A member of a sweep
 that fails writes ``error.json`` instead (its config, overrides and error). A Hydra multirun ends with
 :class:`AggregateSweep` writing ``summary.md`` and ``summary.csv``: one row per member, its overrides
-as columns, failed members marked with their error, and each shared reference row once.
+as columns, failed members marked with their error, and each shared reference row once. What these files
+and W&B get holds no install paths (:func:`portable`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import csv
 import io
 import os
 import platform
+import re
+import sys
 import traceback
 from pathlib import Path
 
 from kvcomp.artifacts import read_json, write_json_atomic, write_text_atomic
 from kvcomp.errors import KVCompError
+from kvcomp.paths import cache_dir
 
 RESULTS_FILE = "results.json"
 ERROR_FILE = "error.json"
@@ -42,6 +46,44 @@ TABLE_COLUMNS = [
     ("ppl_chunked", "PPL chunked"),
     ("note", "note"),
 ]
+
+
+def portable(value):
+    """``value`` (a string, or lists and dicts of them) with every absolute path below a known folder written
+    from that folder, so that written files carry no install paths: ``$KVCOMP_CACHE/...`` (the kvcomp
+    cache), a module's path (``kvcomp/runner.py``, ``transformers/utils.py``: below the checkout or a
+    folder Python imports from, such as site-packages or the standard library), ``~/...`` (the home
+    folder). Paths elsewhere (e.g. ``/data/models/x``) stay as they are. Keys are kept."""
+    roots = [(re.compile(re.escape(root) + r"(/|(?=[\s'\":,)\]]|$))"), label) for root, label in _path_roots()]
+    return _relative(value, roots)
+
+
+def _relative(value, roots: list[tuple[re.Pattern, str]]):
+    if isinstance(value, dict):
+        return {key: _relative(item, roots) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_relative(item, roots) for item in value]
+    if not isinstance(value, str) or "/" not in value:
+        return value
+    for pattern, label in roots:  # "<root>/x" -> "<label>/x" (or "x"); "<root>" alone -> "<label>" (or ".")
+        value = pattern.sub(lambda m: label + m.group(1) if label else ("" if m.group(1) else "."), value)
+    return value
+
+
+def _path_roots() -> list[tuple[str, str]]:
+    """``(folder, label)``, longest folder first (a folder inside another is matched first), each folder
+    as given and resolved. Label ``""``: paths below the folder become relative."""
+    import kvcomp
+
+    named = [(cache_dir(), "$KVCOMP_CACHE"), (Path(kvcomp.__file__).parents[1], "")]
+    named += [(Path(entry), "") for entry in sys.path if os.path.isabs(entry)]
+    named.append((Path.home(), "~"))
+    roots = {}
+    for folder, label in named:
+        for form in (os.path.abspath(folder), str(Path(folder).resolve())):
+            if form != "/":
+                roots.setdefault(form, label)
+    return sorted(roots.items(), key=lambda item: -len(item[0]))
 
 
 def versions() -> dict:
@@ -120,7 +162,8 @@ def load_rows(directory: str | Path) -> tuple[list[dict], list[str]]:
 
     A row per evaluated codec of each member with that member's overrides as columns (``run_dir``
     relative to ``directory``); a row per failed member (``status: failed`` and its error); each
-    reference row once per reference it was computed for, with the overrides its members share."""
+    reference row once per reference it was computed for, with the overrides its members share. Paths in
+    the rows are :func:`portable` (also those of files written before it)."""
     directory = Path(directory)
     rows, references, columns = [], {}, {}
     for path in sorted([*directory.rglob(RESULTS_FILE), *directory.rglob(ERROR_FILE)], key=lambda p: str(p.parent)):
@@ -150,7 +193,7 @@ def load_rows(directory: str | Path) -> tuple[list[dict], list[str]]:
     resolved = [
         {**references[r]["overrides"], **references[r]["row"]} if isinstance(r, str) else r for r in rows
     ]
-    return resolved, list(columns)
+    return portable(resolved), list(columns)
 
 
 def write_summary(directory: str | Path) -> str:
@@ -166,11 +209,12 @@ def write_summary(directory: str | Path) -> str:
 
 
 def write_failure(output_dir: str | Path, config: dict, overrides: list[str], error: BaseException) -> None:
-    """Record a failed member (``error.json``): its config, overrides, error and, for bugs, the traceback."""
+    """Record a failed member (``error.json``): its config, overrides, error and, for bugs, the traceback
+    (paths as :func:`portable` writes them: ``File "kvcomp/runner.py", line 12``)."""
     record = {"config": config, "overrides": list(overrides), "error": f"{type(error).__name__}: {error}"}
     if not isinstance(error, KVCompError):
         record["traceback"] = "".join(traceback.format_exception(error))
-    write_json_atomic(Path(output_dir) / ERROR_FILE, record)
+    write_json_atomic(Path(output_dir) / ERROR_FILE, portable(record))
 
 
 def clear_failure(output_dir: str | Path) -> None:
@@ -186,9 +230,11 @@ def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], grou
                  directory: str | Path | None = None, images: list[Path] = ()) -> None:
     """Log the rows as a W&B table (offline by default, ``wandb sync`` later), and ``images`` (e.g. a
     sweep's rate-distortion plot) under their file names. Its files go under ``directory``/wandb (the
-    run's output folder) unless ``$WANDB_DIR`` says otherwise."""
+    run's output folder) unless ``$WANDB_DIR`` says otherwise. Config and rows go as :func:`portable` writes
+    them."""
     import wandb
 
+    config, rows = portable(config), portable(rows)
     run = wandb.init(
         dir=None if os.environ.get("WANDB_DIR") or directory is None else str(directory),
         project=logger_cfg.project,
@@ -198,6 +244,10 @@ def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], grou
         group=group,
         config=config,
         reinit="finish_previous",
+        # no machine metadata (program and interpreter paths, host), system metrics, code, git state,
+        # requirements or console capture: the run holds the config, table, summary and images only
+        settings=wandb.Settings(x_disable_meta=True, x_disable_stats=True, disable_code=True, disable_git=True,
+                                x_save_requirements=False, console="off"),
     )
     columns = scalar_columns(rows)
     run.log({

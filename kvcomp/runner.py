@@ -33,7 +33,7 @@ from kvcomp.models.loading import check_device, layer_devices, load_model, model
 from kvcomp.paths import cache_dir
 from kvcomp.plots import X_AXES
 from kvcomp.progress import phase, quiet_library_bars
-from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, versions
+from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, portable, versions
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     as columns). ``force=true`` re-runs a finished run, recomputes the reference rows and refits the
     calibration."""
     output_dir = Path(output_dir)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = portable(OmegaConf.to_container(cfg, resolve=True))  # as results.json holds it: no install paths
     config.pop("hydra", None)
     force = bool(config.pop("force", False))
     config.pop("plot", None)  # how a sweep draws its members, not part of a run
@@ -218,7 +218,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
         rows += _rows(model, codec, benchmark, model_cfg)
     timings["total_seconds"] = round(time.perf_counter() - start, 2)
 
-    results = {
+    results = portable({
         "config": config,
         "overrides": list(overrides or []),
         "model": {"name": model_cfg.name, **fingerprint},
@@ -226,7 +226,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
         "calibration": calibration_report,
         "timings": timings,
         "versions": versions(),
-    }
+    })
     write_json_atomic(results_path, results)
     clear_failure(output_dir)
     log.info("%s on %s (%s):\n%s", plan.benchmark.name, model_cfg.name, results_path, markdown_table(rows))

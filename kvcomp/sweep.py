@@ -1,8 +1,12 @@
 """Runs and sweeps from ``run.py``: user errors without tracebacks, sweeps that survive a bad member.
 
-:func:`run_job` runs one Hydra job. A user error (:class:`~kvcomp.errors.KVCompError`) of a single run
-prints one message and exits with status 2; in a sweep any failure is recorded in the member's
-``error.json`` and the next member runs. ``HYDRA_FULL_ERROR=1`` shows every traceback. Under the
+:func:`one_line_errors` wraps ``run.py``'s Hydra entry point: a command line Hydra cannot compose (an
+unknown group option or field, a mistyped value, a malformed override), also in one member of a sweep,
+ends like every user error, with one line ``kvcomp error: ...`` and exit status 2. :func:`run_job` runs
+one Hydra job. A user error (:class:`~kvcomp.errors.KVCompError`) of a single run prints one message and
+exits with status 2, a bug prints its traceback and exits with status 1; in a sweep any failure is
+recorded in the member's ``error.json`` and the next member runs. ``HYDRA_FULL_ERROR=1`` shows every
+traceback. Under the
 local parallel launcher a member first takes its GPU or its share of the cores (:mod:`kvcomp.parallel`).
 
 :class:`AggregateSweep` (a Hydra callback) checks every member of a basic sweep before the first one
@@ -25,7 +29,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from kvcomp.errors import KVCompError
+from kvcomp.errors import ConfigError, KVCompError, unknown_choice
 from kvcomp.parallel import PARALLEL_LAUNCHER, lease_gpu, member_threads, register_resolver
 from kvcomp.results import failed_members, load_rows, log_to_wandb, write_failure, write_summary
 
@@ -34,8 +38,88 @@ log = logging.getLogger(__name__)
 register_resolver()  # launcher configs read ${kvcomp_parallel_jobs:}, also in worker processes
 
 
+FULL_ERROR = "HYDRA_FULL_ERROR"
+USER_FULL_ERROR = "KVCOMP_FULL_ERROR"  # the user's HYDRA_FULL_ERROR while one_line_errors sets it for Hydra
+
+
 def _full_error() -> bool:
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+    """Whether the user asked for every traceback (``HYDRA_FULL_ERROR=1``), also in a member's own process."""
+    return os.environ.get(USER_FULL_ERROR, os.environ.get(FULL_ERROR)) == "1"
+
+
+@contextmanager
+def one_line_errors(conf_dir: Path):
+    """Around ``run.py``'s Hydra entry point (``conf_dir``: its config folder): bad input that reaches it (a
+    command line Hydra cannot compose, an invalid sweep member, a :class:`KVCompError`) ends with one line
+    ``kvcomp error: ...`` and exit status 2; anything else keeps its traceback.
+
+    Hydra is run with ``HYDRA_FULL_ERROR=1`` so that it re-raises its errors to here instead of printing
+    them over several lines; the user's own setting is kept in ``KVCOMP_FULL_ERROR`` (for the members'
+    processes too), and with it set every traceback is shown."""
+    os.environ[USER_FULL_ERROR] = "1" if _full_error() else "0"
+    os.environ[FULL_ERROR] = "1"
+    try:
+        yield
+    except Exception as error:
+        problem = None if _full_error() else user_problem(error, conf_dir)
+        if problem is None:
+            raise
+        refuse(problem)
+
+
+def refuse(problem: str) -> None:
+    """End the process for bad input: one line on stderr, exit status 2."""
+    print(f"kvcomp error: {problem}", file=sys.stderr)
+    sys.exit(2)
+
+
+def user_problem(error: BaseException, conf_dir: Path) -> str | None:
+    """``error`` on one line when it is bad input: a :class:`KVCompError`, an error Hydra reports without a
+    traceback (a composition or override-parsing error) or a ``ValueError`` Hydra's own checks raise (e.g.
+    ``codec=3``, a group given no name); None for anything else (a bug)."""
+    from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    if isinstance(error, KVCompError):
+        return str(error)
+    if isinstance(error, MissingConfigException):
+        return _unknown_option(error, conf_dir)
+    if isinstance(error, OverrideParseException):
+        return f"malformed override {error.override!r}; the grammar: {OVERRIDE_GRAMMAR}"
+    if not isinstance(error, CompactHydraException) and not (isinstance(error, ValueError) and _raised_by_hydra(error)):
+        return None
+    cause = error.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.parent_node is not None:  # codec.bogus=1
+        group, _, key = str(cause.full_key).rpartition(".")
+        return str(unknown_choice(f"{group} field" if group else "field", key, cause.parent_node.keys()))
+    message = str(error).strip().splitlines()[0]
+    return f"{message}: {str(cause).strip().splitlines()[0]}" if cause is not None and str(cause).strip() else message
+
+
+OVERRIDE_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
+def _unknown_option(error, conf_dir: Path) -> str:
+    """``codec=nosuch`` / ``experiment=nosuch``: the unknown option and the group's options (Hydra's list less
+    the schemas kvcomp registers; for nested groups such as ``experiment``, the files below the group)."""
+    missing = error.missing_cfg_file or ""
+    options = [o for o in error.options or [] if not o.startswith("schema")]
+    if options:
+        group, _, name = missing.rpartition("/")
+    else:
+        group, _, name = missing.partition("/") if "/" in missing else ("", "", missing)
+        folder = conf_dir / group
+        files = folder.glob("**/*.yaml" if group else "*.yaml")
+        options = sorted(str(p.relative_to(folder).with_suffix("")) for p in files)
+    return str(unknown_choice(f"{group} option" if group else "config", name, options))
+
+
+def _raised_by_hydra(error: BaseException) -> bool:
+    """Whether ``error`` was raised by Hydra's own code (its checks of the command line)."""
+    import hydra
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).is_relative_to(Path(hydra.__file__).parent)
 
 
 @contextmanager
@@ -76,10 +160,12 @@ def run_job(cfg: DictConfig, output_dir: Path, overrides: list[str], in_sweep: b
     except Exception as error:
         user_error = isinstance(error, KVCompError)
         if not in_sweep:
-            if user_error and not _full_error():
-                print(f"kvcomp error: {error}", file=sys.stderr)
-                sys.exit(2)
-            raise
+            if _full_error():
+                raise
+            if user_error:
+                refuse(str(error))
+            traceback.print_exception(error)
+            sys.exit(1)
         config = OmegaConf.to_container(cfg, resolve=False)
         config.pop("hydra", None)
         write_failure(output_dir, config, overrides, error)
@@ -102,9 +188,10 @@ def sweep_members(config: DictConfig) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def check_members(config: DictConfig) -> list[tuple[list[str], str]]:
-    """``(overrides, problem)`` of every member whose config fails kvcomp's checks (composition errors
-    are left to Hydra, which reports them before launching)."""
+def check_members(config: DictConfig, conf_dir: Path) -> list[tuple[list[str], str]]:
+    """``(overrides, problem)`` of every member whose config fails kvcomp's checks. A member Hydra cannot
+    compose (``-m codec=kivi,nosuch``) is a :class:`ConfigError` naming it, which stops the sweep before
+    any member runs (``conf_dir``: the config folder, for the valid options)."""
     from hydra import compose
 
     from kvcomp.runner import check_codec_for_model, check_config
@@ -113,8 +200,11 @@ def check_members(config: DictConfig) -> list[tuple[list[str], str]]:
     for overrides in sweep_members(config) or []:
         try:
             member = compose(config_name=config.hydra.job.config_name, overrides=overrides)
-        except Exception:
-            continue
+        except Exception as error:
+            problem = user_problem(error, conf_dir)
+            if problem is None:
+                raise
+            raise ConfigError(f"sweep member {' '.join(overrides)}: {problem}") from error
         try:
             check_codec_for_model(check_config(member, overrides))
         except KVCompError as error:
@@ -156,7 +246,13 @@ class AggregateSweep(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self.members = len(sweep_members(config) or [])  # known for basic sweeps; shown as members start
-        problems = check_members(config)
+        (main,) = [s for s in config.hydra.runtime.config_sources if s.provider == "main"]  # run.py's conf/
+        try:
+            problems = check_members(config, Path(main.path))
+        except ConfigError as error:  # a member Hydra cannot compose (Hydra turns a callback's errors into warnings)
+            if _full_error():
+                raise
+            refuse(str(error))
         for overrides, problem in problems:
             print(f"kvcomp: sweep member {' '.join(overrides)} is invalid: {problem}", file=sys.stderr)
         if problems:

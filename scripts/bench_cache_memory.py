@@ -27,6 +27,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.cache.memory import held_nbytes, model_storages
 from kvcomp.codecs import Codec, ModelInfo, build_codec
+from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import write_section
 
 SECTION = "## Memory held by the compressed cache (issue 14)"
@@ -91,8 +92,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--prompt", type=at_least(1), default=2048)
+    parser.add_argument("--steps", type=at_least(1), default=64)
     parser.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     rows = measure(args.prompt, args.steps)

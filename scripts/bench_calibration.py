@@ -23,6 +23,7 @@ import torch
 from kvcomp.cache import install
 from kvcomp.calibration import CalibrationConfig, CalibrationData
 from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.errors import at_least, unknown_choice
 from kvcomp.kernels.benchmarking import write_section
 from kvcomp.models import load_model
 from kvcomp.runner import calibration_data
@@ -55,10 +56,13 @@ def kmeans_fit_seconds(codec, data: CalibrationData, repeats: int) -> tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default=",".join(FAMILIES), help="comma-separated, or none: the k-means fit only")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="k-means fits timed (median)")
+    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="k-means fits timed (median)")
     parser.add_argument("--write", action="store_true", help="replace the section of BENCHMARKS.md")
     args = parser.parse_args()
+    unknown = [] if args.codecs == "none" else [n for n in args.codecs.split(",") if n not in FAMILIES]
+    if unknown:  # before the model loads
+        parser.error(str(unknown_choice("codec family", unknown[0], FAMILIES)))
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("embedded", dtype="float32", device="cpu")
     install(model)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.codecs.base import Request
+from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.payloads import RotaryPositions
@@ -249,12 +250,12 @@ def tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, name, mem
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--batches", type=at_least(1), nargs="+", default=[1, 16])
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
-    parser.add_argument("--encode-tokens", type=int, default=32768)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--encode-tokens", type=at_least(1), default=32768)
+    parser.add_argument("--warmup", type=at_least(0), default=10)
+    parser.add_argument("--reps", type=at_least(1), default=50)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)

@@ -46,6 +46,7 @@ from kvcomp.cache import CompressedCache, install, with_cache  # noqa: E402
 from kvcomp.cache.host_syncs import HostSyncs  # noqa: E402
 from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
+from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,7 +258,7 @@ def tables(speed_rows, batch_rows, agree_rows, setting: dict) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=at_least(1), default=4)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--max-batch", action="store_true", help="also search the largest batch at 32K tokens")
     parser.add_argument("--agreement", action="store_true", help="also compare the fused and torch paths")

@@ -46,6 +46,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,8 +277,8 @@ def main(argv: list[str] | None = None) -> str:
     default_devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     parser.add_argument("--device", nargs="+", choices=["cpu", "cuda"], default=default_devices,
                         help="settings to measure (default: cpu, and cuda where available)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for the cpu setting")
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads for the cpu setting")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks the script in seconds")
     args = parser.parse_args(argv)

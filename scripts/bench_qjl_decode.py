@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
+from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
@@ -130,10 +131,10 @@ def markdown(rows: list[dict], device_name: str, setting: str) -> str:
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--batches", type=at_least(1), nargs="+", default=[1, 4])
+    parser.add_argument("--warmup", type=at_least(0), default=10)
+    parser.add_argument("--reps", type=at_least(1), default=50)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
     parser.add_argument("--write", action="store_true", help="replace the QJL section of BENCHMARKS.md")
     args = parser.parse_args(argv)

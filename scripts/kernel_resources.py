@@ -30,6 +30,7 @@ from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa:
 
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.codecs.base import Request  # noqa: E402
+from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_launches  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
@@ -90,11 +91,11 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
-    parser.add_argument("--ratios", type=int, nargs="+", default=[4, 8],
+    parser.add_argument("--ratios", type=at_least(1), nargs="+", default=[4, 8],
                         help="query heads per KV head (4: Llama-3.1-8B, 8: Llama-3.1-70B)")
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--block-tokens", type=int, nargs="+", default=[None], help="tokens per tile (default: the kernel's)")
-    parser.add_argument("--warps", type=int, nargs="+", default=[None], help="warps per program (default: the kernel's)")
+    parser.add_argument("--context", type=at_least(1), default=2048)
+    parser.add_argument("--block-tokens", type=at_least(1), nargs="+", default=[None], help="tokens per tile (default: the kernel's)")
+    parser.add_argument("--warps", type=at_least(1), nargs="+", default=[None], help="warps per program (default: the kernel's)")
     parser.add_argument("--no-qjl", action="store_true", help="leave out the QJL score kernel")
     parser.add_argument("--write", action="store_true", help="replace this section of BENCHMARKS.md")
     args = parser.parse_args(argv)

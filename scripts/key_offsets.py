@@ -12,12 +12,15 @@ import argparse
 import torch
 
 from kvcomp.data import load_corpus
+from kvcomp.data.assets import EMBEDDED_MODELS
+from kvcomp.errors import at_least
 from kvcomp.models import load_model
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", nargs="+", default=["smollm2_135m"], help="embedded model keys")
-    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--model", nargs="+", default=["smollm2_135m"], choices=sorted(EMBEDDED_MODELS),
+                        help="embedded model keys")
+    parser.add_argument("--tokens", type=at_least(1), default=256)
     args = parser.parse_args()
     text = " ".join(load_corpus("enwiki", "evaluation")[:3])
     for key in args.model:

@@ -20,8 +20,9 @@ import torch
 from kvcomp.benchmarks.configs import PerplexityConfig
 from kvcomp.benchmarks.perplexity import evaluate_perplexity, evaluation_windows
 from kvcomp.cache import install
-from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.codecs import CODECS, ModelInfo, build_codec
 from kvcomp.config import ModelConfig
+from kvcomp.errors import at_least
 from kvcomp.models import load_model
 
 PROTOCOLS = ("streaming", "simulated")
@@ -38,10 +39,10 @@ def perturb(model, seed: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--codec", default="kivi")
-    parser.add_argument("--bits", type=int, default=2)
-    parser.add_argument("--copies", type=int, default=4, help="perturbed copies (seeds 1..copies)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--codec", default="kivi", choices=sorted(CODECS))
+    parser.add_argument("--bits", type=at_least(1), default=2)
+    parser.add_argument("--copies", type=at_least(1), default=4, help="perturbed copies (seeds 1..copies)")
+    parser.add_argument("--threads", type=at_least(1), default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = PerplexityConfig(protocols=list(PROTOCOLS))

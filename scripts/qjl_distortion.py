@@ -21,6 +21,7 @@ from kvcomp.cache import install
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.data import load_corpus
+from kvcomp.errors import at_least
 from kvcomp.models import load_model
 
 CAPTURED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -50,8 +51,8 @@ def relative_distortion(codec, layer: int, queries: torch.Tensor, keys: torch.Te
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--ratios", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--tokens", type=at_least(1), default=512)
+    parser.add_argument("--ratios", type=at_least(1), nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args(argv)
     model, tokenizer = load_model("embedded", dtype="float32", device="cpu")
     text = " ".join(load_corpus("enwiki", "evaluation")[:3])

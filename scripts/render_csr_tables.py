@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from kvcomp.artifacts import write_text_atomic
+from kvcomp.errors import unknown_choice
 
 COLUMNS = ("kmeans_relative_mse", "epoch10_relative_mse", "epoch20_relative_mse", "heldout_relative_mse")
 SUMMARY_COLUMNS = ("bits_per_value", "bits_with_online_bank", "bits_per_value_measured", "ppl_streaming", "ppl_simulated")
@@ -86,6 +87,17 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true", help="the sweep's summary.csv instead of the dictionary table")
     parser.add_argument("--columns", nargs="+", default=list(SUMMARY_COLUMNS))
     args = parser.parse_args()
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a directory")
+    if args.summary:
+        summary = args.folder / "summary.csv"
+        if not summary.is_file():
+            parser.error(f"{summary} is missing (the sweep has not finished, or this is not its folder)")
+        with summary.open() as handle:
+            known = next(csv.reader(handle), [])
+        unknown = [c for c in args.columns if c not in known]
+        if unknown:
+            parser.error(str(unknown_choice("column", unknown[0], known)))
     table = summary_table(args.folder / "summary.csv", args.columns) if args.summary else render(args.folder)
     print(table)
     if args.out:
