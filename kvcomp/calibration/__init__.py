@@ -114,7 +114,21 @@ class CalibrationData:
         ropes = [window_rope(self.model, self.windows.shape[1], codec.calibration_drop_first, kind) for kind in types]
         same = all(r is not None and all(torch.equal(a, b) for a, b in zip(r, ropes[0])) for r in ropes)
         activations.rope = ropes[0] if same else None  # layers with different RoPE (Gemma 3): no shared angles
+        activations.biases = attention_biases(self.model, codec.model)
         return activations
+
+
+def attention_biases(model, info) -> dict[int, dict[str, torch.Tensor]] | None:
+    """Per codec layer, the k_proj / v_proj biases ``[kv_heads, head_dim]`` (float32, CPU) of ``model``'s attention
+    modules; None when its attention has no biases (e.g. Llama)."""
+    modules = {m.layer_idx: m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")}
+    biases = {}
+    for layer, model_layer in enumerate(info.model_layers):
+        module = modules.get(model_layer)
+        found = {kind: getattr(getattr(module, proj, None), "bias", None) for kind, proj in (("key", "k_proj"), ("value", "v_proj"))}
+        if all(b is not None for b in found.values()):
+            biases[layer] = {kind: b.detach().float().cpu().view(info.num_kv_heads, info.head_dim) for kind, b in found.items()}
+    return biases or None
 
 
 def window_rope(model, seq_len: int, drop_first: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -22,7 +22,12 @@ decoder reproduces the encoder's predictions exactly.
 Deviations (documented options): the buffer is encoded in whole 128-token blocks, so a multi-token
 forward leaves its last ``< 128`` tokens in full precision where the reference compresses the whole
 buffer; token by token the two schedules are identical. ``value_inputs=previous_layer`` uses
-``[K_hat_{l-1} ; V_hat_{l-1}]`` (spec A1's ablation).
+``[K_hat_{l-1} ; V_hat_{l-1}]`` (spec A1's ablation). ``center`` (default ``none``) codes ``Q(r - c)`` with
+``c`` one vector per layer and stream (:mod:`kvcomp.stages.centering`): ``calibration``, the calibration mean of
+what the quantizer codes (layer 0's keys and values, and the residuals); ``bias``, the model's k_proj / v_proj
+bias for what is coded without a predictor (layer 0; the predictors' intercepts hold the offset of the others).
+``damping_basis=centred`` damps the ridge fit by the inputs' centred covariance instead of the uncentred
+``X^T X`` (the reference), which over-regularises inputs on a large offset (:mod:`kvcomp.stages.ridge`).
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ import torch
 
 from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecState, LayerEncoding, Payload, Request,
                                 StreamPolicy, fit_layer_by_layer)
-from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs
+from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs, check_center
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
+from kvcomp.stages.centering import Offsets, channel_mean, model_bias
 from kvcomp.stages.ranges import saturated
-from kvcomp.stages.ridge import LinearPredictor, RidgeFit
+from kvcomp.stages.ridge import DAMPING_BASES, LinearPredictor, RidgeFit
 from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
@@ -104,6 +110,7 @@ class AquaKVConfig(HiggsConfig):
     value_inputs: str = "current_keys"  # current_keys: [K_hat_l; V_hat_l-1] (paper) | previous_layer: [K_hat_l-1; V_hat_l-1]
     predictor_rank: int = 0  # 0: full linear maps; r > 0: reduced-rank regression (Table C: 256)
     damping: float = 1.0e-3  # ridge: lambda * mean(diag(X^T X))
+    damping_basis: str = "uncentred"  # uncentred: diag(X^T X) (reference) | centred: diag of X's covariance (not the paper's)
     predictor_dtype: str = "bfloat16"
     heldout_fraction: float = 0.125  # held-out calibration windows (the paper: 32 of 256): relative MSE per layer
     calibration_drop_first: int = 0  # the reference fits on every position (spec A9)
@@ -124,6 +131,9 @@ class AquaKVCodec(Codec, Calibrated):
             raise unknown_choice(f"{self.name} value_inputs", cfg.value_inputs, VALUE_INPUTS)
         if cfg.predictor_dtype not in PREDICTOR_DTYPES:
             raise unknown_choice(f"{self.name} predictor_dtype", cfg.predictor_dtype, PREDICTOR_DTYPES)
+        if cfg.damping_basis not in DAMPING_BASES:
+            raise unknown_choice(f"{self.name} damping_basis", cfg.damping_basis, DAMPING_BASES)
+        check_center(self.name, cfg)
         if cfg.first_layer_bits not in (2, 3, 4, 16):
             raise ConfigError(f"{self.name}: first_layer_bits={cfg.first_layer_bits}; valid: 2, 3, 4 (HIGGS) or 16 (bf16)")
         if cfg.sinks < 0 or cfg.buffer < 1 or cfg.predictor_rank < 0 or cfg.damping < 0 or cfg.calibration_drop_first < 0:
@@ -138,6 +148,7 @@ class AquaKVCodec(Codec, Calibrated):
             cfg.bits, cfg.quanto_group_size, self.model.head_dim, f"{self.name} (quanto)")
         self.first = BFloat16() if cfg.first_layer_bits == 16 else self._higgs(cfg.first_layer_bits)
         self.predictors: dict[tuple[int, str], LinearPredictor] = {}
+        self.offsets = Offsets()
         self.metrics: torch.Tensor | None = None
 
     def _higgs(self, bits: int) -> TokenHiggs:
@@ -156,12 +167,15 @@ class AquaKVCodec(Codec, Calibrated):
     def _quantizer(self, layer_idx: int):
         return self.first if layer_idx == 0 else self.residual
 
-    def _step(self, x: torch.Tensor, layer_idx: int, predicted: torch.Tensor | None, dtype: torch.dtype):
-        """Store ``Q(x - predicted)``: ``(payload tensors, reconstruction in dtype)``."""
-        quantizer = self._quantizer(layer_idx)
+    def _step(self, x: torch.Tensor, layer_idx: int, kind: str, predicted: torch.Tensor | None, dtype: torch.dtype):
+        """Store ``Q(x - predicted - c)``: ``(payload tensors, reconstruction in dtype)``."""
         residual = x.float() if predicted is None else x.float() - predicted
-        tensors = quantizer.encode(residual)
-        return tensors, self._reconstruct(quantizer.decode(tensors), predicted, dtype)
+        tensors = self._quantizer(layer_idx).encode(self.offsets.remove(residual, layer_idx, kind))
+        return tensors, self._reconstruct(self._decoded(tensors, layer_idx, kind), predicted, dtype)
+
+    def _decoded(self, tensors: dict[str, torch.Tensor], layer_idx: int, kind: str) -> torch.Tensor:
+        """The stored residual: ``Q^-1(.) + c``."""
+        return self.offsets.restore(self._quantizer(layer_idx).decode(tensors), layer_idx, kind)
 
     @staticmethod
     def _reconstruct(decoded: torch.Tensor, predicted: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -183,15 +197,16 @@ class AquaKVCodec(Codec, Calibrated):
     def encode(self, request: Request) -> LayerEncoding:
         keys, values, layer_idx, previous = request.keys, request.values, request.layer, request.previous
         dtype = keys.dtype
-        key, k_hat = self._step(keys, layer_idx, self._predict("key", layer_idx, None, previous), dtype)
-        value, v_hat = self._step(values, layer_idx, self._predict("value", layer_idx, k_hat, previous), dtype)
+        key, k_hat = self._step(keys, layer_idx, "key", self._predict("key", layer_idx, None, previous), dtype)
+        value, v_hat = self._step(values, layer_idx, "value", self._predict("value", layer_idx, k_hat, previous), dtype)
         return LayerEncoding(Payload(key, keys.shape[2]), Payload(value, keys.shape[2]), k_hat, v_hat)
 
     def decode(self, payload: tuple[Payload, Payload], request: Request) -> tuple[torch.Tensor, torch.Tensor]:
         (key, value), layer_idx, previous, dtype = payload, request.layer, request.previous, request.dtype
-        quantizer = self._quantizer(layer_idx)
-        k_hat = self._reconstruct(quantizer.decode(key.tensors), self._predict("key", layer_idx, None, previous), dtype)
-        v_hat = self._reconstruct(quantizer.decode(value.tensors), self._predict("value", layer_idx, k_hat, previous), dtype)
+        k_hat = self._reconstruct(self._decoded(key.tensors, layer_idx, "key"),
+                                  self._predict("key", layer_idx, None, previous), dtype)
+        v_hat = self._reconstruct(self._decoded(value.tensors, layer_idx, "value"),
+                                  self._predict("value", layer_idx, k_hat, previous), dtype)
         return k_hat, v_hat
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
@@ -211,14 +226,14 @@ class AquaKVCodec(Codec, Calibrated):
         y = tokens_major(y.float())
         ridge = RidgeFit(x.shape[-1], y.shape[-1], x.device)
         ridge.add(x.flatten(0, 1), y.flatten(0, 1))
-        fitted = ridge.solve(self.config.damping, self.config.predictor_rank)
+        fitted = ridge.solve(self.config.damping, self.config.predictor_rank, self.config.damping_basis)
         self.predictors[(layer_idx, kind)] = fitted.to(PREDICTOR_DTYPES[self.config.predictor_dtype])
 
     def fit(self, activations: Activations) -> CodecState:
         """Fit the predictors layer by layer on reconstructed earlier layers (closed loop); record relative
         MSEs (:data:`METRICS`) per layer and K/V."""
         heldout = self._heldout(activations.shape[0]).to(activations.device)
-        self.predictors = {}
+        self.predictors, self.offsets = {}, Offsets()
         metrics = torch.ones(self.model.num_layers, 2, len(METRICS))
         rope = None if self.pre_rope else activations.rope
         if not self.pre_rope and self.model.has_rope and rope is None:
@@ -235,7 +250,9 @@ class AquaKVCodec(Codec, Calibrated):
                     inputs = self._inputs(kind, hats[0] if hats else None, previous)
                     self._fit_predictor(kind, layer_idx, inputs[~heldout], target[~heldout])
                 predicted = self._predict(kind, layer_idx, hats[0] if hats else None, previous)
-                _, hat = self._step(target, layer_idx, predicted, torch.float32)
+                self._fit_center(kind, layer_idx, target[~heldout], None if predicted is None else predicted[~heldout],
+                                 activations.biases)
+                _, hat = self._step(target, layer_idx, kind, predicted, torch.float32)
                 hats.append(hat)
                 if predicted is not None:
                     metrics[layer_idx, i, 0] = _relative_mse(predicted[~heldout], target[~heldout])
@@ -249,7 +266,15 @@ class AquaKVCodec(Codec, Calibrated):
         self.metrics = metrics
         tensors = {f"layer{layer}.{kind}.{name}": t for (layer, kind), p in self.predictors.items()
                    for name, t in p.tensors().items()}
-        return CodecState({**tensors, "metrics": metrics})
+        return CodecState({**tensors, **self.offsets.tensors(), "metrics": metrics})
+
+    def _fit_center(self, kind: str, layer_idx: int, target: torch.Tensor, predicted: torch.Tensor | None,
+                    biases: dict | None) -> None:
+        """The centring vector of what layer ``layer_idx``'s ``kind`` quantizer codes (``center``; fitted windows)."""
+        if self.config.center == "calibration":
+            self.offsets.vectors[(layer_idx, kind)] = channel_mean(target if predicted is None else target - predicted)
+        elif self.config.center == "bias" and predicted is None:
+            self.offsets.vectors[(layer_idx, kind)] = model_bias(biases, layer_idx, kind, self.name)
 
     def load_state(self, state: CodecState) -> None:
         self.predictors = {}
@@ -258,6 +283,7 @@ class AquaKVCodec(Codec, Calibrated):
                 if f"layer{layer}.{kind}.weight" in state.tensors:
                     parts = [state.tensors.get(f"layer{layer}.{kind}.{name}") for name in ("weight", "bias", "up")]
                     self.predictors[(layer, kind)] = LinearPredictor(*parts)
+        self.offsets = Offsets.from_tensors(state.tensors)
         self.metrics = state.tensors["metrics"]
 
     def predictor_bytes(self) -> int:
@@ -266,7 +292,7 @@ class AquaKVCodec(Codec, Calibrated):
     def overhead_bits(self) -> int:
         """Predictors (16-bit) and the grids (float32), amortised over the cache (spec §3.9)."""
         grids = {id(q.quantizer.grid): q.quantizer.grid.numel() for q in (self.first, self.residual) if isinstance(q, TokenHiggs)}
-        return 8 * self.predictor_bytes() + 32 * sum(grids.values())
+        return 8 * self.predictor_bytes() + 32 * sum(grids.values()) + self.offsets.bits
 
     def summary(self) -> dict:
         """Predictor size and the held-out relative MSE per layer (prediction alone, and reconstruction)."""

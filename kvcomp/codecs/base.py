@@ -381,14 +381,16 @@ class Activations(ABC):
     Fisher weights ``"key_grad2"`` / ``"value_grad2"`` (squared gradients of the mean next-token loss).
     ``device``: where fitting should compute (the model's device). ``rope``: cos/sin ``[tokens, head_dim]``
     of the windows' positions (the same for every window; None without RoPE), for codecs that fit on
-    post-RoPE keys (``apply_rope``). Closed-loop fits, which see earlier layers' reconstructions, run
-    :func:`fit_layer_by_layer` over them.
+    post-RoPE keys (``apply_rope``). ``biases``: per codec layer, the model's k_proj / v_proj biases ``[kv_heads,
+    head_dim]`` by kind (``"key"``, ``"value"``; None for a model without them), for codecs that centre on them.
+    Closed-loop fits, which see earlier layers' reconstructions, run :func:`fit_layer_by_layer` over them.
     """
 
     num_layers: int
     shape: tuple[int, int, int, int]
     device: torch.device
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    biases: dict[int, dict[str, torch.Tensor]] | None = None
 
     @abstractmethod
     def layer(self, layer: int) -> dict[str, torch.Tensor]:

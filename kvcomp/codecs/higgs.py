@@ -9,6 +9,10 @@ the scales then cost 0.25 bit per value, which every row reports), or, with ``pa
 zero-padded to whole groups of ``min(group_size, next power of two >= D)`` as the reference code does,
 and the padded codes are stored and counted. Same cache schedule as AQUA-KV (spec §3.6): 4 full-precision
 sinks, pre-RoPE keys, recent tokens kept in a 128-token full-precision buffer and encoded 128 at a time.
+
+``center`` (a deviation from the paper, default ``none``): code ``x - c`` with ``c`` one vector per layer and
+stream, the calibration mean or the model's k_proj/v_proj bias (:mod:`kvcomp.stages.centering`); HIGGS then
+needs a (cheap) calibration.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, ModelInfo, Payload, Request, StreamPolicy
+from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, ModelInfo, Payload,
+                                Request, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.stages.centering import CENTERS, Offsets, channel_mean, model_bias
 from kvcomp.stages.grids import gaussian_grid
 from kvcomp.stages.hadamard import is_power_of_two
 from kvcomp.stages.higgs import HiggsQuantizer
@@ -88,37 +94,70 @@ class HiggsConfig(CodecConfig):
     sinks: int = 4
     buffer: int = 128  # full-precision recent tokens, encoded `buffer` at a time
     pre_rope: bool = True  # false: the quantizer (and AQUA-KV's predictors) see post-RoPE keys (Table F / G)
+    center: str = "none"  # none (paper) | calibration | bias: subtract a per-channel offset before coding (not the paper's)
+
+
+def check_center(owner: str, config: HiggsConfig) -> None:
+    """Refuse an unknown ``center``, or one on post-RoPE keys (a pre-RoPE offset rotates with the position)."""
+    if config.center not in CENTERS:
+        raise unknown_choice(f"{owner} center", config.center, CENTERS)
+    if config.center != "none" and not config.pre_rope:
+        raise ConfigError(f"{owner}: center={config.center} needs pre_rope=true (after RoPE a constant offset of the "
+                          "keys rotates with the position)")
 
 
 @register
-class HiggsCodec(Codec):
-    """Per-token HIGGS of keys and values (stream scope; no calibration: the grids depend on nothing)."""
+class HiggsCodec(Codec, Calibrated):
+    """Per-token HIGGS of keys and values (stream scope; calibrated only with ``center``: the grids depend on
+    nothing)."""
 
     name = "higgs"
     config_class = HiggsConfig
+    inference_only_fields = ("sinks", "buffer")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.config.center != "none"
 
     def validate(self) -> None:
         cfg = self.config
         if cfg.sinks < 0 or cfg.buffer < 1:
             raise ConfigError(f"{self.name}: sinks must be >= 0 and buffer >= 1, got {cfg.sinks} and {cfg.buffer}")
+        check_center(self.name, cfg)
 
     def build(self) -> None:
         cfg = self.config
         self.tokens = TokenHiggs(build_higgs(self.name, self.model, cfg.bits, cfg.grid_dim, cfg.group_size,
                                              cfg.pad_groups, cfg.scale_dtype, cfg.grid_seed), self.model)
+        self.offsets = Offsets()
+
+    def fit(self, activations: Activations) -> CodecState:
+        """The centring vector of every layer and stream (``center``: calibration mean or model bias)."""
+        vectors = {}
+        for layer in range(self.model.num_layers):
+            fields = activations.layer(layer) if self.config.center == "calibration" else {}
+            for kind in KINDS:
+                vectors[(layer, kind)] = (channel_mean(fields[kind]) if self.config.center == "calibration"
+                                          else model_bias(activations.biases, layer, kind, self.name))
+        return CodecState(Offsets(vectors).tensors())
+
+    def load_state(self, state: CodecState) -> None:
+        self.offsets = Offsets.from_tensors(state.tensors)
 
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(self.config.sinks, self.config.buffer, 0)
 
     def encode(self, request: Request) -> Payload:
-        return Payload(self.tokens.encode(request.tokens), request.tokens.shape[2])
+        x = self.offsets.remove(request.tokens, request.layer, request.kind)
+        return Payload(self.tokens.encode(x), request.tokens.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
-        return saturated(self.tokens.decode(payload.tensors), request.dtype)
+        return saturated(self.offsets.restore(self.tokens.decode(payload.tensors), request.layer, request.kind),
+                         request.dtype)
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.tokens.bits_per_value()
 
     def overhead_bits(self) -> int:
-        """The grid (float32), shared by every layer."""
-        return 32 * self.tokens.quantizer.grid.numel()
+        """The grid (float32), shared by every layer, and the centring vectors."""
+        return 32 * self.tokens.quantizer.grid.numel() + self.offsets.bits

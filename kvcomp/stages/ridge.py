@@ -3,7 +3,9 @@
 With ``X~ = [X, 1]``, the normal equations ``H = X~^T X~`` and ``C = X~^T Y`` are accumulated in chunks
 (float64); the fit is ``W = (H + lambda mean|diag H| I)^-1 C`` with ``lambda = damping`` (1e-3 in the
 paper; the bias row is damped too), ``A = W[:-1]``, ``b = W[-1]``. ``damping = 0`` solves with the
-pseudo-inverse (ordinary least squares). Reduced rank ``r`` (spec Table C) keeps the fit's projection on
+pseudo-inverse (ordinary least squares). ``basis="centred"`` (not the reference's) scales ``lambda`` by the mean
+diagonal of the inputs' centred covariance ``X^T X - N mu mu^T`` instead: inputs on a large constant offset
+(Qwen's keys) otherwise get a damping set by the offset, not by their spread. Reduced rank ``r`` (spec Table C) keeps the fit's projection on
 the top ``r`` principal directions of its own predictions ``Y_hat = X~ W``: ``W_r = W V_r V_r^T`` with
 ``V_r`` the top eigenvectors of ``W^T H W``, stored as the factors ``W V_r`` and ``V_r^T``.
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 CHUNK = 4096
+DAMPING_BASES = ("uncentred", "centred")
 
 
 @dataclass
@@ -63,11 +66,11 @@ class RidgeFit:
             self.h += xs.T @ xs
             self.c += xs.T @ y[start:start + CHUNK].to(self.c)
 
-    def solve(self, damping: float = 1e-3, rank: int = 0) -> LinearPredictor:
+    def solve(self, damping: float = 1e-3, rank: int = 0, basis: str = "uncentred") -> LinearPredictor:
         """The damped least-squares predictor (``rank > 0``: reduced-rank; float32 factors)."""
         h = self.h
         if damping > 0:
-            h = h + damping * h.diagonal().abs().mean() * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+            h = h + damping * self.damping_scale(basis) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
             w = torch.linalg.solve(h, self.c)
         else:
             w = torch.linalg.pinv(h) @ self.c
@@ -77,3 +80,10 @@ class RidgeFit:
             w, up = w @ top, top.T.float()
             return LinearPredictor(w[:-1].float(), w[-1].float(), up)
         return LinearPredictor(w[:-1].float(), w[-1].float())
+
+    def damping_scale(self, basis: str) -> torch.Tensor:
+        """``mean|diag H|`` (uncentred, the bias row included) or the inputs' mean centred variance times ``N``."""
+        if basis == "uncentred":
+            return self.h.diagonal().abs().mean()
+        n, sums = self.h[-1, -1].clamp_min(1), self.h[:-1, -1]
+        return (self.h.diagonal()[:-1] - sums.square() / n).clamp_min(0).mean()

@@ -1,0 +1,83 @@
+"""Per-channel offsets subtracted before a per-token quantizer (kvcomp's option ``center``, not in the papers).
+
+A codec that normalises each token by its norm (HIGGS, AQUA-KV's residuals) or rotates it codes the whole
+vector. When a layer's keys sit on a constant offset much larger than their per-token deviation (Qwen2.5's
+k_proj biases: 21-52x on some layers), the norm is the offset's and the deviation, which attention needs, is
+lost in the quantization error. ``center`` subtracts one vector per layer and stream before coding and adds it
+back after decoding (``x = c + Q(x - c)``):
+
+- ``none``: nothing (the papers' and their code's behaviour, the default);
+- ``calibration``: the per-channel mean of what the quantizer codes, over the calibration tokens;
+- ``bias``: the model's k_proj / v_proj bias (pre-RoPE keys: the exact constant part of every key).
+
+The vectors (``[kv_heads, head_dim]`` per layer and stream, float32) are part of the fitted state and counted
+in the codec's overhead bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcomp.errors import ConfigError
+
+CENTERS = ("none", "calibration", "bias")
+
+
+def channel_mean(x: torch.Tensor) -> torch.Tensor:
+    """The per-channel mean ``[H, D]`` of ``x [samples, H, tokens, D]`` (float32)."""
+    return x.float().mean(dim=(0, 2))
+
+
+def model_bias(biases: dict | None, layer: int, kind: str, owner: str) -> torch.Tensor:
+    """Layer ``layer``'s k_proj (``kind="key"``) or v_proj bias ``[H, D]`` from the calibration's
+    :attr:`~kvcomp.codecs.base.Activations.biases`; refused for a model without them."""
+    if not biases or layer not in biases or kind not in biases[layer]:
+        raise ConfigError(f"{owner}: center=bias needs the model's k_proj/v_proj biases, and this model has none "
+                          "(e.g. Llama); use center=calibration or center=none")
+    return biases[layer][kind].float()
+
+
+class Offsets:
+    """The centring vectors of a codec, by ``(layer, kind)``; :meth:`remove` and :meth:`restore` apply them to
+    ``[B, H, T, D]`` blocks (vectors missing for a layer and kind: nothing is applied)."""
+
+    def __init__(self, vectors: dict[tuple[int, str], torch.Tensor] | None = None):
+        self.vectors = dict(vectors or {})
+        self.on_device: dict = {}
+
+    def _vector(self, layer: int, kind: str, like: torch.Tensor) -> torch.Tensor | None:
+        vector = self.vectors.get((layer, kind))
+        if vector is None:
+            return None
+        key = (layer, kind, like.device)
+        if key not in self.on_device:
+            self.on_device[key] = vector.to(like.device, torch.float32)[None, :, None, :]
+        return self.on_device[key]
+
+    def remove(self, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
+        """``x - c`` (float32)."""
+        c = self._vector(layer, kind, x)
+        return x.float() if c is None else x.float() - c
+
+    def restore(self, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
+        """``x + c`` (float32)."""
+        c = self._vector(layer, kind, x)
+        return x.float() if c is None else x.float() + c
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """For a :class:`~kvcomp.codecs.base.CodecState`: ``layer{l}.{kind}.center``."""
+        return {f"layer{layer}.{kind}.center": v for (layer, kind), v in self.vectors.items()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Offsets":
+        vectors = {}
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if len(parts) == 3 and parts[2] == "center" and parts[0].startswith("layer"):
+                vectors[(int(parts[0].removeprefix("layer")), parts[1])] = t
+        return cls(vectors)
+
+    @property
+    def bits(self) -> int:
+        """Storage of the vectors (float32)."""
+        return 32 * sum(v.numel() for v in self.vectors.values())

@@ -1,0 +1,110 @@
+"""``center`` (HIGGS, AQUA-KV) and AQUA-KV's ``damping_basis``: options beyond the papers for keys on a large
+constant offset (Qwen2.5's k_proj biases). A tiny Qwen2 whose k_proj/v_proj biases are 30x its K/V spread shows
+them: per-token HIGGS codes the offset and loses the deviation, centred it keeps it."""
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from kvcomp.cache import CompressedCache
+from kvcomp.calibration import CalibrationData, calibrate
+from kvcomp.codecs import build_codec
+from kvcomp.errors import ConfigError
+from kvcomp.stages.ridge import RidgeFit
+from tests.codec_matrix import CALIBRATION, calibration_windows
+from tests.conftest import TINY, _tiny, info_of
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+
+
+@pytest.fixture(scope="module")
+def offset_qwen():
+    """A tiny Qwen2 whose keys and values sit on constant offsets 30x (keys) and 10x (values) their spread."""
+    model = _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.k_proj.bias.copy_(30 * torch.randn_like(attn.k_proj.bias).sign() * attn.k_proj.weight.norm(dim=1))
+            attn.v_proj.bias.copy_(10 * torch.randn_like(attn.v_proj.bias).sign() * attn.v_proj.weight.norm(dim=1))
+    return model
+
+
+IDS = torch.randint(1, TINY["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(7))
+
+
+def _fitted(model, config: dict):
+    codec = build_codec(config, info_of(model))
+    windows = calibration_windows()
+    calibrate(codec, CALIBRATION, lambda: CalibrationData(model, None, windows, None).activations(codec))
+    return codec
+
+
+@torch.no_grad()
+def _key_error(model, codec, layer: int = 0) -> float:
+    """Squared error of the cached keys (blocks encoded, as attention read them, post-RoPE) over their spread
+    around the per-channel mean (the rotated offset included: a scale common to the codecs compared)."""
+    plain = DynamicCache(config=model.config)
+    model(IDS, past_key_values=plain)
+    cache = CompressedCache(codec, "simulated")
+    model(IDS, past_key_values=cache)
+    stream = cache.layers[layer].key_stream
+    first, count = stream.num_sinks, stream.num_encoded
+    assert count >= 16
+    exact = plain.layers[layer].keys[:, :, first:first + count]
+    got = stream.materialize()[:, :, first:first + count]
+    spread = (exact - exact.mean(dim=(0, 2), keepdim=True)).square().sum()
+    return float((got - exact).square().sum() / spread)
+
+
+HIGGS = {"name": "higgs", "bits": 2, "sinks": 2, "buffer": 8}
+
+
+def test_higgs_center_keeps_the_deviation_of_offset_keys(offset_qwen):
+    plain = _key_error(offset_qwen, build_codec(HIGGS, info_of(offset_qwen)))
+    errors = {center: _key_error(offset_qwen, _fitted(offset_qwen, {**HIGGS, "center": center}))
+              for center in ("calibration", "bias")}
+    assert all(e < 0.1 * plain for e in errors.values()), (plain, errors)
+
+
+def test_center_vectors_are_counted_and_stored(offset_qwen):
+    codec = _fitted(offset_qwen, {**HIGGS, "center": "bias"})
+    info = info_of(offset_qwen)
+    vectors = 2 * info.num_layers * info.num_kv_heads * info.head_dim
+    assert codec.overhead_bits() == build_codec(HIGGS, info).overhead_bits() + 32 * vectors
+    bias = offset_qwen.model.layers[1].self_attn.k_proj.bias.view(info.num_kv_heads, info.head_dim)
+    torch.testing.assert_close(codec.offsets.vectors[(1, "key")], bias)
+
+
+def test_aquakv_center_codes_layer_zero_around_its_mean(offset_qwen):
+    config = {"name": "aquakv", "bits": 2, "sinks": 2, "buffer": 8, "first_layer_bits": 2}
+    plain = _key_error(offset_qwen, _fitted(offset_qwen, config))
+    centred = _key_error(offset_qwen, _fitted(offset_qwen, {**config, "center": "calibration"}))
+    assert centred < 0.3 * plain, (plain, centred)
+
+
+def test_center_is_refused_where_it_cannot_work(tiny_llama):
+    with pytest.raises(ConfigError, match="needs pre_rope=true"):
+        build_codec({**HIGGS, "center": "calibration", "pre_rope": False}, info_of(tiny_llama))
+    with pytest.raises(ConfigError, match="valid choices: bias, calibration, none"):
+        build_codec({**HIGGS, "center": "mean"}, info_of(tiny_llama))
+    with pytest.raises(ConfigError, match="this model has none"):  # Llama: no k_proj/v_proj biases
+        _fitted(tiny_llama, {**HIGGS, "center": "bias"})
+
+
+def test_centred_damping_does_not_over_regularise_offset_inputs():
+    """Inputs on an offset 100x their spread: damping scaled by the uncentred X^T X shrinks the map; by the
+    centred covariance it fits the planted map (held-out error 20x lower)."""
+    gen = torch.Generator().manual_seed(0)
+    x = 100 + torch.randn(4000, 16, generator=gen)
+    a = torch.randn(16, 8, generator=gen)
+    y = x @ a + 0.01 * torch.randn(4000, 8, generator=gen)
+    ridge = RidgeFit(16, 8)
+    ridge.add(x[:3000], y[:3000])
+    errors = {basis: float((ridge.solve(1e-3, basis=basis)(x[3000:]) - y[3000:]).square().mean())
+              for basis in ("uncentred", "centred")}
+    assert errors["centred"] < errors["uncentred"] / 20, errors
+    centred = x[:3000] - x[:3000].mean(0)
+    torch.testing.assert_close(ridge.damping_scale("centred"), centred.double().square().sum(0).mean(), rtol=1e-6, atol=0)
