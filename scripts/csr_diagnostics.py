@@ -4,8 +4,8 @@
   200 / 50 / 20 bins, beside its noise floor (two halves of one layer's vectors);
 - the relative squared error of the coded keys and values inside the cache after one 512-token prefill, for
   the first 256 tokens and the rest, with and without the online bank;
-- the same error for CSR and KIVI at equal bits per channel (CSR-8 vs KIVI-4, CSR-4 vs KIVI-2), as a markdown
-  table with each row's bits per value.
+- the same error for CSR and KIVI at equal bits per channel (CSR-8 vs KIVI-4, CSR-4 vs KIVI-2; CSR-6 at
+  KIVI-2's bits per value), as a markdown table with each row's bits per value.
 
 The codec is calibrated as ``run.py codec=csr`` calibrates it (the cached dictionaries are reused).
 
@@ -32,9 +32,10 @@ from kvcomp.stages.layer_merging import layer_divergence
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 512
-FIRST = 256  # tokens that no codec keeps exact after the prefill: CSR's bank holds the last 256, KIVI's residual the last 128
+FIRST = 256  # tokens no codec keeps exact after the prefill (CSR's bank holds the last 256, KIVI the last 128 values)
 
-# (row, codec file, overrides): CSR-s codes 32 s / head_dim bits per channel, 4 for CSR-8 and 2 for CSR-4 at head_dim 64
+# (row, codec file, overrides): CSR-s codes 32 s / head_dim bits per channel, 4 for CSR-8 and 2 for CSR-4 at head_dim
+# 64; KIVI-b adds 1 bit per value of scales and zero-points, so CSR-6 (3 bits) matches KIVI-2's bits per value
 EQUAL_BITS = [
     ("KIVI-4", "kivi", {"bits": 4}),
     ("CSR-8", "csr", {"sparsity": 8}),
@@ -42,6 +43,8 @@ EQUAL_BITS = [
     ("KIVI-2", "kivi", {"bits": 2}),
     ("CSR-4", "csr", {"sparsity": 4}),
     ("CSR-4, offline dictionary only", "csr", {"sparsity": 4, "online_atoms": 0}),
+    ("CSR-6", "csr", {"sparsity": 6}),
+    ("CSR-6, offline dictionary only", "csr", {"sparsity": 6, "online_atoms": 0}),
 ]
 
 
