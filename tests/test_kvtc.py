@@ -185,3 +185,91 @@ def test_cached_plans_are_checked_against_the_group_errors(tmp_path, monkeypatch
     path.write_text(json.dumps(saved))
     kvtc._PLANS.clear()
     assert kvtc.plan_for(errors, 120) == plan and json.loads(path.read_text())["groups"] == [list(g) for g in plan.groups]
+
+
+def _fill(model, codec, ids):
+    """A cache of ``codec`` after a 20-token prompt and 4 tokens per forward to the end of ``ids``."""
+    cache = CompressedCache(codec, "exact_prefill")
+    model(ids[:, :20], past_key_values=cache, use_cache=True)
+    for n in range(20, ids.shape[1], 4):
+        model(ids[:, n:n + 4], past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_deflate_scope_sequence_spans_the_blocks(tiny_llama):
+    """``deflate_scope=sequence``: one DEFLATE stream per sequence, a segment per block. On a prompt that repeats
+    (DEFLATE's matches lie in earlier blocks) it gains more than per-block streams from the same packed bytes;
+    its reads equal block mode's bit for bit (DEFLATE is lossless); the cache reports the bytes it holds:
+    payloads with their positions, and both sides' windows, the packed bytes so far (under 32 KiB here)."""
+    from kvcomp.cache import install
+
+    install(tiny_llama)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(3)).repeat(1, 8)[:, :60]
+    codecs = {scope: make_codec(tiny_llama, "kvtc", deflate_scope=scope) for scope in ("block", "sequence")}
+    caches = {scope: _fill(tiny_llama, codec, ids) for scope, codec in codecs.items()}
+    block, sequence = (codecs[s].example_metrics(caches[s].statistics()) for s in ("block", "sequence"))
+    assert block["cr_before_deflate"] == sequence["cr_before_deflate"]
+    assert sequence["deflate_gain"] > 1.2 * block["deflate_gain"] and sequence["cr"] > 1.2 * block["cr"]
+    for layer in range(2):
+        for stream in ("key_stream", "value_stream"):
+            assert torch.equal(getattr(caches["sequence"].layers[layer], stream).materialize(),
+                               getattr(caches["block"].layers[layer], stream).materialize())
+    cache, unit = caches["sequence"], caches["sequence"].scope.unit
+    assert caches["block"].state_nbytes == 0 and not any("position" in p.tensors for p in caches["block"].scope.unit.store.payloads)
+    positions = [int(p.tensors["position"][0]) for p in unit.store.payloads]
+    assert positions == [sum(p.num_tokens for p in unit.store.payloads[:i]) for i in range(len(positions))]
+    ragged = sum(row.numel() for p in unit.store.payloads for rows in p.ragged.values() for row in rows)
+    sinks = sum(p.tensors["sink.key"].numel() * 2 + p.tensors["sink.key.scale"].numel() * 4 for p in unit.store.payloads
+                if "sink.key" in p.tensors)  # FP8 codes and fp16 scales, K and V
+    assert cache.payload_nbytes == ragged + sinks + 8 * 2 * len(positions)
+    fp8 = [p.tensors["sink.key"].shape[3] if "sink.key" in p.tensors else 0 for p in unit.store.payloads]
+    state, windows = unit.state, 0
+    for kind in ("key", "value"):
+        packed = sum(packed_stream_nbytes(codecs["sequence"].plans[kind, 0], p.num_tokens - s)
+                     for p, s in zip(unit.store.payloads, fp8))
+        deflated, inflated = state.ragged[f"{kind}.0.deflated"], state.ragged[f"{kind}.0.inflated"]
+        assert [w.numel() for w in deflated] == [packed] * 2 and all(map(torch.equal, deflated, inflated))
+        windows += 2 * 2 * packed  # both sides, both rows
+    assert cache.state_nbytes == windows + 8 * 2 * len(state.tensors)
+
+
+def test_deflate_scope_sequence_decodes_in_order_and_bounds_inflate(tiny_llama):
+    """A sequence's blocks are inflated once each, in order (a reread or a skip is refused, naming the
+    setting); a segment that holds more or fewer bytes than its plan implies is refused after inflating at
+    most one byte more; a cache with sequence streams cannot be stored between turns; an unknown scope is
+    refused with the choices."""
+    from kvcomp.cache import install
+    from kvcomp.cache.offload import store
+    from kvcomp.codecs.base import Unit
+    from kvcomp.errors import ConfigError, DamagedPayloadError
+    from kvcomp.stages.transform_coding import deflate
+
+    with pytest.raises(ConfigError, match="deflate_scope.*block, sequence"):
+        make_codec(tiny_llama, "kvtc", deflate_scope="model")
+    codec = make_codec(tiny_llama, "kvtc", deflate_scope="sequence")
+    keys, values = _kv()
+    state = codec.init_state(Unit(), {(0, "key"): keys[0]})
+    first = codec.encode(Request(keys=keys, values=values, state=state, encoded_before=2))
+    second = codec.encode(Request(keys=keys, values=values, state=state, encoded_before=10))
+    state.tensors = {name: t + 2 for name, t in state.tensors.items()}  # the 2 sinks kept apart came first
+    with pytest.raises(ConfigError, match="position \\[10, 10\\].*next is at \\[2, 2\\].*deflate_scope=block"):
+        codec.decode(second, Request(0, dtype=torch.float32, state=state))
+    for layer in range(2):
+        codec.decode(first, Request(layer, dtype=torch.float32, state=state))
+    with pytest.raises(ConfigError, match="decode_per_step"):
+        codec.decode(first, Request(0, dtype=torch.float32, state=state))
+    k, _ = codec.decode(second, Request(0, dtype=torch.float32, state=state))
+    assert k.shape == keys[0].shape and (k - keys[0]).norm() < keys[0].norm()
+    size = packed_stream_nbytes(codec.plans["key", 0], 8)
+    segment, history = first.ragged["key.0"][0].numpy().tobytes(), b""
+    assert inflate(segment, size, history).numel() == size
+    for wrong in (size - 1, size + 1):
+        with pytest.raises(DamagedPayloadError, match="plan implies"):
+            inflate(segment, wrong, history)
+    bomb = deflate(torch.zeros(10**6, dtype=torch.uint8), 6, b"")
+    with pytest.raises(DamagedPayloadError, match="more than 100 bytes"):
+        inflate(bomb, 100, b"")
+    install(tiny_llama)
+    cache = _fill(tiny_llama, codec, torch.randint(0, 96, (1, 28), generator=torch.Generator().manual_seed(4)))
+    with pytest.raises(NotImplementedError, match="per-sequence state.*kvtc with deflate_scope=block"):
+        store(cache)

@@ -290,7 +290,8 @@ class Scope:
         if self.hands_over or keeps_state(self.codec):
             raise NotImplementedError(
                 f"storing a {self.codec.name} cache between turns is not supported: only stream- and model-scope codecs "
-                "without per-sequence state (e.g. kvtc, kivi, uniform, qjl, fp16) can be stored")
+                "without per-sequence state (e.g. kvtc with deflate_scope=block and pca_source=calibration, kivi, uniform, "
+                "qjl, fp16) can be stored")
 
 
 class LayerScope(Scope):

@@ -16,6 +16,22 @@ batch row's stream per (K or V, layer group): the compressed bytes are the paylo
 length), so the codec has no fixed rate; rows report the measured ratios (:meth:`example_metrics`).
 Decoding a layer inflates the stream and reconstructs only that layer's columns (K18).
 
+``deflate_scope``: ``block`` (the default, K7) DEFLATEs each compression event's stream alone (a zlib stream
+per block: each block decodes by itself, but DEFLATE learns from 16 tokens only). ``sequence`` runs one raw
+DEFLATE stream per (batch row, K or V, layer group) over the sequence's blocks: each block's bytes are the
+stream's next segment, flushed with ``Z_SYNC_FLUSH``, so they are stored and counted when the block is encoded,
+and may refer back to the last 32 KiB (DEFLATE's window) of the earlier blocks' packed bytes. This is what a
+deployment that extends and ships a cache block by block would do: the compressing side (e.g. the prefill
+node) keeps per stream the last 32 KiB it compressed, the decompressing side the last 32 KiB it inflated, and
+blocks are decoded once, in order (a block read again, e.g. ``decode_per_step``, or out of order is refused).
+Both windows are per-sequence state here (:class:`~kvcomp.codecs.base.SequenceState`: held, counted in the
+cache's bytes and batch-reordered by the cache); ``cr`` leaves them out, as they are the coders' working
+memory, rebuilt from the stored bytes, not stored. Each block also stores the sequence position it starts at
+(int64 per row) to check the order. A deviation from the spec (K7: one stream per compression event); the
+paper leaves its stream boundaries unstated (nvCOMP on whole caches compressed between inference phases).
+A cache with ``sequence`` cannot be stored between turns (:mod:`kvcomp.cache.offload` refuses codecs with
+per-sequence state).
+
 The first ``sinks`` tokens are never PCA-coded: the first block codes them in FP8 E4M3 with an fp16 absmax
 scale per (layer, head, token) (K11; ``sink_dtype=model`` keeps them apart in the model's dtype instead).
 The newest ``window - every`` to ``window`` tokens stay in the model's dtype and ``every`` tokens are
@@ -48,12 +64,14 @@ from kvcomp.stages.bit_allocation import (
     truncation_plan,
 )
 from kvcomp.stages.ranges import saturated, stored_in
-from kvcomp.stages.transform_coding import PCABasis, decode_rows, deflate, encode_rows, feature_rows, fit_pca, inflate
+from kvcomp.stages.transform_coding import (WINDOW, PCABasis, decode_rows, deflate, encode_rows, feature_rows, fit_pca,
+                                             inflate)
 
 TYPE_NAMES = tuple(TYPE_BITS)
 QUANTIZATIONS = ("dp", "truncate")
 PCA_SOURCES = ("calibration", "prompt")
 SINK_DTYPES = ("fp8", "model")
+DEFLATE_SCOPES = ("block", "sequence")
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +101,9 @@ class KVTCConfig(CodecConfig):
     window: int = 128  # the newest window - every .. window tokens stay uncompressed (K12)
     every: int = 16  # tokens per compression event (K12)
     deflate_level: int = 6
+    # block: one DEFLATE stream per compression event (K7) | sequence: one per sequence, a segment per block
+    # (a deviation: the module docstring)
+    deflate_scope: str = "block"
     pre_rope: bool = True
 
 
@@ -93,7 +114,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
     scope = "model"
     payload_layout = "blocks"
     inference_only_fields = ("cr", "cr_key", "cr_value", "quantization", "sinks", "sink_dtype", "window", "every",
-                             "deflate_level")
+                             "deflate_level", "deflate_scope")
 
     def validate(self) -> None:
         cfg = self.config
@@ -108,6 +129,8 @@ class KVTCCodec(Codec, Calibrated, Stateful):
             raise unknown_choice("codec.quantization", cfg.quantization, QUANTIZATIONS)
         if cfg.sink_dtype not in SINK_DTYPES:
             raise unknown_choice("codec.sink_dtype", cfg.sink_dtype, SINK_DTYPES)
+        if cfg.deflate_scope not in DEFLATE_SCOPES:
+            raise unknown_choice("codec.deflate_scope", cfg.deflate_scope, DEFLATE_SCOPES)
         if cfg.pca_source not in PCA_SOURCES:
             raise unknown_choice("codec.pca_source", cfg.pca_source, PCA_SOURCES)
         if cfg.pca_source == "prompt" and (cfg.quantization != "truncate" or cfg.layers_per_group):
@@ -142,23 +165,32 @@ class KVTCCodec(Codec, Calibrated, Stateful):
 
     @property
     def stateful(self) -> bool:
-        """Per-prompt PCA keeps each sequence's basis and mean as per-sequence state (counted in its bytes)."""
-        return self.config.pca_source == "prompt"
+        """Per-prompt PCA keeps each sequence's basis and mean, ``deflate_scope=sequence`` its DEFLATE windows, as
+        per-sequence state (counted in its bytes)."""
+        return self.config.pca_source == "prompt" or self.config.deflate_scope == "sequence"
 
     def init_state(self, unit, held) -> SequenceState:
         """Per-prompt PCA (Table 18): each batch row's basis and mean from the tokens its cache holds at the
-        first encode (the prompt), rank ``min(rank, tokens, p)``, fp16."""
-        tensors = {}
+        first encode (the prompt), rank ``min(rank, tokens, p)``, fp16. ``deflate_scope=sequence``: per batch row
+        and stream (K or V, layer group), the empty windows of the compressing (``.deflated``) and decompressing
+        (``.inflated``) sides and the position the next block to inflate starts at (``.inflated_to``)."""
+        tensors, ragged = {}, {}
+        batch = held[0, "key"].shape[0]
         for kind in KINDS:
-            layers = [held[layer, kind] for layer in range(self.model.num_layers)]
-            fits = [fit_pca(feature_rows([x[b:b + 1] for x in layers]), self.config.rank, self.config.pca_iters,
-                            self.config.seed) for b in range(layers[0].shape[0])]
-            tensors |= {f"{kind}.mean": torch.stack([f.mean for f in fits]), f"{kind}.basis": torch.stack([f.basis for f in fits])}
-        return SequenceState(tensors)
+            if self.config.pca_source == "prompt":
+                layers = [held[layer, kind] for layer in range(self.model.num_layers)]
+                fits = [fit_pca(feature_rows([x[b:b + 1] for x in layers]), self.config.rank, self.config.pca_iters,
+                                self.config.seed) for b in range(batch)]
+                tensors |= {f"{kind}.mean": torch.stack([f.mean for f in fits]), f"{kind}.basis": torch.stack([f.basis for f in fits])}
+            if self.config.deflate_scope == "sequence":
+                for g in range(len(self.layer_groups)):
+                    ragged |= {f"{kind}.{g}.{side}": [torch.zeros(0, dtype=torch.uint8)] * batch for side in ("deflated", "inflated")}
+                    tensors[f"{kind}.{g}.inflated_to"] = torch.zeros(batch, dtype=torch.int64)
+        return SequenceState(tensors, ragged)
 
     def _bases(self, kind: str, g: int, batch: int, state) -> list[tuple[PCABasis, Plan]]:
         """The PCA and plan of each batch row: the calibrated ones, or each row's own (per-prompt PCA)."""
-        if state is None:
+        if self.config.pca_source == "calibration":
             return [(self.pca[kind, g], self.plans[kind, g])] * batch
         bases = [PCABasis(m, v) for m, v in zip(state.tensors[f"{kind}.mean"], state.tensors[f"{kind}.basis"])]
         return [(pca, truncation_plan(pca.basis.shape[1], self.budget_bits(kind, g))) for pca in bases]
@@ -245,7 +277,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
     def bits_per_value(self) -> float:
         """Bits per encoded value the plans spend before DEFLATE (codes + shift/scale; per-prompt PCA: the
         budget); stored bytes are measured."""
-        if self.stateful:
+        if self.config.pca_source == "prompt":
             return self.paper_bits_per_value()
         bits = sum(plan.bits for plan in self.plans.values())
         return bits / (len(KINDS) * self.model.num_layers * self.width)
@@ -256,9 +288,10 @@ class KVTCCodec(Codec, Calibrated, Stateful):
 
     def encode(self, request: Request) -> Payload:
         """The block's first :meth:`fp8_sinks` tokens in FP8 (``sink.key`` / ``sink.value`` codes ``[B, L, H, s, d]``
-        and fp16 scales), the others PCA-coded: one DEFLATE stream per batch row, cache and layer group."""
+        and fp16 scales), the others PCA-coded: one DEFLATE stream (``deflate_scope=sequence``: the next segment of
+        the sequence's stream, and the block's first position, ``position [B]``) per batch row, cache and layer group."""
         keys, values, state, encoded_before = request.keys, request.values, request.state, request.encoded_before
-        tensors, ragged = {}, {}
+        tensors, packed = {}, {}
         sinks = self.fp8_sinks(keys[0].shape[2], encoded_before)
         for kind, layers in (("key", keys), ("value", values)):
             if sinks:
@@ -269,13 +302,44 @@ class KVTCCodec(Codec, Calibrated, Stateful):
             for g, group in enumerate(self.layer_groups):
                 rows = feature_rows([layers[i] for i in group]).view(batch, tokens, len(group) * self.width)
                 try:
-                    ragged[f"{kind}.{g}"] = [
-                        torch.frombuffer(bytearray(deflate(encode_rows(pca.project(x, plan.width_used), plan), self.config.deflate_level)),
-                                         dtype=torch.uint8)
-                        for x, (pca, plan) in zip(rows, self._bases(kind, g, batch, state))]
+                    packed[f"{kind}.{g}"] = [encode_rows(pca.project(x, plan.width_used), plan)
+                                             for x, (pca, plan) in zip(rows, self._bases(kind, g, batch, state))]
                 except NonFiniteKVError as error:
                     raise NonFiniteKVError(f"the {kind}s of layers {group.start}..{group.stop - 1}: {error}") from error
+        if self.config.deflate_scope == "sequence":
+            tensors["position"] = torch.full((keys[0].shape[0],), encoded_before, dtype=torch.int64, device=keys[0].device)
+        ragged = {name: self._deflate(name, streams, state) for name, streams in packed.items()}
         return Payload(tensors, keys[0].shape[2], ragged)
+
+    def _deflate(self, name: str, streams: list[torch.Tensor], state: SequenceState | None) -> list[torch.Tensor]:
+        """Each batch row's packed stream ``name`` (e.g. ``key.0``) DEFLATEd: alone (``block``), or as the next
+        segment of the row's sequence stream, from the compressing side's window in ``state``, which it extends."""
+        level = self.config.deflate_level
+        if self.config.deflate_scope == "block":
+            return [_as_bytes(deflate(s, level)) for s in streams]
+        windows = state.ragged[f"{name}.deflated"]
+        out = [_as_bytes(deflate(s, level, w.numpy().tobytes())) for s, w in zip(streams, windows)]
+        state.ragged[f"{name}.deflated"] = [_slide(w, s) for w, s in zip(windows, streams)]
+        return out
+
+    def _inflate(self, payload: Payload, name: str, sizes: list[int], state: SequenceState | None) -> list[torch.Tensor]:
+        """Each batch row's packed stream ``name`` of ``payload`` (``sizes`` bytes each): inflated alone
+        (``block``), or from the decompressing side's window in ``state``, which it extends: the sequence's
+        blocks are inflated once each, in order."""
+        data = [row.cpu().numpy().tobytes() for row in payload.ragged[name]]
+        if self.config.deflate_scope == "block":
+            return [inflate(d, n) for d, n in zip(data, sizes)]
+        expected, first = state.tensors[f"{name}.inflated_to"], payload.tensors["position"].cpu()
+        if not torch.equal(first, expected):
+            raise ConfigError(
+                f"{self.name}: with deflate_scope=sequence each block is inflated once, in order, but the block at "
+                f"position {first.tolist()} was asked for where the next is at {expected.tolist()} (a cache that "
+                "decodes every block at every step, decode_per_step=True, reads blocks again): use deflate_scope=block")
+        windows = state.ragged[f"{name}.inflated"]
+        raws = [inflate(d, n, w.numpy().tobytes()) for d, n, w in zip(data, sizes, windows)]
+        state.ragged[f"{name}.inflated"] = [_slide(w, r) for w, r in zip(windows, raws)]
+        state.tensors[f"{name}.inflated_to"] = expected + payload.num_tokens
+        return raws
 
     def decode(self, payload: Payload, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``request.layer`` of a block: its FP8 sinks, then its columns of the PCA reconstruction (K18). A
@@ -289,9 +353,11 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         t = payload.num_tokens - sinks
         key = (id(payload), g)
         if key not in self._coefficients:
+            bases = {kind: self._bases(kind, g, len(payload.ragged[f"{kind}.{g}"]), state) for kind in KINDS}
             self._coefficients[key] = (payload, {
-                kind: [decode_rows(inflate(data.cpu().numpy().tobytes(), packed_stream_nbytes(plan, t)), plan, t)[:, :plan.width_used].to(pca.basis.device)
-                       for data, (pca, plan) in zip(payload.ragged[f"{kind}.{g}"], self._bases(kind, g, len(payload.ragged[f"{kind}.{g}"]), state))]
+                kind: [decode_rows(raw, plan, t)[:, :plan.width_used].to(pca.basis.device) for raw, (pca, plan) in zip(
+                    self._inflate(payload, f"{kind}.{g}", [packed_stream_nbytes(plan, t) for _, plan in bases[kind]], state),
+                    bases[kind])]
                 for kind in KINDS})
         coefficients = self._coefficients[key][1]
         if layer_idx == group.stop - 1:
@@ -316,8 +382,9 @@ class KVTCCodec(Codec, Calibrated, Stateful):
     def example_metrics(self, stats: CacheStatistics) -> dict[str, float]:
         """Compression ratios of one example's cache (batch row 0), as the paper reports them (K13, B.15): raw
         16-bit bytes of the PCA-coded tokens over their bytes before and after DEFLATE (``cr``; per-prompt PCA adds
-        its basis and mean), and of every cached token over every stored byte (``cr_with_window``: sinks and
-        window at their stored size)."""
+        its basis and mean; ``deflate_scope=sequence``'s windows are working memory, not counted), and of every
+        cached token over every stored byte (``cr_with_window``: sinks and window at their stored size, block
+        positions included)."""
         payloads = stats.shared_payloads
         sinks = [p.tensors["sink.key"].shape[3] if "sink.key" in p.tensors else 0 for p in payloads]
         tokens = sum(p.num_tokens for p in payloads) - sum(sinks)
@@ -327,10 +394,11 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         deflated = sum(int(rows[0].numel()) for p in payloads for rows in p.ragged.values())
         state = stats.shared_state
         packed = sum(self.packed_nbytes(p.num_tokens - s, state) for p, s in zip(payloads, sinks))
-        if state is not None:  # per-prompt PCA: the prompt's basis and mean are part of what is stored (Table 18)
-            deflated += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
-            packed += sum(t[0].numel() * t.element_size() for t in state.tensors.values())
-        sink_bytes = sum(t[0].numel() * t.element_size() for p in payloads for t in p.tensors.values())
+        if self.config.pca_source == "prompt":  # the prompt's basis and mean are part of what is stored (Table 18)
+            pca = sum(state.tensors[f"{kind}.{part}"][0].numel() * state.tensors[f"{kind}.{part}"].element_size()
+                      for kind in KINDS for part in ("mean", "basis"))
+            deflated, packed = deflated + pca, packed + pca
+        sink_bytes = sum(t[0].numel() * t.element_size() for p in payloads for t in p.tensors.values())  # and positions
         kept = stats.full_precision_nbytes // max(stats.batch, 1)  # window (+ sinks), model dtype
         kept_tokens = (stats.cached_tokens - stats.encoded_tokens) // stats.streams
         total_tokens = tokens + sum(sinks) + kept_tokens
@@ -355,6 +423,15 @@ def fp8_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     float16 cannot hold), and the scales ``[...]``."""
     scale = stored_in(x.float().abs().amax(-1) / FP8_MAX, torch.float16).clamp_min(torch.finfo(torch.float16).tiny)
     return (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _as_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _slide(window: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """The last :data:`~kvcomp.stages.transform_coding.WINDOW` bytes of ``window`` followed by ``stream``."""
+    return torch.cat([window, stream.cpu()])[-WINDOW:].clone()
 
 
 def _type_counts(plan: Plan) -> dict[str, int]:

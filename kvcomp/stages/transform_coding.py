@@ -7,7 +7,9 @@ layer ``l`` (per-layer decompression reads that slice of the basis).
 
 Byte stream of ``N`` rows (K7): for every kept group in plan order, its ``N x s`` codes (row-major: all
 tokens of group g, then group g+1), int2 four and int4 two per byte (LSB first), fp8 one byte, fp16 two;
-then every kept group's fp16 shift and scale arrays, group-major (none for fp16 groups). ``zlib`` (DEFLATE, level 6) compresses the stream.
+then every kept group's fp16 shift and scale arrays, group-major (none for fp16 groups). ``zlib`` (DEFLATE, level 6) compresses the stream:
+as a whole zlib stream (:func:`deflate` without ``history``), or as the next segment of one raw DEFLATE stream
+that runs over a sequence's blocks (with ``history``, the last :data:`WINDOW` bytes before it).
 """
 
 from __future__ import annotations
@@ -108,19 +110,32 @@ def decode_rows(stream: torch.Tensor, plan: Plan, num_rows: int) -> torch.Tensor
     return out
 
 
-def deflate(stream: torch.Tensor, level: int = 6) -> bytes:
-    return zlib.compress(stream.numpy().tobytes(), level)
+WINDOW = 32768  # DEFLATE's largest window: how far back a segment of a sequence's stream may refer
 
 
-def inflate(data: bytes, size: int) -> torch.Tensor:
-    """The ``size`` bytes a DEFLATE stream holds; never inflates more than ``size + 1`` bytes, so a stream that
-    holds more (a decompression bomb) or less is refused (:class:`DamagedPayloadError`) at that cost."""
-    inflater = zlib.decompressobj()
+def deflate(stream: torch.Tensor, level: int = 6, history: bytes | None = None) -> bytes:
+    """``stream`` DEFLATEd: a whole zlib stream (``history`` None), or the next segment of a raw DEFLATE stream
+    whose bytes so far end with ``history`` (its last :data:`WINDOW` or fewer), flushed with ``Z_SYNC_FLUSH``: the
+    segment ends on a byte boundary and :func:`inflate` decodes it from ``history`` alone (the segments, in order,
+    are one DEFLATE stream)."""
+    if history is None:
+        return zlib.compress(stream.numpy().tobytes(), level)
+    compressor = zlib.compressobj(level, zlib.DEFLATED, -zlib.MAX_WBITS, zdict=history)
+    return compressor.compress(stream.numpy().tobytes()) + compressor.flush(zlib.Z_SYNC_FLUSH)
+
+
+def inflate(data: bytes, size: int, history: bytes | None = None) -> torch.Tensor:
+    """The ``size`` bytes a DEFLATE stream holds (``history`` None), or a segment of one (``history``: the
+    stream's last :data:`WINDOW` or fewer bytes before it, as :func:`deflate` took them); never inflates more than
+    ``size + 1`` bytes, so a stream that holds more (a decompression bomb) or less, or a segment with bytes left
+    over, is refused (:class:`DamagedPayloadError`) at that cost."""
+    inflater = zlib.decompressobj() if history is None else zlib.decompressobj(-zlib.MAX_WBITS, zdict=history)
     try:
         raw = inflater.decompress(data, size + 1)
     except zlib.error as exc:
         raise DamagedPayloadError(f"a DEFLATE stream is corrupt ({exc}): the stored payload is damaged") from exc
-    if len(raw) != size or inflater.unconsumed_tail or not inflater.eof:
+    ended = inflater.eof if history is None else not inflater.unused_data
+    if len(raw) != size or inflater.unconsumed_tail or not ended:
         held = f"more than {size}" if len(raw) > size or inflater.unconsumed_tail else str(len(raw))
         raise DamagedPayloadError(f"a DEFLATE stream holds {held} bytes where its plan implies {size}: the stored "
                                   "payload is damaged or crafted")
