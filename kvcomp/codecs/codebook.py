@@ -51,7 +51,7 @@ class CodebookConfig(CodecConfig):
     bits: int = 2  # bits per value: chunks of 8/bits values per 8-bit code (KVQuant: 2^bits scalar centroids)
     sinks: int = 8  # first tokens kept in full precision (thesis §1.9)
     window: int = 0  # most recent tokens kept in full precision besides the chunk buffer
-    outliers: float = 0.0  # fraction of each token's entries stored exactly (0.01: the thesis' "-1%")
+    outliers: float = 0.0  # fraction of each token's entries stored exactly, at most (0.01: the thesis' "-1%")
     outlier_rule: str = TOKEN_TOPK  # which entries: token_topk | reference (kvcomp.stages.outliers)
     clamp_outliers: bool = False  # clamp flagged entries to the calibration range before encoding
     exclude_outliers_from_kmeans: bool = False  # zero the Fisher weight of outliers during k-means
