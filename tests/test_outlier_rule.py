@@ -10,7 +10,13 @@ from kvcomp.codecs.base import Payload, Request
 from kvcomp.errors import ConfigError
 
 from .conftest import _tiny, info_of
-from .test_codebook_codecs import cache_home, fitted  # noqa: F401 (cache_home: an autouse fixture)
+from .test_codebook_codecs import fitted
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+
 
 HEAVY = (0, 3)  # (KV head, channel) of the value channel offset far above the others
 
