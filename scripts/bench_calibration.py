@@ -46,7 +46,7 @@ def kmeans_fit_seconds(codec, data: CalibrationData, repeats: int) -> tuple[floa
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        codebooks, _ = codec._fit_codebooks(scheme, x[:train], grad2[:train], stats)
+        codebooks, _ = codec._fit_codebooks(scheme, "key", x[:train], grad2[:train], stats)
         times.append(time.perf_counter() - start)
     h, g, k, dim = codebooks.shape
     chunks = scheme.layout.to_chunks(x[:train]).shape[2]

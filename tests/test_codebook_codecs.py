@@ -77,9 +77,10 @@ def test_error_shrinks_with_more_bits_on_every_family(tiny_model, name):
     assert errors[0] < errors[1]
 
 
+@pytest.mark.parametrize("rule", ["token_topk", "reference"])
 @pytest.mark.parametrize("name", CODECS)
-def test_bits_and_measured_cache_bytes(tiny_llama, name):
-    codec = fitted(tiny_llama, name, bits=2, outliers=0.02)
+def test_bits_and_measured_cache_bytes(tiny_llama, name, rule):
+    codec = fitted(tiny_llama, name, bits=2, outliers=0.02, outlier_rule=rule)
     assert codec.paper_bits_per_value() == pytest.approx(2 + 0.02 * 16)
     h, d = codec.model.num_kv_heads, codec.model.head_dim
     outlier_bits = 1 * 32 / (h * d)  # round(0.02 * 32) = 1 outlier per token: bf16 value + int16 index

@@ -86,7 +86,7 @@ def test_outliers_keep_the_most_extreme_entries_per_token_exactly():
     x[0, 1, 2, 11] = -35.0
     selector = OutlierSelector(0.01)
     assert selector.count(2, 50) == 1
-    selected = selector.select(x, stats)
+    selected = selector.select(x, stats, "key")
     assert selected["outlier_index"].shape == (2, 1, 5, 1)
     mask = selector.mask(x, selected)
     assert mask[1, 0, 3, 7] and mask[0, 1, 2, 11] and mask.sum() == 2 * 5

@@ -11,7 +11,8 @@ identical for all three, as the thesis requires for a fair comparison (§6.3.3):
   fitted on the first ``train_fraction`` of the calibration windows, the rest held out;
 - chunk weights in normalised space ``sum_{elements} scale^2 * g^2`` (``fisher: false`` drops ``g^2``);
 - ``sinks`` first tokens in full precision, optional full-precision ``window`` of recent tokens;
-- optional dense-and-sparse outliers (``outliers: 0.01`` keeps 1% of each token's entries exactly);
+- optional dense-and-sparse outliers (``outliers: 0.01`` keeps up to 1% of each token's entries exactly),
+  chosen by ``outlier_rule``: ``token_topk`` or the KVQuant reference's thresholds (:mod:`kvcomp.stages.outliers`);
 - pre-RoPE keys (the cache re-applies RoPE after decoding).
 
 When a codec offers several schemes for a stream (TemporalKV's hybrid early layers), every candidate is
@@ -36,7 +37,7 @@ from kvcomp.progress import progress_bar
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans
 from kvcomp.stages.normalization import ChannelStats, Normalizer
-from kvcomp.stages.outliers import OutlierSelector
+from kvcomp.stages.outliers import RULES, TOKEN_TOPK, OutlierSelector
 from kvcomp.stages.ranges import saturated
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -50,7 +51,8 @@ class CodebookConfig(CodecConfig):
     bits: int = 2  # bits per value: chunks of 8/bits values per 8-bit code (KVQuant: 2^bits scalar centroids)
     sinks: int = 8  # first tokens kept in full precision (thesis §1.9)
     window: int = 0  # most recent tokens kept in full precision besides the chunk buffer
-    outliers: float = 0.0  # fraction of each token's entries stored exactly (0.01: the thesis' "-1%")
+    outliers: float = 0.0  # fraction of each token's entries stored exactly, at most (0.01: the thesis' "-1%")
+    outlier_rule: str = TOKEN_TOPK  # which entries: token_topk | reference (kvcomp.stages.outliers)
     clamp_outliers: bool = False  # clamp flagged entries to the calibration range before encoding
     exclude_outliers_from_kmeans: bool = False  # zero the Fisher weight of outliers during k-means
     fisher: bool = True  # Fisher-weighted k-means (False: weights scale^2 only, thesis Table 2)
@@ -103,6 +105,8 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
             raise ConfigError(f"{self.name}: codebook_dtype {cfg.codebook_dtype!r} unknown; valid: {', '.join(DTYPES)}")
         if not 0 <= cfg.outliers < 0.5:
             raise ConfigError(f"{self.name}: outliers={cfg.outliers} must be a fraction in [0, 0.5)")
+        if cfg.outlier_rule not in RULES:
+            raise ConfigError(f"{self.name}: outlier_rule {cfg.outlier_rule!r} unknown; valid: {', '.join(RULES)}")
         if cfg.sinks < 0 or cfg.window < 0 or cfg.calibration_drop_first < 0:
             raise ConfigError(f"{self.name}: sinks, window and calibration_drop_first must be >= 0")
         if not 0 < cfg.train_fraction <= 1:
@@ -115,7 +119,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
                         raise ConfigError(f"{self.name} at {cfg.bits} bits: {problem}")
 
     def build(self) -> None:
-        self.outlier_selector = OutlierSelector(self.config.outliers)
+        self.outlier_selector = OutlierSelector(self.config.outliers, self.config.outlier_rule)
         self.chosen: dict[tuple[int, str], str] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.stats: dict[tuple[int, str], ChannelStats] = {}  # built once from the loaded state
@@ -151,16 +155,20 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
 
     def calibration_key(self) -> dict:
         """Outliers change the codebooks only when they are clamped or left out of k-means (KVQuant also
-        switches normalisation with them); otherwise codecs with and without outliers share a fit."""
+        switches normalisation with them); otherwise codecs with and without outliers share a fit. The
+        outlier rule counts only then, and only when not the default (artifacts fitted before it keep their keys)."""
+        cfg = self.config
         key = super().calibration_key()
-        if not (self.config.clamp_outliers or self.config.exclude_outliers_from_kmeans or self.outliers_change_schemes):
+        if not (cfg.clamp_outliers or cfg.exclude_outliers_from_kmeans or self.outliers_change_schemes):
             key.pop("outliers")
+        if "outliers" not in key or cfg.outliers == 0 or cfg.outlier_rule == TOKEN_TOPK:
+            key.pop("outlier_rule")
         return key
 
-    def _encode_with(self, scheme, x, stats, codebooks, outliers: bool = True, backend: str = "torch") -> dict:
+    def _encode_with(self, scheme, kind, x, stats, codebooks, outliers: bool = True, backend: str = "torch") -> dict:
         stored: dict[str, torch.Tensor] = {}
         if outliers and self.config.outliers > 0:
-            stored.update(self.outlier_selector.select(x, stats))
+            stored.update(self.outlier_selector.select(x, stats, kind))
             if self.config.clamp_outliers:
                 x = self._clamped(x, stats, stored)
         z, _, params = scheme.normalizer.normalize(x, stats)
@@ -184,7 +192,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         x, kind, layer_idx = request.tokens, request.kind, request.layer
         stats = self._stats(layer_idx, kind, x.device)
         codebooks = self._codebooks(layer_idx, kind, x.device)
-        stored = self._encode_with(self.scheme(kind, layer_idx), x, stats, codebooks, backend=request.kernel_backend)
+        stored = self._encode_with(self.scheme(kind, layer_idx), kind, x, stats, codebooks, backend=request.kernel_backend)
         return Payload(stored, num_tokens=x.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
@@ -232,13 +240,13 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         cfg = self.config
         return KMeansSettings(iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, seed=cfg.kmeans_seed)
 
-    def _fit_codebooks(self, scheme: Scheme, x: torch.Tensor, grad2: torch.Tensor | None,
+    def _fit_codebooks(self, scheme: Scheme, kind: str, x: torch.Tensor, grad2: torch.Tensor | None,
                        stats: ChannelStats) -> tuple[torch.Tensor, int]:
-        """Fisher-weighted k-means codebooks ``[H, G, k, dim]`` of one stream from ``x, grad2 [S, H, T, D]``
+        """Fisher-weighted k-means codebooks ``[H, G, k, dim]`` of one ``kind`` stream from ``x, grad2 [S, H, T, D]``
         (``grad2`` None: ``fisher`` off), and the iterations k-means ran."""
         keep = torch.ones_like(x, dtype=torch.bool)
         if self.config.outliers > 0:
-            selected = self.outlier_selector.select(x, stats)
+            selected = self.outlier_selector.select(x, stats, kind)
             mask = self.outlier_selector.mask(x, selected)
             if self.config.clamp_outliers:
                 x = self._clamped(x, stats, selected)
@@ -259,10 +267,10 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         )
         return centroids.view(h, g, scheme.num_centroids, dim).to(DTYPES[self.config.codebook_dtype]), iters
 
-    def _heldout_mse(self, scheme, codebooks, x, grad2, stats) -> float:
+    def _heldout_mse(self, scheme, kind, codebooks, x, grad2, stats) -> float:
         """Fisher-weighted reconstruction error ``mean(g^2 (x - x_hat)^2)`` in raw space, without outlier
         patching (as [REF]), so that the hybrid choice does not depend on the outlier setting."""
-        x_hat = self._decode_with(scheme, self._encode_with(scheme, x, stats, codebooks, outliers=False), stats, codebooks)
+        x_hat = self._decode_with(scheme, self._encode_with(scheme, kind, x, stats, codebooks, outliers=False), stats, codebooks)
         return float((grad2 * (x.float() - x_hat).square()).mean())
 
     def choose_schemes(self, layer_idx: int, errors: dict[str, dict[str, float]]) -> dict[str, str]:
@@ -303,11 +311,11 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
                 held_x, held_g = (x[train:], None if grad2 is None else grad2[train:]) if train < samples else (x, grad2)
                 candidates = self.schemes(kind, layer)
                 for name, scheme in candidates.items():
-                    codebooks, iters = self._fit_codebooks(scheme, x[:train], None if grad2 is None else grad2[:train], stats)
+                    codebooks, iters = self._fit_codebooks(scheme, kind, x[:train], None if grad2 is None else grad2[:train], stats)
                     iterations.append(iters)
                     fitted[(kind, name)] = codebooks
                     if len(candidates) > 1:
-                        mse = self._heldout_mse(scheme, codebooks, held_x, held_g, stats)
+                        mse = self._heldout_mse(scheme, kind, codebooks, held_x, held_g, stats)
                         errors.setdefault(kind, {})[name] = mse
                         tensors[f"layer{layer}.{kind}.mse.{name}"] = torch.tensor([mse])
                 bar.update(1)

@@ -10,7 +10,9 @@ per value; [REF] stores one int8 per value but counts ``bits``).
 - Values: online per-token normalisation over all KV heads x channels of the layer (mean and std,
   both stored in 16 bits per token); with outliers, half the token's quantile range (stored) around the
   offline channel means. These per-token parameters are counted in the exact bits.
-- Outliers are left out of k-means by default ([REF] does so for KVQuant only).
+- Outliers are left out of k-means by default ([REF] does so for KVQuant only). Which entries are
+  outliers: ``outlier_rule`` (``reference``: the KVQuant reference's per-channel key thresholds and
+  per-token value quantiles; :mod:`kvcomp.stages.outliers`).
 """
 
 from dataclasses import dataclass
