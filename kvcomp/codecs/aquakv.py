@@ -120,6 +120,7 @@ class AquaKVConfig(HiggsConfig):
 class AquaKVCodec(Codec, Calibrated):
     name = "aquakv"
     config_class = AquaKVConfig
+    quiet_defaults = {**Codec.quiet_defaults, "center": "none", "damping_basis": "uncentred"}
     scope = "layer"
     inference_only_fields = ("sinks", "buffer")
 

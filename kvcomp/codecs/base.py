@@ -417,6 +417,9 @@ class Codec(ABC):
     config_class: ClassVar[type[CodecConfig]]
     scope: ClassVar[str] = "stream"  # see SCOPES and the module docstring
     payload_layout: ClassVar[str] = "tokens"  # see PAYLOAD_LAYOUTS
+    # fields added after rows and artifacts were committed: named (describe) and keyed (calibration_key) only when
+    # they differ from these values, so that what was made before keeps its description and artifact key
+    quiet_defaults: ClassVar[dict] = {"compress_sliding": False}
 
     def __init__(self, config: CodecConfig, model: ModelInfo):
         self.config = config
@@ -507,8 +510,12 @@ class Codec(ABC):
         """Facts learned at calibration worth reporting beside the results (e.g. hybrid layer choices)."""
         return {}
 
+    def quiet(self, field: str, value) -> bool:
+        """Whether ``field`` is left out of descriptions and calibration keys (:attr:`quiet_defaults`)."""
+        return field in self.quiet_defaults and self.quiet_defaults[field] == value
+
     def describe(self) -> str:
-        shown = {k: v for k, v in asdict(self.config).items() if k != "name" and (k != "compress_sliding" or v)}
+        shown = {k: v for k, v in asdict(self.config).items() if k != "name" and not self.quiet(k, v)}
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
 
@@ -542,10 +549,10 @@ class Calibrated(ABC):
         self.calibrated_with = state.checksum()
 
     def calibration_key(self) -> dict:
-        """The config fields a fitted state depends on (an artifact is reused only when they match;
-        ``compress_sliding`` only when set, so artifacts of models without sliding layers keep their keys)."""
+        """The config fields a fitted state depends on (an artifact is reused only when they match; the codec's
+        :attr:`~Codec.quiet_defaults` only when set otherwise, so earlier artifacts keep their keys)."""
         return {k: v for k, v in asdict(self.config).items()
-                if k not in self.inference_only_fields and (k != "compress_sliding" or v)}
+                if k not in self.inference_only_fields and not self.quiet(k, v)}
 
 
 class Stateful(ABC):

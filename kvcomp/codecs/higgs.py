@@ -114,6 +114,7 @@ class HiggsCodec(Codec, Calibrated):
     name = "higgs"
     config_class = HiggsConfig
     inference_only_fields = ("sinks", "buffer")
+    quiet_defaults = {**Codec.quiet_defaults, "center": "none"}
 
     @property
     def needs_calibration(self) -> bool:

@@ -113,6 +113,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
     config_class = KVTCConfig
     scope = "model"
     payload_layout = "blocks"
+    quiet_defaults = {**Codec.quiet_defaults, "deflate_scope": "block"}
     inference_only_fields = ("cr", "cr_key", "cr_value", "quantization", "sinks", "sink_dtype", "window", "every",
                              "deflate_level", "deflate_scope")
 
