@@ -6,13 +6,16 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from kvcomp.cache import CompressedCache
+from kvcomp.cache import CompressedCache, install
+from kvcomp.cache.offload import restore, store
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.codecs import build_codec
+from kvcomp.codecs.base import Request
 from kvcomp.errors import ConfigError
 from kvcomp.stages.ridge import RidgeFit
+from kvcomp.stages.rope import apply_rope
 from tests.codec_matrix import CALIBRATION, calibration_windows
-from tests.conftest import TINY, _tiny, info_of
+from tests.conftest import TINY, _tiny, info_of, reads_taken
 
 
 @pytest.fixture(autouse=True)
@@ -125,3 +128,75 @@ def test_aquakv_bias_center_applies_to_layer_zero_only(offset_qwen):
     assert sorted(codec.offsets.vectors) == [(0, "key"), (0, "value")]  # later layers: the predictors' intercepts
     bias = offset_qwen.model.layers[0].self_attn.v_proj.bias.view(2, 16)
     torch.testing.assert_close(codec.offsets.vectors[(0, "value")], bias)
+
+
+# QJL on post-RoPE keys: the offset is rotated to each token's position (8-token blocks, no outlier split)
+QJL = {"name": "qjl", "sketch_dim": 64, "initial_layers": 0, "outlier_channels": 0, "group_size": 8, "key_buffer": 8,
+       "value_group_size": 8, "value_window": 4}
+
+
+def test_qjl_center_keeps_the_deviation_of_offset_keys(offset_qwen):
+    plain = _key_error(offset_qwen, build_codec(QJL, info_of(offset_qwen)))
+    errors = {center: _key_error(offset_qwen, _fitted(offset_qwen, {**QJL, "center": center}))
+              for center in ("calibration", "bias")}
+    assert all(e < 0.1 * plain for e in errors.values()), (plain, errors)
+
+
+@torch.no_grad()
+def test_qjl_center_rotates_the_offset_to_each_position(offset_qwen):
+    """The cached keys are ``R_p c + k_hat(k - R_p c)``, ``R_p`` the RoPE rotation of the token's own position (a
+    second forward continues from position 40), with ``c`` the k_proj bias (layer 0: its keys do not depend on
+    the compressed cache)."""
+    codec = _fitted(offset_qwen, {**QJL, "center": "bias"})
+    info, layer = info_of(offset_qwen), 0
+    plain, cache = DynamicCache(config=offset_qwen.config), CompressedCache(codec, "simulated")
+    for part in (IDS, IDS[:, :16]):
+        offset_qwen(part, past_key_values=plain)
+        offset_qwen(part, past_key_values=cache)
+    stream = cache.layers[layer].key_stream
+    assert stream.num_encoded == 56
+    exact = plain.layers[layer].keys[:, :, :56]
+    positions = torch.arange(56)[None].expand(2, -1)
+    cos, sin = offset_qwen.model.rotary_emb(exact, positions)
+    bias = offset_qwen.model.layers[layer].self_attn.k_proj.bias.view(info.num_kv_heads, info.head_dim)
+    rotated = apply_rope(bias[None, :, None].expand(2, -1, 56, -1), cos, sin)
+    request = Request(layer=layer, kind="key", tokens=exact - rotated, dtype=torch.float32)
+    expected = rotated + codec.decode(codec.encode(request), request)
+    torch.testing.assert_close(stream.materialize()[:, :, :56], expected, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_qjl_centred_keys_take_the_reference_path_under_triton(offset_qwen):
+    """No kernel adds ``<q, R_p c>``: with kernel_backend=triton a centred QJL's decode steps read decoded keys,
+    and generate the same tokens' logits as the torch path."""
+    pytest.importorskip("triton")
+    codec = _fitted(offset_qwen, {**QJL, "center": "calibration"})
+
+    def generate():
+        out = offset_qwen.generate(IDS[:, :20], max_new_tokens=6, do_sample=False, past_key_values=CompressedCache(
+            codec, "exact_prefill"), pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        return torch.stack(out.logits, dim=1)
+
+    reference = generate()
+    install(offset_qwen, kernel_backend="triton")
+    try:
+        with reads_taken() as taken:
+            triton = generate()
+    finally:
+        install(offset_qwen, kernel_backend="torch")
+    assert {read for _, read in taken} == {"tuple"}
+    torch.testing.assert_close(triton, reference)
+
+
+@torch.no_grad()
+def test_a_centred_qjl_cache_is_stored_with_its_positions(offset_qwen):
+    """A restored centred cache rotates the offset to the stored positions: the next turn's logits are those of
+    the cache that was never stored."""
+    codec = _fitted(offset_qwen, {**QJL, "center": "calibration"})
+    cache = CompressedCache(codec, "exact_prefill")
+    offset_qwen(IDS[:, :30], past_key_values=cache)
+    stored = store(cache)
+    assert stored.tensors["layer0.position_ids"].shape == (2, 30)
+    restored = restore(stored, codec)
+    expected = offset_qwen(IDS[:, 30:], past_key_values=cache).logits
+    torch.testing.assert_close(offset_qwen(IDS[:, 30:], past_key_values=restored).logits, expected, rtol=0, atol=0)

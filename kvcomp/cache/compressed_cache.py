@@ -147,7 +147,7 @@ class CompressedLayer(StepLayer):
         """One row group's forward: store its K/V and return what its attention reads."""
         batch, n = key_states.shape[0], key_states.shape[2]
         key_stream, value_stream = part.streams
-        if self.codec.pre_rope:
+        if key_stream.rotates:
             part.positions.record(step, batch, n, f"codec {self.codec.name} (layer {self.layer_idx})")
         fused = self.fused_decode(part, step) if n == 1 else None
         key_view = KVStream.segments if fused in ("attention", "scores") else KVStream.parts
@@ -184,12 +184,12 @@ class CompressedLayer(StepLayer):
         format): the codec's kernel scores the key payload (:class:`~kvcomp.codecs.base.PayloadScores`),
         values are decoded; ``"values"`` (any backend, :class:`~kvcomp.codecs.base.PayloadValues`): keys are
         decoded, the codec weights the value payload; ``None``: the torch
-        path (also without kvcomp's attention, ``step`` None)."""
+        path (also without kvcomp's attention, ``step`` None; and keys with a rotated offset, which no kernel adds)."""
         if step is None:
             return None
         if values_from_payload(self.codec):
             return "values"
-        if step.kernel_backend != "triton":
+        if step.kernel_backend != "triton" or part.streams[0].offset is not None:
             return None
         if (not self.codec.pre_rope or part.positions.recomputed) and reads_fused(self.codec, self.layer_idx):
             return "attention"

@@ -1,4 +1,4 @@
-"""RoPE bookkeeping of one cache layer (pre-RoPE codecs): where its cached tokens sit."""
+"""RoPE bookkeeping of one cache layer (pre-RoPE codecs, rotated key offsets): where its cached tokens sit."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvcomp.kernels.payloads import RotaryPositions
 class Positions:
     """The position id of every cached token ``[B, L]`` and, only when their angles cannot be recomputed from
     those ids, their cos/sin ``[B, L, D]``: a pre-RoPE codec's keys are un-rotated before encoding and
-    re-rotated when decoded with the angles of their own positions.
+    re-rotated when decoded with the angles of their own positions (a post-RoPE codec's key offset is rotated to them).
 
     The angles are recomputed (:attr:`recomputed`) when the model's RoPE has fixed frequencies
     (:class:`~kvcomp.cache.step.Rotary`) and every forward gave position ids; otherwise the cos/sin the model
@@ -32,7 +32,8 @@ class Positions:
     def record(self, step: LayerStep | None, batch: int, count: int, where: str) -> None:
         """Keep the positions of a forward's ``count`` new tokens, from its :class:`LayerStep`."""
         if step is None or step.rope is None:
-            raise ConfigError(f"{where} needs pre-RoPE keys, but received no position embeddings: "
+            raise ConfigError(f"{where} needs its keys' RoPE angles (pre-RoPE keys or a rotated key offset), but received "
+                              "no position embeddings: "
                               "call kvcomp.cache.install(model) before using the cache")
         self.rotary = step.rotary
         cos, sin = (t.expand(batch, count, -1) for t in step.rope)

@@ -9,6 +9,7 @@ import torch
 
 from kvcomp.cache.growing import GrowingTensor
 from kvcomp.codecs.base import Codec, Payload, SequenceState
+from kvcomp.stages.ranges import saturated
 from kvcomp.stages.rope import apply_rope, undo_rope
 
 
@@ -129,8 +130,10 @@ class KVStream:
     ``capacity`` tokens allocate no storage (:mod:`kvcomp.cache.growing`); 0: buffers grow as needed.
 
     ``rope(first, count)`` returns the layer's cos/sin of cached tokens ``first .. first + count - 1``
-    (pre-RoPE keys only): blocks are un-rotated before encoding and re-rotated when decoded, with the
-    positions' own angles. ``decoder(block)`` decodes one block (un-rotated), as the layer's
+    (pre-RoPE keys, and keys with a :meth:`~kvcomp.codecs.base.Codec.rotated_key_offset`): pre-RoPE blocks are
+    un-rotated before encoding and re-rotated when decoded, with the positions' own angles; a post-RoPE codec's
+    offset ``c`` is rotated to each token's position, ``R_p c``, subtracted before encoding and added back after
+    decoding (:attr:`offset`). ``decoder(block)`` decodes one block (un-rotated), as the layer's
     :class:`~kvcomp.cache.scopes.Schedule` does; the schedule also encodes (:meth:`take`, :meth:`add_block`).
 
     Left padding is never held: the cache gives rows padded alike their own streams (:mod:`kvcomp.cache.rows`).
@@ -143,6 +146,7 @@ class KVStream:
         self.decoder = decoder
         self.policy = codec.policy(kind, layer_idx)
         self.pre_rope = codec.pre_rope and kind == "key"
+        self.offset = codec.rotated_key_offset(layer_idx) if kind == "key" and not self.pre_rope else None
         self.sinks: torch.Tensor | None = None
         self.store = PayloadStore(codec.payload_layout, capacity)
         self.state: SequenceState | None = None  # per-sequence codec state of a stream-scope unit (kvcomp.cache.scopes)
@@ -218,20 +222,39 @@ class KVStream:
         to_sinks = max(0, min(n, self.policy.sinks - self.num_sinks))
         return self._encodable(self.num_tail + n - to_sinks) > 0
 
+    @property
+    def rotates(self) -> bool:
+        """Whether the stream needs its tokens' RoPE angles (``rope``)."""
+        return self.pre_rope or self.offset is not None
+
+    def _rotated_offset(self, first: int, count: int, like: torch.Tensor) -> torch.Tensor:
+        """``R_p c`` of cached tokens ``first .. first + count - 1``, float32 ``[B, H, count, D]``."""
+        if self.offset.device != like.device:
+            self.offset = self.offset.to(like.device)
+        c = self.offset.float()[None, :, None, :].expand(like.shape[0], -1, count, -1)
+        return apply_rope(c, *self.rope(first, count))
+
+    def _to_encode(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        """Tokens from cache index ``first`` as the codec encodes them: un-rotated (pre-RoPE keys) or less their
+        rotated offset."""
+        if self.pre_rope:
+            return undo_rope(x, *self.rope(first, x.shape[2]))
+        if self.offset is not None:
+            return saturated(x.float() - self._rotated_offset(first, x.shape[2], x), x.dtype)
+        return x
+
     def held(self) -> torch.Tensor:
         """Every full-precision token held (sinks, tail) before the first encode, keys un-rotated: what a
         stateful codec's :meth:`~kvcomp.codecs.base.Codec.init_state` sees (e.g. the prompt)."""
-        x = torch.cat([t for t in (self.sinks, self.tail) if t is not None], dim=2)
-        return undo_rope(x, *self.rope(0, x.shape[2])) if self.pre_rope else x
+        return self._to_encode(torch.cat([t for t in (self.sinks, self.tail) if t is not None], dim=2), 0)
 
     def take(self, count: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Remove the ``count`` oldest tail tokens: ``(first cache index, tokens as stored, tokens to encode)``
-        (the latter un-rotated for pre-RoPE keys)."""
+        (:meth:`_to_encode`)."""
         chunk = self.tail[:, :, :count]  # stays valid until the tail's next append (kvcomp.cache.growing)
         self.tail_buffer.drop_front(count)
         first = self.num_sinks + self.num_encoded
-        to_encode = undo_rope(chunk, *self.rope(first, count)) if self.pre_rope else chunk
-        return first, chunk, to_encode
+        return first, chunk, self._to_encode(chunk, first)
 
     def add_block(self, block: Block, chunk: torch.Tensor) -> FreshlyEncoded:
         """Record an encoded block (its payload already stored) that replaces ``chunk``."""
@@ -245,7 +268,11 @@ class KVStream:
 
     def _decode(self, block: Block) -> torch.Tensor:
         decoded = self.decoder(block)
-        return apply_rope(decoded, *self.rope(block.first, block.count)) if self.pre_rope else decoded
+        if self.pre_rope:
+            return apply_rope(decoded, *self.rope(block.first, block.count))
+        if self.offset is not None:
+            return saturated(decoded.float() + self._rotated_offset(block.first, block.count, decoded), decoded.dtype)
+        return decoded
 
     def decoded_blocks(self) -> torch.Tensor | None:
         """The encoded blocks decoded (keys re-rotated for pre-RoPE codecs); decodes only blocks not decoded

@@ -441,6 +441,12 @@ class Codec(ABC):
         """Whether keys reach :meth:`encode` un-rotated (the cache re-rotates decoded keys)."""
         return bool(getattr(self.config, "pre_rope", False))
 
+    def rotated_key_offset(self, layer_idx: int) -> torch.Tensor | None:
+        """A pre-RoPE offset ``c [kv_heads, head_dim]`` the cache takes out of this post-RoPE codec's keys of layer
+        ``layer_idx`` (option ``center``): it encodes ``k - R_p c`` and adds ``R_p c`` back to decoded keys, ``R_p``
+        the RoPE rotation of the token's position (:class:`~kvcomp.cache.stream.KVStream`); None: nothing."""
+        return None
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` for settings this codec cannot do on this model; sets nothing (what the
         codec works with is made by :meth:`build`, after it)."""

@@ -17,6 +17,13 @@ outlier term, spec §2.4) from the packed bits, with the Triton kernel when ``ha
 reconstruction whose inner product with any query *is* the estimator, so the reference attention path
 (decode + SDPA) computes the same logits.
 
+``center`` (a deviation from the paper, default ``none``): keys sketched as ``k - R_p c``, with ``c`` one
+pre-RoPE vector per layer (the calibration mean of the pre-RoPE keys, or the model's k_proj bias:
+:mod:`kvcomp.stages.centering`) rotated to the token's position ``p``; the cache subtracts it before encoding
+and adds it back to decoded keys (:meth:`~kvcomp.codecs.base.Codec.rotated_key_offset`), so the logits are
+``<q, k_hat(k - R_p c)> + <q, R_p c>``: the sketch's error scales with the deviation's norm, not the offset's.
+Centred keys are read by the reference path (decode + attention), not by the score or fused kernels.
+
 Differences from the authors' code: the inlier norm is stored directly (they store ``||k||`` and recover
 ``||k_in|| = sqrt(||k||^2 - ||k_out||^2)``; same 16 bits, no cancellation); ``row_norm: chi`` and
 ``projection: gaussian`` are options. Prefill: the authors attend exactly during prefill; here that is the
@@ -31,12 +38,14 @@ from functools import cached_property
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, PayloadScores, Request, StreamPolicy
+from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
+                                PayloadScores, Request, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels.payloads import SketchedKeys, SketchReader, UniformReader, reconstruct_keys
 from kvcomp.kernels.qjl_scores import qjl_scores
+from kvcomp.stages.centering import CENTERS, Offsets, channel_mean, model_bias
 from kvcomp.stages.jl_sketch import (
     PROJECTIONS,
     ROW_NORMS,
@@ -68,6 +77,7 @@ class QJLConfig(CodecConfig):
     seed: int = 42
     norm_dtype: str = "float16"  # storage of the two key norms
     param_dtype: str = "float16"  # storage of the value scales and zero-points
+    center: str = "none"  # none (paper) | calibration | bias: take a rotated per-layer key offset out first (not the paper's)
 
 
 @dataclass
@@ -88,9 +98,16 @@ class LayerSketch:
 
 
 @register
-class QJLCodec(Codec, FusedPayload, PayloadScores):
+class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
+    """QJL keys and KIVI values (stream scope; calibrated only with ``center``)."""
+
     name = "qjl"
     config_class = QJLConfig
+    quiet_defaults = {**Codec.quiet_defaults, "center": "none"}
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.config.center != "none"
 
     def validate(self) -> None:
         cfg, d = self.config, self.model.head_dim
@@ -108,6 +125,10 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
                 f"qjl: key_buffer={cfg.key_buffer} must be a positive multiple of group_size={cfg.group_size} "
                 "(outlier channels are chosen per whole group of tokens)"
             )
+        if cfg.center not in CENTERS:
+            raise unknown_choice("qjl center", cfg.center, CENTERS)
+        if cfg.center != "none" and not self.model.has_rope:
+            raise ConfigError(f"qjl: center={cfg.center} rotates the offset with RoPE, and model {self.model.name} has none")
         if cfg.value_window < 0 or not 0 <= cfg.initial_layers:
             raise ConfigError(f"qjl: value_window and initial_layers must be >= 0, got {cfg.value_window}, {cfg.initial_layers}")
         for prefix in ("", "initial_"):
@@ -123,6 +144,21 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
 
     def build(self) -> None:
         self.value_quantizer = self._value_quantizer()
+        self.offsets = Offsets()
+
+    def fit(self, activations: Activations) -> CodecState:
+        """The pre-RoPE key offset of every layer (``center``: calibration mean or k_proj bias)."""
+        vectors = {}
+        for layer in range(self.model.num_layers):
+            vectors[(layer, "key")] = (channel_mean(activations.layer(layer)["key"]) if self.config.center == "calibration"
+                                       else model_bias(activations.biases, layer, "key", self.name))
+        return CodecState(Offsets(vectors).tensors())
+
+    def load_state(self, state: CodecState) -> None:
+        self.offsets = Offsets.from_tensors(state.tensors)
+
+    def rotated_key_offset(self, layer_idx: int) -> torch.Tensor | None:
+        return self.offsets.vectors.get((layer_idx, "key"))
 
     def _value_quantizer(self) -> GroupQuantizer:
         cfg = self.config
@@ -231,5 +267,6 @@ class QJLCodec(Codec, FusedPayload, PayloadScores):
         return self.key_bits_per_token(layer_idx) / self.model.head_dim
 
     def overhead_bits(self) -> int:
-        """The float32 projections of the layer classes in use (regenerable from the seed, but held in memory)."""
-        return sum(32 * sketch.projection.numel() for sketch in self._sketches.values())
+        """The float32 projections of the layer classes in use (regenerable from the seed, but held in memory) and
+        the key offsets."""
+        return sum(32 * sketch.projection.numel() for sketch in self._sketches.values()) + self.offsets.bits
