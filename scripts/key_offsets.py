@@ -1,5 +1,6 @@
 """How far each layer's pre-RoPE keys sit from zero: per layer, the norm of the keys' mean over tokens
-(the constant offset, e.g. from k_proj biases) divided by the mean norm of their deviation from it.
+(the constant offset, e.g. from k_proj biases) divided by the mean norm of their deviation from it; the median
+and maximum over layers, then every layer's ratio in layer order.
 
     python scripts/key_offsets.py --model smollm2_135m qwen25_coder_05b [--tokens 256]
 
@@ -31,6 +32,8 @@ if __name__ == "__main__":
                  for layer in model.model.layers]
         with torch.no_grad():
             model(ids)
-        ratios = sorted((k.mean(0).norm() / (k - k.mean(0)).norm(dim=-1).mean()).item() for k in keys)
+        by_layer = [(k.mean(0).norm() / (k - k.mean(0)).norm(dim=-1).mean()).item() for k in keys]
+        ratios = sorted(by_layer)
         print(f"{key}: offset / deviation norm over {len(ratios)} layers: median {ratios[len(ratios) // 2]:.2f}, "
               f"max {ratios[-1]:.2f}")
+        print(f"  by layer: {' '.join(f'{r:.1f}' for r in by_layer)}")
