@@ -50,6 +50,9 @@ MATRIX = {
                    "every": 4, "calibration_drop_first": 2}, fitted=True, error=0.5),
     "csr": Entry({"name": "csr", "sparsity": 4, "atoms": 32, "online_atoms": 8, "guard_fraction": 0.5, "epochs": 2,
                   "batch_size": 256, "kmeans_iters": 5, "merged_groups": "auto"}, fitted=True, error=0.5),
+    "fp8": Entry({"name": "fp8", "tensor_scale": "calibrated"}, fitted=True, error=0.1),
+    "int_token_head": Entry({"name": "int_token_head", "bits": 4}, error=0.3),
+    "nvfp4": Entry({"name": "nvfp4", "global_scale": "calibrated"}, fitted=True, error=0.3),
 }
 
 

@@ -27,8 +27,10 @@ CASES = {  # cache dtype, magnitude of the K/V fed to every layer
 # coefficients, shifts and scales in float16, which none of these inputs fit.
 REFUSED = {name: ("bf16-3.3e38",) for name in ("uniform", "kivi", "qjl", "kvquant", "higgs", "aquakv", "csr")}
 REFUSED["kvtc"] = tuple(CASES)
-# fitted on the model's K/V (codebooks, AQUA-KV's predictors), far beyond them: finite, no closer than the input's size
-FITTED_TO_THE_MODEL = ("temporalkv", "channelkv", "kvquant", "aquakv")
+REFUSED["int_token_head"] = ("bf16-3.3e38",)  # int4's unnormalised Hadamard rotation overflows float32
+# fitted on the model's K/V (codebooks, AQUA-KV's predictors, fp8's and NVFP4's calibrated per-tensor scales, at
+# which they saturate), far beyond them: finite, no closer than the input's size
+FITTED_TO_THE_MODEL = ("temporalkv", "channelkv", "kvquant", "aquakv", "fp8", "nvfp4")
 
 
 @pytest.fixture(autouse=True)
