@@ -80,7 +80,8 @@ def test_keys_are_scaled_per_channel_and_values_per_token_tile_by_tile():
     x = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(1))
     key, value = _encode(codec, "key", x).tensors, _encode(codec, "value", x).tensors
     assert key["chan_scale"].shape == key["chan_zero"].shape == (2, 2, 2, 16) and key["token_scale"].shape == (2, 2, 16)
-    assert value["token_scale"].shape == value["token_zero"].shape == (2, 2, 16) and value["chan_scale"].shape == (2, 2, 2, 16)
+    assert value["token_scale"].shape == value["token_zero"].shape == (2, 2, 16)
+    assert value["chan_scale"].shape == (2, 2, 2, 16)
     for kind in ("key", "value"):  # each tile is normalised and quantized on its own
         whole = _encode(codec, kind, x)
         halves = [_encode(codec, kind, x[:, :, i:i + 8]) for i in (0, 8)]

@@ -74,9 +74,11 @@ class KVarNCodec(Codec):
             if not isinstance(bits, int) or not 1 <= bits <= 8:
                 raise ConfigError(f"{self.name}: {field}={bits!r} is not supported; choose an integer in 1..8")
         if cfg.tile < 2:
-            raise ConfigError(f"{self.name}: tile={cfg.tile} must be >= 2 tokens (the normalisation takes stds over it)")
+            raise ConfigError(f"{self.name}: tile={cfg.tile} must be >= 2 tokens (the normalisation takes stds "
+                              "over it)")
         if cfg.sinkhorn_iters < 0 or cfg.sinks < 0:
-            raise ConfigError(f"{self.name}: sinkhorn_iters and sinks must be >= 0, got {cfg.sinkhorn_iters} and {cfg.sinks}")
+            raise ConfigError(f"{self.name}: sinkhorn_iters and sinks must be >= 0, got {cfg.sinkhorn_iters} "
+                              f"and {cfg.sinks}")
         if cfg.param_dtype not in PARAM_DTYPES:
             raise unknown_choice(f"{self.name} param_dtype", cfg.param_dtype, PARAM_DTYPES)
         if d < 2 or not is_power_of_two(d):
@@ -92,7 +94,7 @@ class KVarNCodec(Codec):
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         d, g = self.model.head_dim, self.config.tile
         p = torch.finfo(PARAM_DTYPES[self.config.param_dtype]).bits
-        per_tile = 2 * d + g if kind == "key" else d + 2 * g  # keys: a, c per channel, u per token; values: the converse
+        per_tile = 2 * d + g if kind == "key" else d + 2 * g  # keys: a, c per channel, u per token; values: converse
         return 8 * packed_length(d, self.bits(kind)) / d + p * per_tile / (d * g)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,8 @@ class KVarNCodec(Codec):
                                    f"(largest input magnitude {request.tokens.abs().max().item():.3g})")
         tiles = rotated.view(b, h, t // g, g, d)
         keys = request.kind == "key"
-        balanced, s_col, s_row = variance_normalize(tiles.transpose(-1, -2) if keys else tiles, self.config.sinkhorn_iters)
+        balanced, s_col, s_row = variance_normalize(tiles.transpose(-1, -2) if keys else tiles,
+                                                    self.config.sinkhorn_iters)
         lo, hi = balanced.amin(-1, keepdim=True), balanced.amax(-1, keepdim=True)  # per row
         levels = (1 << bits) - 1
         step = ((hi - lo) / levels).clamp_min(MIN_STEP)

@@ -35,8 +35,8 @@ def _log_scale(log_s: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
 
 
 def variance_normalize(m: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(balanced, s_col, s_row)`` of tiles ``m [..., R, C]`` (``R, C >= 2``): float32 ``balanced = m / s_col / s_row``,
-    ``s_col [..., 1, C]`` and ``s_row [..., R, 1]`` (see the module docstring)."""
+    """``(balanced, s_col, s_row)`` of tiles ``m [..., R, C]`` (``R, C >= 2``): float32
+    ``balanced = m / s_col / s_row``, ``s_col [..., 1, C]`` and ``s_row [..., R, 1]`` (see the module docstring)."""
     m = m.float()
     log_col = m.new_zeros(*m.shape[:-2], 1, m.shape[-1])
     log_row = m.new_zeros(*m.shape[:-1], 1)
