@@ -42,16 +42,22 @@ def test_sinkhorn_first_round_is_the_references_recurrence():
     torch.testing.assert_close(s_row, log_row.exp())
 
 
-def test_sinkhorn_never_amplifies_beyond_its_clip_and_keeps_the_best_round():
+def test_sinkhorn_never_scales_up_beyond_its_clip():
     small = 0.01 * torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(2))
     _, s_col, s_row = variance_normalize(small, 16)
     floor = math.exp(LOG_SCALE_CLIP[0])  # scales >= exp(-0.3): a tiny tile is barely scaled up
     assert torch.allclose(s_col, torch.full_like(s_col, floor)) and torch.allclose(s_row, torch.full_like(s_row, floor))
-    tiles = torch.stack([_tile(s, 16, 8) for s in range(3)])
+
+
+def test_sinkhorn_keeps_the_round_of_lowest_imbalance():
+    g = torch.Generator().manual_seed(0)  # small tiles of wild scales, where later rounds can be worse than earlier ones
+    tiles = (torch.randn(2000, 4, 3, generator=g) * torch.exp(3 * torch.randn(2000, 4, 1, generator=g))
+             * torch.exp(3 * torch.randn(2000, 1, 3, generator=g)))
     identity, ones_col, ones_row = variance_normalize(tiles, 0)
     assert torch.equal(identity, tiles) and (ones_col == 1).all() and (ones_row == 1).all()
-    for rounds in (1, 4, 16):
-        assert (imbalance(variance_normalize(tiles, rounds)[0]) <= imbalance(tiles)).all()
+    best = imbalance(variance_normalize(tiles, 16)[0])
+    for rounds in range(16):  # the best of rounds 0..16 is no worse than the best of any shorter run
+        assert (best <= imbalance(variance_normalize(tiles, rounds)[0]) * (1 + 1e-5)).all(), rounds
 
 
 def _codec(head_dim=128, **config):
