@@ -53,6 +53,7 @@ MATRIX = {
     "fp8": Entry({"name": "fp8", "tensor_scale": "calibrated"}, fitted=True, error=0.1),
     "int_token_head": Entry({"name": "int_token_head", "bits": 4}, error=0.3),
     "nvfp4": Entry({"name": "nvfp4", "global_scale": "calibrated"}, fitted=True, error=0.3),
+    "kvarn": Entry({"name": "kvarn", "tile": 8, "sinks": 4}, error=0.4),
 }
 
 
