@@ -50,6 +50,8 @@ MATRIX = {
                    "every": 4, "calibration_drop_first": 2}, fitted=True, error=0.5),
     "csr": Entry({"name": "csr", "sparsity": 4, "atoms": 32, "online_atoms": 8, "guard_fraction": 0.5, "epochs": 2,
                   "batch_size": 256, "kmeans_iters": 5, "merged_groups": "auto"}, fitted=True, error=0.5),
+    "turboquant": Entry({"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3}, error=0.6),
+    "eden": Entry({"name": "eden", "key_bits": 2, "value_bits": 2, "scale": "unbiased"}, error=0.5),
 }
 
 
