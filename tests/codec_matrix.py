@@ -54,6 +54,8 @@ MATRIX = {
     "int_token_head": Entry({"name": "int_token_head", "bits": 4}, error=0.3),
     "nvfp4": Entry({"name": "nvfp4", "global_scale": "calibrated"}, fitted=True, error=0.3),
     "kvarn": Entry({"name": "kvarn", "tile": 8, "sinks": 4}, error=0.4),
+    "turboquant": Entry({"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3}, error=0.6),
+    "eden": Entry({"name": "eden", "key_bits": 2, "value_bits": 2, "scale": "unbiased"}, error=0.5),
 }
 
 

@@ -200,3 +200,49 @@ def test_a_centred_qjl_cache_is_stored_with_its_positions(offset_qwen):
     restored = restore(stored, codec)
     expected = offset_qwen(IDS[:, 30:], past_key_values=cache).logits
     torch.testing.assert_close(offset_qwen(IDS[:, 30:], past_key_values=restored).logits, expected, rtol=0, atol=0)
+
+
+# TurboQuant and EDEN: post-RoPE keys centred like QJL's (the offset rotated to each position), values as HIGGS'
+ROTATED = {"turboquant": {"name": "turboquant", "key_bits": 2, "value_bits": 2},
+           "eden": {"name": "eden", "key_bits": 2, "value_bits": 2}}
+
+
+@torch.no_grad()
+def _value_error(model, codec, layer: int = 0) -> float:
+    """:func:`_key_error` for the cached values."""
+    plain = DynamicCache(config=model.config)
+    model(IDS, past_key_values=plain)
+    cache = CompressedCache(codec, "simulated")
+    model(IDS, past_key_values=cache)
+    exact = plain.layers[layer].values
+    spread = (exact - exact.mean(dim=(0, 2), keepdim=True)).square().sum()
+    return float((cache.layers[layer].value_stream.materialize() - exact).square().sum() / spread)
+
+
+@pytest.mark.parametrize("name", list(ROTATED))
+def test_rotated_codecs_center_keeps_the_deviation_of_offset_keys_and_values(offset_qwen, name):
+    config = ROTATED[name]
+    plain = build_codec(config, info_of(offset_qwen))
+    errors = {center: _fitted(offset_qwen, {**config, "center": center}) for center in ("calibration", "bias")}
+    for measure in (_key_error, _value_error):
+        before = measure(offset_qwen, plain)
+        after = {center: measure(offset_qwen, codec) for center, codec in errors.items()}
+        assert all(e < 0.1 * before for e in after.values()), (measure.__name__, before, after)
+
+
+@torch.no_grad()
+def test_turboquant_center_rotates_the_key_offset_to_each_position(offset_qwen):
+    """As QJL's: cached keys are ``R_p c + k_hat(k - R_p c)`` over two forwards (positions 0..55)."""
+    codec = _fitted(offset_qwen, {**ROTATED["turboquant"], "center": "bias"})
+    info, layer = info_of(offset_qwen), 0
+    plain, cache = DynamicCache(config=offset_qwen.config), CompressedCache(codec, "simulated")
+    for part in (IDS, IDS[:, :16]):
+        offset_qwen(part, past_key_values=plain)
+        offset_qwen(part, past_key_values=cache)
+    exact = plain.layers[layer].keys
+    cos, sin = offset_qwen.model.rotary_emb(exact, torch.arange(56)[None].expand(2, -1))
+    bias = offset_qwen.model.layers[layer].self_attn.k_proj.bias.view(info.num_kv_heads, info.head_dim)
+    rotated = apply_rope(bias[None, :, None].expand(2, -1, 56, -1), cos, sin)
+    request = Request(layer=layer, kind="key", tokens=exact - rotated, dtype=torch.float32)
+    expected = rotated + codec.decode(codec.encode(request), request)
+    torch.testing.assert_close(cache.layers[layer].key_stream.materialize(), expected, rtol=1e-5, atol=1e-5)
