@@ -53,6 +53,7 @@ from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.centering import CENTERS, Offsets, channel_mean, model_bias
 from kvcomp.stages.hadamard import is_power_of_two
+from kvcomp.stages.minifloat import FLOAT8, from_float8, to_float8
 from kvcomp.stages.lloyd_max import DENSITIES, ROTATIONS, ProdQuantizer, RotatedScalarQuantizer, Rotation
 from kvcomp.stages.ranges import saturated
 from kvcomp.stages.skip_layers import SKIPPED_BITS, skipped_layers
@@ -62,7 +63,6 @@ VARIANTS = ("mse", "prod")
 VALUE_QUANTIZERS = ("turboquant", "uniform")
 LLOYD_MAX_BITS = range(1, 5)
 FP8_KEY_BITS = 8  # vLLM's "k8": float8 e4m3 keys
-FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
 
 class FP8Keys:
@@ -74,10 +74,10 @@ class FP8Keys:
         self.dim = dim
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"codes": x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)}
+        return {"codes": to_float8(x.float(), FLOAT8["e4m3"])}
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return tensors["codes"].view(torch.float8_e4m3fn).float()
+        return from_float8(tensors["codes"], FLOAT8["e4m3"])
 
     def bits_per_vector(self) -> int:
         return 8 * self.dim
