@@ -50,6 +50,7 @@ MATRIX = {
                    "every": 4, "calibration_drop_first": 2}, fitted=True, error=0.5),
     "csr": Entry({"name": "csr", "sparsity": 4, "atoms": 32, "online_atoms": 8, "guard_fraction": 0.5, "epochs": 2,
                   "batch_size": 256, "kmeans_iters": 5, "merged_groups": "auto"}, fitted=True, error=0.5),
+    "oscar": Entry({"name": "oscar", "sinks": 2, "window": 4, "flush_block": 4}, fitted=True, error=0.5),
 }
 
 
