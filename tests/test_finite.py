@@ -23,8 +23,8 @@ CASES = {  # cache dtype, magnitude of the K/V fed to every layer
     "bf16-3.3e38": (torch.bfloat16, 3.3e38),  # near bfloat16's max, 3.39e38
 }
 # What cannot be stored is refused, naming the layer and the codec: near float32's max (which bfloat16 shares),
-# group ranges (uniform, KIVI, QJL's values), rotated rows (OSCAR) and reconstructions (the others) overflow float32; kvtc stores its PCA
-# coefficients, shifts and scales in float16, which none of these inputs fit.
+# group ranges (uniform, KIVI, QJL's values), rotated rows (OSCAR) and reconstructions (the others) overflow
+# float32; kvtc stores its PCA coefficients, shifts and scales in float16, which none of these inputs fit.
 REFUSED = {name: ("bf16-3.3e38",) for name in ("uniform", "kivi", "qjl", "kvquant", "higgs", "aquakv", "csr", "oscar")}
 REFUSED["kvtc"] = tuple(CASES)
 # fitted on the model's K/V (codebooks, AQUA-KV's predictors), far beyond them: finite, no closer than the input's size

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, Payload, Request, StreamPolicy
+from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, Payload, Request,
+                                StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
@@ -72,8 +73,8 @@ class OscarConfig(CodecConfig):
 
 
 def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
-    """``x [..., d]`` with every row clipped to ``[-τ, τ]``, ``τ`` the row's ``min(floor(ratio d), d - 1)``-th smallest
-    magnitude (0-based, the reference's per-row threshold); ``ratio <= 0``: ``x`` unchanged."""
+    """``x [..., d]`` with every row clipped to ``[-τ, τ]``, ``τ`` the row's ``min(floor(ratio d), d - 1)``-th
+    smallest magnitude (0-based, the reference's per-row threshold); ``ratio <= 0``: ``x`` unchanged."""
     if ratio <= 0:
         return x
     d = x.shape[-1]
@@ -115,7 +116,8 @@ class OscarCodec(Codec, Calibrated):
 
     def build_quantizer(self) -> GroupQuantizer:
         cfg = self.config
-        return GroupQuantizer(cfg.bits, cfg.group_size or self.model.head_dim, "per_token", PARAM_DTYPES[cfg.param_dtype])
+        group = cfg.group_size or self.model.head_dim
+        return GroupQuantizer(cfg.bits, group, "per_token", PARAM_DTYPES[cfg.param_dtype])
 
     def build(self) -> None:
         self.quantizer = self.build_quantizer()
