@@ -31,8 +31,9 @@ Differences from the reference, all documented options or stated here: scale and
 ``param_dtype = float16`` (what the paper's 2.25 / 2.28 bits count; the reference's serving stores float32,
 ``param_dtype=float32``, 2.5 bits at group 128), the zero as the group minimum ``z`` with ``x_hat = q s + z``
 (the reference stores ``-min / s`` and rounds ``x / s + zero + 0.5`` down: the same levels up to ties); the
-reference's optional Lloyd-Max levels (``SGLANG_LLOYD_MAX``) are not implemented; RoPE'd calibration keys are the
-project's calibration windows (the reference dumps about 20-30K tokens of GPQA prompts).
+reference's optional Lloyd-Max levels (``SGLANG_LLOYD_MAX``) are not implemented; the statistics come from the
+project's calibration windows (the reference dumps 10-30K tokens of GPQA prompts); decode steps read decoded K/V
+(no fused kernel reads this payload yet).
 """
 
 from __future__ import annotations
