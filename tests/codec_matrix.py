@@ -56,6 +56,7 @@ MATRIX = {
     "kvarn": Entry({"name": "kvarn", "tile": 8, "sinks": 4}, error=0.4),
     "turboquant": Entry({"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3}, error=0.6),
     "eden": Entry({"name": "eden", "key_bits": 2, "value_bits": 2, "scale": "unbiased"}, error=0.5),
+    "oscar": Entry({"name": "oscar", "sinks": 2, "window": 4, "flush_block": 4}, fitted=True, error=0.5),
 }
 
 

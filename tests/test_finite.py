@@ -23,11 +23,11 @@ CASES = {  # cache dtype, magnitude of the K/V fed to every layer
     "bf16-3.3e38": (torch.bfloat16, 3.3e38),  # near bfloat16's max, 3.39e38
 }
 # What cannot be stored is refused, naming the layer and the codec: near float32's max (which bfloat16 shares),
-# group ranges (uniform, KIVI, QJL's values), KVarN's and int4's Hadamard rotations, TurboQuant's and EDEN's norms
-# and reconstructions (the others) overflow float32; kvtc stores its PCA coefficients, shifts and scales in float16,
-# which none of these inputs fit.
+# group ranges (uniform, KIVI, QJL's values), rotations (KVarN's and int4's Hadamard, OSCAR's fitted one), TurboQuant's
+# and EDEN's norms and reconstructions (the others) overflow float32; kvtc stores its PCA coefficients, shifts and
+# scales in float16, which none of these inputs fit.
 REFUSED = {name: ("bf16-3.3e38",) for name in ("uniform", "kivi", "qjl", "kvquant", "higgs", "aquakv", "csr", "kvarn",
-                                               "int_token_head", "turboquant", "eden")}
+                                               "int_token_head", "turboquant", "eden", "oscar")}
 REFUSED["kvtc"] = tuple(CASES)
 # fitted on the model's K/V (codebooks, AQUA-KV's predictors, fp8's and NVFP4's calibrated per-tensor scales, at
 # which they saturate), far beyond them: finite, no closer than the input's size

@@ -25,6 +25,7 @@ import kvcomp
 from kvcomp.artifacts import file_lock
 from kvcomp.calibration.collect import (RECORD, KVActivations, check_disk, collect_kv, collection_shape, kv_root,
                                        remove_incomplete)
+from kvcomp.calibration.queries import query_moments
 from kvcomp.codecs import Codec, CodecState, needs_calibration
 from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir, cache_relative
@@ -107,7 +108,8 @@ class CalibrationData:
         :attr:`~kvcomp.codecs.base.Codec.calibration_drop_first` leading tokens, with Fisher weights only
         when it :attr:`~kvcomp.codecs.base.Codec.needs_fisher` (:func:`~kvcomp.calibration.collect.collect_kv`:
         reused from the cache folder when a verified collection of the same model and windows exists,
-        unless ``force``)."""
+        unless ``force``), and the queries' second moments when it ``needs_queries``
+        (:func:`~kvcomp.calibration.queries.query_moments`, not cached: the fitted state is)."""
         activations = collect_kv(self.model, codec.model, self.windows, codec.calibration_drop_first,
                                  force=self.force, fisher=codec.needs_fisher)
         types = {codec.model.layer_types[i] for i in codec.model.model_layers} if codec.model.layer_types else {None}
@@ -115,6 +117,8 @@ class CalibrationData:
         same = all(r is not None and all(torch.equal(a, b) for a, b in zip(r, ropes[0])) for r in ropes)
         activations.rope = ropes[0] if same else None  # layers with different RoPE (Gemma 3): no shared angles
         activations.biases = attention_biases(self.model, codec.model)
+        if codec.needs_queries:
+            activations.query_moments = query_moments(self.model, codec.model, self.windows, codec.calibration_drop_first)
         return activations
 
 

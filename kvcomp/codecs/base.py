@@ -383,6 +383,8 @@ class Activations(ABC):
     of the windows' positions (the same for every window; None without RoPE), for codecs that fit on
     post-RoPE keys (``apply_rope``). ``biases``: per codec layer, the model's k_proj / v_proj biases ``[kv_heads,
     head_dim]`` by kind (``"key"``, ``"value"``; None for a model without them), for codecs that centre on them.
+    ``query_moments``: for codecs that :attr:`Calibrated.needs_queries`, per codec layer the second moment ``E[q q^T]``
+    ``[kv_heads, head_dim, head_dim]`` (float32) of the post-RoPE queries each KV head meets (None otherwise).
     Closed-loop fits, which see earlier layers' reconstructions, run :func:`fit_layer_by_layer` over them.
     """
 
@@ -391,6 +393,7 @@ class Activations(ABC):
     device: torch.device
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     biases: dict[int, dict[str, torch.Tensor]] | None = None
+    query_moments: dict[int, torch.Tensor] | None = None
 
     @abstractmethod
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
@@ -530,12 +533,14 @@ class Calibrated(ABC):
     the windows' :class:`Activations` (never the model) and returns a :class:`CodecState`, saved as a checked
     artifact and installed by :meth:`load_state`; ``needs_calibration`` False: this configuration fits
     nothing (kvtc's per-prompt PCA). ``inference_only_fields``: config fields a fitted state does not
-    depend on; ``needs_fisher``: collect Fisher weights (a backward pass per window);
+    depend on; ``needs_fisher``: collect Fisher weights (a backward pass per window); ``needs_queries``: the queries'
+    second moments (:attr:`Activations.query_moments`, a forward pass per window);
     ``calibration_drop_first``: leading tokens of every window left out (attention sinks)."""
 
     needs_calibration: bool = True
     inference_only_fields: ClassVar[tuple[str, ...]] = ()
     needs_fisher: bool = False
+    needs_queries: bool = False
     calibration_drop_first: int = 0
 
     @abstractmethod
