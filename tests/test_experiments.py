@@ -76,8 +76,8 @@ def test_experiment_composes_and_its_sweep_parses(name):
             key, value = item.split("=", 1)
             if key == "model":
                 assert run[key].name == value
-            elif key == "codec":  # a codec or one of its presets (qjl_3bit, kivi_4bit, ...)
-                assert value == run.codec.name or value.startswith(run.codec.name + "_")
+            elif key == "codec":  # a codec or one of its presets (qjl_3bit, kivi_4bit, int8_token_head, ...)
+                assert _codec_of(value) == run.codec.name
             elif key.startswith("codec."):
                 got = getattr(codec, key.split(".", 1)[1])
                 assert got == float(value) if isinstance(got, float) else str(got).lower() == value.lower()
@@ -94,6 +94,9 @@ def test_experiment_composes_and_its_sweep_parses(name):
                 assert (run.calibration.name, run.calibration.num_samples, run.calibration.seq_len) == ("redpajama", 256, 8192)
                 assert benchmark.seq_len == 8192 and benchmark.dataset == "wikitext2" and run.hardware.name == "h100"
             continue
+        if name.startswith("baselines_2026/"):  # one protocol for every codec, kvtc included
+            assert benchmark.protocols == ["chunked"] and benchmark.chunk_tokens == 16 and run.model.source == "embedded"
+            continue
         if name.startswith("csr/") and run.model.source != "embedded":  # NeuralDict tables: the spec's §5.1 calibration
             assert (run.calibration.name, run.calibration.num_samples, run.calibration.seq_len) == ("wikitext2", 256, 2048)
             assert run.hardware.name == "h100" and run.codec.merged_groups == "paper"
@@ -105,6 +108,14 @@ def test_experiment_composes_and_its_sweep_parses(name):
         else:  # the thesis' setup (spec §4): 64 x 2048 Wikitext-2 calibration, 2048-token windows, a GPU
             assert (run.calibration.name, run.calibration.num_samples, run.calibration.seq_len) == ("wikitext2", 64, 2048)
             assert benchmark.seq_len == 2048 and run.hardware.name == "h100"
+
+
+def _codec_of(option: str) -> str:
+    """The codec a ``conf/codec`` option composes: its ``name``, or that of the preset it extends."""
+    node = OmegaConf.load(CONF / "codec" / f"{option}.yaml")
+    if "name" in node:
+        return node.name
+    return _codec_of(next(d for d in node.defaults if d != "_self_" and not str(d).startswith("schema_")))
 
 
 def test_thesis_sweeps_cover_the_thesis_tables():
