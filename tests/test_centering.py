@@ -143,29 +143,6 @@ def test_qjl_center_keeps_the_deviation_of_offset_keys(offset_qwen):
 
 
 @torch.no_grad()
-def test_qjl_center_rotates_the_offset_to_each_position(offset_qwen):
-    """The cached keys are ``R_p c + k_hat(k - R_p c)``, ``R_p`` the RoPE rotation of the token's own position (a
-    second forward continues from position 40), with ``c`` the k_proj bias (layer 0: its keys do not depend on
-    the compressed cache)."""
-    codec = _fitted(offset_qwen, {**QJL, "center": "bias"})
-    info, layer = info_of(offset_qwen), 0
-    plain, cache = DynamicCache(config=offset_qwen.config), CompressedCache(codec, "simulated")
-    for part in (IDS, IDS[:, :16]):
-        offset_qwen(part, past_key_values=plain)
-        offset_qwen(part, past_key_values=cache)
-    stream = cache.layers[layer].key_stream
-    assert stream.num_encoded == 56
-    exact = plain.layers[layer].keys[:, :, :56]
-    positions = torch.arange(56)[None].expand(2, -1)
-    cos, sin = offset_qwen.model.rotary_emb(exact, positions)
-    bias = offset_qwen.model.layers[layer].self_attn.k_proj.bias.view(info.num_kv_heads, info.head_dim)
-    rotated = apply_rope(bias[None, :, None].expand(2, -1, 56, -1), cos, sin)
-    request = Request(layer=layer, kind="key", tokens=exact - rotated, dtype=torch.float32)
-    expected = rotated + codec.decode(codec.encode(request), request)
-    torch.testing.assert_close(stream.materialize()[:, :, :56], expected, rtol=1e-5, atol=1e-5)
-
-
-@torch.no_grad()
 def test_qjl_centred_keys_take_the_reference_path_under_triton(offset_qwen):
     """No kernel adds ``<q, R_p c>``: with kernel_backend=triton a centred QJL's decode steps read decoded keys,
     and generate the same tokens' logits as the torch path."""
@@ -230,19 +207,24 @@ def test_rotated_codecs_center_keeps_the_deviation_of_offset_keys_and_values(off
         assert all(e < 0.1 * before for e in after.values()), (measure.__name__, before, after)
 
 
+@pytest.mark.parametrize("config", [QJL, ROTATED["turboquant"]], ids=["qjl", "turboquant"])
 @torch.no_grad()
-def test_turboquant_center_rotates_the_key_offset_to_each_position(offset_qwen):
-    """As QJL's: cached keys are ``R_p c + k_hat(k - R_p c)`` over two forwards (positions 0..55)."""
-    codec = _fitted(offset_qwen, {**ROTATED["turboquant"], "center": "bias"})
+def test_center_rotates_the_key_offset_to_each_position(offset_qwen, config):
+    """Post-RoPE codecs: the cached keys are ``R_p c + k_hat(k - R_p c)``, ``R_p`` the RoPE rotation of the token's
+    own position (a second forward continues from position 40), with ``c`` the k_proj bias (layer 0: its keys do not
+    depend on the compressed cache)."""
+    codec = _fitted(offset_qwen, {**config, "center": "bias"})
     info, layer = info_of(offset_qwen), 0
     plain, cache = DynamicCache(config=offset_qwen.config), CompressedCache(codec, "simulated")
     for part in (IDS, IDS[:, :16]):
         offset_qwen(part, past_key_values=plain)
         offset_qwen(part, past_key_values=cache)
+    stream = cache.layers[layer].key_stream
+    assert stream.num_encoded == 56
     exact = plain.layers[layer].keys
     cos, sin = offset_qwen.model.rotary_emb(exact, torch.arange(56)[None].expand(2, -1))
     bias = offset_qwen.model.layers[layer].self_attn.k_proj.bias.view(info.num_kv_heads, info.head_dim)
     rotated = apply_rope(bias[None, :, None].expand(2, -1, 56, -1), cos, sin)
     request = Request(layer=layer, kind="key", tokens=exact - rotated, dtype=torch.float32)
     expected = rotated + codec.decode(codec.encode(request), request)
-    torch.testing.assert_close(cache.layers[layer].key_stream.materialize(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stream.materialize(), expected, rtol=1e-5, atol=1e-5)
