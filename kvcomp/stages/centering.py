@@ -2,7 +2,7 @@
 
 A codec that normalises each token by its norm (HIGGS, AQUA-KV's residuals) or rotates it codes the whole
 vector. When a layer's keys sit on a constant offset much larger than their per-token deviation (Qwen2.5's
-k_proj biases: 21-52x on some layers), the norm is the offset's and the deviation, which attention needs, is
+k_proj biases: 10-51x on some layers), the norm is the offset's and the deviation, which attention needs, is
 lost in the quantization error. ``center`` subtracts one vector per layer and stream before coding and adds it
 back after decoding (``x = c + Q(x - c)``):
 
