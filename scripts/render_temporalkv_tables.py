@@ -4,8 +4,9 @@
 
 Reads every ``results.json`` below the directory. A run enters a thesis table when its codec config has
 the table's fixed values (Tables 6-9: fisher=true, sinks=8) and its key, e.g. (name, bits, outliers),
-is a row of the table (``kvcomp.experiments.temporalkv_paper``). One Markdown table per thesis table
-and per (our model, benchmark): the thesis' config name, bits as the thesis counts them and as we
+is a row of the table (``kvcomp.experiments.temporalkv_paper``). One Markdown table per thesis table,
+per (our model, benchmark) and per outlier rule (``codec.outlier_rule``, named in the title unless all runs
+use the default): the thesis' config name, bits as the thesis counts them and as we
 store them exactly, our PPL under both protocols, and the thesis' values for its models. Below it, per
 bit width, the variants ranked best first, ours against the thesis', so that agreement or disagreement
 of the ordering shows.
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 from kvcomp.experiments.temporalkv_paper import MODEL_LABELS, TABLES, ThesisTable
+from kvcomp.stages.outliers import TOKEN_TOPK
 
 PROTOCOLS = ("simulated", "streaming")
 RENDERABLE = (2, 4, 6, 7, 8, 9)  # Tables 10-12 (RULER) wait for benchmark=ruler
@@ -57,12 +59,14 @@ def _metric(row: dict | None, protocol: str):
     return None if row is None else row.get(f"ppl_{protocol}")
 
 
-def render_section(table: ThesisTable, model: str, benchmark: str, ours: dict[tuple, dict], reference: dict | None) -> str:
-    """One thesis table beside our rows ``ours[key]`` for one model and benchmark."""
+def render_section(table: ThesisTable, model: str, benchmark: str, ours: dict[tuple, dict], reference: dict | None,
+                   rule: str | None = None) -> str:
+    """One thesis table beside our rows ``ours[key]`` for one model and benchmark (``rule``: their outlier rule,
+    named in the title when it is not the default)."""
     thesis_cols = [f"thesis {MODEL_LABELS.get(m, m)}" for m in table.models]
     header = ["Config", "thesis bits", "our bits", *(f"PPL {p}" for p in PROTOCOLS), *thesis_cols]
     lines = [
-        f"### Table {table.number}: {table.title}",
+        f"### Table {table.number}: {table.title}" + (f" (outlier_rule={rule})" if rule else ""),
         "",
         f"Ours: `{model}`, {benchmark} ({len(ours)} of the thesis' {len(table.rows)} configurations).",
         "",
@@ -112,15 +116,16 @@ def render(directory: str | Path, numbers: list[int]) -> str:
         table, sections = TABLES[number], []
         for (model, benchmark), members in groups.items():
             reference = next((row for codec, row in members if codec is None), None)
-            ours = {}
+            by_rule: dict[str, dict] = {}
             for codec, row in members:
                 if codec is None or any(codec.get(k) != v for k, v in table.fixed.items()):
                     continue
                 key = tuple(codec.get(k) for k in table.key)
                 if key in table.rows:
-                    ours[key] = row
-            if ours:
-                sections.append(render_section(table, model, benchmark, ours, reference))
+                    by_rule.setdefault(codec.get("outlier_rule", TOKEN_TOPK), {})[key] = row
+            for rule, ours in sorted(by_rule.items(), key=lambda item: (item[0] != TOKEN_TOPK, item[0])):
+                named = rule if rule != TOKEN_TOPK or len(by_rule) > 1 else None
+                sections.append(render_section(table, model, benchmark, ours, reference, named))
         out += sections or [f"### Table {number}: {table.title}\n\n(no run below {directory} matches this table)"]
     return "\n\n".join(out) + "\n"
 

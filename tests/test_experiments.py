@@ -266,3 +266,21 @@ def test_a_sweep_without_an_experiment_gets_a_dated_folder():
     cfg = _compose("codec=kivi")
     HydraConfig.instance().cfg = None  # as when Hydra's basic sweeper reads it
     assert re.fullmatch(r"multirun/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", cfg.hydra.sweep.dir)
+
+
+def test_render_gives_each_outlier_rule_its_own_table(tmp_path):
+    """Runs of codec.outlier_rule=reference are not rows of the token_topk table: each rule gets a table, named."""
+    sweep = tmp_path / "multirun"
+    sweep.mkdir()
+    _fake_run(sweep, "temporalkv", 2, 0.01, 25.0)
+    _fake_run(sweep, "temporalkv", 2, 0.01, 26.0, outlier_rule="reference")
+    text = _renderer().render(sweep, [7])
+    topk, reference = text.split("### Table 7: ")[1:]
+    assert topk.startswith("C4 PPL, 1 % outlier removal, 256 x 2048 (outlier_rule=token_topk)")
+    assert reference.startswith("C4 PPL, 1 % outlier removal, 256 x 2048 (outlier_rule=reference)")
+    assert "| TempKV-4-2bit-1% | 2.16 | 2.500 | 26.000 | 25.000 |" in topk
+    assert "| TempKV-4-2bit-1% | 2.16 | 2.500 | 27.000 | 26.000 |" in reference
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    _fake_run(alone, "temporalkv", 2, 0.01, 26.0, outlier_rule="reference")
+    assert "### Table 7: C4 PPL, 1 % outlier removal, 256 x 2048 (outlier_rule=reference)" in _renderer().render(alone, [7])
