@@ -27,6 +27,9 @@ def cache_home(tmp_path_factory, monkeypatch):
 def offset_qwen():
     """A tiny Qwen2 whose keys and values sit on constant offsets 30x (keys) and 10x (values) their spread."""
     model = _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=False)
+    # its own name: calibration collections and artifacts are keyed by it (tests' tiny models have no fingerprint),
+    # so that those of the other tiny Qwen2 models of the session are not reused for this one, nor the other way
+    model.config._name_or_path = "tiny-qwen2-offset-biases"
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn

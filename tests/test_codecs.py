@@ -94,7 +94,8 @@ def test_expected_cache_bits_counts_full_precision_tokens():
         ({"name": "uniform", "key_axis": "per_head"}, "valid choices: per_token, per_channel"),
         ({"name": "kivi", "bitz": 2}, "bitz"),
         ({"name": "kivi", "bits": "two"}, "bits"),
-        ({"name": "zip"}, "valid choices: aquakv, channelkv, csr, fp16, higgs, kivi, kvquant, kvtc, qjl, temporalkv, uniform"),
+        ({"name": "zip"}, "valid choices: aquakv, channelkv, csr, eden, fp16, fp8, higgs, int_token_head, kivi, kvarn, kvquant, "
+                          "kvtc, nvfp4, oscar, qjl, temporalkv, turboquant, uniform"),
     ],
 )
 def test_config_errors_name_the_problem(config, message):
