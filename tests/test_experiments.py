@@ -284,3 +284,28 @@ def test_render_gives_each_outlier_rule_its_own_table(tmp_path):
     alone.mkdir()
     _fake_run(alone, "temporalkv", 2, 0.01, 26.0, outlier_rule="reference")
     assert "### Table 7: C4 PPL, 1 % outlier removal, 256 x 2048 (outlier_rule=reference)" in _renderer().render(alone, [7])
+
+
+def test_render_baselines_ranks_by_class_then_perplexity(tmp_path):
+    spec = importlib.util.spec_from_file_location("render_baselines_2026", ROOT / "scripts" / "render_baselines_2026.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fp16 = {"model": "m", "codec": "fp16()", "ppl_chunked": 20.0}
+
+    def member(option, bits, ppl, center=None):
+        folder = tmp_path / f"{option}-{center}"
+        folder.mkdir()
+        row = {"model": "m", "codec": "x()", "bits_per_value": bits, "bits_per_value_measured": bits + 1,
+               "encoded_share": 0.5, "ppl_chunked": ppl}
+        overrides = [f"codec={option}", "model=m"] + ([f"codec.center={center}"] if center else [])
+        (folder / "results.json").write_text(json.dumps({"config": {"codec": {"name": "x"}}, "overrides": overrides,
+                                                         "rows": [fp16, row]}))
+
+    member("kivi", 3.0, 25.0)
+    member("turboquant", 3.25, 22.0, center="bias")
+    member("fp8", 8.0, 20.2)
+    member("oscar", 2.5, 30.0)
+    lines = [line for line in module.render(tmp_path).splitlines() if line.startswith("| ") and "class" not in line]
+    assert [line.split(" | ")[1] for line in lines] == ["`fp8`", "`turboquant center=bias`", "`kivi`", "`oscar`"]
+    assert lines[1] == "| 3 | `turboquant center=bias` | 3.250 | 4.250 | 0.50 | 22.000 | +10.0 % |"
+    assert module.bit_class(2.5) == 2 and module.bit_class(5.0) == 4 and module.bit_class(6.25) == 8
