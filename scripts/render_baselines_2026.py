@@ -17,6 +17,9 @@ import json
 import sys
 from pathlib import Path
 
+from kvcomp.artifacts import write_text_atomic
+from kvcomp.results import parse_overrides
+
 CLASSES = (2, 3, 4, 8)
 
 
@@ -31,7 +34,7 @@ def load_members(directory: str | Path) -> list[dict]:
     members = []
     for path in sorted(Path(directory).rglob("results.json")):
         data = json.loads(path.read_text())
-        swept = dict(o.split("=", 1) for o in data.get("overrides", []) if "=" in o)
+        swept = parse_overrides(data.get("overrides", []))
         option = swept.get("codec", data["config"]["codec"]["name"])
         if swept.get("codec.center", "none") != "none":
             option += f" center={swept['codec.center']}"
@@ -68,14 +71,14 @@ def render(directory: str | Path) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", help="the sweep folder, e.g. multirun/baselines_2026/perplexity")
-    parser.add_argument("--out", help="write the Markdown here instead of printing it")
+    parser.add_argument("directory", type=Path, help="the sweep folder, e.g. multirun/baselines_2026/perplexity")
+    parser.add_argument("--out", type=Path, help="write the Markdown here (atomically) instead of printing it")
     args = parser.parse_args(argv)
-    if not Path(args.directory).is_dir():
+    if not args.directory.is_dir():
         parser.error(f"{args.directory} is not a directory")
     text = render(args.directory)
     if args.out:
-        Path(args.out).write_text(text)
+        write_text_atomic(args.out, text)
     else:
         sys.stdout.write(text)
     return text
