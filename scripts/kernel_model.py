@@ -1,0 +1,276 @@
+"""Predicted decode-step times on an H100 from the SASS of the decode kernels (static model, no GPU):
+today's kernels, and the kernels of commit 9c57ff6 beside their measured times (``../shared/gpu-evidence``).
+
+Each launch is compiled once for sm_90a at a small cache (batch 1, 2,048 tokens; a launch's code does not
+depend on the cache length) with :mod:`kvcomp.kernels.resources`, its tile loop counted and the time of
+each shape predicted by :mod:`kvcomp.kernels.static_model` from the launch geometry of that shape. A step
+is its split launches plus the merge (the merge's loop over slices counted the same way). The 9c57ff6
+kernels are read with ``git show`` from ``--repo`` and launched through a recorder (their host code is
+run on CPU tensors; its kernels are compiled, never run).
+
+    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py          # Triton 3.6, as on the GPU machine (see
+                                                                # scripts/kernel_resources.py for /tmp/t36)
+    python scripts/kernel_model.py --codecs kivi-2 --no-old     # today's KIVI-2 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa: E402
+
+from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
+from kvcomp.codecs.base import Request  # noqa: E402
+from kvcomp.kernels import Launch  # noqa: E402
+from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
+from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
+from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
+from kvcomp.kernels.static_model import SMS, Geometry, bounds, count, disassemble, tile_instructions  # noqa: E402
+
+H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
+SHAPES = [(1, 4096), (16, 32768), (16, 131072)]
+OLD_SHAPES = [(1, 4096), (1, 131072), (16, 32768), (16, 131072)]
+MEASURED = {  # gpu-evidence/bench_decode_attention.txt, ms (9c57ff6, H100)
+    "kivi-2": {(1, 4096): 0.4439, (1, 131072): 2.2242, (16, 32768): 10.0309, (16, 131072): 38.5568},
+    "kivi-4": {(1, 4096): 0.3398, (1, 131072): 2.6744, (16, 32768): 9.8794, (16, 131072): 37.6079},
+    "temporalkv-2": {(1, 4096): 0.3929, (1, 131072): 1.8981, (16, 32768): 7.2743, (16, 131072): 27.6766},
+    "channelkv-2": {(1, 4096): 0.6174, (1, 131072): 2.1721, (16, 32768): 5.7778, (16, 131072): 25.0333},
+    "kvquant-2": {(1, 4096): 0.3930, (1, 131072): 1.9097, (16, 32768): 6.9190, (16, 131072): 26.4142},
+}
+QJL_MEASURED = {(1, 8192): 0.3391, (1, 32768): 0.9060, (1, 65536): 1.6459, (4, 8192): 0.8973, (4, 32768): 3.0805,
+                (4, 65536): 5.9251}  # gpu-evidence/bench_qjl_decode.txt, authors' general layer, scores only
+QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
+
+
+def codec_for(name: str):
+    codec = build_codec(CODECS[name], ModelInfo("llama31_8b", 1, H, D))
+    if needs_calibration(codec):
+        synthetic_state(codec, torch.Generator().manual_seed(0))
+    return codec
+
+
+def analysed(launch: Launch, skip: tuple = ()) -> dict:
+    """Resources and tile counts of one compiled launch."""
+    compiled = compile_launch(launch)
+    found = kernel_resources(compiled)
+    instructions, looped = tile_instructions(disassemble(compiled.asm["cubin"]), skip)
+    found.update(counts=count(instructions), looped=looped,
+                 resident=round(found["occupancy"] * 64) // found["num_warps"])
+    return found
+
+
+def stream_bounds(codec, context: int):
+    """Segment bounds and encoded flags of keys and values after ``context`` tokens (sinks, payload, tail)."""
+    out = []
+    for kind in ("key", "value"):
+        lengths = codec.policy(kind, 0).split(context)
+        bounds, encoded = [0], []
+        for i, n in enumerate(lengths):
+            if n:
+                bounds.append(bounds[-1] + n)
+                encoded.append(i == 1)
+        out += [tuple(bounds), tuple(encoded)]
+    return out
+
+
+def step_time(parts: list[tuple[dict, Geometry]]) -> tuple[float, list[dict]]:
+    found = [bounds(a["counts"], g) for a, g in parts]
+    return sum(f["time"] for f in found), found
+
+
+def today_step(name: str, shapes) -> dict:
+    """Predicted ms per shape of today's split + merge launches of ``name``."""
+    codec = codec_for(name)
+    keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
+    query = torch.randn(1, H * R, D, dtype=torch.bfloat16)
+    _, launches = today.decode_launches(query, keys, values, D**-0.5, torch.ones(1, SMALL, dtype=torch.bool), rope, gpu=True)
+    splits, merge = launches[:-1], launches[-1]
+    found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields")) for launch in splits]
+    merged = analysed(merge)
+    out = {}
+    for batch, context in shapes:
+        plan = today._plan(*stream_bounds(codec, context), batch * H, SMS, 16, None)
+        if len(plan) != len(splits):
+            raise RuntimeError(f"{name}: {len(plan)} launches at {context} tokens, {len(splits)} compiled at {SMALL}")
+        parts, slots = [], 0
+        for (lo, hi, _, _, tiles, n), launch, a in zip(plan, splits, found):
+            per_program = math.ceil(math.ceil(tiles / n) * 16 / launch.args["BLOCK_T"])
+            parts.append((a, Geometry(batch * H * n, a["num_warps"], a["resident"], per_program,
+                                      nbytes * batch * (hi - lo) / SMALL)))
+            slots += n
+        parts.append((merged, Geometry(batch * H, merged["num_warps"], merged["resident"], slots, 0.0)))
+        out[(batch, context)] = step_time(parts)
+    return {"shapes": out, "launches": found + [merged]}
+
+
+def old_module(repo: Path, commit: str, path: str):
+    """``path`` of ``commit`` as a module of its own (its imports of moved classes pointed at today's modules)."""
+    source = subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{path}"], capture_output=True, text=True,
+                            check=True).stdout
+    for moved in ("kvcomp.kernels.decode_attention", "kvcomp.kernels.qjl_scores"):
+        source = source.replace(f"from {moved} import", "from kvcomp.kernels.payloads import")
+    name = f"kvcomp_{commit}_{Path(path).stem}"
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"  # kept: line info of the compiled kernels points here
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Recorder:
+    """Stands in for a jitted kernel: ``kernel[grid](*args, **kwargs)`` appends a :class:`Launch` to ``out``."""
+
+    def __init__(self, kernel, out: list):
+        self.kernel, self.out = kernel.kernel if isinstance(kernel, Recorder) else kernel, out
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            self.out.append(Launch(self.kernel, grid, {**dict(zip(self.kernel.arg_names, args)), **kwargs}))
+        return record
+
+
+def old_step(module, name: str, shapes) -> dict:
+    """Predicted ms per shape of the 9c57ff6 split + merge launches of ``name`` (one split launch per interval
+    between the segment bounds of either stream, its slices as that commit cut them)."""
+    codec = codec_for(name)
+    keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
+    launches = []
+    module._split_kernel, module._merge_kernel = Recorder(module._split_kernel, launches), Recorder(module._merge_kernel, launches)
+    module._multiprocessors = lambda device: SMS
+    module.decode_attention_triton(torch.randn(1, H * R, D, dtype=torch.bfloat16), keys, values, D**-0.5,
+                                   torch.zeros(1, dtype=torch.int32), torch.full((1,), SMALL, dtype=torch.int32), rope)
+    splits, merge = launches[:-1], launches[-1]
+    found, merged = [analysed(launch) for launch in splits], analysed(merge)
+    out = {}
+    for batch, context in shapes:
+        key_bounds, _, value_bounds, _ = stream_bounds(codec, context)
+        cuts = sorted(set(key_bounds) | set(value_bounds))
+        if len(cuts) - 1 != len(splits):
+            raise RuntimeError(f"{name}: {len(cuts) - 1} intervals at {context} tokens, {len(splits)} compiled at {SMALL}")
+        parts, slots = [], 0
+        for lo, hi, launch, a in zip(cuts, cuts[1:], splits, found):
+            block = launch.args["BLOCK_T"]
+            tiles = -(-(hi - lo) // block)
+            n = min(tiles, max(1, -(-2 * SMS // (batch * H))))
+            chunk = -(-tiles // n)
+            n = -(-tiles // chunk)
+            parts.append((a, Geometry(batch * H * n, a["num_warps"], a["resident"], chunk, nbytes * batch * (hi - lo) / SMALL)))
+            slots += n
+        parts.append((merged, Geometry(batch * H, merged["num_warps"], merged["resident"], slots, 0.0)))
+        out[(batch, context)] = step_time(parts)
+    return {"shapes": out, "launches": found + [merged]}
+
+
+def qjl_scores(module, shapes) -> dict:
+    """Predicted ms per shape of the QJL score kernel (``module``: 9c57ff6's, or ``None`` for today's)."""
+    codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, H, D))
+    payload = codec.encode(Request(QJL_LAYER, "key", tokens=torch.randn(1, H, SMALL, D)))
+    keys = codec.sketched_keys(payload, QJL_LAYER)
+    query = torch.randn(1, H, R, D)
+    if module is None:
+        _, launch = qjl_score_launch(query, keys)
+    else:
+        launches = []
+        module._qjl_scores_kernel = Recorder(module._qjl_scores_kernel, launches)
+        module.qjl_scores_triton(query, keys)
+        launch = launches[0]
+    a = analysed(launch)
+    per_token = keys.signs[0, 0, 0].numel() + keys.outlier_signs[0, 0, 0].numel() + 4  # sign bytes + two fp16 norms
+    group = keys.group_size
+    out = {}
+    for batch, context in shapes:
+        geometry = Geometry(batch * H * (context // group) * launch.grid[2], a["num_warps"], a["resident"], 1,
+                            batch * H * context * per_token)
+        out[(batch, context)] = step_time([(a, geometry)])
+    return {"shapes": out, "launches": [a]}
+
+
+def spearman_agrees(predicted: dict, measured: dict) -> bool:
+    """Whether the predicted times order the kernels as the measured ones (ties in neither)."""
+    return sorted(predicted, key=predicted.get) == sorted(measured, key=measured.get)
+
+
+def tile_table(rows: list[tuple[str, dict]]) -> list[str]:
+    out = ["| kernel | launch | warps | registers | shared (B) | resident programs / SM | instructions / tile / warp | "
+           "global loads (by bytes per lane) | shared ld / st | fma / alu | shuffles | conversions | MUFU | BAR.SYNC | "
+           "L1 wavefronts (no conflicts) |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, a in rows:
+        c = a["counts"]
+        widths = ", ".join(f"{n}x{w}B" for w, n in sorted(c.widths.items()))
+        out.append(f"| {name} | {'loop' if a['looped'] else 'whole kernel'} | {a['num_warps']} | {a['registers']} | "
+                   f"{a['shared']} | {a['resident']} | {c.issued} | {widths} | {c.classes['shared load']} / "
+                   f"{c.classes['shared store']} | {c.classes['fma']} / {c.classes['alu']} | {c.classes['shuffle']} | "
+                   f"{c.classes['conversion']} | {c.classes['special']} | {c.barriers} | {c.wavefronts:.0f} |")
+    return out
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--codecs", nargs="+", default=list(MEASURED), choices=list(MEASURED))
+    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent, help="git checkout holding 9c57ff6")
+    parser.add_argument("--commit", default="9c57ff6", help="the measured commit")
+    parser.add_argument("--no-old", action="store_true", help="only today's kernels")
+    args = parser.parse_args(argv)
+    lines, tiles = [], []
+    if not args.no_old:
+        split = old_module(args.repo, args.commit, "kvcomp/kernels/decode_attention_triton.py")
+        lines += [f"Kernels of {args.commit} against their measured times (H100, gpu-evidence; ratio = predicted / measured):",
+                  "", "| codec | batch x context | predicted ms | bound | measured ms | ratio |", "|---|---|---:|---|---:|---:|"]
+        predicted = {}
+        for name in args.codecs:
+            result = old_step(split, name, OLD_SHAPES)
+            tiles += [(f"{args.commit} {name}", a) for a in result["launches"]]
+            for shape, (seconds, parts) in result["shapes"].items():
+                bound = max((v, k) for k, v in parts[0].items() if k != "time")[1]
+                predicted.setdefault(shape, {})[name] = seconds * 1e3
+                ms = MEASURED[name][shape]
+                lines.append(f"| {name} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {ms:.3f} | "
+                             f"{seconds * 1e3 / ms:.2f} |")
+        lines += ["", "Ranking of the measured kernels per shape (fastest first):", ""]
+        for shape, times in predicted.items():
+            measured = {n: MEASURED[n][shape] for n in times}
+            lines.append(f"- {shape[0]} x {shape[1] // 1024}K: predicted {', '.join(sorted(times, key=times.get))}; measured "
+                         f"{', '.join(sorted(measured, key=measured.get))}: "
+                         f"{'same order' if spearman_agrees(times, measured) else 'DIFFERENT order'}")
+        qjl = qjl_scores(old_module(args.repo, args.commit, "kvcomp/kernels/qjl_scores_triton.py"), QJL_MEASURED)
+        tiles += [(f"{args.commit} qjl scores", qjl["launches"][0])]
+        lines += ["", "| QJL scores (authors' general layer) | batch x context | predicted ms | measured ms | ratio |",
+                  "|---|---|---:|---:|---:|"]
+        for shape, (seconds, _) in qjl["shapes"].items():
+            lines.append(f"| {args.commit} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {QJL_MEASURED[shape]:.3f} | "
+                         f"{seconds * 1e3 / QJL_MEASURED[shape]:.2f} |")
+    lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s:", "",
+              "| codec | batch x context | predicted ms | bound | SDPA memory ms | vs SDPA memory |", "|---|---|---:|---|---:|---:|"]
+    for name in args.codecs:
+        result = today_step(name, SHAPES)
+        tiles += [(f"today {name}", a) for a in result["launches"]]
+        for shape, (seconds, parts) in result["shapes"].items():
+            bound = max((v, k) for k, v in parts[0].items() if k != "time")[1]
+            sdpa = 2 * shape[0] * H * shape[1] * D * 2 / 2970e9 * 1e3
+            lines.append(f"| {name} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {sdpa:.3f} | "
+                         f"{sdpa / (seconds * 1e3):.2f}x |")
+    qjl = qjl_scores(None, SHAPES)
+    tiles += [("today qjl scores", qjl["launches"][0])]
+    for shape, (seconds, parts) in qjl["shapes"].items():
+        bound = max((v, k) for k, v in parts[0].items() if k != "time")[1]
+        sdpa = 2 * shape[0] * H * shape[1] * D * 2 / 2970e9 * 1e3
+        lines.append(f"| qjl scores | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {sdpa:.3f} | "
+                     f"{sdpa / (seconds * 1e3):.2f}x |")
+    lines += ["", "Per tile and warp (sm_90a SASS):", ""] + tile_table(tiles)
+    body = "\n".join(lines)
+    print(body)
+    return body
+
+
+if __name__ == "__main__":
+    main()
