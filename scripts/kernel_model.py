@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from kvcomp.kernels import Launch  # noqa: E402
 from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
-from kvcomp.kernels.static_model import SMS, Geometry, bounds, count, disassemble, tile_instructions  # noqa: E402
+from kvcomp.kernels.static_model import SMS, Geometry, accesses, bounds, count, disassemble, tile_instructions  # noqa: E402
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
 SHAPES = [(1, 4096), (16, 32768), (16, 131072)]
@@ -63,7 +64,7 @@ def analysed(launch: Launch, skip: tuple = ()) -> dict:
     compiled = compile_launch(launch)
     found = kernel_resources(compiled)
     instructions, looped = tile_instructions(disassemble(compiled.asm["cubin"]), skip)
-    found.update(counts=count(instructions), looped=looped,
+    found.update(counts=count(instructions, accesses(launch, compiled)), looped=looped,
                  resident=round(found["occupancy"] * 64) // found["num_warps"])
     return found
 
@@ -203,7 +204,7 @@ def spearman_agrees(predicted: dict, measured: dict) -> bool:
 def tile_table(rows: list[tuple[str, dict]]) -> list[str]:
     out = ["| kernel | launch | warps | registers | shared (B) | resident programs / SM | instructions / tile / warp | "
            "global loads (by bytes per lane) | shared ld / st | fma / alu | shuffles | conversions | MUFU | BAR.SYNC | "
-           "L1 wavefronts (no conflicts) |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "L1 wavefronts (lanes' addresses) |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, a in rows:
         c = a["counts"]
         widths = ", ".join(f"{n}x{w}B" for w, n in sorted(c.widths.items()))
@@ -221,6 +222,9 @@ def main(argv=None) -> str:
     parser.add_argument("--commit", default="9c57ff6", help="the measured commit")
     parser.add_argument("--no-old", action="store_true", help="only today's kernels")
     args = parser.parse_args(argv)
+    # a fresh kernel cache: a cached kernel of the same source carries the line numbers of the file it was
+    # first compiled from, and the L1 term matches SASS, TTGIR and interpreted accesses by source line
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_model_")
     lines, tiles = [], []
     if not args.no_old:
         split = old_module(args.repo, args.commit, "kvcomp/kernels/decode_attention_triton.py")

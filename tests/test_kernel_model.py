@@ -113,3 +113,42 @@ def test_model_runs_on_one_compiled_launch():
     looped, loads, fma, seconds = subprocess.run([sys.executable, "-c", COMPILE_ONE], env=env, capture_output=True, text=True,
                                                  check=True, cwd=root).stdout.split()
     assert looped == "True" and int(loads) > 0 and int(fma) > 0 and float(seconds) > sm.LAUNCH_S
+
+
+def test_shared_wavefronts_count_bank_conflicts():
+    column = [(lane, lane * 128) for lane in range(32)]  # 2-byte reads down a column of 128-byte rows: one bank
+    assert sm.shared_wavefronts(column, 2) == 32
+    assert sm.shared_wavefronts([(lane, lane * 4) for lane in range(32)], 4) == 1  # one word per bank
+    assert sm.shared_wavefronts([(lane, 0) for lane in range(32)], 4) == 1  # one word, broadcast
+    assert sm.shared_wavefronts([(lane, lane * 16) for lane in range(32)], 16) == 4  # 512 B in 4 phases
+    assert sm.shared_wavefronts([(lane, lane * 8) for lane in range(32)], 4) == 2  # stride 2 words: 2-way
+
+
+def test_global_wavefronts_count_lines():
+    assert sm.global_wavefronts([(lane, lane * 4) for lane in range(32)], 4) == 1
+    assert sm.global_wavefronts([(lane, lane * 32) for lane in range(32)], 1) == 8  # one byte per 32-byte row
+    assert sm.global_wavefronts([(lane, lane * 16) for lane in range(32)], 16) == 4
+
+
+TTGIR = """#blocked1 = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [32, 1], warpsPerCTA = [2, 2], order = [0, 1]}>
+#shared1 = #ttg.swizzled_shared<{vec = 1, perPhase = 1, maxPhase = 1, order = [1, 0]}>
+      %s = ttg.local_load %a token %t : !ttg.memdesc<64x64xf16, #shared1, #smem, mutable> -> tensor<64x64xf16, #blocked1> loc(#loc3)
+#loc1 = loc("/x/k.py":53:20)
+#loc2 = loc("/x/k.py":89:4)
+#loc3 = loc(callsite(#loc1 at #loc2))
+"""
+
+
+def test_layout_lanes_and_a_conflicting_shared_load():
+    ops = sm.ttgir_memory_ops(TTGIR)
+    assert len(ops) == 1 and ops[0]["kind"] == "shared load" and ops[0]["chain"] == (("k.py", 53), ("k.py", 89))
+    op = ops[0]
+    lanes = sm._coordinates(sm._bases(op["layout"], op["shape"], op["aliases"]), 2, 4)
+    assert [lanes[0][lane][0] for lane in (0, 1, 31)] == [(0, 0), (1, 0), (31, 0)]  # lanes run down the tokens
+    assert lanes[1][0][0] == (32, 0) and lanes[2][0][0] == (0, 1) and lanes[0][0][1] == (0, 2) and len(lanes[0][0]) == 32
+    access = sm.Access("shared load", ("k.py", 53), 2, lanes,
+                       sm._shared_offset(op["shared"], op["shape"], 2, op["aliases"]))
+    assert access.per_instruction(2, shared=True) == (32.0, 32)  # every LDS.U16 a 32-way bank conflict
+    sass = '\t//## File "/y/k.py", line 53\n        /*0000*/                   LDS.U16 R1, [R2] ;\n'
+    instructions, _ = sm.parse_sass(sass)
+    assert sm.count(instructions).wavefronts == 1 and sm.count(instructions, [access]).wavefronts == 32

@@ -13,11 +13,14 @@ busiest multiprocessor runs (``ceil(programs / 132)`` x tiles per program; progr
 the occupancy of the resources table):
 
 - **issue**: warp instructions / (4 schedulers x 1 instruction per cycle);
-- **L1 / shared memory**: L1TEX data wavefronts / 1 per cycle. A warp's access of ``w`` bytes per lane is
-  ``ceil(32 w / 128)`` wavefronts (128 B per cycle, 32 banks x 4 B; no bank conflicts assumed, so a
-  lower bound), for shared memory (LDS, STS, LDSM: 1 per 8x8 matrix), global (LDG, LDGSTS, STG, atomics:
-  coalesced), local memory (LDL / STL: register spills), and 1 per shuffle (SHFL, which ncu counts in the
-  LSU pipe). The ncu profiles of 9c57ff6 found the split and QJL kernels L1/TEX-bound at 95-99.5 %;
+- **L1 / shared memory**: L1TEX data wavefronts / 1 per cycle. Where the lanes' addresses are known
+  (:func:`accesses`: the layouts Triton chose, read from the TTGIR, and the global addresses program 0
+  computes, run by Triton's interpreter on the CPU), each SASS load or store of that source line and width
+  costs what its 32 lanes touch: global, one wavefront per distinct 128-byte line; shared memory, per
+  128-byte phase the most distinct 4-byte words any bank holds (bank conflicts). Elsewhere (MMA and
+  dot-operand layouts, ``convert_layout`` scratch, spills) the minimum: ``ceil(32 w / 128)`` for ``w``
+  bytes per lane, 1 per 8x8 matrix of LDSM, 1 per shuffle (SHFL, counted in the LSU pipe by ncu). The
+  ncu profiles of 9c57ff6 found the split and QJL kernels L1/TEX-bound at 95-99.5 %;
 - **special functions**: MUFU (exp2, sin, cos, reciprocal) at 16 lanes per cycle per SM, 2 cycles per warp
   instruction;
 - **barriers**: a program's warps meet at every ``BAR.SYNC`` of the tile (Triton's cross-warp reductions
@@ -34,6 +37,10 @@ Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. Constants 
   7.27 / 8.37 ms) put the benchmark's clock near 1.75 GHz.
 - ``COPY_BYTES_PER_S = 2970e9``: measured copy bandwidth (``gpu-evidence/README.md``).
 - ``L1_WAVEFRONTS_PER_CYCLE = 1``: 128 B per cycle per SM (shared memory: 32 banks x 4 B).
+- ``BANKS = 32``, ``BANK_BYTES = 4``, ``LINE_BYTES = 128``: shared-memory banks and L1 cache lines of
+  sm_90 (CUDA C++ Programming Guide, "Shared Memory" of compute capability 9.0; Nsight Compute's
+  Profiling Guide, "Memory Tables": a wavefront is the work one cycle of the L1TEX data stage does,
+  different cache lines or conflicting banks are serialised into further wavefronts).
 - ``MUFU_CYCLES = 2``: 16 SFU lanes per SM (4 per partition).
 - ``BARRIER_CYCLES = 30``: the shared-memory load latency of Hopper (about 30 cycles, microbenchmarks,
   Luo et al. 2024, "Benchmarking and dissecting the Nvidia Hopper GPU architecture").
@@ -46,6 +53,7 @@ import ast
 import math
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -225,10 +233,16 @@ class TileCounts:
         return sum(self.classes.values())
 
 
-def count(instructions: list[Instruction]) -> TileCounts:
+def count(instructions: list[Instruction], found: list | None = None) -> TileCounts:
+    """Counts of a tile's instructions; with ``found`` (:func:`accesses`), the L1 wavefronts of each memory
+    instruction come from its lanes' addresses where an access of its source line matches it."""
     counts = TileCounts()
+    cache = {}
     for ins in instructions:
         klass, wavefronts, width = classify(ins.opcode)
+        if found:
+            from_lanes = access_wavefronts(ins, found, cache)
+            wavefronts = wavefronts if from_lanes is None else from_lanes
         counts.classes[klass] += 1
         counts.wavefronts += wavefronts
         counts.barriers += ins.opcode.startswith("BAR.SYNC")
@@ -275,3 +289,326 @@ def bounds(counts: TileCounts, geometry: Geometry) -> dict[str, float]:
     out["dram"] = geometry.bytes / COPY_BYTES_PER_S
     out["time"] = max(out.values()) + LAUNCH_S
     return out
+
+
+# --- Per-lane addresses: L1 wavefronts of each access from the layouts Triton chose ---------------------------
+
+BANKS, BANK_BYTES, LINE_BYTES = 32, 4, 128
+
+
+def global_wavefronts(addresses, width: int) -> int:
+    """L1TEX wavefronts of one warp's global access: one per distinct 128-byte line the active lanes' bytes
+    ``[address, address + width)`` touch (``addresses``: ``(lane, byte address)`` of the active lanes)."""
+    lines = {a // LINE_BYTES for _, a in addresses} | {(a + width - 1) // LINE_BYTES for _, a in addresses}
+    return max(1, len(lines))
+
+
+def shared_wavefronts(addresses, width: int) -> int:
+    """Shared-memory wavefronts of one warp's access of ``width`` bytes per lane: lanes are served in phases
+    of 128 bytes (32 lanes up to 4 B, 16 lanes at 8 B, 8 at 16 B); a phase takes as many wavefronts as the
+    most distinct 4-byte words any one of the 32 banks holds (lanes reading the same word share it)."""
+    per_phase = WARP_LANES * BANK_BYTES // max(width, BANK_BYTES)
+    total = 0
+    for start in range(0, WARP_LANES, per_phase):
+        banks: dict[int, set[int]] = {}
+        for lane, a in addresses:
+            if start <= lane < start + per_phase:
+                for word in range(a // BANK_BYTES, (a + max(width, 1) - 1) // BANK_BYTES + 1):
+                    banks.setdefault(word % BANKS, set()).add(word)
+        total += max((len(words) for words in banks.values()), default=0)
+    return max(1, total)
+
+
+_LAYOUT = re.compile(r"^(#[\w.]+) = (#ttg\.\w+<\{.*\}>)\s*$", re.M)
+_LOC = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$", re.M)
+
+
+def _fields(text: str) -> dict:
+    """``{name: value}`` of a layout attribute's ``{a = 1, b = [1, 2], c = #parent}`` (lists as lists)."""
+    out = {}
+    for name, value in re.findall(r"(\w+) = (\[\[.*?\]\]|\[\]|\[[^\[\]]*\]|#[\w.]+|\d+)", text):
+        out[name] = ast.literal_eval(value) if value[0] in "[0123456789" else value
+    return out
+
+
+def _bases(layout: str, shape: tuple, aliases: dict) -> dict | None:
+    """``{register, lane, warp}`` bases (element offsets per bit of the index, Triton's linear layouts) of a
+    distributed ``layout`` over a tensor of ``shape``; ``None`` for layouts not modelled (MMA, dot operands)."""
+    layout = aliases.get(layout, layout)
+    f = _fields(layout)
+    rank = len(shape)
+    if layout.startswith("#ttg.slice"):
+        dim = f["dim"]
+        parent = _bases(f["parent"], shape[:dim] + (1,) + shape[dim:], aliases)
+        return parent and {k: [b[:dim] + b[dim + 1:] for b in v] for k, v in parent.items()}
+    if layout.startswith("#ttg.linear"):
+        return {k: f[k] for k in ("register", "lane", "warp")}
+    if not layout.startswith("#ttg.blocked"):
+        return None
+    out = {"register": [], "lane": [], "warp": []}
+
+    def unit(d, n):
+        return [n % shape[d] if i == d else 0 for i in range(rank)]  # past the shape: broadcast (offset 0)
+
+    for kind, sizes, below in (("register", f["sizePerThread"], [1] * rank),
+                               ("lane", f["threadsPerWarp"], f["sizePerThread"]),
+                               ("warp", f["warpsPerCTA"], [s * t for s, t in zip(f["sizePerThread"], f["threadsPerWarp"])])):
+        for d in f["order"]:
+            out[kind] += [unit(d, below[d] << k) for k in range(int(math.log2(sizes[d])))]
+    for d in f["order"]:  # repetitions of the CTA tile are further registers
+        tile = f["sizePerThread"][d] * f["threadsPerWarp"][d] * f["warpsPerCTA"][d]
+        out["register"] += [unit(d, tile << k) for k in range(max(0, int(math.log2(shape[d] / tile))))]
+    return out
+
+
+def _coordinates(bases: dict, rank: int, warps: int) -> list:
+    """``[warp][lane][register]`` element coordinates of a layout given by its bases."""
+    def combine(names_bits):
+        out = [0] * rank
+        for name, index in names_bits:
+            for bit, basis in enumerate(bases[name]):
+                if index >> bit & 1:
+                    out = [o ^ b for o, b in zip(out, basis)]
+        return tuple(out)
+
+    registers = 1 << len(bases["register"])
+    return [[[combine((("warp", w), ("lane", lane), ("register", r))) for r in range(registers)]
+             for lane in range(WARP_LANES)] for w in range(warps)]
+
+
+def _shared_offset(layout: str, shape: tuple, element: int, aliases: dict):
+    """Byte offset of tensor coordinates in a ``swizzled_shared`` buffer (``None`` for other shared layouts):
+    the row (slowest dim) picks a phase ``(row // perPhase) % maxPhase`` that XORs the ``vec``-element groups."""
+    layout = aliases.get(layout, layout)
+    if not layout.startswith("#ttg.swizzled_shared"):
+        return None
+    f = _fields(layout)
+    order = f["order"]
+
+    def offset(coords):
+        inner = coords[order[0]]
+        outer = 0
+        for d in reversed(order[1:]):
+            outer = outer * shape[d] + coords[d]
+        phase = (outer // f["perPhase"]) % f["maxPhase"]
+        inner = ((inner // f["vec"]) ^ phase) * f["vec"] + inner % f["vec"]
+        return (outer * shape[order[0]] + inner) * element
+    return offset
+
+
+@dataclass
+class Access:
+    """One memory operation of the TTGIR: its ``kind`` (``global load``, ``async copy``, ``global store``,
+    ``shared load``, ``shared store``), innermost source ``line`` (file name, line), element bytes, the
+    element coordinates each lane holds (``[warp][lane][register]``) and the byte address of coordinates
+    (``address``), with ``active`` the coordinates of unmasked elements (``None``: all)."""
+    kind: str
+    line: tuple[str, int]
+    element: int
+    lanes: list
+    address: object
+    active: object = None
+
+    def per_instruction(self, width: int, shared: bool) -> tuple[float, int] | None:
+        """``(wavefronts, instructions)`` per warp when each instruction moves ``width`` bytes per lane
+        (``None`` where that width does not split this layout's registers)."""
+        vec = width // self.element
+        registers = len(self.lanes[0][0])
+        if vec < 1 or registers % vec:
+            return None
+        wavefronts, instructions = 0, 0
+        for warp in self.lanes:
+            for r in range(0, registers, vec):
+                lanes = [(lane, self.address(held[r])) for lane, held in enumerate(warp)
+                         if self.active is None or self.active(held[r])]
+                if not lanes:
+                    continue
+                instructions += 1
+                wavefronts += (shared_wavefronts if shared else global_wavefronts)(lanes, width)
+        return wavefronts / len(self.lanes), instructions // len(self.lanes)
+
+
+_TYPE = re.compile(r"tensor<([\dx]+)x(!tt\.ptr<)?(\w+)>?, (#[^>]*?>|#[\w.]+)>")
+_MEMDESC = re.compile(r"memdesc<([\dx]+)x(\w+), (#[\w.]+)")
+_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+         "f8E4M3FN": 8, "f8E5M2": 8}
+
+
+def ttgir_locations(ttgir: str) -> dict:
+    """``{#locN: ((file name, line), ...)}``: each location's call chain of source lines, innermost first."""
+    raw = dict(_LOC.findall(ttgir))
+    out = {}
+
+    def chain(text: str) -> tuple:
+        text = text.strip()
+        if m := re.fullmatch(r'"([^"]+)":(\d+):\d+', text):
+            return ((Path(m.group(1)).name, int(m.group(2))),)
+        if m := re.fullmatch(r"callsite\((#loc\d*) at (#loc\d*)\)", text):
+            return resolve(m.group(1)) + resolve(m.group(2))
+        if m := re.fullmatch(r'"[^"]*"\((#loc\d*)\)', text):
+            return resolve(m.group(1))
+        return ()
+
+    def resolve(name: str) -> tuple:
+        if name not in out:
+            out[name] = ()
+            out[name] = chain(raw.get(name, ""))
+        return out[name]
+
+    for name in raw:
+        resolve(name)
+    return out
+
+
+def ttgir_memory_ops(ttgir: str) -> list[dict]:
+    """Memory operations of a TTGIR module: ``kind``, ``chain`` (source lines, innermost first), ``shape``,
+    ``element`` bytes, register ``layout`` and, for shared memory, the ``shared`` layout."""
+    aliases = dict(_LAYOUT.findall(ttgir))
+    locations = ttgir_locations(ttgir)
+    out = []
+    for line in ttgir.splitlines():
+        op = re.search(r"= (tt\.load|ttg\.async_copy_global_to_local|ttg\.local_load|ttg\.local_alloc) |^\s*(tt\.store|ttg\.local_store) ",
+                       line)
+        loc = re.search(r"loc\((#loc\d*)\)\s*$", line)
+        tensor = _TYPE.search(line)
+        if not op or not loc or not tensor:
+            continue
+        name = op.group(1) or op.group(2)
+        shape = tuple(int(n) for n in tensor.group(1).split("x"))
+        element = _BITS.get(tensor.group(3), 32) // 8
+        found = {"chain": locations.get(loc.group(1), ()), "shape": shape, "element": element,
+                 "layout": tensor.group(4), "aliases": aliases}
+        memdesc = _MEMDESC.search(line)
+        if name in ("tt.load", "tt.store", "ttg.async_copy_global_to_local"):
+            found["kind"] = {"tt.load": "global load", "tt.store": "global store"}.get(name, "async copy")
+        elif memdesc:
+            found.update(kind="shared load" if name == "ttg.local_load" else "shared store", shared=memdesc.group(3))
+        else:
+            continue  # an allocation without a value
+        out.append(found)
+    return out
+
+
+def record_global_accesses(launch) -> dict:
+    """``{chain: (byte offsets, mask)}`` of the first global load or store at each source call chain of
+    program 0 of ``launch``, run on the CPU by Triton's interpreter (offsets from the start of each argument
+    tensor's storage, which a GPU allocation aligns to 256 bytes; chain: innermost source line first)."""
+    import numpy as np
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    storages = sorted({v.untyped_storage().data_ptr() for v in launch.args.values() if hasattr(v, "untyped_storage")})
+    starts = np.array(storages, dtype=np.uint64)
+    swapped = []
+
+    class Device(interpreter.InterpretedFunction):  # a device function call that undoes its patches of tl
+        def __call__(self, *args, **kwargs):
+            scope = interpreter._patch_lang(self.fn)
+            try:
+                return self.rewrite()(*args, **kwargs)
+            finally:
+                scope.restore()
+
+    def interpret(scope: dict):  # every @triton.jit function a kernel reaches, interpreted for this run
+        for name, value in list(scope.items()):
+            if isinstance(value, JITFunction):
+                swapped.append((scope, name, value))
+                scope[name] = Device(value.fn)
+                interpret(value.fn.__globals__)
+
+    found = {}
+    builder = interpreter.interpreter_builder
+
+    def chain():
+        frames, frame = [], sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename in files:
+                frames.append((Path(frame.f_code.co_filename).name, frame.f_lineno))
+            frame = frame.f_back
+        return tuple(frames)
+
+    def offsets(ptrs):
+        data = ptrs.data.astype(np.uint64)
+        return (data - starts[np.searchsorted(starts, data, side="right") - 1]).astype(np.int64)
+
+    load, store = builder.create_masked_load, builder.create_masked_store
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):  # NumPy 2.3+ refuses int() of a one-element array (Triton 3.6's __index__)
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def recorded_load(ptrs, mask, *rest):
+        found.setdefault(chain(), (offsets(ptrs), mask.data.astype(bool)))
+        return load(ptrs, mask, *rest)
+
+    def recorded_store(ptrs, value, mask, *rest):
+        found.setdefault(chain(), (offsets(ptrs), mask.data.astype(bool)))
+        return store(ptrs, value, mask, *rest)
+
+    import importlib
+
+    import triton.language as tl
+
+    importlib.import_module("triton.experimental.gluon")  # imported lazily by the interpreter; needs tl.standard jitted
+
+    for scope in (vars(tl), vars(tl.standard), vars(tl.math), launch.kernel.fn.__globals__):
+        interpret(scope)
+    files = {fn.fn.__code__.co_filename for _, _, fn in swapped if "triton" not in Path(fn.fn.__code__.co_filename).parts}
+    files.add(launch.kernel.fn.__code__.co_filename)
+    builder.create_masked_load, builder.create_masked_store = recorded_load, recorded_store
+    interpreter._patch_lang_tensor = patched_tensor
+    try:
+        interpreter.InterpretedFunction(launch.kernel.fn)[(1, 1, 1)](**launch.args)
+    finally:
+        builder.create_masked_load, builder.create_masked_store = load, store
+        interpreter._patch_lang_tensor = patch_tensor
+        for scope, name, value in swapped:
+            scope[name] = value
+    return found
+
+
+def accesses(launch, compiled) -> list[Access]:
+    """The memory accesses of a compiled launch whose lanes' addresses are known: global loads and stores
+    of a blocked (or sliced, or linear) layout, addressed as program 0 of ``launch`` addresses them
+    (:func:`record_global_accesses`), and shared-memory loads and stores between such a layout and a
+    swizzled buffer. MMA and dot-operand layouts and ``convert_layout`` scratch are not modelled."""
+    warps = compiled.metadata.num_warps
+    recorded = record_global_accesses(launch)
+    out = []
+    for op in ttgir_memory_ops(compiled.asm["ttgir"]):
+        bases = _bases(op["layout"], op["shape"], op["aliases"])
+        if bases is None or not op["chain"]:
+            continue
+        lanes = _coordinates(bases, len(op["shape"]), warps)
+        if op["kind"].startswith("shared"):
+            offset = _shared_offset(op["shared"], op["shape"], op["element"], op["aliases"])
+            if offset is not None:
+                out.append(Access(op["kind"], op["chain"][0], op["element"], lanes, offset))
+        elif op["chain"] in recorded:
+            offsets, mask = recorded[op["chain"]]
+            if offsets.shape == op["shape"]:
+                out.append(Access(op["kind"], op["chain"][0], op["element"], lanes,
+                                  lambda c, o=offsets: int(o[c]), lambda c, m=mask: bool(m[c])))
+    return out
+
+
+_ACCESS_KIND = {"LDG": "global load", "LDGSTS": "async copy", "STG": "global store", "LDS": "shared load",
+                "STS": "shared store"}
+
+
+def access_wavefronts(instruction: Instruction, found: list[Access], cache: dict) -> float | None:
+    """Wavefronts of one SASS memory instruction from the accesses of its source line and kind moving its
+    width per lane (their mean per instruction); ``None`` where no access matches."""
+    base, *mods = instruction.opcode.split(".")
+    kind = _ACCESS_KIND.get(base)
+    if kind is None or instruction.source is None:
+        return None
+    width = next((_WIDTHS[m] for m in mods if m in _WIDTHS), 4)
+    line = (Path(instruction.source[0]).name, instruction.source[1])
+    key = (kind, line, width)
+    if key not in cache:
+        found_here = [a.per_instruction(width, kind.startswith("shared")) for a in found if a.kind == kind and a.line == line]
+        found_here = [f for f in found_here if f is not None and f[1]]
+        cache[key] = sum(f[0] for f in found_here) / sum(f[1] for f in found_here) if found_here else None
+    return cache[key]
