@@ -148,7 +148,7 @@ def test_layout_lanes_and_a_conflicting_shared_load():
     assert lanes[1][0][0] == (32, 0) and lanes[2][0][0] == (0, 1) and lanes[0][0][1] == (0, 2) and len(lanes[0][0]) == 32
     access = sm.Access("shared load", ("k.py", 53), 2, lanes,
                        sm._shared_offset(op["shared"], op["shape"], 2, op["aliases"]))
-    assert access.per_instruction(2, shared=True) == (32.0, 32)  # every LDS.U16 a 32-way bank conflict
+    assert access.per_instruction(2, shared=True) == (1024.0, 32)  # per warp: 32 LDS.U16, each 32-way conflicting
     sass = '\t//## File "/y/k.py", line 53\n        /*0000*/                   LDS.U16 R1, [R2] ;\n'
     instructions, _ = sm.parse_sass(sass)
     assert sm.count(instructions).wavefronts == 1 and sm.count(instructions, [access]).wavefronts == 32
