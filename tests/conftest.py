@@ -49,6 +49,15 @@ FAMILIES = {
 }
 
 
+@pytest.fixture
+def session_cache(tmp_path_factory, monkeypatch):
+    """``KVCOMP_CACHE`` in the session's temporary folder (one per xdist worker, shared by the modules that use it,
+    ``pytestmark = pytest.mark.usefixtures("session_cache")``): calibration artifacts and K/V collections of tiny
+    models are reused across those modules and never reach the user's cache. They are keyed by the model's name
+    (tiny models have no fingerprint): a test that changes a model's weights gives it its own name."""
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+
+
 @pytest.fixture(scope="session", params=list(FAMILIES))
 def tiny_model(request):
     """A tiny random model (GQA 2:1, head_dim 16) of each family, kvcomp attention installed."""

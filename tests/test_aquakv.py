@@ -19,9 +19,7 @@ from tests.codec_matrix import make_codec
 from tests.conftest import info_of
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 @pytest.mark.parametrize("g", [1, 2, 8, 64])

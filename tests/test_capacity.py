@@ -11,6 +11,8 @@ from kvcomp.cache.growing import GrowingTensor
 from kvcomp.errors import ConfigError
 from tests.codec_matrix import MATRIX, make_codec
 
+pytestmark = pytest.mark.usefixtures("session_cache")
+
 
 class Allocations:
     """Counts the buffers growing tensors allocate (the ``allocations`` fixture patches it in)."""

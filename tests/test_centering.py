@@ -18,9 +18,7 @@ from tests.codec_matrix import CALIBRATION, calibration_windows
 from tests.conftest import TINY, _tiny, info_of, reads_taken
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,7 @@ from .conftest import info_of
 CODECS = ("kvquant", "channelkv", "temporalkv")
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 def calibration_windows(seed=0):

@@ -14,9 +14,7 @@ from tests.codec_matrix import MATRIX, make_codec
 NAMES = list(MATRIX)
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 def test_every_registered_codec_joins_the_matrix():

@@ -152,9 +152,7 @@ def test_config_errors(override, message):
         build_codec({"name": "csr", **override}, model)
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 def _filled(model, codec, ids):

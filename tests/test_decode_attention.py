@@ -16,6 +16,8 @@ from kvcomp.stages.uniform_quantizer import GroupQuantizer
 from tests.conftest import info_of
 from tests.test_codebook_codecs import fitted
 
+pytestmark = pytest.mark.usefixtures("session_cache")
+
 pytest.importorskip("triton")
 
 

@@ -34,9 +34,7 @@ REFUSED["kvtc"] = tuple(CASES)
 FITTED_TO_THE_MODEL = ("temporalkv", "channelkv", "kvquant", "aquakv", "fp8", "nvfp4")
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ from kvcomp.cache.host_syncs import HostSyncs
 from tests.codec_matrix import MATRIX, make_codec
 from tests.conftest import encode_with_torch, reads_taken
 
+pytestmark = pytest.mark.usefixtures("session_cache")
+
 FUSED = ("kivi", "qjl", "temporalkv")  # the kernel's three payload formats: packed ints, sketches, codebooks
 # CSR's online guard atoms pick the worst-coded vectors per row and head on the host (csr.py, _guard)
 TORCH = tuple(name for name in MATRIX if name != "csr")

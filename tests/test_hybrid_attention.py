@@ -41,9 +41,7 @@ TYPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 def _model(family: str):

@@ -11,9 +11,7 @@ from kvcomp.stages.transform_coding import decode_rows, encode_rows, inflate
 from tests.codec_matrix import make_codec
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 def _kv(layers=2, batch=2, tokens=8, seed=0):

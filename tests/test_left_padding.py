@@ -19,9 +19,7 @@ LENGTHS = (30, 22)  # row 0 unpadded, row 1 padded by 8
 STEPS = 40
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 def _inputs():

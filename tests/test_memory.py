@@ -36,9 +36,7 @@ def held_bytes(root, exclude: set[int]) -> int:
     return held_nbytes(root, exclude, skip=(Codec,))
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 @pytest.fixture(scope="module")

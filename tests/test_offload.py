@@ -15,9 +15,7 @@ from tests.codec_matrix import CALIBRATION, MATRIX, calibration_windows, make_co
 from tests.conftest import info_of
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 def _all_bytes(cache: CompressedCache) -> list[bytes]:

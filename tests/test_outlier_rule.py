@@ -13,9 +13,7 @@ from .conftest import _tiny, info_of
 from .test_codebook_codecs import fitted
 
 
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))
+pytestmark = pytest.mark.usefixtures("session_cache")
 
 
 HEAVY = (0, 3)  # (KV head, channel) of the value channel offset far above the others
