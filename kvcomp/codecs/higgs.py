@@ -25,7 +25,7 @@ from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConf
                                 Request, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
-from kvcomp.stages.centering import CENTERS, Offsets, channel_mean, model_bias
+from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.grids import gaussian_grid
 from kvcomp.stages.hadamard import is_power_of_two
 from kvcomp.stages.higgs import HiggsQuantizer
@@ -134,13 +134,8 @@ class HiggsCodec(Codec, Calibrated):
 
     def fit(self, activations: Activations) -> CodecState:
         """The centring vector of every layer and stream (``center``: calibration mean or model bias)."""
-        vectors = {}
-        for layer in range(self.model.num_layers):
-            fields = activations.layer(layer) if self.config.center == "calibration" else {}
-            for kind in KINDS:
-                vectors[(layer, kind)] = (channel_mean(fields[kind]) if self.config.center == "calibration"
-                                          else model_bias(activations.biases, layer, kind, self.name))
-        return CodecState(Offsets(vectors).tensors())
+        offsets = fit_offsets(activations, self.config.center, range(self.model.num_layers), KINDS, self.name)
+        return CodecState(offsets.tensors())
 
     def load_state(self, state: CodecState) -> None:
         self.offsets = Offsets.from_tensors(state.tensors)

@@ -45,7 +45,7 @@ from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels.payloads import SketchedKeys, SketchReader, UniformReader, reconstruct_keys
 from kvcomp.kernels.qjl_scores import qjl_scores
-from kvcomp.stages.centering import CENTERS, Offsets, channel_mean, model_bias
+from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.jl_sketch import (
     PROJECTIONS,
     ROW_NORMS,
@@ -148,11 +148,8 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
 
     def fit(self, activations: Activations) -> CodecState:
         """The pre-RoPE key offset of every layer (``center``: calibration mean or k_proj bias)."""
-        vectors = {}
-        for layer in range(self.model.num_layers):
-            vectors[(layer, "key")] = (channel_mean(activations.layer(layer)["key"]) if self.config.center == "calibration"
-                                       else model_bias(activations.biases, layer, "key", self.name))
-        return CodecState(Offsets(vectors).tensors())
+        offsets = fit_offsets(activations, self.config.center, range(self.model.num_layers), ("key",), self.name)
+        return CodecState(offsets.tensors())
 
     def load_state(self, state: CodecState) -> None:
         self.offsets = Offsets.from_tensors(state.tensors)

@@ -51,7 +51,7 @@ from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConf
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
-from kvcomp.stages.centering import CENTERS, Offsets, channel_mean, model_bias
+from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.hadamard import is_power_of_two
 from kvcomp.stages.minifloat import FLOAT8, from_float8, to_float8
 from kvcomp.stages.lloyd_max import DENSITIES, ROTATIONS, ProdQuantizer, RotatedScalarQuantizer, Rotation
@@ -158,15 +158,8 @@ class RotatedCodec(Codec, Calibrated):
 
     def fit(self, activations: Activations) -> CodecState:
         """The offsets of every encoded layer's keys (pre-RoPE) and values: calibration mean or model bias."""
-        vectors = {}
-        for layer in range(self.model.num_layers):
-            if layer in self.skipped:
-                continue
-            fields_ = activations.layer(layer) if self.config.center == "calibration" else {}
-            for kind in KINDS:
-                vectors[(layer, kind)] = (channel_mean(fields_[kind]) if self.config.center == "calibration"
-                                          else model_bias(activations.biases, layer, kind, self.name))
-        return CodecState(Offsets(vectors).tensors())
+        layers = [layer for layer in range(self.model.num_layers) if layer not in self.skipped]
+        return CodecState(fit_offsets(activations, self.config.center, layers, KINDS, self.name).tensors())
 
     def load_state(self, state: CodecState) -> None:
         self.offsets = Offsets.from_tensors(state.tensors)

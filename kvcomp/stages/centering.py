@@ -37,6 +37,18 @@ def model_bias(biases: dict | None, layer: int, kind: str, owner: str) -> torch.
     return biases[layer][kind].float()
 
 
+def fit_offsets(activations, center: str, layers, kinds, owner: str) -> "Offsets":
+    """The vector of every ``(layer, kind)`` of ``layers`` x ``kinds`` from a codec's calibration
+    :class:`~kvcomp.codecs.base.Activations`: the calibration mean (``center="calibration"``) or the model's bias."""
+    vectors = {}
+    for layer in layers:
+        fields = activations.layer(layer) if center == "calibration" else {}
+        for kind in kinds:
+            vectors[(layer, kind)] = (channel_mean(fields[kind]) if center == "calibration"
+                                      else model_bias(activations.biases, layer, kind, owner))
+    return Offsets(vectors)
+
+
 class Offsets:
     """The centring vectors of a codec, by ``(layer, kind)``; :meth:`remove` and :meth:`restore` apply them to
     ``[B, H, T, D]`` blocks (vectors missing for a layer and kind: nothing is applied)."""
