@@ -27,6 +27,7 @@ they exceed twice the L2 cache.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
+from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, revision, write_section
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.payloads import RotaryPositions
 
@@ -221,10 +222,10 @@ def memory_rows(configs: dict, context: int, memory_bytes: float) -> list[dict]:
     return rows
 
 
-def tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, name, memory_gb, timer) -> str:
+def tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, name, memory_gb, timer, command) -> str:
     out = [
-        f"Device: {name}; measured copy bandwidth {copy_gbps:.0f} GB/s. Command: `python scripts/bench_decode_attention.py "
-        f"--write` (CUDA events, median of {timer.reps} after {timer.warmup} warm-up calls, fresh query each call, "
+        f"Device: {name}; measured copy bandwidth {copy_gbps:.0f} GB/s. Command: `{command}` at revision {revision()} "
+        f"(CUDA events, median of {timer.reps} after {timer.warmup} warm-up calls, fresh query each call, "
         "inputs rotated beyond twice the L2 cache).",
         "",
         "Decode-step attention (one layer, Llama-3.1-8B heads; error: ||kernel - reference|| / ||reference|| on fresh "
@@ -286,7 +287,8 @@ def main(argv=None) -> str:
     encode_rows = bench_encode(codecs, encode_tokens, timer, device)
     context_mem = max(contexts)
     mem_rows = memory_rows({name: CODECS[name] for name in args.codecs}, context_mem, memory_gb * 1e9)
-    body = tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, device_name(device), memory_gb, timer)
+    command = " ".join(["python scripts/bench_decode_attention.py", *(argv if argv is not None else sys.argv[1:])])
+    body = tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, device_name(device), memory_gb, timer, command)
     print(body)
     if args.write and not args.smoke:
         write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)

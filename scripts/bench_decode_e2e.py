@@ -40,14 +40,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_attention import CODECS as KERNEL_CODECS  # noqa: E402
 from bench_decode_attention import synthetic_state  # noqa: E402
-from bench_decode_overhead import machine, revision  # noqa: E402
+from bench_decode_overhead import machine  # noqa: E402
 
 from kvcomp.cache import CompressedCache, install, with_cache  # noqa: E402
 from kvcomp.cache.host_syncs import HostSyncs  # noqa: E402
 from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import write_section  # noqa: E402
+from kvcomp.kernels.benchmarking import revision, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## End-to-end decode through the compressed caches (issue 20)"

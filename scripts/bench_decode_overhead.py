@@ -35,7 +35,6 @@ import inspect
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import write_section
+from kvcomp.kernels.benchmarking import revision, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Decode-step overhead of the compressed cache (issue 14)"
@@ -194,14 +193,6 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def revision() -> str:
-    try:
-        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-        return git.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def machine(device: torch.device) -> str:

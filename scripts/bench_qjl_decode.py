@@ -22,6 +22,7 @@ printed beside each row. ``--write`` replaces the QJL section of BENCHMARKS.md w
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, write_section
+from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, revision, write_section
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
 
@@ -148,7 +149,8 @@ def main(argv=None) -> str:
     l2_bytes, name = l2_cache_bytes(device), device_name(device)
     info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
     sections = [
-        "Command: `python scripts/bench_qjl_decode.py --write` (CUDA events, median of "
+        f"Command: `{' '.join(['python scripts/bench_qjl_decode.py', *(argv if argv is not None else sys.argv[1:])])}` "
+        f"at revision {revision()} (CUDA events, median of "
         f"{timer.reps} after {timer.warmup} warm-up calls, fresh query each call, K/V sets rotated beyond L2)."
     ]
     for setting, config in SETTINGS.items():

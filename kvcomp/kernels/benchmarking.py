@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,6 +54,19 @@ def l2_cache_bytes(device: torch.device) -> int:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+
+
+def revision() -> str:
+    """``git describe`` of the checkout; where it has no git (a copy sent to a GPU machine), the
+    ``KVCOMP_REVISION`` environment variable its launcher sets, else ``unknown``."""
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True)
+    except OSError:
+        git = None
+    if git is not None and git.returncode == 0 and git.stdout.strip():
+        return git.stdout.strip()
+    return os.environ.get("KVCOMP_REVISION", "unknown")
 
 
 def write_section(path: Path, section: str, body: str) -> None:

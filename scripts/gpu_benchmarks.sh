@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every GPU benchmark of BENCHMARKS.md in one call to a lent GPU machine (a device lease is short).
+#
+#   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
+#
+# Runs, in order of priority, each under its own time limit so that a slow one cannot starve the rest:
+#   1. scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write
+#      (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row)
+#   2. scripts/bench_qjl_decode.py --contexts 8192 32768 --write
+#   3. scripts/bench_decode_e2e.py --agreement --write
+#   4. Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
+#   5. scripts/bench_decode_overhead.py --device cuda --write
+# Each benchmark's log and the updated BENCHMARKS.md go to OUTDIR as soon as it ends. Wheels in .whl/
+# (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds can be
+# changed with ATTENTION_S, QJL_S, E2E_S, NCU_S and OVERHEAD_S.
+set -u
+out=${1:?usage: gpu_benchmarks.sh OUTDIR [REVISION]}
+export KVCOMP_REVISION=${2:-unknown} PYTHONUNBUFFERED=1
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+start=$(date +%s)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$out/machine.txt"
+
+step() {  # step NAME LIMIT COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s, at $(( $(date +%s) - start ))s)"
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "=== $name rc=$? after $(( $(date +%s) - start ))s"
+    tail -n 40 "$out/$name.log"
+    cp BENCHMARKS.md "$out/BENCHMARKS.md"
+}
+
+step attention "${ATTENTION_S:-170}" python3 scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write
+step qjl "${QJL_S:-60}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write
+step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --write
+if command -v ncu >/dev/null; then
+    step ncu "${NCU_S:-50}" ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats -k regex:_split_kernel --launch-count 1 \
+        python3 scripts/bench_decode_attention.py --contexts 32768 --batches 16 --codecs kivi-2 --reps 1 --warmup 0 \
+        --encode-tokens 256
+fi
+step overhead "${OVERHEAD_S:-60}" python3 scripts/bench_decode_overhead.py --device cuda --repeats 2 --write
+echo "=== done after $(( $(date +%s) - start ))s"
