@@ -57,23 +57,26 @@ def device_name(device: torch.device) -> str:
 
 
 def revision() -> str:
-    """``git describe`` of the checkout; where it has no git (a copy sent to a GPU machine), the
-    ``KVCOMP_REVISION`` environment variable its launcher sets, else ``unknown``."""
+    """The revision a benchmark ran at: the ``KVCOMP_REVISION`` environment variable where a launcher sets it
+    (a copy of the checkout sent to a GPU machine carries a stale ``.git``), else ``git describe``."""
+    if os.environ.get("KVCOMP_REVISION"):
+        return os.environ["KVCOMP_REVISION"]
     try:
         git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True)
     except OSError:
-        git = None
-    if git is not None and git.returncode == 0 and git.stdout.strip():
-        return git.stdout.strip()
-    return os.environ.get("KVCOMP_REVISION", "unknown")
+        return "unknown"
+    return git.stdout.strip() if git.returncode == 0 and git.stdout.strip() else "unknown"
 
 
 def write_section(path: Path, section: str, body: str) -> None:
-    """Replace (or append) the section titled ``section`` of BENCHMARKS.md, leaving the others as they are."""
+    """Replace the section titled ``section`` of BENCHMARKS.md in place (or append it), leaving the others
+    as they are."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = section + "\n\n" + body.strip() + "\n"
     start = text.find(section)
-    if start >= 0:
-        end = text.find("\n## ", start + len(section))
-        text = text[:start] + text[end + 1 :] if end >= 0 else text[:start]
-    path.write_text(text.rstrip() + "\n\n" + section + "\n\n" + body + "\n")
+    if start < 0:
+        path.write_text(text.rstrip() + "\n\n" + block)
+        return
+    end = text.find("\n## ", start + len(section))
+    path.write_text(text[:start] + block + (text[end:] if end >= 0 else ""))

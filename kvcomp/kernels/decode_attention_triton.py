@@ -822,6 +822,7 @@ def decode_launches(
     block_tokens: int | None = None,
     dot: bool | None = None,
     gpu: bool | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
@@ -831,7 +832,8 @@ def decode_launches(
     tokens per tile (default: 64 with ``tl.dot``, else 16 on a GPU, fewer for
     codebook payloads and sketched keys, :func:`_tile_tokens`; :data:`INTERPRETER_TILE` on the CPU). ``gpu``:
     size tiles for a GPU (default: whether the query is on one; ``scripts/kernel_resources.py`` compiles CPU
-    tensors for sm_90)."""
+    tensors for sm_90). ``num_warps``: warps per split program (default: 4 with ``tl.dot``, else
+    :data:`REGISTER_PATH_WARPS`); on the register path a program may take the register file's share of its warps."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -845,9 +847,9 @@ def decode_launches(
     gpu_defaults = block_tokens is None and not dot and gpu
     if block_tokens is None:  # the interpreter runs a tile per Python step: larger tiles on the CPU
         block_tokens = 64 if dot else 16 if gpu else INTERPRETER_TILE
-    num_warps = 4 if dot else REGISTER_PATH_WARPS
+    num_warps = num_warps or (4 if dot else REGISTER_PATH_WARPS)
     # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
-    registers = {} if dot else {"maxnreg": 65536 // (32 * REGISTER_PATH_WARPS)}
+    registers = {} if dot else {"maxnreg": min(255, 65536 // (32 * num_warps))}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     if key_bounds[-1] != value_bounds[-1]:
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
@@ -903,7 +905,7 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
                             valid: torch.Tensor | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
-    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``): see :func:`decode_launches`."""
+    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`."""
     out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     with launch_device(query.device):
         for launch in launches:

@@ -1,0 +1,151 @@
+"""Launch configurations of the fused decode-attention kernel on a GPU: warps per program, tokens per tile,
+register path or ``tl.dot`` (issue 38; writes its section of BENCHMARKS.md).
+
+For each codec of ``scripts/bench_decode_attention.py`` and each batch x context, one decode step of the
+split + merge kernels is timed for every configuration (CUDA-event medians, fresh query per call, caches
+rotated beyond twice the L2 cache), beside PyTorch SDPA on bf16 K/V, and each configuration's output is
+checked against the float64 torch reference on a fresh random cache (``||out - ref|| / ||ref||``).
+
+    python scripts/sweep_decode_kernel.py --write                      # on a CUDA GPU
+    TRITON_INTERPRET=1 python scripts/sweep_decode_kernel.py --smoke   # CPU check of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_sdpa, synthetic_state  # noqa: E402
+
+from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
+from kvcomp.errors import at_least  # noqa: E402
+from kvcomp.kernels.benchmarking import (  # noqa: E402
+    LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, revision, write_section,
+)
+from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error  # noqa: E402
+from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
+
+SECTION = "## Launch configurations of the fused decode kernel (issue 38)"
+# (label, options of decode_attention_triton); the first is today's default
+CONFIGS = {
+    "default (register path, 16 warps, 16-token tiles)": {},
+    "register, 8 warps, 32 tokens": dict(num_warps=8, block_tokens=32),
+    "register, 4 warps, 32 tokens": dict(num_warps=4, block_tokens=32),
+    "register, 4 warps, 64 tokens": dict(num_warps=4, block_tokens=64),
+    "register, 4 warps, 128 tokens": dict(num_warps=4, block_tokens=128),
+    "register, 2 warps, 64 tokens": dict(num_warps=2, block_tokens=64),
+    "register, 1 warp, 32 tokens": dict(num_warps=1, block_tokens=32),
+    "tl.dot, 4 warps, 32 tokens": dict(dot=True, num_warps=4, block_tokens=32),
+    "tl.dot, 4 warps, 64 tokens": dict(dot=True, num_warps=4, block_tokens=64),
+    "tl.dot, 4 warps, 128 tokens": dict(dot=True, num_warps=4, block_tokens=128),
+    "tl.dot, 8 warps, 128 tokens": dict(dot=True, num_warps=8, block_tokens=128),
+}
+
+
+def sweep(codec, name: str, batch: int, context: int, timer: Timer, device, l2_bytes: int, configs: dict, log) -> list[dict]:
+    hq, d = LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    first = cache_state(codec, batch, context, device)
+    states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
+    turn = iter(range(10**9))
+
+    def inputs():
+        keys, values, rope, _ = states[next(turn) % len(states)]
+        return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope
+
+    check = cache_state(codec, batch, context, device)
+    q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
+    reference = decode_attention_reference(q, check[0], check[1], d**-0.5, None, check[2], torch.float64)
+    rows = []
+    for label, options in configs.items():
+        def step(q, keys, values, rope):
+            return decode_attention_triton(q, keys, values, d**-0.5, None, key_rope=rope, **options)
+
+        try:
+            error = relative_error(step(q, check[0], check[1], check[2]), reference)
+            ms = timer(step, inputs)
+        except Exception as failure:  # a configuration that does not compile or run is reported, not fatal
+            rows.append({"codec": name, "batch": batch, "context": context, "config": label, "ms": float("nan"),
+                         "bytes": first[3], "error": float("nan"), "failure": f"{type(failure).__name__}: {str(failure)[:80]}"})
+            log(f"[sweep] {name} {batch}x{context} {label}: FAILED {rows[-1]['failure']}")
+            continue
+        rows.append({"codec": name, "batch": batch, "context": context, "config": label, "ms": ms, "bytes": first[3],
+                     "error": error, "failure": ""})
+        log(f"[sweep] {name} {batch}x{context} {label}: {ms:.4f} ms, error {error:.2g}")
+    return rows
+
+
+def table(rows: list[dict], sdpa: dict, copy_gbps: float) -> str:
+    lines = ["| codec | batch x context | configuration | median ms | vs SDPA | GB/s | % of copy bandwidth | vs default | relative error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    default = {(r["codec"], r["batch"], r["context"]): r["ms"] for r in rows if r["config"].startswith("default")}
+    for r in rows:
+        shape = (r["batch"], r["context"])
+        if r["failure"]:
+            lines.append(f"| {r['codec']} | {shape[0]} x {shape[1]} | {r['config']} | failed: {r['failure']} | | | | | |")
+            continue
+        gbps = r["bytes"] / r["ms"] / 1e6
+        lines.append(f"| {r['codec']} | {shape[0]} x {shape[1]} | {r['config']} | {r['ms']:.4f} | {sdpa[shape] / r['ms']:.2f}x | "
+                     f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | {default[(r['codec'], *shape)] / r['ms']:.2f}x | {r['error']:.2g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["16x32768", "1x32768"], help="BATCHxCONTEXT")
+    parser.add_argument("--codecs", nargs="+", default=["kivi-2", "temporalkv-2", "qjl"], choices=list(CODECS))
+    parser.add_argument("--configs", nargs="+", type=int, help="indices into CONFIGS (default: all)")
+    parser.add_argument("--warmup", type=at_least(0), default=5)
+    parser.add_argument("--reps", type=at_least(1), default=20)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    configs = {label: options for i, (label, options) in enumerate(CONFIGS.items()) if args.configs is None or i in args.configs}
+    if args.smoke:
+        device, shapes, timer = torch.device("cpu"), [(1, 160)], Timer(torch.device("cpu"), 0, 1)
+        configs = {label: {**options, "block_tokens": 32} for label, options in list(configs.items())[:2]}
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
+        device, timer = torch.device("cuda"), Timer(torch.device("cuda"), args.warmup, args.reps)
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+    l2_bytes = l2_cache_bytes(device)
+    info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    generator = torch.Generator().manual_seed(0)
+    copy_gbps = copy_bandwidth(timer, device)
+    rows, sdpa = [], {}
+    for batch, context in shapes:
+        h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+        dense = [(torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16),
+                  torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16))
+                 for _ in range(buffer_sets(4 * batch * h * context * d, l2_bytes))]
+        turn = iter(range(10**9))
+
+        def dense_inputs():
+            return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), *dense[next(turn) % len(dense)]
+
+        sdpa[(batch, context)] = fastest_sdpa(timer, dense_inputs)[0]
+        dense.clear()
+        for name in args.codecs:
+            codec = build_codec(CODECS[name], info)
+            if needs_calibration(codec):
+                synthetic_state(codec, generator)
+            rows += sweep(codec, name, batch, context, timer, device, l2_bytes, configs, log)
+    body = "\n".join([
+        f"Command: `{' '.join(['python scripts/sweep_decode_kernel.py', *(argv if argv is not None else sys.argv[1:])])}` "
+        f"at revision {revision()}. Device: {device_name(device)}; measured copy bandwidth {copy_gbps:.0f} GB/s. "
+        f"One decode step of one layer (split + merge kernels), Llama-3.1-8B heads; CUDA events, median of {timer.reps} "
+        f"after {timer.warmup} warm-up calls; SDPA: the faster of flash and memory-efficient on bf16 K/V.", "",
+        table(rows, sdpa, copy_gbps)])
+    print(body)
+    if args.write and not args.smoke:
+        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)
+    return body
+
+
+if __name__ == "__main__":
+    main()
