@@ -47,7 +47,7 @@ from kvcomp.cache.host_syncs import HostSyncs  # noqa: E402
 from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import revision, write_section  # noqa: E402
+from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, without_cudnn_sdpa, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## End-to-end decode through the compressed caches (issue 20)"
@@ -273,14 +273,16 @@ def main(argv: list[str] | None = None) -> str:
     setting = SETTINGS[name]
     layers = 2 if args.smoke else args.layers
     models = build_models(setting, layers, device)
-    speed_rows = speed(setting, models, args.rows, device, log)
-    batch_rows = max_batch(setting, models, args.rows, device, log) if args.max_batch or args.smoke else []
-    agree_rows = agreement(setting, models, args.rows, device, log) if args.agreement or args.smoke else []
+    with without_cudnn_sdpa():
+        speed_rows = speed(setting, models, args.rows, device, log)
+        batch_rows = max_batch(setting, models, args.rows, device, log) if args.max_batch or args.smoke else []
+        agree_rows = agreement(setting, models, args.rows, device, log) if args.agreement or args.smoke else []
     body = tables(speed_rows, batch_rows, agree_rows, setting)
     if not args.smoke:
         command = "python scripts/bench_decode_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
         body = "\n".join([f"Command: `{command.strip()}` at revision {revision()}.", f"Machine: {machine(device)}.", "",
-                          f"Random-weight Llama, Llama-3.1-8B layer shapes, {layers} layers, bf16.", "", body])
+                          f"Random-weight Llama, Llama-3.1-8B layer shapes, {layers} layers, bf16; SDPA {SDPA_BACKENDS}.",
+                          "", body])
     print(body)
     if args.write and not args.smoke:
         write_section(ROOT / "BENCHMARKS.md", SECTION, body)

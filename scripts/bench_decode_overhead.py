@@ -46,7 +46,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import revision, write_section
+from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, without_cudnn_sdpa, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Decode-step overhead of the compressed cache (issue 14)"
@@ -211,7 +211,8 @@ def describe(name: str, args) -> str:
             f"MLP {m['intermediate_size']}, vocabulary {m['vocab_size']}; {str(s['dtype']).removeprefix('torch.')}; "
             f"random prompts ({', '.join(f'batch {b} x {p} tokens' for b, p in s['shapes'])}) prefilled in "
             f"{s['chunk']}-token chunks; {s['steps']} timed greedy "
-            f"decode steps after {s['warmup']} warm-up steps, rows in lockstep; median of {args.repeats} repeats.")
+            f"decode steps after {s['warmup']} warm-up steps, rows in lockstep; median of {args.repeats} repeats."
+            + (f" SDPA {SDPA_BACKENDS}." if name == "cuda" else ""))
 
 
 def subsection(name: str, device: torch.device, rows: list[dict], args, command: str) -> str:
@@ -293,7 +294,9 @@ def main(argv: list[str] | None = None) -> str:
             device = torch.device(name)
             if name == "cpu":
                 torch.set_num_threads(args.threads)
-            parts.append(subsection(name, device, measure(name, device, args.repeats, log), args, command.strip()))
+            with without_cudnn_sdpa():
+                rows = measure(name, device, args.repeats, log)
+            parts.append(subsection(name, device, rows, args, command.strip()))
         else:
             parts.append(kept_subsection(path, name) or unmeasured(name, args))
     body = "\n\n".join(parts)

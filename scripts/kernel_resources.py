@@ -50,7 +50,7 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
     keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
     query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
     valid = torch.ones(1, context, dtype=torch.bool)  # decode steps read the attention mask
-    _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, block_tokens=block_tokens, gpu=True)
+    _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, block_tokens=block_tokens)
     distinct = {}
     for launch in launches:
         constants = tuple((k, v) for k, v in launch.args.items() if k.isupper() or k == "num_warps")

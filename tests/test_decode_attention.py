@@ -65,14 +65,14 @@ def test_uniform_kernel_matches_the_reference(shape):
         out = decode_attention(query, keys, values, d**-0.5, valid, backend="triton", num_splits=splits)
         assert out.shape == (b, h * r, d)
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-    if group >= 16:  # the GPU's 16-token tiles (smaller groups cap every tile at the group)
-        gpu_tiles = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=3, gpu=True)
-        torch.testing.assert_close(gpu_tiles, reference, rtol=1e-5, atol=1e-5)
+    if group >= 16:  # the register path with 16-token tiles (smaller groups cap every tile at the group)
+        registers = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=3, dot=False, block_tokens=16)
+        torch.testing.assert_close(registers, reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("r, dot, d, group, key_axis", [
     (16, None, 32, 16, "per_channel"), (4, True, 32, 16, "per_channel"), (16, False, 32, 16, "per_channel"),
-    (4, True, 64, 8, "per_channel"), (4, None, 64, 16, "per_token"),
+    (4, True, 64, 8, "per_channel"), (4, False, 64, 16, "per_token"),
 ], ids=["r16-dot", "r4-forced-dot", "r16-registers", "gathered-parameters", "per-token-keys"])
 def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
     """Scores and P V as register reductions (the default up to 8 query heads per KV head) or as tl.dot; keys
@@ -185,9 +185,10 @@ def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
         reference = decode_attention_reference(query, segments, segments, d**-0.5, valid, rope)
         out = decode_attention(query, segments, segments, d**-0.5, valid, rope, backend="triton", num_splits=2)
         torch.testing.assert_close(out, reference, rtol=tolerance, atol=tolerance)
-        if dtype == torch.float32:  # the GPU's 8-token tiles
-            gpu_tiles = decode_attention_triton(query, segments, segments, d**-0.5, valid, key_rope=rope, num_splits=2, gpu=True)
-            torch.testing.assert_close(gpu_tiles, reference, rtol=tolerance, atol=tolerance)
+        if dtype == torch.float32:  # the register path with 8-token tiles
+            registers = decode_attention_triton(query, segments, segments, d**-0.5, valid, key_rope=rope, num_splits=2,
+                                                dot=False, block_tokens=8)
+            torch.testing.assert_close(registers, reference, rtol=tolerance, atol=tolerance)
 
 
 def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):
@@ -367,8 +368,8 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
     valid = torch.ones(b, 80, dtype=torch.bool)
     valid[0, :5] = False
     reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
-    for splits, gpu in ((None, True), (3, None)):  # the GPU's 8-token tiles, the interpreter's
-        out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits, gpu=gpu)
+    for splits, options in ((None, {}), (3, {"block_tokens": 8}), (2, {"dot": True})):  # defaults, small tiles, tl.dot
+        out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits, **options)
         assert ((out - reference).norm() / reference.norm()) < 1e-5
     assert not build_codec({**config, "group_size": 8}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)
 

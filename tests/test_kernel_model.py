@@ -99,7 +99,7 @@ from kvcomp.kernels.decode_attention_triton import decode_launches
 from kvcomp.kernels.resources import compile_launch
 h, d, t = 2, 128, 64
 kv = [torch.randn(1, h, t, d, dtype=torch.bfloat16)]
-_, launches = decode_launches(torch.randn(1, 2 * h, d, dtype=torch.bfloat16), kv, kv, d ** -0.5, gpu=True)
+_, launches = decode_launches(torch.randn(1, 2 * h, d, dtype=torch.bfloat16), kv, kv, d ** -0.5)
 instructions, looped = sm.tile_instructions(sm.disassemble(compile_launch(launches[0]).asm["cubin"]))
 counts = sm.count(instructions)
 print(looped, counts.classes["global load"], counts.classes["fma"], sm.bounds(counts, sm.Geometry(sm.SMS, 16, 1, 100, 0.0))["time"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -11,6 +12,19 @@ from pathlib import Path
 import torch
 
 LLAMA31_8B = dict(query_heads=32, kv_heads=8, head_dim=128)  # attention shapes of Llama-3.1-8B
+SDPA_BACKENDS = "flash, memory-efficient or math (cuDNN excluded)"
+
+
+@contextlib.contextmanager
+def without_cudnn_sdpa():
+    """SDPA restricted to its flash, memory-efficient and math kernels, for decode benchmarks. On an H200
+    with torch 2.11, transformers' ``sdpa`` attention dispatches to cuDNN, which builds a plan for every new
+    sequence length: 37 ms per decode step of a 4-layer model at batch 8 x 16K, against 3.4 ms with flash
+    (``scripts/profile_decode_step.py``, BENCHMARKS.md). The baseline would be ten times too slow."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 class Timer:

@@ -26,16 +26,13 @@ int64, so no offset overflows at a large batch x context. The step's attention m
 (one byte per cached token and sequence), so any mask runs in the kernel and nothing about it is checked
 on the host.
 
-Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), far below an MMA tile, so by
-default (``R <= 8``) scores and ``P V`` are computed one query row at a time, each a ``[BLOCK_T, C]``
-product reduced in registers (:func:`_row_scores`): no ``tl.dot``, whose operand conversions staged every
-decoded K/V tile through shared memory (110 KB per block, 12.5 % occupancy on an H100), and no
-``[R, BLOCK_T, C]`` broadcast, which needed 255 registers per thread with spills. Tiles are 16 tokens (8
-for codebook payloads and QJL's sketched keys) for 16 warps, compiled with ``maxnreg=128`` (the register
-file's share of a program; without it the ptxas of Triton 3.6 settles on 64 registers and spills): no
-spills for any format but QJL's under Triton 3.6 (``scripts/kernel_resources.py``). More query heads per
-KV head use ``tl.dot``. Channels are processed as two halves ``[0, D/2)`` and ``[D/2, D)``, which
-is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
+Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
+``P V`` are still ``tl.dot`` products over the query rows padded to 16, with 4 warps and 32-token tiles:
+measured on an H200, that is the fastest of the configurations tried for packed-int and codebook payloads
+(``scripts/sweep_decode_kernel.py``). QJL's sketched keys are faster on the register path: one query row at
+a time, each a ``[BLOCK_T, C]`` product reduced in registers (:func:`_row_scores`), also 4 warps and
+32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
+``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
 against the matching query sub-vectors (:func:`_packed_scores`) or weighted into a field-major
@@ -69,12 +66,12 @@ from kvcomp.stages.jl_sketch import estimator_scale
 DENSE, UNIFORM, CODEBOOK, SKETCH = 0, 1, 2, 3
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
-# Warps per split program on the register path: its tiles then take at most 128 registers per thread for
-# every format, with no spills, so at least one program (25 % occupancy) is resident per multiprocessor
-# on sm_90; 4 warps took 168-255 registers with spills (scripts/kernel_resources.py, BENCHMARKS.md).
-REGISTER_PATH_WARPS = 16
-INTERPRETER_TILE = 32  # tokens per tile under TRITON_INTERPRET (tests pass the GPU's tiles explicitly too)
-CODEBOOK_TILE = 8  # tokens per tile of codebook payloads on the register path (no spills, see _tile_tokens)
+# Launch defaults, measured on an H200 (BENCHMARKS.md, "Launch configurations of the fused decode kernel",
+# scripts/sweep_decode_kernel.py): 4 warps per split program and 32-token tiles; ``tl.dot`` for scores and
+# P V except over QJL's sketched keys, which are fastest on the register path. The former defaults (16 warps,
+# 16-token tiles, register path) were 3-10x slower: their per-tile reductions crossed 16 warps.
+WARPS = 4
+TILE = 32
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 SKETCH_STRIDES = ("sk_out_s_b", "sk_out_s_h", "sk_onorm_s_b", "sk_onorm_s_h", "sk_ch_s_b", "sk_ch_s_h")
 
@@ -728,21 +725,13 @@ def _packed(segment: Segment, d: int, dot: bool) -> bool:
     return not width & (width - 1) and (width >= 16 or not dot)
 
 
-def _tile_tokens(block_tokens: int, gpu_defaults: bool, dot: bool, block_r: int, *segments: Segment) -> int:
+def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
     """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
     16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`), and
-    for QJL's sketched keys at most their group. ``gpu_defaults`` (the default tiles on a GPU, register
-    path): :data:`CODEBOOK_TILE` tokens for codebook payloads, and for sketched keys at most 8 K sign bits x
-    query rows (at least 8 tokens): no spills on sm_90 with the ptxas of Triton 3.6 and 3.9, QJL's under
-    3.6 aside (``scripts/kernel_resources.py``)."""
+    for QJL's sketched keys at most their group."""
     for segment in segments:
         if isinstance(segment, SketchReader):  # within one group of outlier channels
             block_tokens = min(block_tokens, segment.keys.group_size)
-            if gpu_defaults:
-                rows = triton.next_power_of_2(segment.keys.sketch_dim)
-                block_tokens = min(block_tokens, max(8, 8192 // (rows * block_r)))
-        if isinstance(segment, CodebookReader) and gpu_defaults:
-            block_tokens = min(block_tokens, CODEBOOK_TILE)
         group = getattr(segment, "group_size", 0)
         if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
             block_tokens = group
@@ -821,19 +810,17 @@ def decode_launches(
     num_splits: int | None = None,
     block_tokens: int | None = None,
     dot: bool | None = None,
-    gpu: bool | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
-    ``P V`` (default: only above 8 query heads per KV head, see the module docstring); ``block_tokens``:
-    tokens per tile (default: 64 with ``tl.dot``, else 16 on a GPU, fewer for
-    codebook payloads and sketched keys, :func:`_tile_tokens`; :data:`INTERPRETER_TILE` on the CPU). ``gpu``:
-    size tiles for a GPU (default: whether the query is on one; ``scripts/kernel_resources.py`` compiles CPU
-    tensors for sm_90). ``num_warps``: warps per split program (default: 4 with ``tl.dot``, else
-    :data:`REGISTER_PATH_WARPS`); on the register path a program may take the register file's share of its warps."""
+    ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
+    :data:`WARPS`); ``block_tokens``: tokens per tile (default :data:`TILE`, fewer where a payload's groups
+    need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
+    register path a program may take the register file's share of its warps). The launches do not depend on
+    the device: ``scripts/kernel_resources.py`` compiles those of CPU tensors for sm_90."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -841,13 +828,11 @@ def decode_launches(
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
     device = query.device
-    dot = r > 8 if dot is None else dot
+    if dot is None:
+        dot = r > 8 or not any(isinstance(segment, SketchReader) for segment in key_segments)
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    gpu = device.type == "cuda" if gpu is None else gpu
-    gpu_defaults = block_tokens is None and not dot and gpu
-    if block_tokens is None:  # the interpreter runs a tile per Python step: larger tiles on the CPU
-        block_tokens = 64 if dot else 16 if gpu else INTERPRETER_TILE
-    num_warps = num_warps or (4 if dot else REGISTER_PATH_WARPS)
+    block_tokens = block_tokens or TILE
+    num_warps = num_warps or WARPS
     # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
     registers = {} if dot else {"maxnreg": min(255, 65536 // (32 * num_warps))}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
@@ -889,7 +874,7 @@ def decode_launches(
         encoded = [s for s in (keys, values) if s is not None]
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
-                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, gpu_defaults, dot, block_r, *encoded), DOT=dot,
+                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, *encoded), DOT=dot,
                     PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
                     PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
                     num_warps=num_warps, **registers)
