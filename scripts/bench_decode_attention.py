@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +36,7 @@ from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, revision, write_section
+from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.payloads import RotaryPositions
 
@@ -289,10 +288,7 @@ def main(argv=None) -> str:
     mem_rows = memory_rows({name: CODECS[name] for name in args.codecs}, context_mem, memory_gb * 1e9)
     command = " ".join(["python scripts/bench_decode_attention.py", *(argv if argv is not None else sys.argv[1:])])
     body = tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, device_name(device), memory_gb, timer, command)
-    print(body)
-    if args.write and not args.smoke:
-        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)
-    return body
+    return publish(SECTION, body, args.write and not args.smoke)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ from kvcomp.cache.host_syncs import HostSyncs  # noqa: E402
 from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, without_cudnn_sdpa, write_section  # noqa: E402
+from kvcomp.kernels import sdpa_without_cudnn  # noqa: E402
+from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## End-to-end decode through the compressed caches (issue 20)"
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> str:
     setting = SETTINGS[name]
     layers = 2 if args.smoke else args.layers
     models = build_models(setting, layers, device)
-    with without_cudnn_sdpa():
+    with sdpa_without_cudnn():
         speed_rows = speed(setting, models, args.rows, device, log)
         batch_rows = max_batch(setting, models, args.rows, device, log) if args.max_batch or args.smoke else []
         agree_rows = agreement(setting, models, args.rows, device, log) if args.agreement or args.smoke else []

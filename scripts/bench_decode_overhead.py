@@ -46,7 +46,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, without_cudnn_sdpa, write_section
+from kvcomp.kernels import sdpa_without_cudnn
+from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Decode-step overhead of the compressed cache (issue 14)"
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> str:
             device = torch.device(name)
             if name == "cpu":
                 torch.set_num_threads(args.threads)
-            with without_cudnn_sdpa():
+            with sdpa_without_cudnn():
                 rows = measure(name, device, args.repeats, log)
             parts.append(subsection(name, device, rows, args, command.strip()))
         else:

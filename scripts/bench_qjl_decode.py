@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, revision, write_section
+from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
 
@@ -158,10 +157,7 @@ def main(argv=None) -> str:
         rows = [row for batch in batches for context in contexts for row in bench_shape(codec, batch, context, timer, device, l2_bytes)]
         sections.append(markdown(rows, name, setting))
     body = "\n\n".join(sections)
-    print(body)
-    if args.write and not args.smoke:
-        write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, body)
-    return body
+    return publish(SECTION, body, args.write and not args.smoke)
 
 
 if __name__ == "__main__":

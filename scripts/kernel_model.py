@@ -11,6 +11,7 @@ run on CPU tensors; its kernels are compiled, never run).
     PYTHONPATH=/tmp/t36 python scripts/kernel_model.py          # Triton 3.6, as on the GPU machine (see
                                                                 # scripts/kernel_resources.py for /tmp/t36)
     python scripts/kernel_model.py --codecs kivi-2 --no-old     # today's KIVI-2 only
+    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --sweep BENCHMARKS.md   # every measured launch configuration
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa: E402
+from sweep_decode_kernel import CONFIGS as SWEEP_CONFIGS  # noqa: E402
+from sweep_decode_kernel import SECTION as SWEEP_SECTION  # noqa: E402
 
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.codecs.base import Request  # noqa: E402
@@ -88,23 +91,26 @@ def step_time(parts: list[tuple[dict, Geometry]]) -> tuple[float, list[dict]]:
     return sum(f["time"] for f in found), found
 
 
-def today_step(name: str, shapes) -> dict:
-    """Predicted ms per shape of today's split + merge launches of ``name``."""
+def today_step(name: str, shapes, options: dict | None = None) -> dict:
+    """Predicted ms per shape of today's split + merge launches of ``name`` (``options`` of
+    :func:`~kvcomp.kernels.decode_attention_triton.decode_launches`: a launch configuration)."""
+    options = options or {}
     codec = codec_for(name)
     keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
     query = torch.randn(1, H * R, D, dtype=torch.bfloat16)
-    _, launches = today.decode_launches(query, keys, values, D**-0.5, torch.ones(1, SMALL, dtype=torch.bool), rope)
+    _, launches = today.decode_launches(query, keys, values, D**-0.5, torch.ones(1, SMALL, dtype=torch.bool), rope, **options)
+    block = options.get("block_tokens") or today.TILE
     splits, merge = launches[:-1], launches[-1]
     found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields")) for launch in splits]
     merged = analysed(merge)
     out = {}
     for batch, context in shapes:
-        plan = today._plan(*stream_bounds(codec, context), batch * H, SMS, 16, None)
+        plan = today._plan(*stream_bounds(codec, context), batch * H, SMS, block, None)
         if len(plan) != len(splits):
             raise RuntimeError(f"{name}: {len(plan)} launches at {context} tokens, {len(splits)} compiled at {SMALL}")
         parts, slots = [], 0
         for (lo, hi, _, _, tiles, n), launch, a in zip(plan, splits, found):
-            per_program = math.ceil(math.ceil(tiles / n) * 16 / launch.args["BLOCK_T"])
+            per_program = math.ceil(math.ceil(tiles / n) * block / launch.args["BLOCK_T"])
             parts.append((a, Geometry(batch * H * n, a["num_warps"], a["resident"], per_program,
                                       nbytes * batch * (hi - lo) / SMALL)))
             slots += n
@@ -201,6 +207,66 @@ def spearman_agrees(predicted: dict, measured: dict) -> bool:
     return sorted(predicted, key=predicted.get) == sorted(measured, key=measured.get)
 
 
+def measured_sweep(path: Path) -> dict:
+    """``{(codec, batch, context): {configuration: ms}}`` from the launch-configuration section of BENCHMARKS.md
+    (``scripts/sweep_decode_kernel.py --write`` on a GPU)."""
+    text = path.read_text()
+    start = text.find(SWEEP_SECTION)
+    if start < 0:
+        raise SystemExit(f"{path} has no section {SWEEP_SECTION!r}: run scripts/sweep_decode_kernel.py --write on a GPU first")
+    end = text.find("\n## ", start + len(SWEEP_SECTION))
+    out = {}
+    for line in text[start : end if end >= 0 else len(text)].splitlines():
+        cells = [c.strip() for c in line.strip(" |").split(" | ")]
+        if len(cells) == 9 and cells[1][:1].isdigit() and not cells[3].startswith("failed"):
+            batch, context = (int(x) for x in cells[1].split(" x "))
+            out.setdefault((cells[0], batch, context), {})[cells[2]] = float(cells[3])
+    return out
+
+
+def concordance(predicted: dict, measured: dict) -> float:
+    """Fraction of the pairs of configurations that the predicted times order as the measured ones."""
+    names = list(measured)
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
+    agree = sum((predicted[a] - predicted[b]) * (measured[a] - measured[b]) > 0 for a, b in pairs)
+    return agree / len(pairs)
+
+
+# The first row of the sweep measured at eccd507, before b1ee781 changed the defaults: the register path with
+# 16 warps and 16-token tiles (8 for codebook payloads and QJL's sketched keys)
+FORMER_DEFAULT = "default (register path, 16 warps, 16-token tiles)"
+
+
+def sweep_options(label: str, name: str) -> dict:
+    if label == FORMER_DEFAULT:
+        return dict(dot=False, num_warps=16, block_tokens=16 if name.startswith("kivi") else 8)
+    return SWEEP_CONFIGS[label]
+
+
+def sweep_check(path: Path) -> list[str]:
+    """The model's prediction of every measured launch configuration (``scripts/sweep_decode_kernel.py``)."""
+    measured = measured_sweep(path)
+    lines = [f"Launch configurations measured by `scripts/sweep_decode_kernel.py` ({path.name}, H200) against the "
+             "model (an H100's figures; these kernels are not DRAM-bound, and both cards have 132 SMs at up to 1.98 GHz):",
+             "", "| codec | batch x context | configuration | predicted ms | bound | measured ms | ratio |",
+             "|---|---|---|---:|---|---:|---:|"]
+    summary = []
+    for (name, batch, context), times in measured.items():
+        predicted = {}
+        for label, ms in times.items():
+            seconds, parts = today_step(name, [(batch, context)], sweep_options(label, name))["shapes"][(batch, context)]
+            predicted[label] = seconds * 1e3
+            bound = max((v, k) for k, v in parts[0].items() if k != "time")[1]
+            lines.append(f"| {name} | {batch} x {context // 1024}K | {label} | {predicted[label]:.3f} | {bound} | {ms:.3f} | "
+                         f"{predicted[label] / ms:.2f} |")
+        ratios = [predicted[k] / times[k] for k in times]
+        best = min(times, key=times.get)
+        summary.append(f"- {name} at {batch} x {context // 1024}K: ratio {min(ratios):.2f}-{max(ratios):.2f}; "
+                       f"{100 * concordance(predicted, times):.0f} % of configuration pairs ordered as measured; "
+                       f"fastest measured: {best}, predicted: {min(predicted, key=predicted.get)}")
+    return lines + [""] + summary
+
+
 def tile_table(rows: list[tuple[str, dict]]) -> list[str]:
     out = ["| kernel | launch | warps | registers | shared (B) | resident programs / SM | instructions / tile / warp | "
            "global loads (by bytes per lane) | shared ld / st | fma / alu | shuffles | conversions | MUFU | BAR.SYNC | "
@@ -221,10 +287,16 @@ def main(argv=None) -> str:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent, help="git checkout holding 9c57ff6")
     parser.add_argument("--commit", default="9c57ff6", help="the measured commit")
     parser.add_argument("--no-old", action="store_true", help="only today's kernels")
+    parser.add_argument("--sweep", type=Path, metavar="BENCHMARKS.md",
+                        help="only: predict every launch configuration measured in this file's sweep section")
     args = parser.parse_args(argv)
     # a fresh kernel cache: a cached kernel of the same source carries the line numbers of the file it was
     # first compiled from, and the L1 term matches SASS, TTGIR and interpreted accesses by source line
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_model_")
+    if args.sweep:
+        body = "\n".join(sweep_check(args.sweep))
+        print(body)
+        return body
     lines, tiles = [], []
     if not args.no_old:
         split = old_module(args.repo, args.commit, "kvcomp/kernels/decode_attention_triton.py")

@@ -320,6 +320,22 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
     assert "| temporalkv-2 |" in table.split("Prefill encode")[1]
 
 
+def test_launch_configuration_sweep_runs_on_the_interpreter():
+    """scripts/sweep_decode_kernel.py --smoke: each configuration (here the default tl.dot launch and the register
+    path with 8 warps) runs, is timed and is checked against the float64 reference inside the script."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "sweep_decode_kernel.py"
+    spec = importlib.util.spec_from_file_location("sweep_decode_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.main(["--smoke", "--codecs", "kivi-2", "--configs", "0", "2"])
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| kivi-2 | 1 x 160 |")]
+    assert [row[2] for row in rows] == list(module.CONFIGS)[0:3:2]
+    assert all(float(row[3]) > 0 and 0 < float(row[-1].rstrip(" |")) < 1e-2 for row in rows)
+
+
 def test_a_steps_launch_plan_is_computed_once_for_all_layers():
     from kvcomp.kernels.decode_attention_triton import _plan, decode_attention_triton
 

@@ -59,3 +59,16 @@ def test_every_decode_launch_compiles_for_sm90_without_spills():
         assert 0 < registers <= 255, row
         assert spill_stores == spill_loads == 0, row
         assert row[8].rstrip(" |") != "0%", row
+
+
+def test_sdpa_without_cudnn_leaves_flash_memory_efficient_and_math():
+    """Decode steps on a GPU avoid cuDNN's SDPA, which builds a plan per sequence length (BENCHMARKS.md)."""
+    import torch
+
+    from kvcomp.kernels import sdpa_without_cudnn
+
+    with sdpa_without_cudnn():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored

@@ -4,6 +4,7 @@ attention then reads)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -16,7 +17,7 @@ from kvcomp.cache.rows import ByRows
 from kvcomp.cache.step import LayerStep, PaddedRows, Step, StepLayer, row_pads
 from kvcomp.codecs.base import attention_layer_types
 from kvcomp.errors import unknown_choice
-from kvcomp.kernels import KERNEL_BACKENDS
+from kvcomp.kernels import KERNEL_BACKENDS, sdpa_without_cudnn
 
 ATTENTION_NAME = "kvcomp"
 STEP_ARGUMENT = "kvcomp_step"  # the decoder's keyword argument that carries the Step down to the attention modules
@@ -27,11 +28,13 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
                          kvcomp: LayerStep | None = None, **kwargs):
     """Attention of one module: with a :class:`LayerStep` (a :class:`StepLayer` of the cache), the layer stores
     the fresh ``key``/``value`` and returns what attention reads (per row group: :class:`ByRows`); otherwise (other caches, uncompressed
-    sliding-window layers) transformers' SDPA over ``key``/``value``."""
+    sliding-window layers) transformers' SDPA over ``key``/``value``, for single-token forwards on a GPU without
+    its cuDNN kernel (:func:`~kvcomp.kernels.sdpa_without_cudnn`)."""
     def attend(query, mask, read):
         if isinstance(read, Reads):
             return read.attend(query, mask, scaling, kvcomp.step)[0]
-        return sdpa_attention_forward(module, query, *read, mask, dropout, scaling, is_causal, **kwargs)[0]
+        with sdpa_without_cudnn() if query.is_cuda and query.shape[2] == 1 else contextlib.nullcontext():
+            return sdpa_attention_forward(module, query, *read, mask, dropout, scaling, is_causal, **kwargs)[0]
 
     if kvcomp is None:
         return attend(query, attention_mask, (key, value)), None

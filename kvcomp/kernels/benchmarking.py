@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import subprocess
@@ -15,16 +14,6 @@ LLAMA31_8B = dict(query_heads=32, kv_heads=8, head_dim=128)  # attention shapes 
 SDPA_BACKENDS = "flash, memory-efficient or math (cuDNN excluded)"
 
 
-@contextlib.contextmanager
-def without_cudnn_sdpa():
-    """SDPA restricted to its flash, memory-efficient and math kernels, for decode benchmarks. On an H200
-    with torch 2.11, transformers' ``sdpa`` attention dispatches to cuDNN, which builds a plan for every new
-    sequence length: 37 ms per decode step of a 4-layer model at batch 8 x 16K, against 3.4 ms with flash
-    (``scripts/profile_decode_step.py``, BENCHMARKS.md). The baseline would be ten times too slow."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
 
 
 class Timer:
@@ -94,3 +83,11 @@ def write_section(path: Path, section: str, body: str) -> None:
         return
     end = text.find("\n## ", start + len(section))
     path.write_text(text[:start] + block + (text[end:] if end >= 0 else ""))
+
+
+def publish(section: str, body: str, write: bool) -> str:
+    """Print a benchmark's tables and, with ``write``, replace its section of the checkout's BENCHMARKS.md."""
+    print(body)
+    if write:
+        write_section(Path(__file__).resolve().parents[2] / "BENCHMARKS.md", section, body)
+    return body
