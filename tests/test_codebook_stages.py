@@ -6,6 +6,7 @@ import torch
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.normalization import MODES, ChannelStats, Normalizer, quantile
 from kvcomp.stages.outliers import OutlierSelector
+from kvcomp.stages.ranges import deferred_range_checks
 
 LAYOUTS = {
     "temporal": ChunkLayout(time_len=4, channel_len=1, group_channels=4),
@@ -96,3 +97,26 @@ def test_outliers_keep_the_most_extreme_entries_per_token_exactly():
     assert selector.paper_bits_per_value() == pytest.approx(0.16)
     assert selector.bits_per_value(2, 50) == pytest.approx(32 / 100)
     assert OutlierSelector(0.0).count(2, 50) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_normalize_moves_nothing_from_the_cpu_to_the_device_of_its_input(mode, monkeypatch):
+    """With the statistics on the input's device, normalising a block copies no CPU tensor to that device: on
+    a GPU each such copy synchronises the host (16 per decode step of ChannelKV on an H200, BENCHMARKS.md).
+    The meta device stands in for the GPU."""
+    x = torch.randn(2, 3, 8, 16)
+    stats = ChannelStats(*(t.to("meta") for t in vars(ChannelStats.of(x)).values()))
+    moved = []
+    original = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type == "meta":
+            moved.append(tuple(self.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    with deferred_range_checks([]):  # as a cache with check_finite="deferred" encodes
+        z, scale, _ = Normalizer(mode, torch.float16).normalize(x.to("meta"), stats)
+    assert z.device.type == scale.device.type == "meta"
+    assert moved == [(2, 3, 8, 16)]  # the test's own x only

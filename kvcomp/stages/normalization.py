@@ -122,9 +122,9 @@ class Normalizer:
         """``x [B, H, T, D]`` -> ``(z, scale, stored)``: ``scale`` broadcasts to ``x``; ``stored`` holds
         the per-token parameters ``[B, 1, T]`` the decoder needs (rounded to ``param_dtype``)."""
         stored: dict[str, torch.Tensor] = {}
-        if self.mode == "none":
-            center, scale = torch.zeros(()), torch.ones(())
-        elif self.mode == "channel_zscore":
+        if self.mode == "none":  # made on x's device: a CPU scalar moved there is a host sync per encode on a GPU
+            return x.float(), torch.ones((), device=x.device), stored
+        if self.mode == "channel_zscore":
             center, scale = _per_channel(stats.mean), _per_channel(stats.std.clamp_min(TINY))
         elif self.mode == "channel_range":
             center, scale = _per_channel(stats.mean), _per_channel(stats.half_range)
