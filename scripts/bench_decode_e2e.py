@@ -48,7 +48,7 @@ from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels import sdpa_without_cudnn  # noqa: E402
-from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, write_section  # noqa: E402
+from kvcomp.kernels.benchmarking import SDPA_BACKENDS, batch_by_context, revision, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## End-to-end decode through the compressed caches (issue 20)"
@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=at_least(1), default=4)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    parser.add_argument("--shapes", nargs="+", type=batch_by_context, metavar="BATCHxCONTEXT",
+                        help="speed rows only at these shapes (default: 8 and 16 x 16K and 32K)")
     parser.add_argument("--max-batch", action="store_true", help="also search the largest batch at 32K tokens")
     parser.add_argument("--agreement", action="store_true", help="also compare the fused and torch paths")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
@@ -272,6 +274,8 @@ def main(argv: list[str] | None = None) -> str:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     setting = SETTINGS[name]
+    if args.shapes and not args.smoke:
+        setting = {**setting, "shapes": tuple(args.shapes)}
     layers = 2 if args.smoke else args.layers
     models = build_models(setting, layers, device)
     with sdpa_without_cudnn():

@@ -8,7 +8,8 @@
 #   1. scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write
 #      (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row)
 #   2. scripts/bench_qjl_decode.py --contexts 8192 32768 --write
-#   3. scripts/bench_decode_e2e.py --agreement --write
+#   3. scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write (all four shapes and the
+#      agreement table took more than 160 s on an H200)
 #   4. Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
 #   5. scripts/bench_decode_overhead.py --device cuda --write
 #   sweep: scripts/sweep_decode_kernel.py --write (launch configurations); profile: scripts/profile_decode_step.py
@@ -44,7 +45,7 @@ run() {  # run STEP: one named benchmark
     case $1 in
     attention) step attention "${ATTENTION_S:-170}" python3 scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write ;;
     qjl) step qjl "${QJL_S:-60}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
-    e2e) step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --write ;;
+    e2e) step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write ;;
     ncu) command -v ncu >/dev/null && step ncu "${NCU_S:-50}" ncu --clock-control none --section SpeedOfLight \
             --section Occupancy --section LaunchStats --section WarpStateStats -k regex:_split_kernel --launch-count 1 \
             python3 scripts/bench_decode_attention.py --contexts 32768 --batches 16 --codecs kivi-2 --reps 1 --warmup 0 \

@@ -24,7 +24,7 @@ from bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import (  # noqa: E402
-    LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision,
+    LLAMA31_8B, Timer, batch_by_context, buffer_sets, device_name, l2_cache_bytes, publish, revision,
 )
 from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
@@ -98,7 +98,7 @@ def table(rows: list[dict], sdpa: dict, copy_gbps: float) -> str:
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["16x32768", "1x32768"], help="BATCHxCONTEXT")
+    parser.add_argument("--shapes", nargs="+", type=batch_by_context, default=[(16, 32768), (1, 32768)], metavar="BATCHxCONTEXT")
     parser.add_argument("--codecs", nargs="+", default=["kivi-2", "temporalkv-2", "qjl"], choices=list(CODECS))
     parser.add_argument("--configs", nargs="+", type=int, help="indices into CONFIGS (default: all)")
     parser.add_argument("--warmup", type=at_least(0), default=5)
@@ -115,7 +115,7 @@ def main(argv=None) -> str:
         if not torch.cuda.is_available():
             raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
         device, timer = torch.device("cuda"), Timer(torch.device("cuda"), args.warmup, args.reps)
-        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+        shapes = args.shapes
     l2_bytes = l2_cache_bytes(device)
     info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
     generator = torch.Generator().manual_seed(0)

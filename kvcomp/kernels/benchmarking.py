@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -83,6 +84,17 @@ def write_section(path: Path, section: str, body: str) -> None:
         return
     end = text.find("\n## ", start + len(section))
     path.write_text(text[:start] + block + (text[end:] if end >= 0 else ""))
+
+
+def batch_by_context(text: str) -> tuple[int, int]:
+    """An argparse type: ``BATCHxCONTEXT`` (e.g. ``16x32768``) as ``(batch, context)``."""
+    try:
+        batch, context = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        batch = context = 0
+    if batch < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected BATCHxCONTEXT with positive integers, e.g. 16x32768")
+    return batch, context
 
 
 def publish(section: str, body: str, write: bool) -> str:
