@@ -38,7 +38,7 @@ from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
-from kvcomp.kernels.payloads import RotaryPositions
+from kvcomp.kernels.payloads import Float8Reader, RotaryPositions
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
@@ -48,6 +48,7 @@ CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     "channelkv-2": {"name": "channelkv", "bits": 2},
     "kvquant-2": {"name": "kvquant", "bits": 2},
     "qjl": {"name": "qjl", "initial_layers": 0},  # the authors' general layer: 256 + 256 sign bits, 2-bit values
+    "fp8": {"name": "fp8"},  # vLLM's fp8 (e4m3, one scale per tensor), read natively
 }
 WEIGHT_BYTES = 8.03e9 * 2  # Llama-3.1-8B in bf16
 ROPE_THETA = 500000.0
@@ -76,12 +77,15 @@ def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload
     parameters (positive scales): the layout of a real one without encoding gigabytes first."""
     block = codec.policy(kind, 0).block_size
     probe = codec.encode(Request(0, kind, tokens=torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device)))
+    float8 = isinstance(codec.payload_reader(probe, kind, 0), Float8Reader)
     tensors = {}
     for name, t in probe.tensors.items():
         shape = (batch, t.shape[1], t.shape[2] * tokens // block, *t.shape[3:])
         if t.dtype == torch.uint8:  # codes and sign bits; QJL's outlier channel ids stay channels
             high = codec.model.head_dim if name == "outlier_channels" else 256
             tensors[name] = torch.randint(0, high, shape, dtype=torch.uint8, device=device)
+            if float8:  # the exponent's top bit cleared: finite values, no NaN or Inf bit patterns
+                tensors[name] &= 0xBF
         elif "scale" in name:
             tensors[name] = (torch.rand(shape, device=device) * 0.2 + 0.05).to(t.dtype)
         else:

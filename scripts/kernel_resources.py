@@ -37,7 +37,7 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
 SECTION = f"## Decode kernel resources on sm_90, Triton {triton.__version__} (static, compiled without a GPU)"
-FORMATS = {0: "dense", 1: "packed ints", 2: "codebook", 3: "QJL sign bits"}
+FORMATS = {0: "dense", 1: "packed ints", 2: "codebook", 3: "QJL sign bits", 4: "float8"}
 QJL_LAYER = 31  # a layer past QJL's initial_layers: the authors' 256 + 256 sign bits per key
 
 

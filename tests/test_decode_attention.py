@@ -70,6 +70,34 @@ def test_uniform_kernel_matches_the_reference(shape):
         torch.testing.assert_close(registers, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["tensor-scale", "token-head-scale"])
+def test_float8_payloads_are_read_natively(fmt, per_token):
+    """vLLM's fp8 caches (:class:`Float8Reader`): float8 values loaded by the kernel and scaled per tensor or
+    per token and head, between full-precision sinks and a tail, on the default (tl.dot) and register paths."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.payloads import Float8Reader
+    from kvcomp.stages.minifloat import FLOAT8, float8_max, to_float8, token_head_scale
+
+    gen = torch.Generator().manual_seed(8)
+    b, h, r, d, n = 2, 2, 4, 32, 70
+    dtype = FLOAT8[fmt]
+    x = {kind: 3 * torch.randn(b, h, n, d, generator=gen) for kind in ("key", "value")}
+    readers = {}
+    for kind, tokens in x.items():
+        scale = token_head_scale(tokens, float8_max(dtype)) if per_token else torch.tensor(0.05)
+        readers[kind] = Float8Reader(n, d, to_float8(tokens / scale, dtype), dtype, scale)
+    sinks, tail = torch.randn(b, h, 2, d, generator=gen), torch.randn(b, h, 9, d, generator=gen)
+    keys, values = [sinks, readers["key"], tail], [sinks, readers["value"], tail]
+    query = torch.randn(b, h * r, d, generator=gen)
+    valid = _mask(b, 2 + n + 9, gen)
+    reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
+    assert (readers["key"].dequantize_unrotated() - x["key"]).abs().max() < 0.3 * x["key"].abs().max()  # float8 rounding
+    for options in ({"num_splits": 3}, {"dot": False, "block_tokens": 16}):
+        out = decode_attention_triton(query, keys, values, d**-0.5, valid, **options)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("r, dot, d, group, key_axis", [
     (16, None, 32, 16, "per_channel"), (4, True, 32, 16, "per_channel"), (16, False, 32, 16, "per_channel"),
     (4, True, 64, 8, "per_channel"), (4, False, 64, 16, "per_token"),
@@ -295,6 +323,21 @@ def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):
     assert all(p.positions.recomputed for p in layer.parts)
 
 
+@pytest.mark.parametrize("config", [{"name": "fp8"}, {"name": "fp8", "scale": "token_head", "format": "e5m2"}],
+                         ids=["fp8", "fp8-per-token-head-e5m2"])
+@torch.no_grad()
+def test_fp8_decode_steps_read_the_float8_payloads(tiny_llama, config):
+    """vLLM's fp8 caches on the fused path: every token's float8 bytes are read by the kernel (nothing decoded),
+    the logits those of the torch path, and the reader decodes exactly what the codec decodes."""
+    codec = build_codec(config, info_of(tiny_llama))
+    x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(5))
+    payload = codec.encode(Request(1, "value", tokens=x))
+    assert torch.equal(codec.payload_reader(payload, "value", 1).dequantize(),
+                       codec.decode(payload, Request(1, "value", dtype=torch.float32)))
+    layer = _check_fused_generation(tiny_llama, codec)
+    assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+
+
 @torch.no_grad()
 def test_streaming_prefill_then_fused_decode(tiny_llama):
     codec = build_codec({"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2}, info_of(tiny_llama))
@@ -390,7 +433,7 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
     assert not build_codec({**config, "group_size": 8}, ModelInfo("tiny", 1, h, d)).fused_attention_supported(0)
 
 
-@pytest.mark.parametrize("name", ["kivi", "qjl", "temporalkv", "channelkv", "kvquant"])
+@pytest.mark.parametrize("name", ["kivi", "qjl", "temporalkv", "channelkv", "kvquant", "fp8"])
 def test_the_kernel_reads_a_cache_payload_in_place(tiny_llama, name, monkeypatch):
     """A payload store's views are narrowed along tokens from buffers with spare capacity, so they are not
     contiguous; the kernel reads them in place (by their sequence and head strides) instead of copying

@@ -19,7 +19,8 @@ Stored bits per value: 8 (``tensor``; the per-layer scales are model-level overh
 (``token_head``). ``skip_layers`` (vLLM's ``--kv-cache-dtype-skip-layers`` by index) keeps those codec layers in
 the model dtype (:mod:`kvcomp.stages.skip_layers`), counted at 16 bits. Differences from vLLM: rounding to
 float8 is torch's (round to nearest even) on float32 ``x / s``, where vLLM divides in the kernel's precision;
-the reader is the decode-to-float path, not a fused fp8 attention kernel.
+with ``kernel_backend=triton`` decode steps read the float8 payload in the fused decode-attention kernel
+(:class:`~kvcomp.kernels.payloads.Float8Reader`), not a vLLM kernel.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomp.codecs.base import Activations, Calibrated, Codec, CodecConfig, CodecState, Payload, Request, StreamPolicy
+from kvcomp.codecs.base import (
+    Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload, Request, StreamPolicy,
+)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.kernels.payloads import Float8Reader
 from kvcomp.stages.minifloat import FLOAT8, StreamScales, float8_max, from_float8, to_float8, token_head_scale
 from kvcomp.stages.ranges import saturated
 from kvcomp.stages.skip_layers import SKIPPED_BITS, skipped_layers
@@ -70,9 +74,9 @@ class FP8Config(CodecConfig):
 
 
 @register
-class FP8Codec(EngineFormatCodec, Calibrated):
+class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
     """Float8 keys and values with a per-tensor or a per-token-head scale (calibrated only with
-    ``tensor_scale=calibrated``)."""
+    ``tensor_scale=calibrated``); the fused decode kernel loads the float8 values natively."""
 
     name = "fp8"
     config_class = FP8Config
@@ -122,6 +126,15 @@ class FP8Codec(EngineFormatCodec, Calibrated):
         if scale is None:
             scale = self.stream_scales.get(request.layer, request.kind, values.device)
         return saturated(values * scale, request.dtype)
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> Float8Reader:
+        codes = payload.tensors["codes"]
+        scale = payload.tensors.get("scale")
+        if scale is None:
+            scale = self.stream_scales.get(layer_idx, kind, codes.device)
+            if not isinstance(scale, torch.Tensor):  # unfitted: 1.0, made on the device (no host-to-device copy)
+                scale = torch.full((), scale, device=codes.device)
+        return Float8Reader(payload.num_tokens, self.model.head_dim, codes, self.dtype, scale)
 
     def encoded_bits(self) -> float:
         return 8.0 if self.config.scale == "tensor" else 8.0 + 32.0 / self.model.head_dim

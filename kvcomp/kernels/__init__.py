@@ -5,7 +5,7 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
 - ``payloads``: the payload readers (one per format, with its torch decoding), the sketched keys and the
   fused encoder's layouts; imported by the references and the Triton launchers, importing neither;
 - ``decode_attention`` (reference, dispatch) / ``decode_attention_triton``: decode-step attention
-  reading packed uniform/KIVI and codebook payloads, split-K + merge;
+  reading packed uniform/KIVI, codebook, QJL-sketch and float8 payloads, split-K + merge;
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
   packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
 - ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;

@@ -9,7 +9,9 @@ and payload *readers* that say how a kernel decodes an encoded block in register
 - :class:`CodebookReader`: packed indices into per-(KV head, channel group) centroid tables, then the
   codec's normalisation undone (``x = z * scale_c * scale_t + center_c + center_t``; TemporalKV,
   ChannelKV, KVQuant);
-- :class:`SketchReader` (keys only): QJL's sign bits and norms, scored without decoding a key.
+- :class:`SketchReader` (keys only): QJL's sign bits and norms, scored without decoding a key;
+- :class:`Float8Reader`: float8 values loaded natively, times a per-tensor or per-(token, head) scale
+  (``x = fp8 * s``; vLLM's ``fp8`` and ``fp8_per_token_head`` caches).
 
 Keys of pre-RoPE codecs carry :class:`RotaryPositions`: the kernel rotates each decoded key by its
 position's angle ``pos * inv_freq`` (as the model's rotary embedding does) before the dot product.

@@ -4,8 +4,8 @@ Flash-decoding in two kernels:
 
 1. ``_split_kernel``: one program per (batch x KV head, slice of tokens). It loads the ``n_rep`` query
    heads of its KV head once, then for each tile of at most ``BLOCK_T`` tokens decodes K and V *in registers*
-   (dense load, packed-int dequantization, or codebook gather + denormalisation; keys of pre-RoPE
-   codecs rotated by their position), and updates an online softmax (base-2 exponentials). It writes
+   (dense load, packed-int dequantization, codebook gather + denormalisation, or a float8 load times its
+   scale; keys of pre-RoPE codecs rotated by their position), and updates an online softmax (base-2 exponentials). It writes
    the slice's normalised partial output and its log-sum-exp.
 2. ``_merge_kernel``: combines the partials of all slices per query head,
    ``out = sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)``.
@@ -54,6 +54,7 @@ import triton.language as tl
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.payloads import (
     CodebookReader,
+    Float8Reader,
     PayloadReader,
     RotaryPositions,
     Segment,
@@ -63,7 +64,7 @@ from kvcomp.kernels.payloads import (
 )
 from kvcomp.stages.jl_sketch import estimator_scale
 
-DENSE, UNIFORM, CODEBOOK, SKETCH = 0, 1, 2, 3
+DENSE, UNIFORM, CODEBOOK, SKETCH, FLOAT8 = 0, 1, 2, 3, 4
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 (BENCHMARKS.md, "Launch configurations of the fused decode kernel",
@@ -144,6 +145,12 @@ def _tile(
             s = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
             z = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
+    elif FMT == 4:  # float8 values (the pointer's element type) times a per-tensor or per-token scale
+        x = tl.load(data + t[:, None] * D + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        if TOKEN_SCALE:
+            x = x * tl.load(scale + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            x = x * tl.load(scale).to(tl.float32)
     else:  # codebook: gather the centroid entry, then undo the normalisation
         ROW_BYTES: tl.constexpr = (D // CL) * CODE_BITS // 8
         column = c // CL
@@ -659,6 +666,15 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
             static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
                           CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
                           TOKEN_CENTER=segment.token_center is not None)
+        elif isinstance(segment, Float8Reader):
+            (data,), data_s_b, data_s_h = _in_place(segment.codes.view(segment.dtype))
+            if segment.per_token:
+                (scale,), param_s_b, param_s_h = _in_place(segment.scale)
+            else:  # one value for every sequence and head
+                scale, param_s_b, param_s_h = segment.scale.float().reshape(1).contiguous(), 0, 0
+            runtime.update(data=data, scale=scale, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
+                           param_s_h=param_s_h)
+            static.update(FMT=FLOAT8, TOKEN_SCALE=segment.per_token)
         else:  # QJL's sketched keys; the rest of the format is in _sketch_args
             (data,), data_s_b, data_s_h = _in_place(segment.keys.signs)
             (norm,), param_s_b, param_s_h = _in_place(segment.keys.inlier_norm)

@@ -172,6 +172,24 @@ class SketchReader(PayloadReader):
         return reconstruct_keys(self.keys, self.head_dim)
 
 
+@dataclass
+class Float8Reader(PayloadReader):
+    """A float8 payload (vLLM's ``fp8`` / ``fp8_per_token_head`` caches, :mod:`kvcomp.codecs.fp8`): ``codes``
+    ``[B, H, T, D]`` of the float8 dtype ``dtype`` (its bit patterns), times ``scale``: one float32 value
+    (per tensor) or ``[B, H, T, 1]`` (per token and head). The kernel loads the float8 values natively."""
+
+    codes: torch.Tensor
+    dtype: torch.dtype
+    scale: torch.Tensor
+
+    @property
+    def per_token(self) -> bool:
+        return self.scale.dim() == 4
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        return self.codes.view(self.dtype).float() * self.scale.float()
+
+
 Segment = torch.Tensor | PayloadReader
 
 
