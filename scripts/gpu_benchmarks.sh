@@ -3,16 +3,18 @@
 #
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
-# Runs the steps named in STEPS (default: attention qjl e2e ncu overhead; also: sweep, profile), in that order,
+# Runs the steps named in STEPS (default: attention qjl e2e sweep ncu overhead; also: profile), in that order,
 # each under its own time limit so that a slow one cannot starve the rest:
 #   1. scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write
 #      (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row)
 #   2. scripts/bench_qjl_decode.py --contexts 8192 32768 --write
 #   3. scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write (all four shapes and the
 #      agreement table took more than 160 s on an H200)
-#   4. Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
-#   5. scripts/bench_decode_overhead.py --device cuda --write
-#   sweep: scripts/sweep_decode_kernel.py --write (launch configurations); profile: scripts/profile_decode_step.py
+#   4. scripts/sweep_decode_kernel.py --write (launch configurations of the decode kernel)
+#   5. Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
+#   6. scripts/bench_decode_overhead.py --device cuda --write
+#   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
+# The default limits add up to 550 s: call the device with timeout_s 590.
 # Each benchmark's log and the updated BENCHMARKS.md go to OUTDIR as soon as it ends. Wheels in .whl/
 # (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds can be
 # changed with ATTENTION_S, QJL_S, E2E_S, NCU_S, OVERHEAD_S, SWEEP_S and PROFILE_S.
@@ -43,19 +45,19 @@ step() {  # step NAME LIMIT COMMAND...
 
 run() {  # run STEP: one named benchmark
     case $1 in
-    attention) step attention "${ATTENTION_S:-170}" python3 scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write ;;
-    qjl) step qjl "${QJL_S:-60}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
-    e2e) step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write ;;
-    ncu) command -v ncu >/dev/null && step ncu "${NCU_S:-50}" ncu --clock-control none --section SpeedOfLight \
+    attention) step attention "${ATTENTION_S:-120}" python3 scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write ;;
+    qjl) step qjl "${QJL_S:-40}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
+    e2e) step e2e "${E2E_S:-150}" python3 scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write ;;
+    ncu) command -v ncu >/dev/null && step ncu "${NCU_S:-40}" ncu --clock-control none --section SpeedOfLight \
             --section Occupancy --section LaunchStats --section WarpStateStats -k regex:_split_kernel --launch-count 1 \
             python3 scripts/bench_decode_attention.py --contexts 32768 --batches 16 --codecs kivi-2 --reps 1 --warmup 0 \
             --encode-tokens 256 ;;
-    overhead) step overhead "${OVERHEAD_S:-60}" python3 scripts/bench_decode_overhead.py --device cuda --repeats "${OVERHEAD_REPEATS:-2}" --write ;;
-    sweep) step sweep "${SWEEP_S:-200}" python3 scripts/sweep_decode_kernel.py --write ;;
+    overhead) step overhead "${OVERHEAD_S:-50}" python3 scripts/bench_decode_overhead.py --device cuda --repeats "${OVERHEAD_REPEATS:-2}" --write ;;
+    sweep) step sweep "${SWEEP_S:-150}" python3 scripts/sweep_decode_kernel.py --write ;;
     profile) step profile "${PROFILE_S:-90}" python3 scripts/profile_decode_step.py ;;
     *) echo "unknown step $1; steps: attention qjl e2e ncu overhead sweep profile" ;;
     esac
 }
 
-for name in ${STEPS:-attention qjl e2e ncu overhead}; do run "$name"; done
+for name in ${STEPS:-attention qjl e2e sweep ncu overhead}; do run "$name"; done
 echo "=== done after $(( $(date +%s) - start ))s"
