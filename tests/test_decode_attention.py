@@ -98,6 +98,34 @@ def test_float8_payloads_are_read_natively(fmt, per_token):
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_rotated_payloads_are_read_by_rotating_the_query_and_the_output():
+    """A :class:`RotatedReader` (``x = inner @ R``) between sinks and a tail: its launches take ``q R^T`` and its
+    partial outputs are un-rotated before the one merge; keys and values with different rotations."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.payloads import RotatedReader
+
+    gen = torch.Generator().manual_seed(9)
+    b, h, r, d, n = 2, 2, 4, 32, 48
+    rotations = [torch.linalg.qr(torch.randn(d, d, generator=gen))[0] for _ in range(2)]
+    readers = []
+    for rotation in rotations:
+        inner, _ = _uniform(torch.randn(b, h, n, d, generator=gen), 4, d, "per_token")
+        readers.append(RotatedReader(n, d, inner, rotation))
+    sinks, tail = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 7, d, generator=gen)
+    keys, values = [sinks, readers[0], tail], [sinks, readers[1], tail]
+    query = torch.randn(b, h * r, d, generator=gen)
+    valid = _mask(b, 3 + n + 7, gen)
+    reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
+    for options in ({"num_splits": 3}, {"dot": False}):
+        torch.testing.assert_close(decode_attention_triton(query, keys, values, d**-0.5, valid, **options), reference,
+                                   rtol=1e-5, atol=1e-5)
+    only = decode_attention_triton(query, [readers[0]], [readers[1]], d**-0.5, valid[:, 3:3 + n])  # nothing else cached
+    torch.testing.assert_close(only, decode_attention_reference(query, [readers[0]], [readers[1]], d**-0.5, valid[:, 3:3 + n]),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rotated payload"):
+        decode_attention_triton(query, keys, [sinks, readers[1].inner, tail], d**-0.5, valid)
+
+
 @pytest.mark.parametrize("r, dot, d, group, key_axis", [
     (16, None, 32, 16, "per_channel"), (4, True, 32, 16, "per_channel"), (16, False, 32, 16, "per_channel"),
     (4, True, 64, 8, "per_channel"), (4, False, 64, 16, "per_token"),
@@ -336,6 +364,20 @@ def test_fp8_decode_steps_read_the_float8_payloads(tiny_llama, config):
                        codec.decode(payload, Request(1, "value", dtype=torch.float32)))
     layer = _check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+
+
+@torch.no_grad()
+def test_int4_token_head_decode_steps_rotate_the_query_not_the_cache(tiny_llama):
+    """vLLM's int4 per-token-head cache on the fused path: the payload is read in its rotated basis (the query
+    rotated, the output un-rotated), the logits those of the torch path, which decodes every token."""
+    codec = build_codec({"name": "int_token_head", "bits": 4}, info_of(tiny_llama))
+    x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(6))
+    payload = codec.encode(Request(1, "key", tokens=x))
+    torch.testing.assert_close(codec.payload_reader(payload, "key", 1).dequantize(),
+                               codec.decode(payload, Request(1, "key", dtype=torch.float32)), rtol=1e-5, atol=1e-5)
+    layer = _check_fused_generation(tiny_llama, codec)
+    assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+    assert not build_codec({"name": "int_token_head", "bits": 8}, info_of(tiny_llama)).fused_attention_supported(0)
 
 
 @torch.no_grad()

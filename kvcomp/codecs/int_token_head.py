@@ -18,8 +18,9 @@ from that head's values (:mod:`kvcomp.stages.minifloat`); keys and values alike:
 Stored bits per value: ``8 + 32 / head_dim`` or ``4 + 32 / head_dim`` (vLLM's page: ``head_dim`` or
 ``head_dim / 2`` bytes plus a float32 scale per token and head). ``skip_layers`` keeps codec layers in the
 model dtype (vLLM's ``--kv-cache-dtype-skip-layers``). Differences from vLLM: the rotation is computed in
-float32 and quantized as such (vLLM rounds it to the model dtype first); decoding returns ``x_hat`` instead of
-rotating the query and un-rotating the attention output (the same attention, up to float rounding).
+float32 and quantized as such (vLLM rounds it to the model dtype first); the torch path decodes ``x_hat``; with
+``kernel_backend=triton`` int4 decode steps rotate the query and un-rotate the attention output as vLLM does
+(:class:`~kvcomp.kernels.payloads.RotatedReader`; the same attention, up to float rounding).
 Older vLLM releases truncated int8 codes (an implicit float-to-int8 store) and stored int4 symmetrically
 (``[-8, 7]``, no rotation); this codec follows the current kernels.
 """
@@ -30,10 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomp.codecs.base import CodecConfig, Payload, Request
+from kvcomp.codecs.base import CodecConfig, FusedPayload, Payload, Request
 from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, NonFiniteKVError
+from kvcomp.kernels.payloads import RotatedReader, UniformReader
 from kvcomp.stages.hadamard import fwht, is_power_of_two
 from kvcomp.stages.minifloat import SCALE_FLOOR, round_half_away, token_head_scale
 from kvcomp.stages.packing import pack_bits, unpack_bits
@@ -70,8 +72,9 @@ class IntTokenHeadConfig(CodecConfig):
 
 
 @register
-class IntTokenHeadCodec(EngineFormatCodec):
-    """int8 (symmetric) or int4 (rotated, asymmetric) keys and values, one float32 scale per token and KV head."""
+class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
+    """int8 (symmetric) or int4 (rotated, asymmetric) keys and values, one float32 scale per token and KV head;
+    the fused decode kernel reads int4 payloads in the rotated basis (the query rotated, the output un-rotated)."""
 
     name = "int_token_head"
     config_class = IntTokenHeadConfig
@@ -87,6 +90,26 @@ class IntTokenHeadCodec(EngineFormatCodec):
     def build(self) -> None:
         super().build()
         self.signs = rht_signs(self.model.head_dim) if self.config.bits == 4 else None
+        self.on_device: dict = {}  # device -> (signs, rotation): moved once, not at every encode (a host sync)
+
+    def _rotation(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(d_1, R)`` on ``device``: ``R = H diag(d_1) / head_dim``, so that ``x_hat = y_hat @ R``."""
+        if device not in self.on_device:
+            d = self.model.head_dim
+            rotation = fwht(torch.eye(d)) * self.signs[None, :] / d
+            self.on_device[device] = (self.signs.to(device), rotation.to(device))
+        return self.on_device[device]
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        """int4 only: its codes are packed ints in the rotated basis; int8's are signed bytes."""
+        return self.config.bits == 4
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> RotatedReader:
+        """``y_hat = q s' - z s'`` per token and head (packed ints with zero ``-z s'``) in the rotated basis."""
+        scale, zero = reveal_zero(payload.tensors["scale"])
+        d = self.model.head_dim
+        inner = UniformReader(payload.num_tokens, d, payload.tensors["codes"], scale, -zero * scale, 4, d, False)
+        return RotatedReader(payload.num_tokens, d, inner, self._rotation(scale.device)[1])
 
     def encode(self, request: Request) -> Payload:
         x = request.tokens.float()
@@ -94,7 +117,7 @@ class IntTokenHeadCodec(EngineFormatCodec):
             scale = token_head_scale(x, 127.0)
             codes = round_half_away(x * (1.0 / scale)).clamp_(-128, 127).to(torch.int8)
             return Payload({"codes": codes, "scale": scale}, x.shape[2])
-        y = fwht(x * self.signs.to(x.device))
+        y = fwht(x * self._rotation(x.device)[0])
         lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
         scale = ((hi - lo) / LEVELS4).clamp_min(SCALE_FLOOR)
         if not range_fits(torch.isfinite(scale).all()):
@@ -113,7 +136,7 @@ class IntTokenHeadCodec(EngineFormatCodec):
         scale, zero = reveal_zero(stored)
         y = (unpack_bits(codes, 4, self.model.head_dim).float() - zero) * scale
         d = self.model.head_dim
-        return saturated(fwht(y / d) * self.signs.to(y.device), request.dtype)  # / d first: no overflow
+        return saturated(fwht(y / d) * self._rotation(y.device)[0], request.dtype)  # / d first: no overflow
 
     def encoded_bits(self) -> float:
         return self.config.bits + 32.0 / self.model.head_dim

@@ -57,6 +57,7 @@ from kvcomp.kernels.payloads import (
     Float8Reader,
     PayloadReader,
     RotaryPositions,
+    RotatedReader,
     Segment,
     SketchReader,
     UniformReader,
@@ -840,6 +841,8 @@ def decode_launches(
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
+    if any(isinstance(s, RotatedReader) for s in key_segments + value_segments):
+        raise ValueError("decode kernel: a rotated payload takes its own launches (decode_attention_triton)")
     h = _kv_heads(key_segments[0])
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
@@ -906,9 +909,50 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
                             valid: torch.Tensor | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
-    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`."""
+    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`.
+    A :class:`RotatedReader` payload is read in its own launches (:func:`_with_rotated_payload`)."""
+    if any(isinstance(s, RotatedReader) for s in key_segments + value_segments):
+        return _with_rotated_payload(query, key_segments, value_segments, scale, valid, **options)
     out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     with launch_device(query.device):
         for launch in launches:
             launch()
+    return out
+
+
+def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **options) -> torch.Tensor:
+    """Attention over a cache whose payload is stored in a rotated basis (one :class:`RotatedReader` segment of
+    keys and of values, over the same tokens): the payload's split launches take the query rotated
+    (``q rotation_k^T``), the other segments' take it as it is, the payload's partial outputs are un-rotated
+    (``@ rotation_v``), and one merge combines all slices (their log-sum-exps do not depend on the basis)."""
+    at = [i for i, s in enumerate(key_segments) if isinstance(s, RotatedReader)]
+    key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
+    if (len(at) != 1 or len(value_segments) <= at[0] or not isinstance(value_segments[at[0]], RotatedReader)
+            or key_bounds[at[0]: at[0] + 2] != value_bounds[at[0]: at[0] + 2] or options.get("key_rope") is not None):
+        raise ValueError("decode kernel: a rotated payload must be one post-RoPE segment of the keys and of the values, "
+                         "over the same tokens")
+    i = at[0]
+    lo, hi = key_bounds[i], key_bounds[i + 1]
+    keys, values = key_segments[i], value_segments[i]
+    rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
+    groups = [((query.float() @ keys.rotation.T.float()), [keys.inner], [values.inner],
+               None if valid is None else valid[:, lo:hi], values.rotation)]
+    if rest[0]:
+        groups.append((query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1), None))
+    partials, lses, merge = [], [], None
+    with launch_device(query.device):
+        for q, k, v, mask, rotation in groups:
+            _, launches = decode_launches(q, k, v, scale, mask, **options)
+            for launch in launches[:-1]:
+                launch()
+            if launches:
+                merge = launches[-1]
+                partial = merge.args["part_ptr"]
+                partials.append(partial if rotation is None else partial @ rotation.float())
+                lses.append(merge.args["lse_ptr"])
+        out = torch.zeros_like(query)
+        if merge is not None:
+            partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
+            Launch(_merge_kernel, merge.grid, {**merge.args, "part_ptr": partial, "lse_ptr": lse, "out_ptr": out,
+                                               "num_slots": partial.shape[1]})()
     return out

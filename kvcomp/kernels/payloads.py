@@ -190,6 +190,20 @@ class Float8Reader(PayloadReader):
         return self.codes.view(self.dtype).float() * self.scale.float()
 
 
+@dataclass
+class RotatedReader(PayloadReader):
+    """A payload stored in a rotated basis: ``x = inner @ rotation`` (``rotation`` float32 ``[D, D]``, e.g. vLLM's
+    int4 per-token-head Hadamard). The kernel reads ``inner`` as it is stored: scores as ``(q rotation^T) . inner``,
+    and the attention output over the payload as ``(P inner) rotation`` (the query rotated, the output
+    un-rotated, nothing decoded). Keys must be post-RoPE."""
+
+    inner: PayloadReader
+    rotation: torch.Tensor
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        return self.inner.dequantize_unrotated() @ self.rotation
+
+
 Segment = torch.Tensor | PayloadReader
 
 
