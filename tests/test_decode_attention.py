@@ -380,6 +380,18 @@ def test_int4_token_head_decode_steps_rotate_the_query_not_the_cache(tiny_llama)
     assert not build_codec({"name": "int_token_head", "bits": 8}, info_of(tiny_llama)).fused_attention_supported(0)
 
 
+@pytest.mark.parametrize("granularity", ["layer", "kv_head"])
+@torch.no_grad()
+def test_oscar_decode_steps_read_the_int2_payload_in_its_rotated_basis(tiny_llama, granularity):
+    """OSCAR's fitted rotations (one per layer, or one per KV head) on the fused path: sinks, the INT2 payload and
+    the recent window in one step, the logits those of the torch path."""
+    from tests.codec_matrix import make_codec
+
+    codec = make_codec(tiny_llama, "oscar", granularity=granularity)
+    layer = _check_fused_generation(tiny_llama, codec)
+    assert layer.key_stream.num_encoded >= 24 and layer.key_stream.decoded.length == 0
+
+
 @torch.no_grad()
 def test_streaming_prefill_then_fused_decode(tiny_llama):
     codec = build_codec({"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2}, info_of(tiny_llama))

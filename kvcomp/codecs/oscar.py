@@ -32,8 +32,9 @@ Differences from the reference, all documented options or stated here: scale and
 ``param_dtype=float32``, 2.5 bits at group 128), the zero as the group minimum ``z`` with ``x_hat = q s + z``
 (the reference stores ``-min / s`` and rounds ``x / s + zero + 0.5`` down: the same levels up to ties); the
 reference's optional Lloyd-Max levels (``SGLANG_LLOYD_MAX``) are not implemented; the statistics come from the
-project's calibration windows (the reference dumps 10-30K tokens of GPQA prompts); decode steps read decoded K/V
-(no fused kernel reads this payload yet).
+project's calibration windows (the reference dumps 10-30K tokens of GPQA prompts). With ``kernel_backend=triton``
+decode steps read the INT2 payload in the fused kernel in its rotated basis
+(:class:`~kvcomp.kernels.payloads.RotatedReader`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, Payload, Request,
-                                StreamPolicy)
+from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
+                                Request, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
+from kvcomp.kernels.payloads import RotatedReader, UniformReader
 from kvcomp.stages.covariance_rotation import covariance_rotation, score_weighted_covariance
 from kvcomp.stages.hadamard import is_power_of_two
 from kvcomp.stages.ranges import range_fits, saturated
@@ -84,7 +86,7 @@ def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 @register
-class OscarCodec(Codec, Calibrated):
+class OscarCodec(Codec, Calibrated, FusedPayload):
     """Fitted rotation, clipped INT2 per token, full-precision sinks and window (stream scope, post-RoPE keys)."""
 
     name = "oscar"
@@ -178,6 +180,13 @@ class OscarCodec(Codec, Calibrated):
         rotated = self.quantizer.decode(payload.tensors, self.model.head_dim, torch.float32)
         r = self.rotation(request.layer, request.kind, rotated.device)
         return saturated(rotated @ r.transpose(-1, -2), request.dtype)
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> RotatedReader:
+        """The INT2 codes in the rotated basis, ``x_hat = y_hat R^T``: the fused kernel rotates the query and
+        un-rotates the output (the reference rotates the query for keys and folds ``R_V`` into the projections)."""
+        d = self.model.head_dim
+        inner = UniformReader.of(self.quantizer, payload, d)
+        return RotatedReader(payload.num_tokens, d, inner, self.rotation(layer_idx, kind, inner.codes.device).transpose(-1, -2))
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.quantizer.bits_per_value(self.model.head_dim)

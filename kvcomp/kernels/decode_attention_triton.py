@@ -935,8 +935,10 @@ def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **o
     lo, hi = key_bounds[i], key_bounds[i + 1]
     keys, values = key_segments[i], value_segments[i]
     rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
-    groups = [((query.float() @ keys.rotation.T.float()), [keys.inner], [values.inner],
-               None if valid is None else valid[:, lo:hi], values.rotation)]
+    b, hq, d = query.shape
+    h = _kv_heads(keys.inner)
+    rotated = (query.view(b, h, hq // h, d).float() @ keys.rotation.transpose(-1, -2).float()).view(b, hq, d)
+    groups = [(rotated, [keys.inner], [values.inner], None if valid is None else valid[:, lo:hi], values.rotation)]
     if rest[0]:
         groups.append((query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1), None))
     partials, lses, merge = [], [], None
@@ -948,7 +950,10 @@ def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **o
             if launches:
                 merge = launches[-1]
                 partial = merge.args["part_ptr"]
-                partials.append(partial if rotation is None else partial @ rotation.float())
+                if rotation is not None:  # [B*H, slots, R, D] by each KV head's rotation ([D, D] or [1 or H, D, D])
+                    rotation = rotation.float().reshape(-1, 1, d, d)
+                    partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
+                partials.append(partial)
                 lses.append(merge.args["lse_ptr"])
         out = torch.zeros_like(query)
         if merge is not None:

@@ -192,8 +192,8 @@ class Float8Reader(PayloadReader):
 
 @dataclass
 class RotatedReader(PayloadReader):
-    """A payload stored in a rotated basis: ``x = inner @ rotation`` (``rotation`` float32 ``[D, D]``, e.g. vLLM's
-    int4 per-token-head Hadamard). The kernel reads ``inner`` as it is stored: scores as ``(q rotation^T) . inner``,
+    """A payload stored in a rotated basis: ``x = inner @ rotation`` (``rotation`` float32 ``[D, D]``, or one per KV
+    head ``[1 or H, D, D]``; e.g. vLLM's int4 per-token-head Hadamard, OSCAR's fitted rotations). The kernel reads ``inner`` as it is stored: scores as ``(q rotation^T) . inner``,
     and the attention output over the payload as ``(P inner) rotation`` (the query rotated, the output
     un-rotated, nothing decoded). Keys must be post-RoPE."""
 
