@@ -129,9 +129,10 @@ def test_rotated_payloads_are_read_by_rotating_the_query_and_the_output():
 @pytest.mark.parametrize("r, dot, d, group, key_axis", [
     (16, None, 32, 16, "per_channel"), (4, True, 32, 16, "per_channel"), (16, False, 32, 16, "per_channel"),
     (4, True, 64, 8, "per_channel"), (4, False, 64, 16, "per_token"),
-], ids=["r16-dot", "r4-forced-dot", "r16-registers", "gathered-parameters", "per-token-keys"])
+], ids=["r16-default", "r4-dot", "r16-registers", "gathered-parameters", "per-token-keys"])
 def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
-    """Scores and P V as register reductions (the default up to 8 query heads per KV head) or as tl.dot; keys
+    """Scores and P V as register reductions (the default for QJL's sketched keys) or as tl.dot (the default
+    otherwise); keys
     scored in their packed layout or per channel; scales and zeros read as one or two rows / columns per
     tile, or (groups too small for the tile) gathered."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton

@@ -63,12 +63,15 @@ def triton_llama(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("name", FUSED)
 def test_a_fused_decode_step_never_synchronises(triton_llama, name):
+    codec = make_codec(triton_llama, name)
     with reads_taken() as taken:
-        syncs, cache = _decode_syncs(triton_llama, make_codec(triton_llama, name), "deferred", FUSED_STEPS)
+        syncs, cache = _decode_syncs(triton_llama, codec, "deferred", FUSED_STEPS)
     assert syncs.found == [], syncs.found
     per_forward = len(cache.layers) * len(cache.groups)  # one read per layer and row group
     steps = [read for _, read in taken][per_forward:]  # after the prefill
     assert len(steps) == FUSED_STEPS * per_forward and set(steps) <= {"FusedDecode", "FromSegments"}
+    fused = any(codec.fused_attention_supported(layer) for layer in range(codec.model.num_layers))
+    assert ("FusedDecode" in steps) == fused  # the split kernel where it reads the payload (else QJL's score kernel)
 
 
 @pytest.mark.parametrize("name", TORCH)

@@ -43,8 +43,8 @@ def test_splits_fill_whole_waves_where_the_interval_is_long_enough():
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's ptxas is not available")
 def test_every_decode_launch_compiles_for_sm90_without_spills():
     """The default launches (tl.dot, 4 warps, 32-token tiles: the fastest measured on an H200, BENCHMARKS.md)
-    compile for sm_90a without spilling; they take more than 128 registers, which costs occupancy that the
-    measurement shows they do not need."""
+    compile for sm_90a without spilling (with Triton 3.9, this machine's; the GPU machine's 3.6 spills 32 B for
+    KIVI-4, BENCHMARKS.md)."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite interprets kernels
     table = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--codecs", "kivi-2", "temporalkv-2",
@@ -54,9 +54,8 @@ def test_every_decode_launch_compiles_for_sm90_without_spills():
     assert {"keys packed ints (stored layout), values packed ints", "keys codebook + RoPE, values codebook"} <= formats
     assert len(rows) == 2  # one split launch per step and codec: sinks, payload and tail in one launch
     for row in rows:
-        tile, warps, registers, spill_stores, spill_loads = int(row[2]), int(row[3]), int(row[4]), int(row[5]), int(row[6])
+        tile, warps, spill_stores, spill_loads = int(row[2]), int(row[3]), int(row[5]), int(row[6])
         assert (tile, warps) == (32, 4), row
-        assert 0 < registers <= 255, row
         assert spill_stores == spill_loads == 0, row
         assert row[8].rstrip(" |") != "0%", row
 

@@ -103,6 +103,7 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
         super().build()
         self.dtype = FLOAT8[self.config.format]
         self.stream_scales = StreamScales()
+        self.unit_scale: dict = {}  # device -> the scale 1.0 of an unfitted tensor scale, for the fused kernel
 
     def fit(self, activations: Activations) -> CodecState:
         """The per-tensor scales: ``amax / format max`` of every layer's keys and values."""
@@ -127,13 +128,17 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
             scale = self.stream_scales.get(request.layer, request.kind, values.device)
         return saturated(values * scale, request.dtype)
 
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        """Where Triton loads float8: sm_89 and later (Ada, Hopper), and the CPU interpreter; else the torch path."""
+        return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
+
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> Float8Reader:
         codes = payload.tensors["codes"]
         scale = payload.tensors.get("scale")
         if scale is None:
             scale = self.stream_scales.get(layer_idx, kind, codes.device)
-            if not isinstance(scale, torch.Tensor):  # unfitted: 1.0, made on the device (no host-to-device copy)
-                scale = torch.full((), scale, device=codes.device)
+            if not isinstance(scale, torch.Tensor):  # unfitted: 1.0, made on the device once (no host-to-device copy)
+                scale = self.unit_scale.setdefault(codes.device, torch.ones((), device=codes.device))
         return Float8Reader(payload.num_tokens, self.model.head_dim, codes, self.dtype, scale)
 
     def encoded_bits(self) -> float:

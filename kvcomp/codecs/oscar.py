@@ -125,7 +125,7 @@ class OscarCodec(Codec, Calibrated, FusedPayload):
     def build(self) -> None:
         self.quantizer = self.build_quantizer()
         self.rotations: dict[tuple[int, str], torch.Tensor] = {}  # [1 or kv_heads, d, d] float32, filled by load_state
-        self._placed: dict[tuple[int, str], torch.Tensor] = {}  # the same on the device that last encoded
+        self._placed: dict[tuple[int, str, bool], torch.Tensor] = {}  # on the device that last read
 
     def fit(self, activations: Activations) -> CodecState:
         """Each layer's key and value rotation from the calibration windows' post-RoPE keys, values and query
@@ -155,13 +155,16 @@ class OscarCodec(Codec, Calibrated, FusedPayload):
                           for layer in range(self.model.num_layers) for kind in KINDS}
         self._placed = {}
 
-    def rotation(self, layer: int, kind: str, device: torch.device) -> torch.Tensor:
-        """The fitted rotation of ``layer``'s ``kind`` on ``device``, ``[1 or kv_heads, d, d]``."""
+    def rotation(self, layer: int, kind: str, device: torch.device, transposed: bool = False) -> torch.Tensor:
+        """The fitted rotation of ``layer``'s ``kind`` on ``device``, ``[1 or kv_heads, d, d]`` (``transposed``:
+        ``R^T``, contiguous), moved and transposed once."""
         if not self.rotations:
             raise ConfigError(f"{self.name}: not calibrated (its rotations are fitted on calibration windows)")
-        placed = self._placed.get((layer, kind))
+        placed = self._placed.get((layer, kind, transposed))
         if placed is None or placed.device != device:
-            placed = self._placed[(layer, kind)] = self.rotations[(layer, kind)].to(device)
+            rotation = self.rotations[(layer, kind)]
+            rotation = rotation.transpose(-1, -2).contiguous() if transposed else rotation
+            placed = self._placed[(layer, kind, transposed)] = rotation.to(device)
         return placed
 
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
@@ -186,7 +189,7 @@ class OscarCodec(Codec, Calibrated, FusedPayload):
         un-rotates the output (the reference rotates the query for keys and folds ``R_V`` into the projections)."""
         d = self.model.head_dim
         inner = UniformReader.of(self.quantizer, payload, d)
-        return RotatedReader(payload.num_tokens, d, inner, self.rotation(layer_idx, kind, inner.codes.device).transpose(-1, -2))
+        return RotatedReader(payload.num_tokens, d, inner, self.rotation(layer_idx, kind, inner.codes.device, transposed=True))
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.quantizer.bits_per_value(self.model.head_dim)

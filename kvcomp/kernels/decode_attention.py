@@ -11,7 +11,9 @@ and payload *readers* that say how a kernel decodes an encoded block in register
   ChannelKV, KVQuant);
 - :class:`SketchReader` (keys only): QJL's sign bits and norms, scored without decoding a key;
 - :class:`Float8Reader`: float8 values loaded natively, times a per-tensor or per-(token, head) scale
-  (``x = fp8 * s``; vLLM's ``fp8`` and ``fp8_per_token_head`` caches).
+  (``x = fp8 * s``; vLLM's ``fp8`` and ``fp8_per_token_head`` caches);
+- :class:`RotatedReader`: any of these stored in a rotated basis (``x = inner @ R``: vLLM's int4 per token and
+  head, OSCAR), read with the query rotated and the output un-rotated.
 
 Keys of pre-RoPE codecs carry :class:`RotaryPositions`: the kernel rotates each decoded key by its
 position's angle ``pos * inv_freq`` (as the model's rotary embedding does) before the dot product.

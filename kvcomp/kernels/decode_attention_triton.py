@@ -10,7 +10,8 @@ Flash-decoding in two kernels:
 2. ``_merge_kernel``: combines the partials of all slices per query head,
    ``out = sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)``.
 
-A decode step is therefore two launches per layer.
+A decode step is therefore two launches per layer (a payload stored in a rotated basis adds its own split
+launches and two small matmuls: :func:`_with_rotated_payload`).
 
 One launch of the split kernel reads every segment of a step: per stream, up to three full-precision
 pieces (sinks, tail and, under ``exact_prefill``, the fresh token: separate tensors, each with its own
@@ -27,16 +28,17 @@ int64, so no offset overflows at a large batch x context. The step's attention m
 on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
-``P V`` are still ``tl.dot`` products over the query rows padded to 16, with 4 warps and 32-token tiles:
-measured on an H200, that is the fastest of the configurations tried for packed-int and codebook payloads
-(``scripts/sweep_decode_kernel.py``). QJL's sketched keys are faster on the register path: one query row at
-a time, each a ``[BLOCK_T, C]`` product reduced in registers (:func:`_row_scores`), also 4 warps and
-32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
+``P V`` are still ``tl.dot`` products over the query rows padded to 16 (TF32 for float32 operands, Triton's
+default), with 4 warps and 32-token tiles. Measured on an H200 (``scripts/sweep_decode_kernel.py``), that is
+the fastest configuration tried for codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x
+32K ran faster with one register-path warp (2.14 ms against 3.12) but slower at batch 1. QJL's sketched keys
+are faster on the register path: one query row at a time, each a ``[BLOCK_T, C]`` product reduced in
+registers (:func:`_row_scores`), also 4 warps and 32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
 ``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
-against the matching query sub-vectors (:func:`_packed_scores`) or weighted into a field-major
-accumulator (:func:`_packed_values`), never unpacked into head_dim order inside the token loop.
+against the matching query sub-vectors (:func:`_packed_scores`) or, on the register path, weighted into a
+field-major accumulator (:func:`_packed_values`); ``tl.dot`` launches unpack values per tile.
 
 Each launch shares the tiles of its token range out evenly over its slices (+-1 tile), and the slice count fills
 whole waves of the GPU's multiprocessors where the range is long enough (:func:`_splits`).
@@ -836,8 +838,8 @@ def decode_launches(
     ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
     :data:`WARPS`); ``block_tokens``: tokens per tile (default :data:`TILE`, fewer where a payload's groups
     need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
-    register path a program may take the register file's share of its warps). The launches do not depend on
-    the device: ``scripts/kernel_resources.py`` compiles those of CPU tensors for sm_90."""
+    register path a program may take the register file's share of its warps). Only the slice counts depend on
+    the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -955,9 +957,10 @@ def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **o
                     partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
                 partials.append(partial)
                 lses.append(merge.args["lse_ptr"])
-        out = torch.zeros_like(query)
-        if merge is not None:
-            partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
-            Launch(_merge_kernel, merge.grid, {**merge.args, "part_ptr": partial, "lse_ptr": lse, "out_ptr": out,
-                                               "num_slots": partial.shape[1]})()
+        if merge is None:  # nothing cached
+            return torch.zeros_like(query)
+        out = torch.empty_like(query)  # the merge writes every row
+        partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
+        Launch(_merge_kernel, merge.grid, {**merge.args, "part_ptr": partial, "lse_ptr": lse, "out_ptr": out,
+                                           "num_slots": partial.shape[1]})()
     return out
