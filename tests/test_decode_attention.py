@@ -393,6 +393,32 @@ def test_oscar_decode_steps_read_the_int2_payload_in_its_rotated_basis(tiny_llam
     assert layer.key_stream.num_encoded >= 24 and layer.key_stream.decoded.length == 0
 
 
+@pytest.mark.parametrize("config", [
+    {"name": "turboquant", "key_bits": 2, "value_bits": 4},
+    {"name": "eden", "key_bits": 4, "value_bits": 2, "scale": "unbiased"},
+    {"name": "eden", "key_bits": 2, "value_bits": 2, "rotation": "random"},
+], ids=["turboquant-k2v4", "eden-k4v2-unbiased", "eden-2-haar"])
+@torch.no_grad()
+def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(tiny_llama, config):
+    """TurboQuant-mse and EDEN on the fused path: Lloyd-Max codes as a scalar codebook times each vector's stored
+    scale (per token and head), in the rotated basis; logits those of the torch path; the reader decodes what the
+    codec decodes. Not fused: 3-bit codes (they straddle bytes), prod's sketch, vLLM's norm correction, center."""
+    codec = build_codec(config, info_of(tiny_llama))
+    assert codec.fused_attention_supported(0)
+    x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(7))
+    for kind in ("key", "value"):
+        payload = codec.encode(Request(0, kind, tokens=x))
+        torch.testing.assert_close(codec.payload_reader(payload, kind, 0).dequantize(),
+                                   codec.decode(payload, Request(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
+    layer = _check_fused_generation(tiny_llama, codec)
+    assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+    info = info_of(tiny_llama)
+    for other in ({"name": "turboquant"}, {"name": "turboquant", "variant": "prod", "key_bits": 4, "value_bits": 4},
+                  {"name": "turboquant", "key_bits": 4, "value_bits": 4, "norm_correction": True},
+                  {**config, "center": "bias"}):
+        assert not build_codec(other, info).fused_attention_supported(0), other
+
+
 @torch.no_grad()
 def test_streaming_prefill_then_fused_decode(tiny_llama):
     codec = build_codec({"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2}, info_of(tiny_llama))

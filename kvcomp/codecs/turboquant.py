@@ -38,6 +38,10 @@ saturate at +-448 (``float8_e4m3fn``; vLLM's Triton kernels use e4m3fn on Hopper
 vLLM keeps no boundary layers on hybrid (Mamba) models and clamps ``boundary_layers`` to half the layers, while
 here boundary layers count the layers the codec encodes (full-attention ones) and leaving none to compress is
 an error; vLLM attends exactly during prefill (kvcomp's ``benchmark.protocol=exact_prefill``).
+
+Fused decode (``kernel_backend=triton``): TurboQuant-mse and EDEN with codes of 1, 2, 4 or 8 bits are read in the
+rotated basis (:meth:`RotatedCodec.payload_reader`: the query rotated, the output un-rotated); 3-bit codes,
+``prod``, norm correction, uniform values and ``center`` take the reference path.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, Payload, Request,
-                                StreamPolicy)
+from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
+                                Request, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.kernels.payloads import CodebookReader, RotatedReader
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
+from kvcomp.stages.codebook import ChunkLayout
 from kvcomp.stages.hadamard import is_power_of_two
 from kvcomp.stages.minifloat import FLOAT8, from_float8, to_float8
 from kvcomp.stages.lloyd_max import DENSITIES, ROTATIONS, ProdQuantizer, RotatedScalarQuantizer, Rotation
@@ -101,7 +107,7 @@ class UniformValues:
         return round(self.quantizer.bits_per_value(self.dim) * self.dim)
 
 
-class RotatedCodec(Codec, Calibrated):
+class RotatedCodec(Codec, Calibrated, FusedPayload):
     """What TurboQuant and EDEN share: per-vector coders of keys and values (:meth:`coder`), one seeded rotation,
     skipped layers, and the ``center`` option (calibrated only with it). Subclass configs have ``rotation``,
     ``density``, ``seed``, ``skip_layers``, ``boundary_layers`` and ``center``."""
@@ -152,6 +158,7 @@ class RotatedCodec(Codec, Calibrated):
         self.rotation = Rotation(cfg.rotation, self.model.head_dim, cfg.seed) if self.uses_rotation() else None
         self.coders = {kind: self.coder(kind) for kind in KINDS}
         self.offsets = Offsets()
+        self.reader_tables: dict = {}  # (device, kind) -> what payload_reader hands the fused kernel, made once
 
     def rotated(self, bits: int, scale: str) -> RotatedScalarQuantizer:
         return RotatedScalarQuantizer(self.rotation, bits, self.config.density, scale, self.stored_dtype)
@@ -183,6 +190,28 @@ class RotatedCodec(Codec, Calibrated):
         if request.kind == "value":
             x = self.offsets.restore(x, request.layer, "value")
         return saturated(x, request.dtype)
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        """Where the fused kernel reads both streams: Lloyd-Max codes within bytes (1, 2, 4 or 8 bits) times a
+        per-vector scale, without ``prod``'s sketch, vLLM's norm correction or uniform values, or ``center``."""
+        return self.config.center == "none" and all(
+            type(coder) is RotatedScalarQuantizer and coder.scale != "unit" and 8 % coder.bits == 0
+            for coder in self.coders.values())
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> RotatedReader:
+        """The codes as a codebook payload in the rotated basis: one scalar codebook for every channel and head
+        (``centroids[q]``) times the stored per-vector scale, ``x_hat = (scale centroids[q]) R`` with ``R`` the
+        inverse rotation as a matrix."""
+        coder, stored, d = self.coders[kind], payload.tensors, self.model.head_dim
+        codes, h = stored["codes"], stored["codes"].shape[1]
+        if (codes.device, kind) not in self.reader_tables:
+            centroids = coder.codebook.centroids.float().to(codes.device)
+            self.reader_tables[(codes.device, kind)] = (
+                centroids.reshape(1, 1, -1, 1).expand(h, 1, -1, 1).contiguous(), torch.ones(h, d, device=codes.device),
+                torch.zeros(h, d, device=codes.device), coder.rotation.inverse(torch.eye(d, device=codes.device)))
+        codebooks, ones, zeros, rotation = self.reader_tables[(codes.device, kind)]
+        inner = CodebookReader(payload.num_tokens, d, codes, codebooks, ChunkLayout(1, 1, d), ones, zeros, stored["scale"])
+        return RotatedReader(payload.num_tokens, d, inner, rotation)
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         if layer_idx in self.skipped:

@@ -83,14 +83,15 @@ SKETCH_STRIDES = ("sk_out_s_b", "sk_out_s_h", "sk_onorm_s_b", "sk_onorm_s_h", "s
 @triton.jit
 def _bases(
     b, h, data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center,
-    data_s_b, data_s_h, param_s_b, param_s_h, tok_s_b,
+    data_s_b, data_s_h, param_s_b, param_s_h, tok_s_b, tok_s_h,
     D: tl.constexpr, FMT: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
 ):
     """One encoded stream's tensors advanced to sequence ``b`` / KV head ``h`` (int64, so that no offset
     overflows at a large batch x context) by their own sequence and head strides: a payload store's view,
     narrowed along tokens from a buffer with spare capacity, is read in place. Within a sequence and head
     the helpers below index tokens as stored (rows contiguous). ``scale`` / ``zero``: packed ints' parameters,
-    or QJL's key norms (``data``: its sign bits); ``tok_*``: per-token normalisation ``[B, T]``."""
+    or QJL's key norms (``data``: its sign bits); ``tok_*``: per-token normalisation ``[B, T]`` (head stride 0) or
+    ``[B, H, T]`` (TurboQuant / EDEN norms)."""
     if FMT != 0:
         data += b * data_s_b + h * data_s_h
         scale += b * param_s_b + h * param_s_h
@@ -99,8 +100,8 @@ def _bases(
         codebooks += h * (D // GC) * CENTROIDS * (TL * CL)
         ch_scale += h * D
         ch_center += h * D
-        tok_scale += b * tok_s_b
-        tok_center += b * tok_s_b
+        tok_scale += b * tok_s_b + h * tok_s_h
+        tok_center += b * tok_s_b + h * tok_s_h
     return data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center
 
 
@@ -440,7 +441,7 @@ def _rotate(lo, hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND: 
 
 
 @triton.jit(do_not_specialize=[
-    "valid_s_b", "lo", "hi", "tiles", "slot0", "num_slots", "pos_stride",
+    "valid_s_b", "lo", "hi", "tiles", "slot0", "num_slots", "pos_stride", "k_tok_s_h", "v_tok_s_h",
     *(f"{s}_{name}" for s in "kv" for name in ("d0_lo", "d1_lo", "d2_lo", "cut1", "cut2", "cut3", "length", "first")),
 ])
 def _split_kernel(
@@ -449,11 +450,11 @@ def _split_kernel(
     k_d0, k_d0_s_b, k_d0_s_h, k_d0_lo, k_d1, k_d1_s_b, k_d1_s_h, k_d1_lo, k_d2, k_d2_s_b, k_d2_s_h, k_d2_lo,
     k_cut1, k_cut2, k_cut3,
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center, k_length, k_first,
-    k_data_s_b, k_data_s_h, k_param_s_b, k_param_s_h, k_tok_s_b,
+    k_data_s_b, k_data_s_h, k_param_s_b, k_param_s_h, k_tok_s_b, k_tok_s_h,
     v_d0, v_d0_s_b, v_d0_s_h, v_d0_lo, v_d1, v_d1_s_b, v_d1_s_h, v_d1_lo, v_d2, v_d2_s_b, v_d2_s_h, v_d2_lo,
     v_cut1, v_cut2, v_cut3,
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center, v_length, v_first,
-    v_data_s_b, v_data_s_h, v_param_s_b, v_param_s_h, v_tok_s_b,
+    v_data_s_b, v_data_s_h, v_param_s_b, v_param_s_h, v_tok_s_b, v_tok_s_h,
     positions, pos_stride, inv_freq, rope_scaling,
     sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
     sk_out_s_b, sk_out_s_h, sk_onorm_s_b, sk_onorm_s_h, sk_ch_s_b, sk_ch_s_h,
@@ -489,10 +490,10 @@ def _split_kernel(
     v_d2 += b64 * v_d2_s_b + h * v_d2_s_h - v_d2_lo * D
     k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center = _bases(
         b64, h64, k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
-        k_data_s_b, k_data_s_h, k_param_s_b, k_param_s_h, k_tok_s_b, D, K_FMT, K_CENTROIDS, K_TL, K_CL, K_GC)
+        k_data_s_b, k_data_s_h, k_param_s_b, k_param_s_h, k_tok_s_b, k_tok_s_h, D, K_FMT, K_CENTROIDS, K_TL, K_CL, K_GC)
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center = _bases(
         b64, h64, v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center,
-        v_data_s_b, v_data_s_h, v_param_s_b, v_param_s_h, v_tok_s_b, D, V_FMT, V_CENTROIDS, V_TL, V_CL, V_GC)
+        v_data_s_b, v_data_s_h, v_param_s_b, v_param_s_h, v_tok_s_b, v_tok_s_h, D, V_FMT, V_CENTROIDS, V_TL, V_CL, V_GC)
     if K_FMT == 3:  # sketched keys (sign bits and norms per token: _bases): outlier sketches and channel ids
         sk_out_signs += b64 * sk_out_s_b + h64 * sk_out_s_h
         sk_out_norm += b64 * sk_onorm_s_b + h64 * sk_onorm_s_h
@@ -634,7 +635,7 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
     ``{prefix}_*`` and compile-time ``{PREFIX}_*``."""
     runtime = dict(data=placeholder, scale=placeholder, zero=placeholder, codebooks=placeholder, ch_scale=placeholder,
                    ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0,
-                   data_s_b=0, data_s_h=0, param_s_b=0, param_s_h=0, tok_s_b=0)
+                   data_s_b=0, data_s_h=0, param_s_b=0, param_s_h=0, tok_s_b=0, tok_s_h=0)
     static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
                   TOKEN_SCALE=False, TOKEN_CENTER=False)
     dense, encoded_at = [], 4  # the payload's position among the pieces (4: none)
@@ -663,8 +664,8 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
                            ch_scale=segment.channel_scale.float().contiguous(),
                            ch_center=segment.channel_center.float().contiguous())
             names = [name for name in ("token_scale", "token_center") if getattr(segment, name) is not None]
-            if names:  # per-token normalisation [B, T]
-                tokens, runtime["tok_s_b"], _ = _in_place(*(getattr(segment, name) for name in names))
+            if names:  # per-token normalisation [B, T], or per token and head [B, H, T]
+                tokens, runtime["tok_s_b"], runtime["tok_s_h"] = _in_place(*(getattr(segment, name) for name in names))
                 runtime.update({name.replace("token", "tok"): t for name, t in zip(names, tokens)})
             static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
                           CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,

@@ -91,7 +91,7 @@ class CodebookReader(PayloadReader):
     """A :class:`~kvcomp.stages.codebook.CodebookQuantizer` payload and the normalisation to undo:
     ``codes`` uint8 ``[B, H, T/time_len, bytes]`` of ``code_bits``-bit indices into ``codebooks``
     ``[H, G, k, dim]``; per-channel ``channel_scale``/``channel_center`` ``[H, D]`` and optional per-token
-    ``token_scale``/``token_center`` ``[B, T]``."""
+    ``token_scale``/``token_center`` ``[B, T]``, or per token and head ``[B, H, T]`` (TurboQuant's norms)."""
 
     codes: torch.Tensor
     codebooks: torch.Tensor

@@ -96,12 +96,16 @@ def _per_token_spread(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.T
 
 def affine_denormalize(z, channel_scale, channel_center, token_scale=None, token_center=None) -> torch.Tensor:
     """``z [B, H, T, D] * channel_scale * token_scale + channel_center + token_center`` (channel ``[H, D]``,
-    token ``[B, T]`` or ``None``): every normalisation's inverse."""
+    token ``[B, T]``, ``[B, H, T]`` per head, or ``None``): every normalisation's inverse."""
     scale, center = _per_channel(channel_scale).to(z.device), _per_channel(channel_center).to(z.device)
+
+    def per_token(t):
+        return t.float()[..., None] if t.dim() == 3 else t.float()[:, None, :, None]
+
     if token_scale is not None:
-        scale = scale * token_scale.float()[:, None, :, None]
+        scale = scale * per_token(token_scale)
     if token_center is not None:
-        center = center + token_center.float()[:, None, :, None]
+        center = center + per_token(token_center)
     return z * scale + center
 
 
