@@ -49,6 +49,8 @@ CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     "kvquant-2": {"name": "kvquant", "bits": 2},
     "qjl": {"name": "qjl", "initial_layers": 0},  # the authors' general layer: 256 + 256 sign bits, 2-bit values
     "fp8": {"name": "fp8"},  # vLLM's fp8 (e4m3, one scale per tensor), read natively
+    "int4-token-head": {"name": "int_token_head", "bits": 4},  # vLLM's int4: packed ints in a rotated basis
+    "eden-2": {"name": "eden", "key_bits": 2, "value_bits": 2},  # Lloyd-Max codes times a norm, rotated basis
 }
 WEIGHT_BYTES = 8.03e9 * 2  # Llama-3.1-8B in bf16
 ROPE_THETA = 500000.0

@@ -33,6 +33,7 @@ from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_launches  # noqa: E402
+from kvcomp.kernels.payloads import RotatedReader  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
@@ -48,6 +49,9 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
     if needs_calibration(codec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
     keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
+    if any(isinstance(s, RotatedReader) for s in keys):  # a rotated payload's own launches (decode_attention_triton)
+        keys, values = ([s.inner for s in stream if isinstance(s, RotatedReader)] for stream in (keys, values))
+        context = keys[0].num_tokens
     query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
     valid = torch.ones(1, context, dtype=torch.bool)  # decode steps read the attention mask
     _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, block_tokens=block_tokens)
