@@ -138,7 +138,9 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
         if scale is None:
             scale = self.stream_scales.get(layer_idx, kind, codes.device)
             if not isinstance(scale, torch.Tensor):  # unfitted: 1.0, made on the device once (no host-to-device copy)
-                scale = self.unit_scale.setdefault(codes.device, torch.ones((), device=codes.device))
+                if codes.device not in self.unit_scale:
+                    self.unit_scale[codes.device] = torch.ones((), device=codes.device)
+                scale = self.unit_scale[codes.device]
         return Float8Reader(payload.num_tokens, self.model.head_dim, codes, self.dtype, scale)
 
     def encoded_bits(self) -> float:
