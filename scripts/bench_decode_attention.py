@@ -38,7 +38,7 @@ from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
-from kvcomp.kernels.payloads import Float8Reader, RotaryPositions
+from kvcomp.kernels.payloads import ScaledReader, RotaryPositions
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
@@ -51,6 +51,10 @@ CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     "fp8": {"name": "fp8"},  # vLLM's fp8 (e4m3, one scale per tensor), read natively
     "int4-token-head": {"name": "int_token_head", "bits": 4},  # vLLM's int4: packed ints in a rotated basis
     "eden-2": {"name": "eden", "key_bits": 2, "value_bits": 2},  # Lloyd-Max codes times a norm, rotated basis
+    "int8-token-head": {"name": "int_token_head", "bits": 8},  # vLLM's int8: signed bytes loaded natively
+    # vLLM's turboquant_k3v4_nc on an encoded layer: 3-bit codes (straddling bytes), norm correction, uniform values
+    "turboquant-k3v4-nc": {"name": "turboquant", "key_bits": 3, "value_bits": 4, "values": "uniform",
+                           "rotation": "plain_hadamard", "density": "gaussian", "norm_correction": True},
 }
 WEIGHT_BYTES = 8.03e9 * 2  # Llama-3.1-8B in bf16
 ROPE_THETA = 500000.0
@@ -79,7 +83,7 @@ def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload
     parameters (positive scales): the layout of a real one without encoding gigabytes first."""
     block = codec.policy(kind, 0).block_size
     probe = codec.encode(Request(0, kind, tokens=torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device)))
-    float8 = isinstance(codec.payload_reader(probe, kind, 0), Float8Reader)
+    float8 = isinstance(codec.payload_reader(probe, kind, 0), ScaledReader)
     tensors = {}
     for name, t in probe.tensors.items():
         shape = (batch, t.shape[1], t.shape[2] * tokens // block, *t.shape[3:])

@@ -38,7 +38,7 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
 SECTION = f"## Decode kernel resources on sm_90, Triton {triton.__version__} (static, compiled without a GPU)"
-FORMATS = {0: "dense", 1: "packed ints", 2: "codebook", 3: "QJL sign bits", 4: "float8"}
+FORMATS = {0: "dense", 1: "packed ints", 2: "codebook", 3: "QJL sign bits", 4: "float8 / int8"}
 QJL_LAYER = 31  # a layer past QJL's initial_layers: the authors' 256 + 256 sign bits per key
 
 
@@ -49,8 +49,9 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
     if needs_calibration(codec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
     keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
-    if any(isinstance(s, RotatedReader) for s in keys):  # a rotated payload's own launches (decode_attention_triton)
-        keys, values = ([s.inner for s in stream if isinstance(s, RotatedReader)] for stream in (keys, values))
+    if any(isinstance(s, RotatedReader) for s in keys + values):  # a rotated payload's own launches
+        keys, values = ([s.inner if isinstance(s, RotatedReader) else s for s in stream if not isinstance(s, torch.Tensor)]
+                        for stream in (keys, values))
         context = keys[0].num_tokens
     query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
     valid = torch.ones(1, context, dtype=torch.bool)  # decode steps read the attention mask

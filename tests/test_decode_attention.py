@@ -12,6 +12,7 @@ from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvcomp.kernels.payloads import CodebookReader, RotaryPositions, UniformReader
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
+from kvcomp.stages.packing import packed_length
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 from tests.conftest import info_of
 from tests.test_codebook_codecs import fitted
@@ -41,6 +42,7 @@ UNIFORM_SHAPES = [
     (2, 2, 4, 32, 2, 2, 16),  # KIVI-2, GQA 4:1
     (1, 1, 1, 128, 4, 4, 32),  # KIVI-4 at Llama's head_dim, one head
     (2, 3, 5, 16, 1, 8, 8),  # odd GQA ratio and head count, 1- and 8-bit codes, head_dim below one tile
+    (2, 2, 4, 32, 3, 5, 16),  # codes straddling bytes (3-bit keys, 5-bit values)
 ]
 
 
@@ -73,10 +75,10 @@ def test_uniform_kernel_matches_the_reference(shape):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("per_token", [False, True], ids=["tensor-scale", "token-head-scale"])
 def test_float8_payloads_are_read_natively(fmt, per_token):
-    """vLLM's fp8 caches (:class:`Float8Reader`): float8 values loaded by the kernel and scaled per tensor or
+    """vLLM's fp8 caches (:class:`ScaledReader`): float8 values loaded by the kernel and scaled per tensor or
     per token and head, between full-precision sinks and a tail, on the default (tl.dot) and register paths."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-    from kvcomp.kernels.payloads import Float8Reader
+    from kvcomp.kernels.payloads import ScaledReader
     from kvcomp.stages.minifloat import FLOAT8, float8_max, to_float8, token_head_scale
 
     gen = torch.Generator().manual_seed(8)
@@ -86,7 +88,7 @@ def test_float8_payloads_are_read_natively(fmt, per_token):
     readers = {}
     for kind, tokens in x.items():
         scale = token_head_scale(tokens, float8_max(dtype)) if per_token else torch.tensor(0.05)
-        readers[kind] = Float8Reader(n, d, to_float8(tokens / scale, dtype), dtype, scale)
+        readers[kind] = ScaledReader(n, d, to_float8(tokens / scale, dtype), dtype, scale)
     sinks, tail = torch.randn(b, h, 2, d, generator=gen), torch.randn(b, h, 9, d, generator=gen)
     keys, values = [sinks, readers["key"], tail], [sinks, readers["value"], tail]
     query = torch.randn(b, h * r, d, generator=gen)
@@ -122,8 +124,40 @@ def test_rotated_payloads_are_read_by_rotating_the_query_and_the_output():
     only = decode_attention_triton(query, [readers[0]], [readers[1]], d**-0.5, valid[:, 3:3 + n])  # nothing else cached
     torch.testing.assert_close(only, decode_attention_reference(query, [readers[0]], [readers[1]], d**-0.5, valid[:, 3:3 + n]),
                                rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="rotated payload"):
-        decode_attention_triton(query, keys, [sinks, readers[1].inner, tail], d**-0.5, valid)
+    for k, v in (([sinks, readers[0], tail], [sinks, readers[1].inner, tail]),  # keys rotated only (vLLM's TurboQuant)
+                 ([sinks, readers[0].inner, tail], [sinks, readers[1], tail])):  # values rotated only
+        torch.testing.assert_close(decode_attention_triton(query, k, v, d**-0.5, valid),
+                                   decode_attention_reference(query, k, v, d**-0.5, valid), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rotated payload"):  # two rotated payloads per stream
+        decode_attention_triton(query, [readers[0], readers[0]], [readers[1], readers[1]], d**-0.5)
+
+
+def test_unit_norm_codebooks_and_codes_straddling_bytes():
+    """vLLM's ``turboquant_3bit_nc`` layout: rotated 3-bit scalar codes (straddling bytes) rescaled to unit norm
+    per token and head before the stored norm (norm correction), beside per-token 3-bit uniform values that are
+    not rotated."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.payloads import RotatedReader
+
+    gen = torch.Generator().manual_seed(10)
+    b, h, r, d, n = 2, 2, 4, 32, 40
+    codes = torch.randint(0, 256, (b, h, n, packed_length(d, 3)), generator=gen, dtype=torch.uint8)
+    centroids = torch.randn(8, generator=gen).reshape(1, 1, 8, 1).expand(h, 1, 8, 1).contiguous()
+    norms = (torch.rand(b, h, n, generator=gen) + 0.5).half()
+    inner = CodebookReader(n, d, codes, centroids, ChunkLayout(1, 1, d), torch.ones(h, d), torch.zeros(h, d), norms,
+                           unit_norm=True)
+    keys = RotatedReader(n, d, inner, torch.linalg.qr(torch.randn(d, d, generator=gen))[0])
+    decoded = keys.dequantize()
+    torch.testing.assert_close(decoded.norm(dim=-1), norms.float(), rtol=1e-5, atol=1e-5)  # the stored norms
+    values, _ = _uniform(torch.randn(b, h, n, d, generator=gen), 3, d, "per_token")
+    sinks, tail = torch.randn(b, h, 2, d, generator=gen), torch.randn(b, h, 6, d, generator=gen)
+    query = torch.randn(b, h * r, d, generator=gen)
+    valid = _mask(b, 2 + n + 6, gen)
+    k, v = [sinks, keys, tail], [sinks, values, tail]
+    reference = decode_attention_reference(query, k, v, d**-0.5, valid)
+    for options in ({"num_splits": 3}, {"dot": False, "block_tokens": 16}):
+        torch.testing.assert_close(decode_attention_triton(query, k, v, d**-0.5, valid, **options), reference,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("r, dot, d, group, key_axis", [
@@ -201,16 +235,18 @@ def _unspecialized(kernel) -> set[str]:
     return {kernel.arg_names[i] if isinstance(i, int) else i for i in listed}
 
 
-LAYOUTS = {  # name -> (layout, centroids): the three codebook codecs' schemes at 2 bits
+LAYOUTS = {  # name -> (layout, centroids): the three codebook codecs' schemes at 2 bits; codes straddling bytes
     "temporal": (ChunkLayout(4, 1, 4), 256),
     "channel": (ChunkLayout(1, 4, 4), 256),
     "scalar": (ChunkLayout(1, 1, 4), 4),
+    "pairs-6bit": (ChunkLayout(1, 2, 4), 64),  # HIGGS-3's d = 2 grid: 6-bit codes
 }
 
 
 def _codebook_reader(b, h, d, tokens, layout, centroids, per_token, gen):
     code_bits = (centroids - 1).bit_length()
-    codes = torch.randint(0, 256, (b, h, tokens // layout.time_len, d // layout.channel_len * code_bits // 8), generator=gen, dtype=torch.uint8)
+    row_bytes = packed_length(d // layout.channel_len, code_bits)
+    codes = torch.randint(0, 256, (b, h, tokens // layout.time_len, row_bytes), generator=gen, dtype=torch.uint8)
     codebooks = torch.randn(h, d // layout.group_channels, centroids, layout.dim, generator=gen).bfloat16()
     token_scale = (torch.rand(b, tokens, generator=gen) + 0.5).half() if per_token else None
     token_center = torch.randn(b, tokens, generator=gen).half() if per_token else None
@@ -270,10 +306,10 @@ def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):
     assert torch.equal(decode_attention(query, keys, values, 0.25, empty, backend="triton")[1], torch.zeros(2, d))
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "temporal-2", "scalar-4bit"])
+@pytest.mark.parametrize("layout", ["temporal", "channel", "scalar", "temporal-2", "scalar-4bit"])
 def test_fused_encode_kernel_matches_the_torch_encoder(layout):
     """Nearest centroid + packing in one kernel; codes may differ only between equal centroids (the torch
-    scalar path sorts), so the decoded values must be identical."""
+    scalar path sorts), so the decoded values must be identical. (Codes straddling bytes are encoded in torch.)"""
     extra = {"temporal-2": (ChunkLayout(2, 1, 8), 256), "scalar-4bit": (ChunkLayout(1, 1, 2), 16)}
     chunk_layout, centroids = {**LAYOUTS, **extra}[layout]
     from kvcomp.kernels.codebook_encode_triton import encode_codebook_triton
@@ -367,18 +403,19 @@ def test_fp8_decode_steps_read_the_float8_payloads(tiny_llama, config):
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @torch.no_grad()
-def test_int4_token_head_decode_steps_rotate_the_query_not_the_cache(tiny_llama):
-    """vLLM's int4 per-token-head cache on the fused path: the payload is read in its rotated basis (the query
-    rotated, the output un-rotated), the logits those of the torch path, which decodes every token."""
-    codec = build_codec({"name": "int_token_head", "bits": 4}, info_of(tiny_llama))
+def test_int_token_head_decode_steps_read_the_payload(tiny_llama, bits):
+    """vLLM's per-token-head integer caches on the fused path: int4 read in its rotated basis (the query rotated,
+    the output un-rotated), int8 loaded as signed bytes times the scale; the logits those of the torch path, which
+    decodes every token."""
+    codec = build_codec({"name": "int_token_head", "bits": bits}, info_of(tiny_llama))
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(6))
     payload = codec.encode(Request(1, "key", tokens=x))
     torch.testing.assert_close(codec.payload_reader(payload, "key", 1).dequantize(),
                                codec.decode(payload, Request(1, "key", dtype=torch.float32)), rtol=1e-5, atol=1e-5)
     layer = _check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
-    assert not build_codec({"name": "int_token_head", "bits": 8}, info_of(tiny_llama)).fused_attention_supported(0)
 
 
 @pytest.mark.parametrize("granularity", ["layer", "kv_head"])
@@ -393,16 +430,24 @@ def test_oscar_decode_steps_read_the_int2_payload_in_its_rotated_basis(tiny_llam
     assert layer.key_stream.num_encoded >= 24 and layer.key_stream.decoded.length == 0
 
 
+VLLM_TURBOQUANT = {"name": "turboquant", "values": "uniform", "rotation": "plain_hadamard", "density": "gaussian"}
+
+
 @pytest.mark.parametrize("config", [
     {"name": "turboquant", "key_bits": 2, "value_bits": 4},
     {"name": "eden", "key_bits": 4, "value_bits": 2, "scale": "unbiased"},
     {"name": "eden", "key_bits": 2, "value_bits": 2, "rotation": "random"},
-], ids=["turboquant-k2v4", "eden-k4v2-unbiased", "eden-2-haar"])
+    {"name": "turboquant"},
+    {**VLLM_TURBOQUANT, "norm_correction": True},
+    {**VLLM_TURBOQUANT, "key_bits": 8, "value_bits": 4},
+], ids=["turboquant-k2v4", "eden-k4v2-unbiased", "eden-2-haar", "turboquant-3", "vllm-3bit-nc", "vllm-k8v4"])
 @torch.no_grad()
 def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(tiny_llama, config):
-    """TurboQuant-mse and EDEN on the fused path: Lloyd-Max codes as a scalar codebook times each vector's stored
-    scale (per token and head), in the rotated basis; logits those of the torch path; the reader decodes what the
-    codec decodes. Not fused: 3-bit codes (they straddle bytes), prod's sketch, vLLM's norm correction, center."""
+    """TurboQuant-mse, EDEN and vLLM's presets on the fused path: Lloyd-Max codes (3-bit ones straddle bytes) as a
+    scalar codebook times each vector's stored scale (per token and head), in the rotated basis, rescaled to unit
+    norm first under vLLM's norm correction; vLLM's k8 keys as float8 and its uniform values as packed ints, not
+    rotated; logits those of the torch path; the reader decodes what the codec decodes. Not fused: prod's
+    sketch, center."""
     codec = build_codec(config, info_of(tiny_llama))
     assert codec.fused_attention_supported(0)
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(7))
@@ -413,9 +458,7 @@ def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(ti
     layer = _check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
     info = info_of(tiny_llama)
-    for other in ({"name": "turboquant"}, {"name": "turboquant", "variant": "prod", "key_bits": 4, "value_bits": 4},
-                  {"name": "turboquant", "key_bits": 4, "value_bits": 4, "norm_correction": True},
-                  {**config, "center": "bias"}):
+    for other in ({"name": "turboquant", "variant": "prod", "key_bits": 4, "value_bits": 4}, {**config, "center": "bias"}):
         assert not build_codec(other, info).fused_attention_supported(0), other
 
 

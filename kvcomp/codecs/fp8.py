@@ -20,7 +20,7 @@ Stored bits per value: 8 (``tensor``; the per-layer scales are model-level overh
 the model dtype (:mod:`kvcomp.stages.skip_layers`), counted at 16 bits. Differences from vLLM: rounding to
 float8 is torch's (round to nearest even) on float32 ``x / s``, where vLLM divides in the kernel's precision;
 with ``kernel_backend=triton`` decode steps read the float8 payload in the fused decode-attention kernel
-(:class:`~kvcomp.kernels.payloads.Float8Reader`), not a vLLM kernel.
+(:class:`~kvcomp.kernels.payloads.ScaledReader`), not a vLLM kernel.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvcomp.codecs.base import (
 )
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
-from kvcomp.kernels.payloads import Float8Reader
+from kvcomp.kernels.payloads import ScaledReader
 from kvcomp.stages.minifloat import FLOAT8, StreamScales, float8_max, from_float8, to_float8, token_head_scale
 from kvcomp.stages.ranges import saturated
 from kvcomp.stages.skip_layers import SKIPPED_BITS, skipped_layers
@@ -132,7 +132,7 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
         """Where Triton loads float8: sm_89 and later (Ada, Hopper), and the CPU interpreter; else the torch path."""
         return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
 
-    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> Float8Reader:
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> ScaledReader:
         codes = payload.tensors["codes"]
         scale = payload.tensors.get("scale")
         if scale is None:
@@ -141,7 +141,7 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
                 if codes.device not in self.unit_scale:
                     self.unit_scale[codes.device] = torch.ones((), device=codes.device)
                 scale = self.unit_scale[codes.device]
-        return Float8Reader(payload.num_tokens, self.model.head_dim, codes, self.dtype, scale)
+        return ScaledReader(payload.num_tokens, self.model.head_dim, codes, self.dtype, scale)
 
     def encoded_bits(self) -> float:
         return 8.0 if self.config.scale == "tensor" else 8.0 + 32.0 / self.model.head_dim

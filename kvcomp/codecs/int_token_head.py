@@ -20,7 +20,8 @@ Stored bits per value: ``8 + 32 / head_dim`` or ``4 + 32 / head_dim`` (vLLM's pa
 model dtype (vLLM's ``--kv-cache-dtype-skip-layers``). Differences from vLLM: the rotation is computed in
 float32 and quantized as such (vLLM rounds it to the model dtype first); the torch path decodes ``x_hat``; with
 ``kernel_backend=triton`` int4 decode steps rotate the query and un-rotate the attention output as vLLM does
-(:class:`~kvcomp.kernels.payloads.RotatedReader`; the same attention, up to float rounding).
+(:class:`~kvcomp.kernels.payloads.RotatedReader`; the same attention, up to float rounding), and int8 codes are
+loaded as signed bytes times their scale (:class:`~kvcomp.kernels.payloads.ScaledReader`).
 Older vLLM releases truncated int8 codes (an implicit float-to-int8 store) and stored int4 symmetrically
 (``[-8, 7]``, no rotation); this codec follows the current kernels.
 """
@@ -35,7 +36,7 @@ from kvcomp.codecs.base import CodecConfig, FusedPayload, Payload, Request
 from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, NonFiniteKVError
-from kvcomp.kernels.payloads import RotatedReader, UniformReader
+from kvcomp.kernels.payloads import RotatedReader, ScaledReader, UniformReader
 from kvcomp.stages.hadamard import fwht, is_power_of_two
 from kvcomp.stages.minifloat import SCALE_FLOOR, round_half_away, token_head_scale
 from kvcomp.stages.packing import pack_bits, unpack_bits
@@ -74,7 +75,8 @@ class IntTokenHeadConfig(CodecConfig):
 @register
 class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
     """int8 (symmetric) or int4 (rotated, asymmetric) keys and values, one float32 scale per token and KV head;
-    the fused decode kernel reads int4 payloads in the rotated basis (the query rotated, the output un-rotated)."""
+    the fused decode kernel loads int8 codes natively and reads int4 payloads in the rotated basis (the query
+    rotated, the output un-rotated)."""
 
     name = "int_token_head"
     config_class = IntTokenHeadConfig
@@ -100,14 +102,13 @@ class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
             self.on_device[device] = (self.signs.to(device), rotation.to(device))
         return self.on_device[device]
 
-    def fused_attention_supported(self, layer_idx: int) -> bool:
-        """int4 only: its codes are packed ints in the rotated basis; int8's are signed bytes."""
-        return self.config.bits == 4
-
-    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> RotatedReader:
-        """``y_hat = q s' - z s'`` per token and head (packed ints with zero ``-z s'``) in the rotated basis."""
-        scale, zero = reveal_zero(payload.tensors["scale"])
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> ScaledReader | RotatedReader:
+        """int8: the signed codes loaded as they are, times the scale. int4: ``y_hat = q s' - z s'`` per token and
+        head (packed ints with zero ``-z s'``) in the rotated basis."""
         d = self.model.head_dim
+        if self.config.bits == 8:
+            return ScaledReader(payload.num_tokens, d, payload.tensors["codes"], torch.int8, payload.tensors["scale"])
+        scale, zero = reveal_zero(payload.tensors["scale"])
         inner = UniformReader(payload.num_tokens, d, payload.tensors["codes"], scale, -zero * scale, 4, d, False)
         return RotatedReader(payload.num_tokens, d, inner, self._rotation(scale.device)[1])
 

@@ -233,9 +233,9 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """The fused decode kernel reads the sign bits (any sketch sizes; groups of at least 16 tokens, a
-        power of two, so that a tile lies in one group) and the per-token uniform values (codes within bytes)."""
+        power of two, so that a tile lies in one group) and the per-token uniform values."""
         group = self.config.group_size
-        return group >= 16 and group & (group - 1) == 0 and 8 % self.value_quantizer.bits == 0
+        return group >= 16 and group & (group - 1) == 0
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> SketchReader | UniformReader:
         if kind == "value":

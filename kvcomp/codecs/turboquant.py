@@ -39,9 +39,10 @@ vLLM keeps no boundary layers on hybrid (Mamba) models and clamps ``boundary_lay
 here boundary layers count the layers the codec encodes (full-attention ones) and leaving none to compress is
 an error; vLLM attends exactly during prefill (kvcomp's ``benchmark.protocol=exact_prefill``).
 
-Fused decode (``kernel_backend=triton``): TurboQuant-mse and EDEN with codes of 1, 2, 4 or 8 bits are read in the
-rotated basis (:meth:`RotatedCodec.payload_reader`: the query rotated, the output un-rotated); 3-bit codes,
-``prod``, norm correction, uniform values and ``center`` take the reference path.
+Fused decode (``kernel_backend=triton``): TurboQuant-mse, EDEN and vLLM's presets are read by the fused kernel
+(:meth:`RotatedCodec.payload_reader`): Lloyd-Max codes (any width, norm correction included) in the rotated basis
+(the query rotated, the output un-rotated), k8 keys as float8, uniform values as packed ints; ``prod`` and
+``center`` take the reference path.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConf
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
-from kvcomp.kernels.payloads import CodebookReader, RotatedReader
+from kvcomp.kernels.payloads import CodebookReader, ScaledReader, PayloadReader, RotatedReader, UniformReader
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.codebook import ChunkLayout
 from kvcomp.stages.hadamard import is_power_of_two
@@ -192,26 +193,38 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
         return saturated(x, request.dtype)
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
-        """Where the fused kernel reads both streams: Lloyd-Max codes within bytes (1, 2, 4 or 8 bits) times a
-        per-vector scale, without ``prod``'s sketch, vLLM's norm correction or uniform values, or ``center``."""
-        return self.config.center == "none" and all(
-            type(coder) is RotatedScalarQuantizer and coder.scale != "unit" and 8 % coder.bits == 0
-            for coder in self.coders.values())
+        """Where the fused kernel reads both streams: Lloyd-Max codes of any width times a per-vector scale
+        (vLLM's norm correction included), vLLM's k8 keys and uniform values; not prod's sketch, nor ``center``."""
+        return self.config.center == "none" and not any(isinstance(c, ProdQuantizer) for c in self.coders.values())
 
-    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> RotatedReader:
-        """The codes as a codebook payload in the rotated basis: one scalar codebook for every channel and head
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> PayloadReader:
+        """k8 keys: float8 e4m3 values (scale 1). Uniform values: packed ints, one group per vector. Lloyd-Max
+        codes: a codebook payload in the rotated basis, one scalar codebook for every channel and head
         (``centroids[q]``) times the stored per-vector scale, ``x_hat = (scale centroids[q]) R`` with ``R`` the
-        inverse rotation as a matrix."""
-        coder, stored, d = self.coders[kind], payload.tensors, self.model.head_dim
-        codes, h = stored["codes"], stored["codes"].shape[1]
-        if (codes.device, kind) not in self.reader_tables:
-            centroids = coder.codebook.centroids.float().to(codes.device)
-            self.reader_tables[(codes.device, kind)] = (
-                centroids.reshape(1, 1, -1, 1).expand(h, 1, -1, 1).contiguous(), torch.ones(h, d, device=codes.device),
-                torch.zeros(h, d, device=codes.device), coder.rotation.inverse(torch.eye(d, device=codes.device)))
-        codebooks, ones, zeros, rotation = self.reader_tables[(codes.device, kind)]
-        inner = CodebookReader(payload.num_tokens, d, codes, codebooks, ChunkLayout(1, 1, d), ones, zeros, stored["scale"])
-        return RotatedReader(payload.num_tokens, d, inner, rotation)
+        inverse rotation as a matrix (under norm correction, ``centroids[q]`` rescaled to unit norm first)."""
+        coder, stored, d, n = self.coders[kind], payload.tensors, self.model.head_dim, payload.num_tokens
+        codes = stored["codes"]
+        if isinstance(coder, UniformValues):
+            return UniformReader(n, d, codes, stored["scale"], stored["zero"], coder.quantizer.bits, d, False)
+        table = self.reader_tables.get((codes.device, kind))
+        if table is None:
+            table = self.reader_tables[(codes.device, kind)] = self.reader_table(coder, codes.shape[1], codes.device)
+        if isinstance(coder, FP8Keys):
+            return ScaledReader(n, d, codes, FLOAT8["e4m3"], table)
+        codebooks, ones, zeros, rotation = table
+        inner = CodebookReader(n, d, codes, codebooks, ChunkLayout(1, 1, d), ones, zeros, stored["scale"],
+                               unit_norm=coder.scale == "unit")
+        return RotatedReader(n, d, inner, rotation)
+
+    def reader_table(self, coder, kv_heads: int, device: torch.device):
+        """What :meth:`payload_reader` hands the fused kernel besides the payload, made once per device and kind:
+        k8 keys' unit scale, or the codebook of every head, unit channel scales, zero centres and the rotation."""
+        d = self.model.head_dim
+        if isinstance(coder, FP8Keys):
+            return torch.ones((), device=device)
+        centroids = coder.codebook.centroids.float().to(device).reshape(1, 1, -1, 1)
+        return (centroids.expand(kv_heads, 1, -1, 1).contiguous(), torch.ones(kv_heads, d, device=device),
+                torch.zeros(kv_heads, d, device=device), coder.rotation.inverse(torch.eye(d, device=device)))
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         if layer_idx in self.skipped:

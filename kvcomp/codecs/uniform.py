@@ -77,8 +77,5 @@ class UniformCodec(Codec, FusedPayload):
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         return self.quantizers[kind].bits_per_value(self.model.head_dim)
 
-    def fused_attention_supported(self, layer_idx: int) -> bool:
-        return all(8 % quantizer.bits == 0 for quantizer in self.quantizers.values())  # codes within bytes
-
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> UniformReader:
         return UniformReader.of(self.quantizers[kind], payload, self.model.head_dim)

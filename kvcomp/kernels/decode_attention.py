@@ -4,16 +4,17 @@ A decode step has one query token per sequence. Its keys and values are each a l
 cache order: full-precision tensors ``[B, H, T, D]`` (sinks, the full-precision tail, the fresh token)
 and payload *readers* that say how a kernel decodes an encoded block in registers:
 
-- :class:`UniformReader`: packed 1/2/4/8-bit codes with per-group scale and zero-point
-  (``x = code * scale + zero``; KIVI keys per channel, values per token; ``uniform``);
+- :class:`UniformReader`: packed codes of 1 to 8 bits (a little-endian bit stream: 3, 5, 6 and 7-bit codes
+  straddle bytes) with per-group scale and zero-point (``x = code * scale + zero``; KIVI keys per channel,
+  values per token; ``uniform``; vLLM's TurboQuant values);
 - :class:`CodebookReader`: packed indices into per-(KV head, channel group) centroid tables, then the
   codec's normalisation undone (``x = z * scale_c * scale_t + center_c + center_t``; TemporalKV,
-  ChannelKV, KVQuant);
+  ChannelKV, KVQuant; TurboQuant / EDEN, with vLLM's norm correction ``z`` rescaled to unit norm first);
 - :class:`SketchReader` (keys only): QJL's sign bits and norms, scored without decoding a key;
-- :class:`Float8Reader`: float8 values loaded natively, times a per-tensor or per-(token, head) scale
-  (``x = fp8 * s``; vLLM's ``fp8`` and ``fp8_per_token_head`` caches);
+- :class:`ScaledReader`: float8 or int8 values loaded natively, times a per-tensor or per-(token, head) scale
+  (``x = fp8 * s``; vLLM's ``fp8``, ``fp8_per_token_head`` and ``int8_per_token_head`` caches, TurboQuant's k8 keys);
 - :class:`RotatedReader`: any of these stored in a rotated basis (``x = inner @ R``: vLLM's int4 per token and
-  head, OSCAR), read with the query rotated and the output un-rotated.
+  head, OSCAR, TurboQuant / EDEN), read with the query rotated and the output un-rotated.
 
 Keys of pre-RoPE codecs carry :class:`RotaryPositions`: the kernel rotates each decoded key by its
 position's angle ``pos * inv_freq`` (as the model's rotary embedding does) before the dot product.

@@ -4,7 +4,7 @@ Flash-decoding in two kernels:
 
 1. ``_split_kernel``: one program per (batch x KV head, slice of tokens). It loads the ``n_rep`` query
    heads of its KV head once, then for each tile of at most ``BLOCK_T`` tokens decodes K and V *in registers*
-   (dense load, packed-int dequantization, codebook gather + denormalisation, or a float8 load times its
+   (dense load, packed-int dequantization, codebook gather + denormalisation, or a float8 / int8 load times its
    scale; keys of pre-RoPE codecs rotated by their position), and updates an online softmax (base-2 exponentials). It writes
    the slice's normalised partial output and its log-sum-exp.
 2. ``_merge_kernel``: combines the partials of all slices per query head,
@@ -38,7 +38,8 @@ registers (:func:`_row_scores`), also 4 warps and 32-token tiles, with up to 255
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
 against the matching query sub-vectors (:func:`_packed_scores`) or, on the register path, weighted into a
-field-major accumulator (:func:`_packed_values`); ``tl.dot`` launches unpack values per tile.
+field-major accumulator (:func:`_packed_values`); ``tl.dot`` launches unpack values per tile. Codes of
+3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`_codes`).
 
 Each launch shares the tiles of its token range out evenly over its slices (+-1 tile), and the slice count fills
 whole waves of the GPU's multiprocessors where the range is long enough (:func:`_splits`).
@@ -56,7 +57,7 @@ import triton.language as tl
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.payloads import (
     CodebookReader,
-    Float8Reader,
+    ScaledReader,
     PayloadReader,
     RotaryPositions,
     RotatedReader,
@@ -67,7 +68,7 @@ from kvcomp.kernels.payloads import (
 )
 from kvcomp.stages.jl_sketch import estimator_scale
 
-DENSE, UNIFORM, CODEBOOK, SKETCH, FLOAT8 = 0, 1, 2, 3, 4
+DENSE, UNIFORM, CODEBOOK, SKETCH, SCALED = 0, 1, 2, 3, 4
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 (BENCHMARKS.md, "Launch configurations of the fused decode kernel",
@@ -77,6 +78,7 @@ LOG2E = 1.4426950408889634
 WARPS = 4
 TILE = 32
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
+TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the least norm a unit-norm rescaling divides by (as in torch)
 SKETCH_STRIDES = ("sk_out_s_b", "sk_out_s_h", "sk_onorm_s_b", "sk_onorm_s_h", "sk_ch_s_b", "sk_ch_s_h")
 
 
@@ -106,6 +108,23 @@ def _bases(
 
 
 @triton.jit
+def _codes(data, row, index, ok, BITS: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Code ``index`` of rows starting at byte ``row`` of a little-endian bit stream of ``BITS``-bit codes
+    (:func:`~kvcomp.stages.packing.pack_bits`): one byte where codes fill bytes (1, 2, 4, 8 bits), else the two
+    bytes a code may straddle (3, 5, 6, 7 bits; the second only where the row has one)."""
+    if 8 % BITS == 0:  # (index // PER_BYTE, not index * BITS // 8: the compiler keeps fewer registers)
+        PER_BYTE: tl.constexpr = 8 // BITS
+        byte = tl.load(data + row + index // PER_BYTE, mask=ok, other=0).to(tl.int32)
+        shift = (index % PER_BYTE) * BITS
+    else:
+        first = index * BITS // 8
+        byte = tl.load(data + row + first, mask=ok, other=0).to(tl.int32)
+        byte = byte | (tl.load(data + row + first + 1, mask=ok & (first + 1 < ROW_BYTES), other=0).to(tl.int32) << 8)
+        shift = index * BITS % 8
+    return (byte >> shift) & ((1 << BITS) - 1)
+
+
+@triton.jit
 def _tile(
     data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, c0, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -122,9 +141,7 @@ def _tile(
     channel in registers, instead of one gathered load per value."""
     ok = t_ok[:, None] & c_ok[None, :]
     if FMT == 1:  # packed ints: x = code * scale + zero
-        PER_BYTE: tl.constexpr = 8 // BITS
-        byte = tl.load(data + t[:, None] * (D // PER_BYTE) + c[None, :] // PER_BYTE, mask=ok, other=0).to(tl.int32)
-        code = (byte >> ((c[None, :] % PER_BYTE) * BITS)) & ((1 << BITS) - 1)
+        code = _codes(data, t[:, None] * ((D * BITS + 7) // 8), c[None, :], ok, BITS, (D * BITS + 7) // 8)
         if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters
             first = t0 // GROUP
             second_ok = c_ok & (tl.zeros_like(c) + first + 1 < length // GROUP)
@@ -149,17 +166,15 @@ def _tile(
             s = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
             z = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
-    elif FMT == 4:  # float8 values (the pointer's element type) times a per-tensor or per-token scale
+    elif FMT == 4:  # float8 or int8 values (the pointer's element type) times a per-tensor or per-token scale
         x = tl.load(data + t[:, None] * D + c[None, :], mask=ok, other=0.0).to(tl.float32)
         if TOKEN_SCALE:
             x = x * tl.load(scale + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
         else:
             x = x * tl.load(scale).to(tl.float32)
     else:  # codebook: gather the centroid entry, then undo the normalisation
-        ROW_BYTES: tl.constexpr = (D // CL) * CODE_BITS // 8
-        column = c // CL
-        byte = tl.load(data + (t[:, None] // TL) * ROW_BYTES + (column * CODE_BITS // 8)[None, :], mask=ok, other=0).to(tl.int32)
-        code = (byte >> ((column * CODE_BITS) % 8)[None, :]) & ((1 << CODE_BITS) - 1)
+        ROW_BYTES: tl.constexpr = ((D // CL) * CODE_BITS + 7) // 8
+        code = _codes(data, (t[:, None] // TL) * ROW_BYTES, (c // CL)[None, :], ok, CODE_BITS, ROW_BYTES)
         entry = (t % TL)[:, None] * CL + (c % CL)[None, :]
         centroid = (c // GC)[None, :] * CENTROIDS + code
         z = tl.load(codebooks + centroid * (TL * CL) + entry, mask=ok, other=0.0).to(tl.float32)
@@ -178,14 +193,22 @@ def _halves(
     data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
-    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, UNIT: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one encoded stream's tile (see :func:`_tile`)."""
+    """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one encoded stream's tile (see :func:`_tile`).
+    ``UNIT`` (codebook payloads, vLLM's norm correction): each token's decoded vector is rescaled to unit norm
+    over both halves, then times its token scale."""
+    SCALED: tl.constexpr = TOKEN_SCALE and not UNIT
     lo = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, 0, c_ok,
-               D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, TOKEN_SCALE, TOKEN_CENTER, BLOCK_T)
+               D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER, BLOCK_T)
     hi = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c + D // 2,
-               D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, TOKEN_SCALE, TOKEN_CENTER,
+               D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER,
                BLOCK_T)
+    if UNIT:  # channels outside c_ok are 0 (_tile)
+        norm = tl.sqrt(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1))
+        factor = tl.load(tok_scale + t, mask=t_ok, other=0.0).to(tl.float32) / tl.maximum(norm, TINY)
+        lo = lo * factor[:, None]
+        hi = hi * factor[:, None]
     return lo, hi
 
 
@@ -461,10 +484,10 @@ def _split_kernel(
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
     K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
-    K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr, K_ENCODED: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr, K_UNIT: tl.constexpr, K_ENCODED: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
-    V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr, V_ENCODED: tl.constexpr,
+    V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr, V_UNIT: tl.constexpr, V_ENCODED: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
     SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, SK_M_PAD: tl.constexpr,
     MASKED: tl.constexpr,
@@ -543,7 +566,7 @@ def _split_kernel(
             else:
                 k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
                                      k_length, t, g0 - k_first, g_ok, c, c_ok, D, K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL,
-                                     K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER, BLOCK_T)
+                                     K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER, K_UNIT, BLOCK_T)
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
@@ -565,7 +588,7 @@ def _split_kernel(
                     v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale,
                                          v_tok_center, v_length, t, g0 - v_first, g_ok, c, c_ok, D, V_FMT, V_BITS, V_GROUP,
                                          V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE,
-                                         V_TOKEN_CENTER, BLOCK_T)
+                                         V_TOKEN_CENTER, V_UNIT, BLOCK_T)
                     acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
             elif PACKED_V:  # a full-precision piece, into the field-major accumulator
                 acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
@@ -637,7 +660,7 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
                    ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0,
                    data_s_b=0, data_s_h=0, param_s_b=0, param_s_h=0, tok_s_b=0, tok_s_h=0)
     static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
-                  TOKEN_SCALE=False, TOKEN_CENTER=False)
+                  TOKEN_SCALE=False, TOKEN_CENTER=False, UNIT=False)
     dense, encoded_at = [], 4  # the payload's position among the pieces (4: none)
     for position, index in enumerate(indices):
         segment = segments[index]
@@ -648,8 +671,6 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
         encoded_at = position
         runtime.update(length=segment.num_tokens, first=bounds[index])
         if isinstance(segment, UniformReader):
-            if 8 % segment.bits:
-                raise ValueError(f"decode kernel: {segment.bits}-bit codes straddle bytes; supported: 1, 2, 4, 8 bits")
             (data,), data_s_b, data_s_h = _in_place(segment.codes)
             (scale, zero), param_s_b, param_s_h = _in_place(segment.scale, segment.zero)
             runtime.update(data=data, scale=scale, zero=zero, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
@@ -657,8 +678,6 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
             static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
         elif isinstance(segment, CodebookReader):
             layout = segment.layout
-            if 8 % segment.code_bits:
-                raise ValueError(f"decode kernel: {segment.code_bits}-bit codebook indices straddle bytes")
             (data,), data_s_b, data_s_h = _in_place(segment.codes)
             runtime.update(data=data, data_s_b=data_s_b, data_s_h=data_s_h, codebooks=segment.codebooks.contiguous(),
                            ch_scale=segment.channel_scale.float().contiguous(),
@@ -669,8 +688,8 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
                 runtime.update({name.replace("token", "tok"): t for name, t in zip(names, tokens)})
             static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
                           CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
-                          TOKEN_CENTER=segment.token_center is not None)
-        elif isinstance(segment, Float8Reader):
+                          TOKEN_CENTER=segment.token_center is not None, UNIT=segment.unit_norm)
+        elif isinstance(segment, ScaledReader):
             (data,), data_s_b, data_s_h = _in_place(segment.codes.view(segment.dtype))
             if segment.per_token:
                 (scale,), param_s_b, param_s_h = _in_place(segment.scale)
@@ -678,7 +697,7 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
                 scale, param_s_b, param_s_h = segment.scale.float().reshape(1).contiguous(), 0, 0
             runtime.update(data=data, scale=scale, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
                            param_s_h=param_s_h)
-            static.update(FMT=FLOAT8, TOKEN_SCALE=segment.per_token)
+            static.update(FMT=SCALED, TOKEN_SCALE=segment.per_token)
         else:  # QJL's sketched keys; the rest of the format is in _sketch_args
             (data,), data_s_b, data_s_h = _in_place(segment.keys.signs)
             (norm,), param_s_b, param_s_h = _in_place(segment.keys.inlier_norm)
@@ -727,10 +746,10 @@ def _kv_heads(segment: Segment) -> int:
 
 def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
     """Whether values are weighted in their packed layout (:func:`_packed_values`): per-token packed ints
-    whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
+    within bytes whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
     scales are selected in registers), on the register path. (Beside QJL's sketched keys above 4 query
     rows the caller keeps the per-channel path, which compiles without spills, ``scripts/kernel_resources.py``.)"""
-    if dot or not isinstance(segment, UniformReader) or segment.per_channel:
+    if dot or not isinstance(segment, UniformReader) or segment.per_channel or 8 % segment.bits:
         return False
     per_byte, width = 8 // segment.bits, d * segment.bits // 8
     return not width & (width - 1) and segment.group_size % per_byte == 0 and d // segment.group_size <= 8
@@ -738,8 +757,8 @@ def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
 
 def _packed(segment: Segment, d: int, dot: bool) -> bool:
     """Whether keys are scored in their packed layout (:func:`_packed_scores`): packed ints whose bytes per
-    token are a power of two (a Triton range), at least 16 for ``tl.dot``."""
-    if not isinstance(segment, UniformReader):
+    token are a power of two (a Triton range), at least 16 for ``tl.dot``, codes within bytes."""
+    if not isinstance(segment, UniformReader) or 8 % segment.bits:
         return False
     width = d * segment.bits // 8
     return not width & (width - 1) and (width >= 16 or not dot)
@@ -924,24 +943,30 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
 
 
 def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **options) -> torch.Tensor:
-    """Attention over a cache whose payload is stored in a rotated basis (one :class:`RotatedReader` segment of
-    keys and of values, over the same tokens): the payload's split launches take the query rotated
-    (``q rotation_k^T``), the other segments' take it as it is, the payload's partial outputs are un-rotated
-    (``@ rotation_v``), and one merge combines all slices (their log-sum-exps do not depend on the basis)."""
-    at = [i for i, s in enumerate(key_segments) if isinstance(s, RotatedReader)]
+    """Attention over a cache whose payload is stored in a rotated basis: one segment of the keys and one of the
+    values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets rotate only
+    the keys). The payload's split launches take the query rotated (``q rotation_k^T``) where its keys are
+    rotated, the other segments' take it as it is; the payload's partial outputs are un-rotated
+    (``@ rotation_v``) where its values are; one merge combines all slices (their log-sum-exps do not depend on
+    the basis)."""
+    at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, RotatedReader)}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
-    if (len(at) != 1 or len(value_segments) <= at[0] or not isinstance(value_segments[at[0]], RotatedReader)
-            or key_bounds[at[0]: at[0] + 2] != value_bounds[at[0]: at[0] + 2] or options.get("key_rope") is not None):
+    i = min(at)
+    if (len(at) != 1 or i >= min(len(key_segments), len(value_segments))
+            or key_bounds[i: i + 2] != value_bounds[i: i + 2] or options.get("key_rope") is not None):
         raise ValueError("decode kernel: a rotated payload must be one post-RoPE segment of the keys and of the values, "
                          "over the same tokens")
-    i = at[0]
     lo, hi = key_bounds[i], key_bounds[i + 1]
     keys, values = key_segments[i], value_segments[i]
+    key_rotation, value_rotation = (s.rotation if isinstance(s, RotatedReader) else None for s in (keys, values))
+    keys, values = (s.inner if isinstance(s, RotatedReader) else s for s in (keys, values))
     rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
     b, hq, d = query.shape
-    h = _kv_heads(keys.inner)
-    rotated = (query.view(b, h, hq // h, d).float() @ keys.rotation.transpose(-1, -2).float()).view(b, hq, d)
-    groups = [(rotated, [keys.inner], [values.inner], None if valid is None else valid[:, lo:hi], values.rotation)]
+    h = _kv_heads(keys)
+    rotated = query
+    if key_rotation is not None:
+        rotated = (query.view(b, h, hq // h, d).float() @ key_rotation.transpose(-1, -2).float()).view(b, hq, d)
+    groups = [(rotated, [keys], [values], None if valid is None else valid[:, lo:hi], value_rotation)]
     if rest[0]:
         groups.append((query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1), None))
     partials, lses, merge = [], [], None

@@ -15,7 +15,8 @@ import torch
 
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
-from kvcomp.stages.normalization import affine_denormalize
+from kvcomp.stages.lloyd_max import TINY
+from kvcomp.stages.normalization import affine_denormalize, per_token
 from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
@@ -91,7 +92,9 @@ class CodebookReader(PayloadReader):
     """A :class:`~kvcomp.stages.codebook.CodebookQuantizer` payload and the normalisation to undo:
     ``codes`` uint8 ``[B, H, T/time_len, bytes]`` of ``code_bits``-bit indices into ``codebooks``
     ``[H, G, k, dim]``; per-channel ``channel_scale``/``channel_center`` ``[H, D]`` and optional per-token
-    ``token_scale``/``token_center`` ``[B, T]``, or per token and head ``[B, H, T]`` (TurboQuant's norms)."""
+    ``token_scale``/``token_center`` ``[B, T]``, or per token and head ``[B, H, T]`` (TurboQuant's norms).
+    ``unit_norm`` (vLLM's TurboQuant norm correction): each token's vector, before its ``token_scale``, is
+    rescaled to unit norm over all channels."""
 
     codes: torch.Tensor
     codebooks: torch.Tensor
@@ -100,6 +103,7 @@ class CodebookReader(PayloadReader):
     channel_center: torch.Tensor
     token_scale: torch.Tensor | None = None
     token_center: torch.Tensor | None = None
+    unit_norm: bool = False
 
     @property
     def num_centroids(self) -> int:
@@ -112,7 +116,10 @@ class CodebookReader(PayloadReader):
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = CodebookQuantizer(self.layout, self.num_centroids)
         z = quantizer.decode(self.codes, self.codebooks, self.head_dim)
-        return affine_denormalize(z, self.channel_scale, self.channel_center, self.token_scale, self.token_center)
+        if not self.unit_norm:
+            return affine_denormalize(z, self.channel_scale, self.channel_center, self.token_scale, self.token_center)
+        x = affine_denormalize(z, self.channel_scale, self.channel_center, None, self.token_center)
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(TINY) * per_token(self.token_scale)
 
 
 @dataclass
@@ -173,10 +180,11 @@ class SketchReader(PayloadReader):
 
 
 @dataclass
-class Float8Reader(PayloadReader):
-    """A float8 payload (vLLM's ``fp8`` / ``fp8_per_token_head`` caches, :mod:`kvcomp.codecs.fp8`): ``codes``
-    ``[B, H, T, D]`` of the float8 dtype ``dtype`` (its bit patterns), times ``scale``: one float32 value
-    (per tensor) or ``[B, H, T, 1]`` (per token and head). The kernel loads the float8 values natively."""
+class ScaledReader(PayloadReader):
+    """Values of a dtype the kernel loads natively, times a scale: vLLM's ``fp8`` / ``fp8_per_token_head`` caches
+    (:mod:`kvcomp.codecs.fp8`) and ``int8_per_token_head`` (:mod:`kvcomp.codecs.int_token_head`). ``codes``
+    ``[B, H, T, D]`` of ``dtype`` (float8: its bit patterns as uint8; int8), times ``scale``: one float32 value
+    (per tensor) or ``[B, H, T, 1]`` (per token and head)."""
 
     codes: torch.Tensor
     dtype: torch.dtype

@@ -94,14 +94,15 @@ def _per_token_spread(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.T
     return spread[:, None], None
 
 
+def per_token(t: torch.Tensor) -> torch.Tensor:
+    """Per-token parameters ``[B, T]`` or ``[B, H, T]`` (per head) as float32 broadcasting against ``[B, H, T, D]``."""
+    return t.float()[..., None] if t.dim() == 3 else t.float()[:, None, :, None]
+
+
 def affine_denormalize(z, channel_scale, channel_center, token_scale=None, token_center=None) -> torch.Tensor:
     """``z [B, H, T, D] * channel_scale * token_scale + channel_center + token_center`` (channel ``[H, D]``,
     token ``[B, T]``, ``[B, H, T]`` per head, or ``None``): every normalisation's inverse."""
     scale, center = _per_channel(channel_scale).to(z.device), _per_channel(channel_center).to(z.device)
-
-    def per_token(t):
-        return t.float()[..., None] if t.dim() == 3 else t.float()[:, None, :, None]
-
     if token_scale is not None:
         scale = scale * per_token(token_scale)
     if token_center is not None:
