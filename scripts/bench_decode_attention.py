@@ -38,7 +38,7 @@ from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
-from kvcomp.kernels.payloads import ScaledReader, RotaryPositions
+from kvcomp.kernels.payloads import BlockFloatReader, ScaledReader, RotaryPositions
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
@@ -52,6 +52,7 @@ CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     "int4-token-head": {"name": "int_token_head", "bits": 4},  # vLLM's int4: packed ints in a rotated basis
     "eden-2": {"name": "eden", "key_bits": 2, "value_bits": 2},  # Lloyd-Max codes times a norm, rotated basis
     "int8-token-head": {"name": "int_token_head", "bits": 8},  # vLLM's int8: signed bytes loaded natively
+    "nvfp4": {"name": "nvfp4"},  # vLLM's NVFP4: e2m1 codes looked up, float8 scale per 16 values
     # vLLM's turboquant_k3v4_nc on an encoded layer: 3-bit codes (straddling bytes), norm correction, uniform values
     "turboquant-k3v4-nc": {"name": "turboquant", "key_bits": 3, "value_bits": 4, "values": "uniform",
                            "rotation": "plain_hadamard", "density": "gaussian", "norm_correction": True},
@@ -83,14 +84,15 @@ def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload
     parameters (positive scales): the layout of a real one without encoding gigabytes first."""
     block = codec.policy(kind, 0).block_size
     probe = codec.encode(Request(0, kind, tokens=torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device)))
-    float8 = isinstance(codec.payload_reader(probe, kind, 0), ScaledReader)
+    reader = codec.payload_reader(probe, kind, 0)
+    float8 = {"codes"} if isinstance(reader, ScaledReader) else {"scales"} if isinstance(reader, BlockFloatReader) else set()
     tensors = {}
     for name, t in probe.tensors.items():
         shape = (batch, t.shape[1], t.shape[2] * tokens // block, *t.shape[3:])
         if t.dtype == torch.uint8:  # codes and sign bits; QJL's outlier channel ids stay channels
             high = codec.model.head_dim if name == "outlier_channels" else 256
             tensors[name] = torch.randint(0, high, shape, dtype=torch.uint8, device=device)
-            if float8:  # the exponent's top bit cleared: finite values, no NaN or Inf bit patterns
+            if name in float8:  # float8 bit patterns with the exponent's top bit cleared: finite values, no NaN or Inf bit patterns
                 tensors[name] &= 0xBF
         elif "scale" in name:
             tensors[name] = (torch.rand(shape, device=device) * 0.2 + 0.05).to(t.dtype)

@@ -67,8 +67,8 @@ def describe(launch) -> str:
     args = launch.args
     if "K_FMT" not in args:
         return "merge"
-    keys = FORMATS[args["K_FMT"]] + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "")
-    values = FORMATS[args["V_FMT"]] + (" (stored layout)" if args["PACKED_V"] else "")
+    keys = FORMATS[args["K_FMT"]] + (" (e2m1 values)" if args["K_LEVELS"] else "") + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "")
+    values = FORMATS[args["V_FMT"]] + (" (e2m1 values)" if args["V_LEVELS"] else "") + (" (stored layout)" if args["PACKED_V"] else "")
     return f"keys {keys}, values {values}"
 
 

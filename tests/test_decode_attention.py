@@ -132,6 +132,33 @@ def test_rotated_payloads_are_read_by_rotating_the_query_and_the_output():
         decode_attention_triton(query, [readers[0], readers[0]], [readers[1], readers[1]], d**-0.5)
 
 
+@pytest.mark.parametrize("global_scale", [1.0, 0.37])
+def test_nvfp4_codes_are_read_with_their_block_scales(global_scale):
+    """NVFP4 (:class:`BlockFloatReader`): e2m1 codes looked up in the kernel (times the global scale) and scaled per
+    block of 16 channels by float8 e4m3 scales, between sinks and a tail, on both product paths."""
+    from kvcomp.codecs.base import Request
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
+    gen = torch.Generator().manual_seed(11)
+    b, h, r, d, n = 2, 2, 4, 32, 36
+    codec = build_codec({"name": "nvfp4"}, ModelInfo("tiny", 1, h, d))
+    readers = {}
+    for kind in ("key", "value"):
+        payload = codec.encode(Request(0, kind, tokens=3 * torch.randn(b, h, n, d, generator=gen)))
+        reader = codec.payload_reader(payload, kind, 0)
+        assert torch.equal(reader.dequantize(), codec.decode(payload, Request(0, kind, dtype=torch.float32)))
+        reader.levels = reader.levels * global_scale  # as a fitted global scale folds in
+        readers[kind] = reader
+    sinks, tail = torch.randn(b, h, 2, d, generator=gen), torch.randn(b, h, 7, d, generator=gen)
+    keys, values = [sinks, readers["key"], tail], [sinks, readers["value"], tail]
+    query = torch.randn(b, h * r, d, generator=gen)
+    valid = _mask(b, 2 + n + 7, gen)
+    reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
+    for options in ({"num_splits": 3}, {"dot": False, "block_tokens": 16}):
+        torch.testing.assert_close(decode_attention_triton(query, keys, values, d**-0.5, valid, **options), reference,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_unit_norm_codebooks_and_codes_straddling_bytes():
     """vLLM's ``turboquant_3bit_nc`` layout: rotated 3-bit scalar codes (straddling bytes) rescaled to unit norm
     per token and head before the stored norm (norm correction), beside per-token 3-bit uniform values that are
@@ -388,12 +415,13 @@ def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):
     assert all(p.positions.recomputed for p in layer.parts)
 
 
-@pytest.mark.parametrize("config", [{"name": "fp8"}, {"name": "fp8", "scale": "token_head", "format": "e5m2"}],
-                         ids=["fp8", "fp8-per-token-head-e5m2"])
+@pytest.mark.parametrize("config", [{"name": "fp8"}, {"name": "fp8", "scale": "token_head", "format": "e5m2"},
+                                    {"name": "nvfp4"}], ids=["fp8", "fp8-per-token-head-e5m2", "nvfp4"])
 @torch.no_grad()
-def test_fp8_decode_steps_read_the_float8_payloads(tiny_llama, config):
-    """vLLM's fp8 caches on the fused path: every token's float8 bytes are read by the kernel (nothing decoded),
-    the logits those of the torch path, and the reader decodes exactly what the codec decodes."""
+def test_fp8_and_nvfp4_decode_steps_read_the_payloads(tiny_llama, config):
+    """vLLM's fp8 and NVFP4 caches on the fused path: every token's float8 bytes (NVFP4: e2m1 codes and float8
+    block scales) are read by the kernel (nothing decoded), the logits those of the torch path, and the reader
+    decodes exactly what the codec decodes."""
     codec = build_codec(config, info_of(tiny_llama))
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(5))
     payload = codec.encode(Request(1, "value", tokens=x))

@@ -34,6 +34,7 @@ from kvcomp.codecs.base import (
 )
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.kernels import loads_float8
 from kvcomp.kernels.payloads import ScaledReader
 from kvcomp.stages.minifloat import FLOAT8, StreamScales, float8_max, from_float8, to_float8, token_head_scale
 from kvcomp.stages.ranges import saturated
@@ -129,8 +130,8 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
         return saturated(values * scale, request.dtype)
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
-        """Where Triton loads float8: sm_89 and later (Ada, Hopper), and the CPU interpreter; else the torch path."""
-        return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
+        """Where Triton loads float8 (:func:`~kvcomp.kernels.loads_float8`); else the torch path."""
+        return loads_float8()
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> ScaledReader:
         codes = payload.tensors["codes"]

@@ -10,6 +10,9 @@ triton_reshape_and_cache_flash.py``), with ``g`` the float32 global scale of the
   first (:mod:`kvcomp.stages.packing`); a block whose ``b`` is 0 stores zeros;
 - ``x_hat = e2m1 value * b * g``.
 
+With ``kernel_backend=triton`` decode steps read the codes and block scales in the fused decode-attention kernel
+(:class:`~kvcomp.kernels.payloads.BlockFloatReader`: ``e2m1 value * g`` looked up per code, times ``b``).
+
 The global scale ``g`` (vLLM's ``k_scale`` / ``v_scale``, a dequantization multiplier) comes from the checkpoint,
 else 1.0. ``global_scale: one`` (the default) is the uncalibrated 1.0; ``global_scale: calibrated`` is the
 convention of the NVFP4 KV calibrations of llm-compressor and ModelOpt checkpoints, ``g = amax / (6 x 448)`` over
@@ -34,10 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomp.codecs.base import Activations, Calibrated, CodecConfig, CodecState, Payload, Request
+from kvcomp.codecs.base import Activations, Calibrated, CodecConfig, CodecState, FusedPayload, Payload, Request
 from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.kernels import loads_float8
+from kvcomp.kernels.payloads import BlockFloatReader
 from kvcomp.stages.minifloat import (E2M1_MAX, StreamScales, e2m1_codes, e2m1_values, float8_max, from_float8,
                                      to_float8)
 from kvcomp.stages.packing import pack_bits, unpack_bits
@@ -57,9 +62,9 @@ class NVFP4Config(CodecConfig):
 
 
 @register
-class NVFP4Codec(EngineFormatCodec, Calibrated):
+class NVFP4Codec(EngineFormatCodec, Calibrated, FusedPayload):
     """e2m1 keys and values in blocks of 16 with an e4m3 scale each and a float32 scale per layer and stream
-    (calibrated only with ``global_scale=calibrated``)."""
+    (calibrated only with ``global_scale=calibrated``); the fused decode kernel reads the codes and block scales."""
 
     name = "nvfp4"
     config_class = NVFP4Config
@@ -80,6 +85,7 @@ class NVFP4Codec(EngineFormatCodec, Calibrated):
     def build(self) -> None:
         super().build()
         self.stream_scales = StreamScales()
+        self.levels: dict = {}  # (device, layer, kind) -> the e2m1 values times the global scale, for the fused kernel
 
     def fit(self, activations: Activations) -> CodecState:
         """The global scales: ``amax / (6 x 448)`` of every layer's keys and values."""
@@ -88,6 +94,7 @@ class NVFP4Codec(EngineFormatCodec, Calibrated):
 
     def load_state(self, state: CodecState) -> None:
         self.stream_scales = StreamScales.from_tensors(state.tensors)
+        self.levels = {}
 
     def _global(self, request: Request, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """``(g, 1/g)`` of the request's layer and stream (``1/g`` is 1 where ``g`` is 0, as vLLM's writer)."""
@@ -128,6 +135,20 @@ class NVFP4Codec(EngineFormatCodec, Calibrated):
         values = e2m1_values(unpack_bits(codes, 4, d)).view(b, h, t, d // BLOCK, BLOCK)
         x = values * (from_float8(scales, SCALE_DTYPE).unsqueeze(-1) * g)
         return saturated(x.view(b, h, t, d), request.dtype)
+
+    def fused_attention_supported(self, layer_idx: int) -> bool:
+        """Where Triton loads the float8 block scales (:func:`~kvcomp.kernels.loads_float8`); else the torch path."""
+        return loads_float8()
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> BlockFloatReader:
+        """The codes name ``e2m1 value * g`` (made once per device, layer and stream), times each block's scale."""
+        codes = payload.tensors["codes"]
+        key = (codes.device, layer_idx, kind)
+        if key not in self.levels:
+            g = self.stream_scales.get(layer_idx, kind, codes.device)
+            self.levels[key] = (e2m1_values(torch.arange(16, dtype=torch.uint8, device=codes.device)) * g).contiguous()
+        return BlockFloatReader(payload.num_tokens, self.model.head_dim, codes, payload.tensors["scales"].view(SCALE_DTYPE),
+                                self.levels[key], 4, BLOCK)
 
     def encoded_bits(self) -> float:
         return 4.0 + 8.0 / BLOCK

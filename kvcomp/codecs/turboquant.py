@@ -56,6 +56,7 @@ from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConf
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.kernels import loads_float8
 from kvcomp.kernels.payloads import CodebookReader, ScaledReader, PayloadReader, RotatedReader, UniformReader
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.codebook import ChunkLayout
@@ -194,8 +195,11 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """Where the fused kernel reads both streams: Lloyd-Max codes of any width times a per-vector scale
-        (vLLM's norm correction included), vLLM's k8 keys and uniform values; not prod's sketch, nor ``center``."""
-        return self.config.center == "none" and not any(isinstance(c, ProdQuantizer) for c in self.coders.values())
+        (vLLM's norm correction included), vLLM's k8 keys (where Triton loads float8) and uniform values; not
+        prod's sketch, nor ``center``."""
+        coders = self.coders.values()
+        return (self.config.center == "none" and not any(isinstance(c, ProdQuantizer) for c in coders)
+                and (loads_float8() or not any(isinstance(c, FP8Keys) for c in coders)))
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> PayloadReader:
         """k8 keys: float8 e4m3 values (scale 1). Uniform values: packed ints, one group per vector. Lloyd-Max

@@ -5,7 +5,7 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
 - ``payloads``: the payload readers (one per format, with its torch decoding), the sketched keys and the
   fused encoder's layouts; imported by the references and the Triton launchers, importing neither;
 - ``decode_attention`` (reference, dispatch) / ``decode_attention_triton``: decode-step attention
-  reading packed uniform/KIVI, codebook, QJL-sketch and float8 payloads, split-K + merge;
+  reading packed uniform/KIVI, codebook, QJL-sketch, float8 / int8 and NVFP4 payloads, split-K + merge;
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
   packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
 - ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;
@@ -51,6 +51,12 @@ def sdpa_without_cudnn():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def loads_float8() -> bool:
+    """Whether the fused kernels may load float8 values (fp8 caches, NVFP4 block scales, TurboQuant's k8 keys):
+    Triton converts them from sm_89 (Ada, Hopper) on, and under its CPU interpreter."""
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
 
 
 def check_kernel_backend(backend: str, device: str) -> None:

@@ -10,6 +10,8 @@ and payload *readers* that say how a kernel decodes an encoded block in register
 - :class:`CodebookReader`: packed indices into per-(KV head, channel group) centroid tables, then the
   codec's normalisation undone (``x = z * scale_c * scale_t + center_c + center_t``; TemporalKV,
   ChannelKV, KVQuant; TurboQuant / EDEN, with vLLM's norm correction ``z`` rescaled to unit norm first);
+- :class:`BlockFloatReader`: packed codes naming small-float values times one scale per block of channels
+  (``x = levels[code] * s_block``; vLLM's ``nvfp4``);
 - :class:`SketchReader` (keys only): QJL's sign bits and norms, scored without decoding a key;
 - :class:`ScaledReader`: float8 or int8 values loaded natively, times a per-tensor or per-(token, head) scale
   (``x = fp8 * s``; vLLM's ``fp8``, ``fp8_per_token_head`` and ``int8_per_token_head`` caches, TurboQuant's k8 keys);

@@ -56,6 +56,7 @@ import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.payloads import (
+    BlockFloatReader,
     CodebookReader,
     ScaledReader,
     PayloadReader,
@@ -125,47 +126,51 @@ def _codes(data, row, index, ok, BITS: tl.constexpr, ROW_BYTES: tl.constexpr):
 
 
 @triton.jit
+def _params(ptr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+            BLOCK_T: tl.constexpr):
+    """Packed ints' scale or zero of each value of a tile (see :func:`_tile`) as float32 ``[BLOCK_T, C]``: per-channel
+    groups of ``GROUP`` tokens (``[T/G, D]``) or per-token groups of ``GROUP`` channels (``[T, D/G]``). Where the
+    tile spans at most two groups (per-channel groups when ``BLOCK_T <= GROUP``; per-token groups when a half of
+    the channels holds at most two) each parameter is loaded once per tile and selected per token or channel in
+    registers, instead of one gathered load per value."""
+    if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters
+        first = t0 // GROUP
+        second_ok = c_ok & (tl.zeros_like(c) + first + 1 < length // GROUP)
+        p = tl.where((t // GROUP == first)[:, None], tl.load(ptr + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
+                     tl.load(ptr + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+    elif not PER_CHANNEL and (D // 2 <= GROUP or D // 2 == 2 * GROUP):  # two columns of per-token parameters
+        param = t * (D // GROUP) + c0 // GROUP
+        second_ok = t_ok & (tl.zeros_like(t) + c0 // GROUP + 1 < D // GROUP)
+        p = tl.where((c // GROUP == c0 // GROUP)[None, :], tl.load(ptr + param, mask=t_ok, other=0.0).to(tl.float32)[:, None],
+                     tl.load(ptr + param + 1, mask=second_ok, other=0.0).to(tl.float32)[:, None])
+    else:  # a gathered load per value
+        if PER_CHANNEL:
+            param = (t[:, None] // GROUP) * D + c[None, :]
+        else:
+            param = t[:, None] * (D // GROUP) + c[None, :] // GROUP
+        p = tl.load(ptr + param, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    return p
+
+
+@triton.jit
 def _tile(
     data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, c0, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
-    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, BLOCK_T: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, LEVELS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Payload tokens ``t`` (the first is ``t0``) x channels ``c`` (the first is ``c0``) of one encoded stream
     (tensors at the program's sequence and head, :func:`_bases`) as a float32 tile; rows outside ``t_ok`` hold
-    anything finite.
-
-    Packed ints load each scale and zero once per tile where the tile spans at most two quantization
-    groups (per-channel groups of ``GROUP`` tokens when ``BLOCK_T <= GROUP``; per-token groups of
-    ``GROUP`` channels when a half of the channels holds at most two), then select per token or per
-    channel in registers, instead of one gathered load per value."""
+    anything finite. ``LEVELS`` (packed ints only): each code names a value of ``codebooks`` (NVFP4's e2m1
+    values), times its group's scale, no zero-point."""
     ok = t_ok[:, None] & c_ok[None, :]
-    if FMT == 1:  # packed ints: x = code * scale + zero
+    if FMT == 1:  # packed ints: x = code * scale + zero, or a small float format: x = levels[code] * scale
         code = _codes(data, t[:, None] * ((D * BITS + 7) // 8), c[None, :], ok, BITS, (D * BITS + 7) // 8)
-        if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters
-            first = t0 // GROUP
-            second_ok = c_ok & (tl.zeros_like(c) + first + 1 < length // GROUP)
-            in_first = (t // GROUP == first)[:, None]
-            s = tl.where(in_first, tl.load(scale + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
-                         tl.load(scale + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
-            z = tl.where(in_first, tl.load(zero + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
-                         tl.load(zero + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
-        elif not PER_CHANNEL and (D // 2 <= GROUP or D // 2 == 2 * GROUP):  # two columns of per-token parameters
-            param = t * (D // GROUP) + c0 // GROUP
-            second_ok = t_ok & (tl.zeros_like(t) + c0 // GROUP + 1 < D // GROUP)
-            in_first = (c // GROUP == c0 // GROUP)[None, :]
-            s = tl.where(in_first, tl.load(scale + param, mask=t_ok, other=0.0).to(tl.float32)[:, None],
-                         tl.load(scale + param + 1, mask=second_ok, other=0.0).to(tl.float32)[:, None])
-            z = tl.where(in_first, tl.load(zero + param, mask=t_ok, other=0.0).to(tl.float32)[:, None],
-                         tl.load(zero + param + 1, mask=second_ok, other=0.0).to(tl.float32)[:, None])
-        else:  # a gathered load per value
-            if PER_CHANNEL:
-                param = (t[:, None] // GROUP) * D + c[None, :]
-            else:
-                param = t[:, None] * (D // GROUP) + c[None, :] // GROUP
-            s = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
-            z = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
-        x = code.to(tl.float32) * s + z
+        s = _params(scale, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
+        if LEVELS:
+            x = tl.load(codebooks + code, mask=ok, other=0.0) * s
+        else:
+            x = code.to(tl.float32) * s + _params(zero, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
     elif FMT == 4:  # float8 or int8 values (the pointer's element type) times a per-tensor or per-token scale
         x = tl.load(data + t[:, None] * D + c[None, :], mask=ok, other=0.0).to(tl.float32)
         if TOKEN_SCALE:
@@ -193,17 +198,18 @@ def _halves(
     data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
-    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, UNIT: tl.constexpr, BLOCK_T: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, UNIT: tl.constexpr, LEVELS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one encoded stream's tile (see :func:`_tile`).
     ``UNIT`` (codebook payloads, vLLM's norm correction): each token's decoded vector is rescaled to unit norm
     over both halves, then times its token scale."""
     SCALED: tl.constexpr = TOKEN_SCALE and not UNIT
     lo = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, 0, c_ok,
-               D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER, BLOCK_T)
+               D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER, LEVELS, BLOCK_T)
     hi = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c + D // 2,
                D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER,
-               BLOCK_T)
+               LEVELS, BLOCK_T)
     if UNIT:  # channels outside c_ok are 0 (_tile)
         norm = tl.sqrt(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1))
         factor = tl.load(tok_scale + t, mask=t_ok, other=0.0).to(tl.float32) / tl.maximum(norm, TINY)
@@ -484,10 +490,12 @@ def _split_kernel(
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
     K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
-    K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr, K_UNIT: tl.constexpr, K_ENCODED: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr, K_UNIT: tl.constexpr, K_LEVELS: tl.constexpr,
+    K_ENCODED: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
-    V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr, V_UNIT: tl.constexpr, V_ENCODED: tl.constexpr,
+    V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr, V_UNIT: tl.constexpr, V_LEVELS: tl.constexpr,
+    V_ENCODED: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
     SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, SK_M_PAD: tl.constexpr,
     MASKED: tl.constexpr,
@@ -566,7 +574,8 @@ def _split_kernel(
             else:
                 k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
                                      k_length, t, g0 - k_first, g_ok, c, c_ok, D, K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL,
-                                     K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER, K_UNIT, BLOCK_T)
+                                     K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER, K_UNIT, K_LEVELS,
+                                     BLOCK_T)
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
@@ -588,7 +597,7 @@ def _split_kernel(
                     v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale,
                                          v_tok_center, v_length, t, g0 - v_first, g_ok, c, c_ok, D, V_FMT, V_BITS, V_GROUP,
                                          V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE,
-                                         V_TOKEN_CENTER, V_UNIT, BLOCK_T)
+                                         V_TOKEN_CENTER, V_UNIT, V_LEVELS, BLOCK_T)
                     acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
             elif PACKED_V:  # a full-precision piece, into the field-major accumulator
                 acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
@@ -660,7 +669,7 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
                    ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0,
                    data_s_b=0, data_s_h=0, param_s_b=0, param_s_h=0, tok_s_b=0, tok_s_h=0)
     static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
-                  TOKEN_SCALE=False, TOKEN_CENTER=False, UNIT=False)
+                  TOKEN_SCALE=False, TOKEN_CENTER=False, UNIT=False, LEVELS=False)
     dense, encoded_at = [], 4  # the payload's position among the pieces (4: none)
     for position, index in enumerate(indices):
         segment = segments[index]
@@ -676,6 +685,12 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
             runtime.update(data=data, scale=scale, zero=zero, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
                            param_s_h=param_s_h)
             static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
+        elif isinstance(segment, BlockFloatReader):  # packed ints naming float values, one scale per block of channels
+            (data,), data_s_b, data_s_h = _in_place(segment.codes)
+            (scale,), param_s_b, param_s_h = _in_place(segment.scales)
+            runtime.update(data=data, scale=scale, codebooks=segment.levels, data_s_b=data_s_b, data_s_h=data_s_h,
+                           param_s_b=param_s_b, param_s_h=param_s_h)
+            static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.block, LEVELS=True)
         elif isinstance(segment, CodebookReader):
             layout = segment.layout
             (data,), data_s_b, data_s_h = _in_place(segment.codes)

@@ -17,6 +17,7 @@ from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
 from kvcomp.stages.lloyd_max import TINY
 from kvcomp.stages.normalization import affine_denormalize, per_token
+from kvcomp.stages.packing import unpack_bits
 from kvcomp.stages.rope import apply_rope
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
@@ -85,6 +86,25 @@ class UniformReader(PayloadReader):
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
         return quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
+
+
+@dataclass
+class BlockFloatReader(PayloadReader):
+    """Codes of ``bits`` bits naming the values of a small float format, ``levels[code]`` (float32 ``[2**bits]``,
+    on the payload's device), times one scale per block of ``block`` channels of each token and head (``scales``
+    ``[B, H, T, D/block]``, of a dtype the kernel loads natively): vLLM's NVFP4 (e2m1 codes, e4m3 block scales,
+    the layer's global scale folded into ``levels``). ``codes`` uint8 ``[B, H, T, D*bits/8]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    levels: torch.Tensor
+    bits: int
+    block: int
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        b, h, t, _ = self.codes.shape
+        values = self.levels.float()[unpack_bits(self.codes, self.bits, self.head_dim).long()]
+        return (values.view(b, h, t, -1, self.block) * self.scales.float()[..., None]).view(b, h, t, self.head_dim)
 
 
 @dataclass
