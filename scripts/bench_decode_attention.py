@@ -53,6 +53,7 @@ CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     "eden-2": {"name": "eden", "key_bits": 2, "value_bits": 2},  # Lloyd-Max codes times a norm, rotated basis
     "int8-token-head": {"name": "int_token_head", "bits": 8},  # vLLM's int8: signed bytes loaded natively
     "nvfp4": {"name": "nvfp4"},  # vLLM's NVFP4: e2m1 codes looked up, float8 scale per 16 values
+    "kvarn": {"name": "kvarn"},  # K4V2 per 128-token tile, normalisers as multipliers, Hadamard basis
     # vLLM's turboquant_k3v4_nc on an encoded layer: 3-bit codes (straddling bytes), norm correction, uniform values
     "turboquant-k3v4-nc": {"name": "turboquant", "key_bits": 3, "value_bits": 4, "values": "uniform",
                            "rotation": "plain_hadamard", "density": "gaussian", "norm_correction": True},

@@ -446,6 +446,29 @@ def test_int_token_head_decode_steps_read_the_payload(tiny_llama, bits):
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
 
 
+@torch.no_grad()
+def test_kvarn_decode_steps_read_the_normalised_codes_in_the_rotated_basis(tiny_llama):
+    """KVarN on the fused path: keys as per-channel packed ints times a per-token normaliser, values as per-token
+    packed ints times a per-channel normaliser of their tile, in the Hadamard basis; the reader decodes what the
+    codec decodes; the logits those of the torch path."""
+    codec = build_codec({"name": "kvarn", "tile": 16, "sinks": 4, "key_bits": 3}, info_of(tiny_llama))
+    x = 4 * torch.randn(2, codec.model.num_kv_heads, 32, codec.model.head_dim, generator=torch.Generator().manual_seed(12))
+    for kind in ("key", "value"):
+        payload = codec.encode(Request(0, kind, tokens=x))
+        torch.testing.assert_close(codec.payload_reader(payload, kind, 0).dequantize(),
+                                   codec.decode(payload, Request(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
+    layer = _check_fused_generation(tiny_llama, codec)
+    assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded.length == 0
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
+    readers = [codec.payload_reader(codec.encode(Request(0, kind, tokens=x)), kind, 0) for kind in ("key", "value")]
+    query = torch.randn(2, codec.model.num_kv_heads * 2, codec.model.head_dim, generator=torch.Generator().manual_seed(13))
+    reference = decode_attention_reference(query, readers[:1], readers[1:], 0.25)
+    for options in ({"num_splits": 3}, {"dot": False, "block_tokens": 8}, {"dot": False, "block_tokens": 32}):
+        torch.testing.assert_close(decode_attention_triton(query, readers[:1], readers[1:], 0.25, **options), reference,
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("granularity", ["layer", "kv_head"])
 @torch.no_grad()
 def test_oscar_decode_steps_read_the_int2_payload_in_its_rotated_basis(tiny_llama, granularity):

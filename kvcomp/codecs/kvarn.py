@@ -25,6 +25,9 @@ request's first block, kept in fp16 "forever" by the backend's sink/tail pool) n
 the only full-precision store: there is no outlier pool (outlier channels are spread by the Hadamard rotation,
 outlier token scales absorbed by the normalisation).
 
+With ``kernel_backend=triton`` decode steps read the packed codes, their parameters and normalisers in the fused
+decode-attention kernel in the rotated basis (the query rotated, the output un-rotated), nothing decoded.
+
 Differences from the reference: the codes are packed along the channels of each token for keys too (the reference
 packs keys along the tile's tokens: the same bytes); a field beyond float16 keeps that block in float32
 (:func:`~kvcomp.stages.ranges.stored_in`); inputs whose rotation overflows float32 are refused.
@@ -37,10 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, Payload, Request, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, Request, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
+from kvcomp.kernels.payloads import RotatedReader, UniformReader
 from kvcomp.stages.hadamard import fwht, is_power_of_two
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
 from kvcomp.stages.ranges import range_fits, saturated, stored_in
@@ -61,8 +65,9 @@ class KVarNConfig(CodecConfig):
 
 
 @register
-class KVarNCodec(Codec):
-    """Hadamard + Sinkhorn-normalised asymmetric RTN per tile; keys per channel, values per token."""
+class KVarNCodec(Codec, FusedPayload):
+    """Hadamard + Sinkhorn-normalised asymmetric RTN per tile; keys per channel, values per token; the fused decode
+    kernel reads the packed codes and their parameters in the rotated basis."""
 
     name = "kvarn"
     config_class = KVarNConfig
@@ -85,6 +90,9 @@ class KVarNCodec(Codec):
             raise ConfigError(f"{self.name}: head_dim={d} of {self.model.name} must be a power of two >= 2 "
                               "(the Hadamard rotation along head_dim)")
 
+    def build(self) -> None:
+        self.rotations: dict = {}  # device -> H / sqrt(D) as a matrix, for the fused kernel
+
     def bits(self, kind: str) -> int:
         return self.config.key_bits if kind == "key" else self.config.value_bits
 
@@ -96,6 +104,22 @@ class KVarNCodec(Codec):
         p = torch.finfo(PARAM_DTYPES[self.config.param_dtype]).bits
         per_tile = 2 * d + g if kind == "key" else d + 2 * g  # keys: a, c per channel, u per token; values: converse
         return 8 * packed_length(d, self.bits(kind)) / d + p * per_tile / (d * g)
+
+    def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> RotatedReader:
+        """The tile in the rotated basis as packed ints with a multiplier (step 4): keys ``(q a_d + c_d) u_t`` (per
+        channel every ``tile`` tokens, times a per-token factor), values ``(q a_t + c_t) w_d`` (per token, times a
+        per-channel factor every ``tile`` tokens); ``x = tile @ (H / sqrt(D))``."""
+        p, d, n = payload.tensors, self.model.head_dim, payload.num_tokens
+        if kind == "key":
+            inner = UniformReader(n, d, p["codes"], p["chan_scale"], p["chan_zero"], self.bits(kind), self.config.tile,
+                                  True, p["token_scale"])
+        else:
+            inner = UniformReader(n, d, p["codes"], p["token_scale"][..., None], p["token_zero"][..., None],
+                                  self.bits(kind), d, False, p["chan_scale"], self.config.tile)
+        device = p["codes"].device
+        if device not in self.rotations:
+            self.rotations[device] = self._rotate(torch.eye(d, device=device))
+        return RotatedReader(n, d, inner, self.rotations[device])
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x H / sqrt(D)`` (float32): the rotation and its inverse."""

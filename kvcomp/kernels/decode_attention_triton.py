@@ -94,16 +94,16 @@ def _bases(
     narrowed along tokens from a buffer with spare capacity, is read in place. Within a sequence and head
     the helpers below index tokens as stored (rows contiguous). ``scale`` / ``zero``: packed ints' parameters,
     or QJL's key norms (``data``: its sign bits); ``tok_*``: per-token normalisation ``[B, T]`` (head stride 0) or
-    ``[B, H, T]`` (TurboQuant / EDEN norms)."""
+    ``[B, H, T]`` (TurboQuant / EDEN norms); ``tok_scale``: packed ints' multiplier (KVarN)."""
     if FMT != 0:
         data += b * data_s_b + h * data_s_h
         scale += b * param_s_b + h * param_s_h
         zero += b * param_s_b + h * param_s_h
+        tok_scale += b * tok_s_b + h * tok_s_h
     if FMT == 2:
         codebooks += h * (D // GC) * CENTROIDS * (TL * CL)
         ch_scale += h * D
         ch_center += h * D
-        tok_scale += b * tok_s_b + h * tok_s_h
         tok_center += b * tok_s_b + h * tok_s_h
     return data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center
 
@@ -157,12 +157,14 @@ def _tile(
     data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, c0, c_ok,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
-    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, LEVELS: tl.constexpr, BLOCK_T: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, LEVELS: tl.constexpr, MULTIPLIER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Payload tokens ``t`` (the first is ``t0``) x channels ``c`` (the first is ``c0``) of one encoded stream
     (tensors at the program's sequence and head, :func:`_bases`) as a float32 tile; rows outside ``t_ok`` hold
     anything finite. ``LEVELS`` (packed ints only): each code names a value of ``codebooks`` (NVFP4's e2m1
-    values), times its group's scale, no zero-point."""
+    values), times its group's scale, no zero-point. ``MULTIPLIER`` (packed ints only, 0: none): the group of the
+    multiplier (``tok_scale``) along the other axis than the parameters: ``D`` (per token) or tokens per row."""
     ok = t_ok[:, None] & c_ok[None, :]
     if FMT == 1:  # packed ints: x = code * scale + zero, or a small float format: x = levels[code] * scale
         code = _codes(data, t[:, None] * ((D * BITS + 7) // 8), c[None, :], ok, BITS, (D * BITS + 7) // 8)
@@ -171,6 +173,8 @@ def _tile(
             x = tl.load(codebooks + code, mask=ok, other=0.0) * s
         else:
             x = code.to(tl.float32) * s + _params(zero, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
+        if MULTIPLIER > 0:  # KVarN's normaliser, along the other axis: per token, or per channel every MULTIPLIER tokens
+            x = x * _params(tok_scale, length, t, t0, t_ok, c, c0, c_ok, D, MULTIPLIER, not PER_CHANNEL, BLOCK_T)
     elif FMT == 4:  # float8 or int8 values (the pointer's element type) times a per-tensor or per-token scale
         x = tl.load(data + t[:, None] * D + c[None, :], mask=ok, other=0.0).to(tl.float32)
         if TOKEN_SCALE:
@@ -199,17 +203,18 @@ def _halves(
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
     CODE_BITS: tl.constexpr, CENTROIDS: tl.constexpr, TL: tl.constexpr, CL: tl.constexpr, GC: tl.constexpr,
     TOKEN_SCALE: tl.constexpr, TOKEN_CENTER: tl.constexpr, UNIT: tl.constexpr, LEVELS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    MULTIPLIER: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The two channel halves ``[0, D/2)`` and ``[D/2, D)`` of one encoded stream's tile (see :func:`_tile`).
     ``UNIT`` (codebook payloads, vLLM's norm correction): each token's decoded vector is rescaled to unit norm
     over both halves, then times its token scale."""
     SCALED: tl.constexpr = TOKEN_SCALE and not UNIT
     lo = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c, 0, c_ok,
-               D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER, LEVELS, BLOCK_T)
+               D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER, LEVELS, MULTIPLIER,
+               BLOCK_T)
     hi = _tile(data, scale, zero, codebooks, ch_scale, ch_center, tok_scale, tok_center, length, t, t0, t_ok, c + D // 2,
                D // 2, c_ok, D, FMT, BITS, GROUP, PER_CHANNEL, CODE_BITS, CENTROIDS, TL, CL, GC, SCALED, TOKEN_CENTER,
-               LEVELS, BLOCK_T)
+               LEVELS, MULTIPLIER, BLOCK_T)
     if UNIT:  # channels outside c_ok are 0 (_tile)
         norm = tl.sqrt(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1))
         factor = tl.load(tok_scale + t, mask=t_ok, other=0.0).to(tl.float32) / tl.maximum(norm, TINY)
@@ -491,11 +496,11 @@ def _split_kernel(
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
     K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
     K_TOKEN_SCALE: tl.constexpr, K_TOKEN_CENTER: tl.constexpr, K_UNIT: tl.constexpr, K_LEVELS: tl.constexpr,
-    K_ENCODED: tl.constexpr,
+    K_MULTIPLIER: tl.constexpr, K_ENCODED: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr, V_UNIT: tl.constexpr, V_LEVELS: tl.constexpr,
-    V_ENCODED: tl.constexpr,
+    V_MULTIPLIER: tl.constexpr, V_ENCODED: tl.constexpr,
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
     SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, SK_M_PAD: tl.constexpr,
     MASKED: tl.constexpr,
@@ -575,7 +580,7 @@ def _split_kernel(
                 k_lo, k_hi = _halves(k_data, k_scale, k_zero, k_codebooks, k_ch_scale, k_ch_center, k_tok_scale, k_tok_center,
                                      k_length, t, g0 - k_first, g_ok, c, c_ok, D, K_FMT, K_BITS, K_GROUP, K_PER_CHANNEL,
                                      K_CODE_BITS, K_CENTROIDS, K_TL, K_CL, K_GC, K_TOKEN_SCALE, K_TOKEN_CENTER, K_UNIT, K_LEVELS,
-                                     BLOCK_T)
+                                     K_MULTIPLIER, BLOCK_T)
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
@@ -597,7 +602,7 @@ def _split_kernel(
                     v_lo, v_hi = _halves(v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale,
                                          v_tok_center, v_length, t, g0 - v_first, g_ok, c, c_ok, D, V_FMT, V_BITS, V_GROUP,
                                          V_PER_CHANNEL, V_CODE_BITS, V_CENTROIDS, V_TL, V_CL, V_GC, V_TOKEN_SCALE,
-                                         V_TOKEN_CENTER, V_UNIT, V_LEVELS, BLOCK_T)
+                                         V_TOKEN_CENTER, V_UNIT, V_LEVELS, V_MULTIPLIER, BLOCK_T)
                     acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
             elif PACKED_V:  # a full-precision piece, into the field-major accumulator
                 acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
@@ -669,7 +674,7 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
                    ch_center=placeholder, tok_scale=placeholder, tok_center=placeholder, length=0, first=0,
                    data_s_b=0, data_s_h=0, param_s_b=0, param_s_h=0, tok_s_b=0, tok_s_h=0)
     static = dict(FMT=DENSE, BITS=8, GROUP=1, PER_CHANNEL=False, CODE_BITS=8, CENTROIDS=1, TL=1, CL=1, GC=1,
-                  TOKEN_SCALE=False, TOKEN_CENTER=False, UNIT=False, LEVELS=False)
+                  TOKEN_SCALE=False, TOKEN_CENTER=False, UNIT=False, LEVELS=False, MULTIPLIER=0)
     dense, encoded_at = [], 4  # the payload's position among the pieces (4: none)
     for position, index in enumerate(indices):
         segment = segments[index]
@@ -685,6 +690,9 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
             runtime.update(data=data, scale=scale, zero=zero, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
                            param_s_h=param_s_h)
             static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
+            if segment.multiplier is not None:  # per token (per-channel payloads) or per channel every few tokens
+                (runtime["tok_scale"],), runtime["tok_s_b"], runtime["tok_s_h"] = _in_place(segment.multiplier)
+                static["MULTIPLIER"] = segment.head_dim if segment.per_channel else segment.multiplier_group
         elif isinstance(segment, BlockFloatReader):  # packed ints naming float values, one scale per block of channels
             (data,), data_s_b, data_s_h = _in_place(segment.codes)
             (scale,), param_s_b, param_s_h = _in_place(segment.scales)
@@ -761,10 +769,11 @@ def _kv_heads(segment: Segment) -> int:
 
 def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
     """Whether values are weighted in their packed layout (:func:`_packed_values`): per-token packed ints
-    within bytes whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
+    within bytes without a multiplier whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
     scales are selected in registers), on the register path. (Beside QJL's sketched keys above 4 query
     rows the caller keeps the per-channel path, which compiles without spills, ``scripts/kernel_resources.py``.)"""
-    if dot or not isinstance(segment, UniformReader) or segment.per_channel or 8 % segment.bits:
+    if (dot or not isinstance(segment, UniformReader) or segment.per_channel or 8 % segment.bits
+            or segment.multiplier is not None):
         return False
     per_byte, width = 8 // segment.bits, d * segment.bits // 8
     return not width & (width - 1) and segment.group_size % per_byte == 0 and d // segment.group_size <= 8
@@ -772,23 +781,28 @@ def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
 
 def _packed(segment: Segment, d: int, dot: bool) -> bool:
     """Whether keys are scored in their packed layout (:func:`_packed_scores`): packed ints whose bytes per
-    token are a power of two (a Triton range), at least 16 for ``tl.dot``, codes within bytes."""
-    if not isinstance(segment, UniformReader) or 8 % segment.bits:
+    token are a power of two (a Triton range), at least 16 for ``tl.dot``, codes within bytes, no multiplier."""
+    if not isinstance(segment, UniformReader) or 8 % segment.bits or segment.multiplier is not None:
         return False
     width = d * segment.bits // 8
     return not width & (width - 1) and (width >= 16 or not dot)
 
 
 def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
-    """Tokens per tile of one launch: at most a per-channel group of packed ints (a power of two, at least
-    16 for ``tl.dot``), so that each tile reads at most two rows of its scales and zeros (:func:`_tile`), and
-    for QJL's sketched keys at most their group."""
+    """Tokens per tile of one launch: at most a per-channel group of packed ints (their parameters, or the
+    multiplier of per-token ones; a power of two, at least 16 for ``tl.dot``), so that each tile reads at most two
+    rows of them (:func:`_params`), and for QJL's sketched keys at most their group."""
     for segment in segments:
         if isinstance(segment, SketchReader):  # within one group of outlier channels
             block_tokens = min(block_tokens, segment.keys.group_size)
-        group = getattr(segment, "group_size", 0)
-        if getattr(segment, "per_channel", False) and group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
-            block_tokens = group
+        if not isinstance(segment, UniformReader):
+            continue
+        groups = [segment.group_size] if segment.per_channel else []
+        if segment.multiplier is not None and not segment.per_channel:
+            groups.append(segment.multiplier_group)
+        for group in groups:
+            if group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
+                block_tokens = group
     return block_tokens
 
 

@@ -67,7 +67,9 @@ class PayloadReader:
 class UniformReader(PayloadReader):
     """A :class:`~kvcomp.stages.uniform_quantizer.GroupQuantizer` payload: ``codes`` uint8
     ``[B, H, T, D*bits/8]``; ``scale``/``zero`` ``[B, H, T, D/G]`` (per token) or ``[B, H, T/G, D]``
-    (per channel)."""
+    (per channel). ``multiplier`` (KVarN's normaliser), applied after ``code * scale + zero``: one factor per
+    token ``[B, H, T]`` for per-channel payloads, or per channel ``[B, H, T/multiplier_group, D]`` (one row per
+    ``multiplier_group`` tokens) for per-token payloads."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -75,6 +77,8 @@ class UniformReader(PayloadReader):
     bits: int
     group_size: int
     per_channel: bool
+    multiplier: torch.Tensor | None = None
+    multiplier_group: int = 0
 
     @classmethod
     def of(cls, quantizer: GroupQuantizer, payload, head_dim: int) -> UniformReader:
@@ -85,7 +89,11 @@ class UniformReader(PayloadReader):
 
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
-        return quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
+        x = quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
+        if self.multiplier is None:
+            return x
+        m = self.multiplier.float()
+        return x * (m[..., None] if self.per_channel else m.repeat_interleave(self.multiplier_group, dim=2))
 
 
 @dataclass
