@@ -61,7 +61,7 @@ def test_one_step_per_forward_shared_by_every_layer(tiny_llama, monkeypatch):
     seen = []
     update = CompressedLayer.update_in_step
     monkeypatch.setattr(CompressedLayer, "update_in_step",
-                        lambda self, k, v, step: (seen.append((self.layer_idx, step)), update(self, k, v, step))[1])
+                        lambda self, k, v, step, query=None: (seen.append((self.layer_idx, step)), update(self, k, v, step, query))[1])
     cache = CompressedCache(build_codec(PRE_ROPE, info_of(tiny_llama)))
     for ids in (torch.randint(3, 90, (1, 20)), torch.randint(3, 90, (1, 1))):
         tiny_llama(ids, past_key_values=cache)

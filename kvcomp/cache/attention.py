@@ -38,7 +38,7 @@ def compressed_attention(module, query, key, value, attention_mask, dropout=0.0,
 
     if kvcomp is None:
         return attend(query, attention_mask, (key, value)), None
-    read = kvcomp.layer.update_in_step(key, value, kvcomp)
+    read = kvcomp.layer.update_in_step(key, value, kvcomp, query)
     if isinstance(read, ByRows):
         return read.attend(query, attention_mask, kvcomp.step, attend), None
     return attend(query, attention_mask, read), None

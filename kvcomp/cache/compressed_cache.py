@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
@@ -16,6 +16,7 @@ from kvcomp.cache.step import LayerStep, PaddedRows, StepLayer
 from kvcomp.cache.stream import KVStream
 from kvcomp.codecs.base import FULL, CacheStatistics, Codec, reads_fused, scores_from_payload, values_from_payload
 from kvcomp.errors import ConfigError
+from kvcomp.presses import Prefill, Press
 
 PROTOCOLS = ("streaming", "simulated", "exact_prefill")
 
@@ -32,12 +33,13 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 @dataclass(eq=False)
 class LayerPart:
-    """One :class:`~kvcomp.cache.rows.RowGroup`'s share of a layer: the schedule of its key and value streams and
-    the positions of its tokens (pre-RoPE codecs)."""
+    """One :class:`~kvcomp.cache.rows.RowGroup`'s share of a layer: the schedule of its key and value streams, the
+    positions of its tokens (pre-RoPE codecs) and how many prompt tokens a press ``evicted`` (per row and KV head)."""
 
     group: RowGroup
     schedule: Schedule
     positions: Positions
+    evicted: int = 0
 
     @property
     def streams(self) -> tuple[KVStream, KVStream]:
@@ -65,9 +67,10 @@ class CompressedLayer(StepLayer):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, parts: list[LayerPart], protocol: str, checks: FiniteChecks, compress_generated: bool = True):
+    def __init__(self, parts: list[LayerPart], protocol: str, checks: FiniteChecks, compress_generated: bool = True,
+                 press: Press | None = None):
         super().__init__()
-        self.parts, self.protocol, self.checks = parts, protocol, checks
+        self.parts, self.protocol, self.checks, self.press = parts, protocol, checks, press
         self.codec, self.layer_idx = parts[0].schedule.codec, parts[0].schedule.layer_idx
         self.compress_generated = compress_generated
         self.keys = self.values = None
@@ -78,6 +81,7 @@ class CompressedLayer(StepLayer):
         for part in self.parts:
             part.schedule.reset()
             part.positions.reset()
+            part.evicted = 0
         self.checks.reset()
         self.is_initialized = False
         self.length = 0
@@ -120,31 +124,66 @@ class CompressedLayer(StepLayer):
                               "call kvcomp.cache.install(model) first (or use protocol='simulated')")
         return read
 
-    def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None):
+    def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
+                       query: torch.Tensor | None = None):
         """Store a forward's K/V (``step``: None outside kvcomp's attention); return ``(keys, values)`` for SDPA,
         or the :class:`~kvcomp.cache.reads.Reads` attention needs (per row group: a
-        :class:`~kvcomp.cache.rows.ByRows`)."""
+        :class:`~kvcomp.cache.rows.ByRows`). ``query``: the forward's queries, which a press scores the prompt with."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self.length
         self.length += key_states.shape[2]
         return self.checks.around(key_states, value_states, first,
-                                  lambda: self._store_rows(key_states, value_states, step, first == 0), self.streams)
+                                  lambda: self._store_rows(key_states, value_states, step, first == 0, query), self.streams)
 
     def _store_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
-                    first_forward: bool):
+                    first_forward: bool, query: torch.Tensor | None):
         whole = self.parts[0].group
-        if len(self.parts) == 1 and whole.rows is None and not whole.pads:
-            return self._store(self.parts[0], key_states, value_states, step)
+        if len(self.parts) == 1 and whole.rows is None and not whole.pads and self.press is None:
+            return self._store(self.parts[0], key_states, value_states, step, first_forward, query)
         if step is None:
-            raise RuntimeError("a cache whose rows are grouped by their padding is read by kvcomp's attention only")
+            raise RuntimeError("a cache whose rows are grouped by their padding, or pressed, is read by kvcomp's "
+                               "attention only")
+        dropped = [part.evicted for part in self.parts]  # before this forward: its own prefill reads every token
         return ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
                                                 part.group.tokens(value_states, first_forward, 2),
-                                                part.group.layer_step(step, first_forward)))
-                       for part in self.parts], first_forward)
+                                                part.group.layer_step(step, first_forward), first_forward,
+                                                None if query is None else part.group.tokens(query, first_forward, 2)),
+                        evicted)
+                       for part, evicted in zip(self.parts, dropped)], first_forward)
 
-    def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None):
-        """One row group's forward: store its K/V and return what its attention reads."""
+    def _evict(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep,
+               query: torch.Tensor | None):
+        """A row group's prompt as its press keeps it: ``(keys, values, step)`` of the kept tokens (positions and
+        RoPE of a selection shared by the heads), or None when the press keeps every token."""
+        if query is None:
+            raise RuntimeError(f"press {self.press.name} scores the prompt with its queries: call the cache through "
+                               "kvcomp's attention (kvcomp.cache.install)")
+        rotary = step.rotary if step.frequencies is not None and step.rope is not None else None
+        kept = self.press.keep(Prefill(query, key_states, value_states, step.rope, rotary))
+        if kept is None:
+            return None
+        part.evicted = key_states.shape[2] - kept.shape[-1]
+        index = kept[..., None].expand(*kept.shape, key_states.shape[-1])
+        key_states, value_states = (x.gather(2, index.expand(-1, x.shape[1], -1, -1)) for x in (key_states, value_states))
+        if self.press.shared_across_heads and part.streams[0].rotates:  # the kept tokens' positions and angles
+            rows = kept[:, 0]
+            rope = None if step.rope is None else tuple(
+                t.expand(rows.shape[0], -1, -1).gather(1, rows[..., None].expand(-1, -1, t.shape[-1])) for t in step.rope)
+            positions = None if step.positions is None else step.positions.expand(rows.shape[0], -1).gather(1, rows)
+            step = replace(step, rope=rope, positions=positions)
+        return key_states, value_states, step
+
+    def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
+               first_forward: bool = False, query: torch.Tensor | None = None):
+        """One row group's forward: store its K/V and return what its attention reads (a pressed prompt: every
+        token, exactly, as it stores the kept ones)."""
+        if self.press is not None and first_forward and key_states.shape[2] > 1:
+            pressed = self._evict(part, key_states, value_states, step, query)
+            if pressed is not None:
+                prompt = (key_states, value_states)
+                self._store(part, *pressed)
+                return prompt
         batch, n = key_states.shape[0], key_states.shape[2]
         key_stream, value_stream = part.streams
         if key_stream.rotates:
@@ -286,9 +325,11 @@ class CompressedCache(Cache, PaddedRows):
     """
 
     def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool | str = True,
-                 compress_generated: bool = True, decode_per_step: bool = False, capacity: int | None = None):
+                 compress_generated: bool = True, decode_per_step: bool = False, capacity: int | None = None,
+                 press: Press | None = None):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
+        check_press(press, codec, protocol)
         if check_finite not in CHECK_FINITE:
             raise ConfigError(f"unknown check_finite {check_finite!r}; valid choices: True, False, 'deferred'")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
@@ -304,7 +345,7 @@ class CompressedCache(Cache, PaddedRows):
                 layers.append(DynamicSlidingWindowLayer(info.sliding_window))
                 continue
             layers.append(CompressedLayer(self._parts(encoded[i]), protocol, FiniteChecks(check_finite, encoded[i]),
-                                          compress_generated))
+                                          compress_generated, press))
         super().__init__(layers=layers)
         self.compressed_layers = [layer for layer in layers if isinstance(layer, CompressedLayer)]
         self.window_layers = [layer for layer in layers if not isinstance(layer, CompressedLayer)]
@@ -464,6 +505,27 @@ class CompressedCache(Cache, PaddedRows):
                 bits[f"bits_per_value_{kind}"] = 8 * held / count if count else 0.0
                 bits[f"kv_bytes_{kind}"] = held
         return bits
+
+
+def check_press(press: Press | None, codec: Codec, protocol: str) -> None:
+    """Raise :class:`ConfigError` when ``press`` cannot evict from this cache: it evicts after an exact prefill
+    (``exact_prefill``); each layer keeps its own tokens, which layer- and model-scope codecs (one block across
+    layers) cannot code; a selection per KV head has no single position per token, which pre-RoPE codecs and rotated
+    key offsets need."""
+    if press is None:
+        return
+    if protocol != "exact_prefill":
+        raise ConfigError(f"press {press.name} evicts prompt tokens after an exact prefill, as kvpress does: use "
+                          f"protocol exact_prefill, not {protocol!r}")
+    if codec.scope != "stream":
+        raise ConfigError(f"press {press.name}: codec {codec.name} codes a block across {codec.scope}s, but each layer "
+                          "keeps its own tokens; choose a stream-scope codec")
+    offsets = any(codec.rotated_key_offset(layer) is not None for layer in range(codec.model.num_layers))
+    if not press.shared_across_heads and (codec.pre_rope or offsets):
+        raise ConfigError(f"press {press.name} keeps different tokens in each KV head, but codec {codec.name} "
+                          f"{'encodes keys before RoPE' if codec.pre_rope else 'rotates a key offset'} with one position "
+                          "per token and row; choose a press that keeps the same tokens in every head (streaming_llm, tova) "
+                          "or a post-RoPE codec")
 
 
 def _window_nbytes(layer) -> int:

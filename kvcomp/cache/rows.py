@@ -67,11 +67,11 @@ def padding_groups(pads: list[int]) -> list[tuple[list[int] | None, int]]:
 
 @dataclass
 class ByRows:
-    """What a grouped layer's attention reads: per :class:`RowGroup`, its read over its own cache columns
-    (pads left out), and whether this is the first forward (its pad queries are left out too and attend
-    nothing: their output is zero)."""
+    """What a grouped (or pressed) layer's attention reads: per :class:`RowGroup`, its read over its own cache
+    columns (pads left out, and the ``evicted`` prompt tokens a press dropped before this forward), and whether this
+    is the first forward (its pad queries are left out too and attend nothing: their output is zero)."""
 
-    parts: list[tuple[RowGroup, object]]
+    parts: list[tuple[RowGroup, object, int]]
     first_forward: bool
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, step: Step,
@@ -79,12 +79,13 @@ class ByRows:
         """Attention output ``[B, q, Hq, D]`` of ``query [B, Hq, q, D]``: ``attend(query, mask, read)`` per group."""
         b, hq, q, d = query.shape
         if len(self.parts) == 1 and self.parts[0][0].rows is None and not self.first_forward:
-            group, read = self.parts[0]
-            return attend(query, step.columns(mask, group, self.first_forward), read)
+            group, read, evicted = self.parts[0]
+            return attend(query, step.columns(mask, group, self.first_forward, evicted), read)
         out = query.new_zeros(b, q, hq, d)
-        for group, read in self.parts:
+        for group, read, evicted in self.parts:
             skipped = group.pads if self.first_forward else 0
-            got = attend(group.tokens(query, self.first_forward, 2), step.columns(mask, group, self.first_forward), read)
+            got = attend(group.tokens(query, self.first_forward, 2), step.columns(mask, group, self.first_forward, evicted),
+                         read)
             rows = slice(None) if group.rows is None else group.index(query.device)
             out[rows, skipped:] = got
         return out

@@ -62,14 +62,16 @@ class Step:
             self.plans[key] = (mask, ValidTokens(allowed(mask[:, 0, -1, :length]).expand(batch, length)))
         return self.plans[key][1]
 
-    def columns(self, mask: torch.Tensor | None, group, first_forward: bool) -> torch.Tensor | None:
+    def columns(self, mask: torch.Tensor | None, group, first_forward: bool, evicted: int = 0) -> torch.Tensor | None:
         """The part of a 4-D mask a :class:`~kvcomp.cache.rows.RowGroup` attends with: its rows, its cache
-        columns after its pads and (``first_forward``) its real queries; the same object for every layer."""
-        if mask is None or (group.rows is None and not group.pads):
+        columns after its pads and (``first_forward``) its real queries; the same object for every layer. A press
+        that ``evicted`` prompt tokens leaves as many fewer columns: every later query sees every prompt column,
+        so the first ``evicted`` after the pads stand for them."""
+        if mask is None or (group.rows is None and not group.pads and not evicted):
             return mask
-        key = (id(mask), id(group), first_forward)
+        key = (id(mask), id(group), first_forward, evicted)
         if key not in self.masks:  # kept with the mask: ids stay unique within the step
-            cut = group.take(mask)[..., group.pads:]
+            cut = group.take(mask)[..., group.pads + evicted:]
             if first_forward and group.pads:
                 cut = cut[..., group.pads:, :]
             self.masks[key] = (mask, group, cut)
@@ -119,8 +121,10 @@ class StepLayer(CacheLayerMixin):
     ``update`` (which such a layer still serves when the model's attention is not kvcomp's)."""
 
     @abstractmethod
-    def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep):
-        """Store the fresh K/V; return ``(keys, values)`` for SDPA, or a :class:`~kvcomp.cache.reads.Reads`."""
+    def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep,
+                       query: torch.Tensor | None = None):
+        """Store the fresh K/V; return ``(keys, values)`` for SDPA, or a :class:`~kvcomp.cache.reads.Reads`.
+        ``query``: the forward's queries (what a press scores a prompt with)."""
 
 
 class PaddedRows(ABC):

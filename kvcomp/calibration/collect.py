@@ -67,7 +67,7 @@ class _RecordingLayer(StepLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         raise ConfigError("collecting K/V needs the model's position embeddings: call kvcomp.cache.install(model) first")
 
-    def update_in_step(self, key_states, value_states, step: LayerStep):
+    def update_in_step(self, key_states, value_states, step: LayerStep, query=None):
         if key_states.requires_grad:
             key_states.retain_grad()
             value_states.retain_grad()

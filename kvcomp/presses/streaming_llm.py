@@ -1,0 +1,39 @@
+"""StreamingLLM (Xiao et al. 2024, arXiv 2309.17453; kvpress's ``StreamingLLMPress``): the first ``sinks`` tokens
+(attention sinks) and the most recent ones, the same for every KV head: of ``n`` prompt tokens, the ``k`` kept are
+the ``sinks`` first and the ``k - sinks`` last."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.errors import ConfigError
+from kvcomp.presses.base import Prefill, Press, PressConfig, register
+
+
+@dataclass
+class StreamingLLMConfig(PressConfig):
+    name: str = "streaming_llm"
+    sinks: int = 4  # kvpress's n_sink and the paper's 4 initial tokens
+
+
+@register
+class StreamingLLMPress(Press):
+    name = "streaming_llm"
+    config_class = StreamingLLMConfig
+    shared_across_heads = True
+
+    def validate(self) -> None:
+        if self.config.sinks < 0:
+            raise ConfigError(f"press streaming_llm: sinks={self.config.sinks} must be >= 0")
+
+    def scores(self, prefill: Prefill) -> torch.Tensor:
+        """1 for the sinks and the last ``k - sinks`` tokens, 0 between (ties are never on the border)."""
+        keys = prefill.keys
+        b, n = keys.shape[0], keys.shape[2]
+        k = self.kept_count(n)
+        sinks = min(self.config.sinks, k)
+        position = torch.arange(n, device=keys.device)
+        kept = (position < sinks) | (position >= n - (k - sinks))
+        return kept.float().expand(b, 1, n)

@@ -1,0 +1,228 @@
+"""Token eviction (presses, :mod:`kvcomp.presses`) and its composition with codecs: the scores each press computes
+against direct computations, the cache keeping only the kept tokens (bytes fall, held bytes equal reported bytes),
+decode steps equal attention with the evicted tokens masked out, and the refusals."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcomp.cache import CompressedCache
+from kvcomp.cache.memory import held_nbytes, model_storages
+from kvcomp.codecs import Codec, ModelInfo, build_codec
+from kvcomp.errors import ConfigError
+from kvcomp.presses import Prefill, build_press
+from kvcomp.stages.rope import apply_rope
+from tests.conftest import info_of
+from tests.test_codebook_codecs import fitted
+
+INFO = ModelInfo("tiny", 2, 2, 16)
+KIVI = {"name": "kivi", "group_size": 8, "residual_length": 16}
+
+
+def _prefill(b=2, h=2, r=2, n=40, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return Prefill(torch.randn(b, h * r, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen),
+                   torch.randn(b, h, n, d, generator=gen))
+
+
+def test_kept_counts_and_simple_selections():
+    """kvpress's count ``int(n (1 - ratio))``; knorm keeps each head's lowest-norm keys; StreamingLLM the sinks and
+    the most recent tokens, the same in every head."""
+    prefill = _prefill()
+    knorm = build_press({"name": "knorm", "ratio": 0.3}, INFO)
+    kept = knorm.keep(prefill)
+    assert kept.shape == (2, 2, 28)
+    norms = prefill.keys.norm(dim=-1)
+    expected = norms.topk(28, dim=-1, largest=False).indices.sort(-1).values
+    assert torch.equal(kept, expected) and not torch.equal(kept[:, 0], kept[:, 1])  # each head its own tokens
+    streaming = build_press({"name": "streaming_llm", "ratio": 0.5, "sinks": 3}, INFO).keep(prefill)
+    assert streaming.shape == (2, 1, 20)
+    assert streaming[0, 0].tolist() == [0, 1, 2, *range(23, 40)]
+    assert build_press({"name": "knorm", "ratio": 0.0}, INFO).keep(prefill) is None
+    assert build_press({"name": "knorm", "ratio": 0.01}, INFO).keep(prefill).shape[-1] == 39  # int(39.6)
+
+
+def test_snapkv_scores_equal_a_direct_computation():
+    """The observation window's causal attention over the prompt (softmax over every token), its own columns
+    dropped, averaged over the window, average-pooled (zero padding counted), averaged over each KV head's query
+    heads; the window scored above everything."""
+    prefill = _prefill(b=1, n=30)
+    w, k, n, d = 6, 3, 30, 16
+    press = build_press({"name": "snapkv", "ratio": 0.5, "window_size": w, "kernel_size": k}, INFO)
+    expected = torch.zeros(1, 2, n - w)
+    for head in range(2):
+        for q_head in (2 * head, 2 * head + 1):
+            votes = torch.zeros(n - w)
+            for i in range(n - w, n):  # each window query attends to tokens 0..i
+                logits = prefill.query[0, q_head, i] @ prefill.keys[0, head, : i + 1].T / d**0.5
+                votes += logits.softmax(-1)[: n - w] / w
+            padded = torch.cat([torch.zeros(1), votes, torch.zeros(1)])
+            expected[0, head] += torch.stack([padded[j: j + k].sum() / k for j in range(n - w)]) / 2
+    scores = press.scores(prefill)
+    torch.testing.assert_close(scores[..., : n - w], expected, rtol=1e-5, atol=1e-6)
+    assert (scores[..., n - w:] > scores[..., : n - w].max()).all()
+    with pytest.raises(ValueError, match="observation window"):
+        press.scores(_prefill(n=w))
+
+
+def test_expected_attention_scores_equal_averaged_rotation_matrices():
+    """The Gaussian of the prefill's pre-RoPE queries (sinks left out), moved by the mean of the RoPE matrices of
+    the next positions, its expected logits softmaxed and weighted by the value norms; the sinks scored first."""
+    n, d, future, sinks = 24, 8, 5, 2
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+
+    def cos_sin(positions):
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        angles = torch.cat([angles, angles], -1)
+        return angles.cos()[None], angles.sin()[None]
+
+    raw = _prefill(b=1, h=1, r=2, n=n, d=d, seed=3)
+    rope = cos_sin(torch.arange(n))
+    rotary = type("Rotary", (), {"inv_freq": inv_freq, "scaling": 1.0})()
+    prefill = Prefill(apply_rope(raw.query, *rope), raw.keys, raw.values, rope, rotary)
+    press = build_press({"name": "expected_attention", "ratio": 0.5, "n_future_positions": future, "sinks": sinks},
+                        ModelInfo("tiny", 1, 1, d))
+    # R_p as a matrix (R_p x = RoPE of the column vector x at position p), averaged over the future positions
+    rotation = torch.stack([apply_rope(torch.eye(d)[None, None], *cos_sin(torch.full((d,), p)))[0, 0].T
+                            for p in range(n, n + future)]).mean(0)
+    expected = []
+    for q_head in range(2):
+        q = raw.query[0, q_head, sinks:]
+        mu, centred = q.mean(0), q - q.mean(0)
+        cov = rotation @ (centred.T @ centred / centred.shape[0]) @ rotation.T
+        keys = raw.keys[0, 0, sinks:]
+        logits = keys @ (rotation @ mu) / d**0.5 + ((keys @ cov) * keys).sum(-1) / (2 * d)
+        expected.append(logits.softmax(-1))
+    expected = torch.stack(expected).mean(0) * raw.values[0, 0, sinks:].norm(dim=-1)
+    scores = press.scores(prefill)
+    torch.testing.assert_close(scores[0, 0, sinks:], expected, rtol=1e-4, atol=1e-6)
+    assert (scores[0, 0, :sinks] > expected.max()).all()
+
+
+def test_tova_keeps_what_the_last_token_attends_to_in_every_head():
+    prefill = _prefill(b=1, n=20)
+    scores = build_press({"name": "tova", "ratio": 0.5}, INFO).scores(prefill)
+    keys = prefill.keys.repeat_interleave(2, dim=1)
+    weights = (prefill.query[0, :, -1:] @ keys[0].transpose(-1, -2) / 4).softmax(-1)[:, 0, :-1].mean(0)
+    torch.testing.assert_close(scores[0, 0, :-1], weights)
+    assert scores.shape == (1, 1, 20) and scores[0, 0, -1] > weights.max()
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"name": "h2o"}, "unknown press"), ({"name": "knorm", "ratio": 1.0}, r"\[0, 1\)"),
+    ({"name": "knorm", "window": 3}, "field 'window'"), ({"name": "knorm", "ratio": "x"}, "ratio"), ({"name": "none", "ratio": 0.5}, "evicts nothing"),
+    ({"name": "snapkv", "kernel_size": 4}, "odd"),
+])
+def test_bad_press_configs_are_refused_with_the_choices(config, match):
+    with pytest.raises(ConfigError, match=match):
+        build_press(config, INFO)
+
+
+def test_presses_refuse_caches_they_cannot_evict_from(tiny_llama):
+    info = info_of(tiny_llama)
+    knorm = build_press({"name": "knorm", "ratio": 0.5}, info)
+    with pytest.raises(ConfigError, match="exact_prefill"):
+        CompressedCache(build_codec(KIVI, info), "streaming", press=knorm)
+    with pytest.raises(ConfigError, match="before RoPE"):
+        CompressedCache(build_codec({"name": "temporalkv"}, info), "exact_prefill", press=knorm)
+    with pytest.raises(ConfigError, match="stream-scope"):
+        CompressedCache(build_codec({"name": "aquakv"}, info), "exact_prefill", press=knorm)
+
+
+def _ids(batch=2, n=40, pad=5):
+    ids = torch.randint(1, 96, (batch, n), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :pad] = 0
+    return ids, mask
+
+
+@torch.no_grad()
+def _generate(model, codec, press, ids, mask, steps=6):
+    cache = CompressedCache(codec, "exact_prefill", press=press)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return torch.stack(out.logits), out.sequences, cache
+
+
+@pytest.mark.parametrize("name", ["knorm", "snapkv", "expected_attention"])
+def test_ratio_zero_is_no_press_bitwise(tiny_llama, name):
+    info = info_of(tiny_llama)
+    ids, mask = _ids()
+    plain, _, plain_cache = _generate(tiny_llama, build_codec(KIVI, info), None, ids, mask)
+    press = build_press({"name": name, "ratio": 0.0, **({"window_size": 8} if name == "snapkv" else {})}, info)
+    pressed, _, cache = _generate(tiny_llama, build_codec(KIVI, info), press, ids, mask)
+    assert torch.equal(plain, pressed) and cache.nbytes == plain_cache.nbytes
+
+
+@pytest.fixture(scope="module")
+def one_layer_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcomp.cache import install
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 1})).eval()
+    install(model)
+    return model
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "tova"])
+@torch.no_grad()
+def test_decode_steps_equal_attention_with_the_evicted_tokens_masked(one_layer_llama, name):
+    """A press that keeps the same tokens in every head, on the uncompressed codec, in a one-layer model (so that one
+    attention mask says what the layer evicted): each step's logits equal those of an uncompressed cache whose evicted
+    prompt tokens are masked out after the exact prefill, the new tokens at their original positions."""
+    model, info = one_layer_llama, info_of(one_layer_llama)
+    ids, mask = _ids(batch=1)
+    pressed, sequences, cache = _generate(model, build_codec({"name": "fp16"}, info),
+                                          build_press({"name": name, "ratio": 0.5}, info), ids, mask, steps=4)
+    layer = cache.layers[0]
+    assert layer.parts[0].evicted == 20 and layer.key_stream.length == 20 + 3 and cache.get_seq_length() == 43
+    reference = DynamicCache(config=model.config)
+    logits = [model(ids, past_key_values=reference, use_cache=True).logits[:, -1]]
+    held = torch.cat([t for t in layer.key_stream.parts() if t.shape[2]], dim=2)[0, 0, :20]  # the kept prompt keys
+    prompt_keys = reference.layers[0].keys[0, 0]
+    kept = (held[:, None] == prompt_keys[None]).all(-1).any(0)  # which prompt tokens the layer holds
+    assert kept.sum() == 20
+    visible = torch.cat([kept.long(), torch.ones(4, dtype=torch.long)])[None]
+    for i, token in enumerate(sequences[0, 40:43]):
+        out = model(token.view(1, 1), past_key_values=reference, use_cache=True, attention_mask=visible[:, : 41 + i],
+                    position_ids=torch.tensor([[40 + i]]))
+        logits.append(out.logits[:, -1])
+    torch.testing.assert_close(pressed[:, 0], torch.cat(logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("codec", [{"name": "fp16"}, KIVI], ids=["fp16", "kivi-2"])
+@torch.no_grad()
+def test_held_bytes_fall_with_the_ratio_and_are_what_the_cache_holds(tiny_llama, codec):
+    """knorm at ratios 0, 0.25, 0.5, 0.75 on a left-padded batch: each row group evicts from its own tokens, every
+    tensor the cache holds is counted, and the uncompressed cache's bytes fall with the ratio (KIVI's need not at this
+    size: what is kept may fit its full-precision residual)."""
+    info = info_of(tiny_llama)
+    ids, mask = _ids()
+    exclude = model_storages(tiny_llama)
+    sizes = []
+    for ratio in (0.0, 0.25, 0.5, 0.75):
+        press = build_press({"name": "knorm", "ratio": ratio}, info) if ratio else None
+        _, _, cache = _generate(tiny_llama, build_codec(codec, info), press, ids, mask)
+        held = held_nbytes(cache, exclude, skip=(Codec,))
+        assert held == pytest.approx(cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes, rel=0.01)
+        assert [p.evicted for p in cache.layers[0].parts] == [40 - int(40 * (1 - ratio)), 35 - int(35 * (1 - ratio))]
+        sizes.append(cache.nbytes)
+    if codec["name"] == "fp16":
+        assert sizes == sorted(sizes, reverse=True) and sizes[-1] < 0.4 * sizes[0]
+
+
+@torch.no_grad()
+def test_streaming_llm_composes_with_a_pre_rope_codec(tiny_llama):
+    """StreamingLLM + TemporalKV-2 (keys coded before RoPE): the kept tokens' own positions are recorded, so decoded
+    keys are re-rotated to where they were; the generation runs with left padding."""
+    codec = fitted(tiny_llama, "temporalkv", sinks=4)
+    ids, mask = _ids()
+    press = build_press({"name": "streaming_llm", "ratio": 0.5}, info_of(tiny_llama))
+    _, _, cache = _generate(tiny_llama, codec, press, ids, mask, steps=3)
+    positions = [p.positions.ids.view for p in cache.layers[0].parts]
+    assert positions[0][0].tolist() == [0, 1, 2, 3, *range(24, 40), 40, 41]
+    assert positions[1][0].tolist() == [0, 1, 2, 3, *range(22, 35), 35, 36]  # 17 of 35 real tokens kept
