@@ -80,9 +80,9 @@ def reads_taken():
 
     taken, original = [], CompressedLayer.update_in_step
 
-    def spy(self, key_states, value_states, step):
-        read = original(self, key_states, value_states, step)
-        parts = [r for _, r in read.parts] if isinstance(read, ByRows) else [read]
+    def spy(self, key_states, value_states, step, query=None):
+        read = original(self, key_states, value_states, step, query)
+        parts = [r for _, r, _ in read.parts] if isinstance(read, ByRows) else [read]
         taken.extend((self.layer_idx, type(r).__name__) for r in parts)
         return read
 

@@ -54,13 +54,13 @@ def _feed(model, cache, magnitude, layers=None, forwards=2):
     ``layers`` (None: all) are replaced by uniform draws in ``[-magnitude, magnitude]``; returns those K/V per layer."""
     fed, original = {}, CompressedLayer.update_in_step
 
-    def replaced(self, key_states, value_states, step):
+    def replaced(self, key_states, value_states, step, query=None):
         if layers is None or self.layer_idx in layers:
             g = torch.Generator().manual_seed(10 * self.layer_idx + key_states.shape[2])
             key_states, value_states = (((torch.rand(key_states.shape, generator=g) * 2 - 1) * magnitude)
                                         .to(key_states.dtype) for _ in range(2))
             fed.setdefault(self.layer_idx, []).append((key_states, value_states))
-        return original(self, key_states, value_states, step)
+        return original(self, key_states, value_states, step, query)
 
     ids = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(0))
     with mock.patch.object(CompressedLayer, "update_in_step", replaced), torch.no_grad():

@@ -17,6 +17,7 @@ LAYERS = [
     {"kvcomp.stages"},
     {"kvcomp.kernels"},
     {"kvcomp.codecs"},
+    {"kvcomp.presses"},
     {"kvcomp.cache"},
     {"kvcomp.calibration"},
     {"kvcomp.models", "kvcomp.data", "kvcomp.benchmarks", "kvcomp.analysis", "kvcomp.results", "kvcomp.experiments", "kvcomp.plots"},
