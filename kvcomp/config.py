@@ -21,6 +21,7 @@ from kvcomp.benchmarks import BENCHMARKS
 from kvcomp.benchmarks.configs import LMEvalConfig, PerplexityConfig, RulerConfig
 from kvcomp.calibration import CalibrationConfig
 from kvcomp.codecs import CODECS
+from kvcomp.presses import PRESSES, PressConfig
 from kvcomp.errors import ConfigError
 from kvcomp.kernels import KERNEL_BACKENDS
 from kvcomp.schema import at_least, one_of, structured
@@ -132,7 +133,7 @@ def sweep_dir(experiment: str | None, stamp: str) -> str:
 
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore: ``<group>/schema`` for each group and
-    ``codec/schema_<name>`` for each codec. Every YAML file of a group names its schema first in its
+    ``codec/schema_<name>`` for each codec and ``press/schema_<name>`` for each press. Every YAML file of a group names its schema first in its
     defaults list, so Hydra rejects unknown or mistyped fields when it composes the run. Also registers
     the ``kvcomp_sweep_dir`` resolver (:func:`sweep_dir`)."""
     OmegaConf.register_new_resolver("kvcomp_sweep_dir", sweep_dir, replace=True)
@@ -143,6 +144,9 @@ def register_configs() -> None:
         store.store(group="benchmark", name=name, node=schema)
     for name, codec in CODECS.items():
         store.store(group="codec", name=f"schema_{name}", node=codec.config_class)
+    store.store(group="press", name="schema_none", node=PressConfig)
+    for name, press in PRESSES.items():
+        store.store(group="press", name=f"schema_{name}", node=press.config_class)
 
 
 __all__ = [

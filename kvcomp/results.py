@@ -29,10 +29,12 @@ ERROR_FILE = "error.json"
 TABLE_COLUMNS = [
     ("model", "model"),
     ("codec", "codec"),
+    ("press", "press"),
     ("bits_per_value", "bits/value"),
     ("paper_bits_per_value", "paper bits/value"),
     ("length", "length"),
     ("bits_per_value_measured", "measured bits/value"),
+    ("bits_per_value_seen", "bits per value seen"),
     ("bits_per_value_full_attention", "bits/value full-attention layers"),
     ("bits_per_value_sliding_attention", "bits/value sliding-window layers"),
     ("cache_bytes_per_window", "cache bytes/window"),

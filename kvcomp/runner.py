@@ -21,17 +21,18 @@ from omegaconf import DictConfig, OmegaConf
 from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
 from kvcomp.benchmarks import build_benchmark
 from kvcomp.benchmarks.base import Benchmark
-from kvcomp.cache import install
+from kvcomp.cache import check_press, install
 from kvcomp.calibration import CalibrationData, calibrate, check_collection, check_windows
 from kvcomp.codecs import (Codec, CodecConfig, ModelInfo, build_codec, codec_config, needs_calibration, reads_fused,
                            scores_from_payload)
 from kvcomp.config import BENCHMARKS, CalibrationConfig, HardwareConfig, LoggerConfig, ModelConfig, typed
-from kvcomp.errors import unknown_choice
+from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import check_kernel_backend
 from kvcomp.models.fingerprint import model_fingerprint
 from kvcomp.models.loading import check_device, layer_devices, load_model, model_location
 from kvcomp.paths import cache_dir
 from kvcomp.plots import X_AXES
+from kvcomp.presses import Press, PressConfig, build_press, press_config
 from kvcomp.progress import phase, quiet_library_bars
 from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, portable, versions
 
@@ -48,6 +49,7 @@ class RunPlan:
     calibration: CalibrationConfig
     benchmark: Any
     codec: CodecConfig
+    press: PressConfig | None = None  # token eviction before the codec (None: every token kept)
 
 
 def check_config(cfg: DictConfig, overrides: list[str] | None = None) -> RunPlan:
@@ -65,7 +67,10 @@ def check_config(cfg: DictConfig, overrides: list[str] | None = None) -> RunPlan
         calibration=typed("calibration", cfg.calibration),
         benchmark=typed("benchmark", cfg.benchmark, BENCHMARKS[cfg.benchmark.name].config_class),
         codec=codec_config(cfg.codec),
+        press=press_config(cfg.get("press")),
     )
+    if plan.press is not None:
+        check_benchmark_press(plan)
     if plan.benchmark.name == "perplexity":
         from kvcomp.benchmarks.perplexity import protocols_for
         from kvcomp.codecs.registry import codec_class
@@ -195,6 +200,8 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     info = ModelInfo.from_hf_config(model.config, name=_label(model_cfg), fingerprint=fingerprint["fingerprint"])
     with phase(f"building codec {plan.codec.name}", timings, "codec_seconds"):
         codec = build_codec(plan.codec, info)
+        press = build_press(plan.press, info)
+        check_press(press, codec, "exact_prefill")  # before calibration: a press composes with stream-scope codecs
 
     with phase(f"{plan.benchmark.name} data", timings, "benchmark_data_seconds"):
         benchmark.prepare(model, tokenizer, model_cfg)
@@ -210,12 +217,12 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     if hardware.kernel_backend == "triton":
         _report_kernels(codec)
     rows = []
-    if plan.benchmark.include_reference and codec.name != "fp16":
+    if plan.benchmark.include_reference and (codec.name != "fp16" or press is not None):
         reference = build_codec({"name": "fp16", "compress_sliding": plan.codec.compress_sliding}, info)
         with phase("uncompressed reference (cached across runs)", timings, "reference_seconds"):
             rows += _reference_rows(model, reference, benchmark, model_cfg, hardware, force)
     with phase(f"evaluating {codec.describe()}", timings, "evaluation_seconds"):
-        rows += _rows(model, codec, benchmark, model_cfg)
+        rows += _rows(model, codec, benchmark, model_cfg, press)
     timings["total_seconds"] = round(time.perf_counter() - start, 2)
 
     results = portable({
@@ -280,7 +287,7 @@ def calibration_data(model, tokenizer, calibration, force: bool = False) -> Cali
     return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration, force=force)
 
 
-def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg) -> list[dict]:
+def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg, press: Press | None = None) -> list[dict]:
     codec_columns = {
         "model": model_cfg.name,
         "codec": codec.describe(),
@@ -288,7 +295,26 @@ def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg) -> list[dict]:
         "paper_bits_per_value": round(codec.paper_bits_per_value(), 4),
         "overhead_bits": codec.overhead_bits(),
     }
-    return [codec_columns | metrics for metrics in benchmark.evaluate(model, codec)]
+    if press is not None:
+        codec_columns |= {"press": press.describe(), "press_ratio": press.config.ratio}
+    return [codec_columns | metrics for metrics in benchmark.evaluate(model, codec, press)]
+
+
+def check_benchmark_press(plan: RunPlan) -> None:
+    """A press needs a benchmark that prefills a context before its later tokens: RULER (the question kept out of
+    the compression, as kvpress's pipeline) and perplexity, whose protocols become ``context`` (the window's first
+    ``context_tokens`` as one pressed prefill, the rest scored after it); others are refused before any work."""
+    name = plan.benchmark.name
+    if not BENCHMARKS[name].takes_press:
+        takers = sorted(n for n, b in BENCHMARKS.items() if b.takes_press)
+        raise ConfigError(f"press={plan.press.name}: benchmark {name} does not evaluate presses; choose one of "
+                          f"{', '.join(takers)} (or press=none)")
+    if name == "ruler" and plan.benchmark.protocol != "exact_prefill":
+        raise ConfigError(f"press={plan.press.name} evicts after an exact prefill: benchmark.protocol=exact_prefill, "
+                          f"not {plan.benchmark.protocol!r}")
+    if name == "perplexity" and list(plan.benchmark.protocols) != ["context"]:
+        log.info("perplexity: a press evicts after a prefill; protocols %s -> [context]", list(plan.benchmark.protocols))
+        plan.benchmark.protocols = ["context"]
 
 
 def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, hardware, force: bool) -> list[dict]:

@@ -226,3 +226,77 @@ def test_streaming_llm_composes_with_a_pre_rope_codec(tiny_llama):
     positions = [p.positions.ids.view for p in cache.layers[0].parts]
     assert positions[0][0].tolist() == [0, 1, 2, 3, *range(24, 40), 40, 41]
     assert positions[1][0].tolist() == [0, 1, 2, 3, *range(22, 35), 35, 36]  # 17 of 35 real tokens kept
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from kvcomp.config import register_configs
+    from tests.test_config import CONF
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_every_press_option_composes_and_the_runner_checks_it():
+    """``press=<name>`` composes against its dataclass; a press runs perplexity under the context protocol, RULER
+    under exact_prefill only, and is refused before any work by benchmarks that do not evaluate presses."""
+    from kvcomp.presses import PRESSES, press_config
+    from kvcomp.runner import check_config
+    from tests.test_config import CONF
+
+    assert sorted(p.stem for p in (CONF / "press").glob("*.yaml")) == sorted([*PRESSES, "none"])
+    for name in PRESSES:
+        assert type(press_config(_compose(f"press={name}").press)) is PRESSES[name].config_class
+    assert check_config(_compose()).press is None
+    plan = check_config(_compose("press=snapkv", "press.ratio=0.5"))
+    assert plan.press.ratio == 0.5 and plan.benchmark.protocols == ["context"]
+    assert check_config(_compose("benchmark=ruler", "press=knorm", "press.ratio=0.25")).press.name == "knorm"
+    with pytest.raises(ConfigError, match="exact_prefill"):
+        check_config(_compose("benchmark=ruler", "benchmark.protocol=streaming", "press=knorm"))
+    with pytest.raises(ConfigError, match="does not evaluate presses"):
+        check_config(_compose("benchmark=longbench", "press=knorm"))
+    with pytest.raises(ConfigError, match="press.ratio|ratio"):
+        check_config(_compose("press=knorm", "press.ratio=1.5"))
+
+
+@torch.no_grad()
+def test_context_perplexity_scores_the_tokens_after_the_pressed_context(tiny_llama):
+    """The context protocol: the first forward is the context (what the press evicts from), only later tokens are
+    scored; at ratio 0 it equals no press; the row carries the bits per value of every token seen."""
+    from kvcomp.benchmarks.configs import PerplexityConfig
+    from kvcomp.benchmarks.perplexity import evaluate_perplexity
+
+    info = info_of(tiny_llama)
+    windows = torch.randint(1, 96, (2, 64), generator=torch.Generator().manual_seed(6))
+    config = PerplexityConfig(seq_len=64, protocols=["context"], chunk_tokens=8, context_tokens=40)
+    plain = evaluate_perplexity(tiny_llama, build_codec({"name": "fp16"}, info), windows, config)
+    zero = evaluate_perplexity(tiny_llama, build_codec({"name": "fp16"}, info), windows, config,
+                               build_press({"name": "knorm", "ratio": 0.0}, info))
+    half = evaluate_perplexity(tiny_llama, build_codec({"name": "fp16"}, info), windows, config,
+                               build_press({"name": "knorm", "ratio": 0.5}, info))
+    assert plain["tokens_scored"] == 2 * 24 and plain["ppl_context"] == zero["ppl_context"] != half["ppl_context"]
+    assert "bits_per_value_seen" not in plain and zero["bits_per_value_seen"] == pytest.approx(32.0)
+    assert half["bits_per_value_seen"] == pytest.approx(32.0 * (20 + 24) / 64)  # 20 of 40 context tokens kept
+    with pytest.raises(ConfigError, match=r"protocols \[context\]"):
+        evaluate_perplexity(tiny_llama, build_codec({"name": "fp16"}, info), windows,
+                            PerplexityConfig(seq_len=64, protocols=["chunked"]), build_press({"name": "knorm"}, info))
+
+
+@torch.no_grad()
+def test_generation_presses_the_context_and_keeps_the_question(tiny_llama):
+    """With a press, the prompt's context is prefilled alone and pressed; the question follows uncompressed."""
+    from kvcomp.benchmarks.generation import GenerationProtocol, generate_greedy
+
+    info = info_of(tiny_llama)
+    ids = torch.randint(1, 96, (1, 48), generator=torch.Generator().manual_seed(8))
+    caches = []
+    protocol = GenerationProtocol(press=build_press({"name": "knorm", "ratio": 0.5}, info))
+    original = protocol.new_cache
+    object.__setattr__(protocol, "new_cache", lambda codec, capacity=None: caches.append(original(codec, capacity)) or caches[-1])
+    new = generate_greedy(tiny_llama, build_codec({"name": "fp16"}, info), ids, max_new_tokens=3, eos_token_ids=[0],
+                          protocol=protocol, context_length=40)
+    layer = caches[0].layers[0]
+    assert new.shape == (1, 3) and layer.parts[0].evicted == 20  # half of the 40 context tokens, none of the 8 others
+    assert layer.key_stream.length == 20 + 8 + 2 and caches[0].get_seq_length() == 48 + 2

@@ -22,13 +22,17 @@ class PerplexityConfig:
     num_windows: int = 32  # <= 0: every window of the split
     window_selection: str = "spread"  # spread (evenly over the split) | first
     batch_size: int = 1
-    protocols: list[str] = field(default_factory=lambda: ["streaming", "simulated"])  # | chunked
-    chunk_tokens: int = 32  # tokens per forward under the chunked protocol (AQUA-KV: 32)
+    protocols: list[str] = field(default_factory=lambda: ["streaming", "simulated"])  # | chunked | context
+    chunk_tokens: int = 32  # tokens per forward under the chunked and context protocols (AQUA-KV: 32)
+    context_tokens: int = 0  # the context protocol's first forward (what a press evicts from); 0: half the window
     include_reference: bool = True  # also evaluate the uncompressed model (cached across runs)
 
     def __post_init__(self):
         at_least(self, 2, "seq_len")
         at_least(self, 1, "batch_size", "chunk_tokens")
+        if not 0 <= self.context_tokens < self.seq_len:
+            raise ConfigError(f"context_tokens={self.context_tokens}: valid: 0 (half the window) to seq_len - 1 "
+                              f"({self.seq_len - 1})")
         if not isinstance(self.num_windows, int):
             raise ConfigError(f"num_windows={self.num_windows!r}: valid: an integer (<= 0: every window)")
 

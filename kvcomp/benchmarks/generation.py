@@ -5,6 +5,10 @@ attention sees the tokens it brings in is the cache ``protocol``: ``exact_prefil
 prefill, ``streaming`` token by token, ``simulated`` as the seeds), the cache policy encodes it
 (sinks, blocks, window), then tokens are decoded greedily through the cache; each new token enters the
 full-precision tail and is encoded when its block fills (``compress_generated=False``: never).
+
+With a press (:mod:`kvcomp.presses`), the prompt's context is prefilled alone, and the press evicts from it; the
+rest of the prompt (the question) follows in a second forward, uncompressed, as kvpress's pipeline keeps the
+question out of the compression (its README: with the question inside, a press like SnapKV would be favoured).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from kvcomp.cache import PROTOCOLS, CompressedCache, with_cache
 from kvcomp.codecs import Codec
 from kvcomp.errors import ConfigError
+from kvcomp.presses import Press
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class GenerationProtocol:
 
     protocol: str = "exact_prefill"
     compress_generated: bool = True
+    press: Press | None = None  # token eviction from each prompt's context (exact_prefill only)
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS:
@@ -32,7 +38,8 @@ class GenerationProtocol:
     def new_cache(self, codec: Codec, capacity: int | None = None) -> CompressedCache:
         """A fresh cache for one request (or one batch of requests); ``capacity``: tokens per sequence to
         preallocate (prompt + new tokens: decode steps then allocate no storage)."""
-        return CompressedCache(codec, self.protocol, compress_generated=self.compress_generated, capacity=capacity)
+        return CompressedCache(codec, self.protocol, compress_generated=self.compress_generated, capacity=capacity,
+                               press=self.press)
 
 
 @torch.no_grad()
@@ -46,16 +53,21 @@ def generate_greedy(
     protocol: GenerationProtocol = GenerationProtocol(),
     attention_mask: torch.Tensor | None = None,
     metrics: list[dict] | None = None,
+    context_length: int | None = None,
 ) -> torch.Tensor:
     """Greedy continuation of ``input_ids [B, T]`` (left-padded when ``attention_mask`` is given) through
     a fresh compressed cache, preallocated for the prompt and ``max_new_tokens``; returns the new tokens ``[B, <= max_new_tokens]`` (padded with the first
     EOS id after a row stops). ``metrics``: gets the codec's :meth:`~kvcomp.codecs.base.Codec.example_metrics`
-    of the filled cache appended."""
+    of the filled cache appended. ``context_length``: with the protocol's press, the prompt's first tokens (the
+    context, what the press evicts from) are prefilled alone, before the rest."""
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = protocol.new_cache(codec, input_ids.shape[1] + max_new_tokens)
+    if protocol.press is not None and context_length:  # the context alone first: the press evicts from it only
+        model(input_ids[:, :context_length], attention_mask=attention_mask[:, :context_length].to(device),
+              **with_cache(model, cache), use_cache=True)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask.to(device),

@@ -388,7 +388,7 @@ class LMEvalBenchmark(Benchmark):
                             for t, d in self.local_data.items()}
         return out
 
-    def evaluate(self, model, codec) -> list[dict]:
+    def evaluate(self, model, codec, press=None) -> list[dict]:
         import lm_eval
 
         c = self.config

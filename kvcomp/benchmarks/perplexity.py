@@ -1,4 +1,4 @@
-"""Perplexity through the compressed cache, under three evaluation protocols.
+"""Perplexity through the compressed cache, under four evaluation protocols.
 
 ``streaming``: each window is one forward through an empty :class:`CompressedCache`; the kvcomp
 attention function shows every query the cache as it was when its token arrived (blocks encoded only
@@ -8,12 +8,17 @@ once complete, see :mod:`kvcomp.cache.attention`), which equals feeding the wind
 ``chunked``: AQUA-KV's protocol (arXiv 2501.19392, ``evaluate_perplexity.py``): the window is fed in
 forwards of ``chunk_tokens`` tokens through an ``exact_prefill`` cache, so each forward attends to its
 own tokens in full precision and to everything cached before it as stored (a deployed chunked prefill).
+``context``: the window's first ``context_tokens`` tokens (0: half the window) are one exact forward (a prefill: what a
+press evicts from, :mod:`kvcomp.presses`), the rest follow in forwards of ``chunk_tokens`` as under ``chunked``; the
+perplexity is of the tokens after the context only, each predicted from the context as stored. A run with a press
+measures this protocol (:func:`kvcomp.runner.check_benchmark_press`), its reference row too.
 
 A model-scope codec (kvtc) encodes a block once every layer has appended it, after the forward that
 completed it, so a single forward never reads its own blocks: for such codecs ``streaming`` and
 ``simulated`` would measure the uncompressed model, and :func:`protocols_for` replaces them by ``chunked``.
 
-``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows.
+``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows (``context``: over the tokens
+after each window's context).
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from kvcomp.benchmarks.configs import PerplexityConfig
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.codecs import Codec, expected_cache_bits
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.presses import Press
 from kvcomp.progress import progress_bar
 
-PERPLEXITY_PROTOCOLS = ("streaming", "simulated", "chunked")
+PERPLEXITY_PROTOCOLS = ("streaming", "simulated", "chunked", "context")
 WINDOW_SELECTIONS = ("spread", "first")
 LOW_ENCODED_SHARE = 0.5  # rows whose cache holds less than this share encoded get a note and a warning
 
@@ -47,6 +53,7 @@ class PerplexityBenchmark(Benchmark):
 
     names = ("perplexity",)
     config_class = PerplexityConfig
+    takes_press = True
 
     def check(self, model_cfg) -> None:
         from kvcomp.data import check_corpus_available
@@ -63,10 +70,10 @@ class PerplexityBenchmark(Benchmark):
             "benchmark": asdict(self.config) | {"include_reference": None},
         }
 
-    def evaluate(self, model, codec) -> list[dict]:
+    def evaluate(self, model, codec, press=None) -> list[dict]:
         c, w = self.config, self.windows
         label = f"{c.name}:{c.dataset}/{c.split} {len(w)}x{w.shape[1]}"
-        return [{"benchmark": label, **evaluate_perplexity(model, codec, w, c)}]
+        return [{"benchmark": label, **evaluate_perplexity(model, codec, w, c, press)}]
 
 
 def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.Tensor:
@@ -113,8 +120,10 @@ def codec_never_encodes(codec: Codec) -> bool:
 
 
 @torch.no_grad()
-def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: PerplexityConfig) -> dict:
-    """Perplexity of ``model`` with ``codec`` on token ``windows [n, seq_len]``, per protocol.
+def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: PerplexityConfig,
+                        press: Press | None = None) -> dict:
+    """Perplexity of ``model`` with ``codec`` (and ``press``: protocol ``context`` only) on token ``windows
+    [n, seq_len]``, per protocol.
 
     Also returns the cache bytes measured after one full window (batch 1), the bits per value they
     imply, and the bits the codec's formula predicts for the same window.
@@ -124,11 +133,15 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         raise ConfigError(
             f"perplexity protocols {list(config.protocols)}: choose from {', '.join(PERPLEXITY_PROTOCOLS)}"
         )
+    if press is not None and list(config.protocols) != ["context"]:
+        raise ConfigError(f"press {press.name} evicts from a prefill: perplexity protocols [context], not "
+                          f"{list(config.protocols)}")
     device = next(model.parameters()).device
+    context = context_length(config, windows.shape[1])
     metrics: dict = {}
     cache_stats: dict = {}
     examples: list[dict] = []
-    shortcut = codec_never_encodes(codec)
+    shortcut = codec_never_encodes(codec) and press is None
     for i, protocol in enumerate(config.protocols):
         if shortcut and i > 0:  # nothing is ever encoded: the protocols cannot differ
             metrics[f"ppl_{protocol}"] = metrics[f"ppl_{config.protocols[0]}"]
@@ -138,18 +151,19 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         bar = progress_bar(len(windows), f"perplexity {codec.name} ({protocol})", "window")
         for batch in windows.split(config.batch_size):
             batch = batch.to(device)
-            logits, cache = _window_logits(model, codec, batch, protocol, config.chunk_tokens)
-            nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-            count += batch[:, 1:].numel()
+            logits, cache = _window_logits(model, codec, batch, protocol, config.chunk_tokens, context, press)
+            first = context if protocol == "context" else 1  # the first token scored
+            nll += F.cross_entropy(logits[:, first - 1:-1].flatten(0, 1), batch[:, first:].flatten(), reduction="sum").item()
+            count += batch[:, first:].numel()
             if not cache_stats:
-                cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype)
+                cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype, press is None)
             if i == 0:
                 examples.append(codec.example_metrics(cache.statistics()))
             bar.update(batch.shape[0])
         bar.close()
         metrics[f"ppl_{protocol}"] = math.exp(nll / count)
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
-    metrics["tokens_scored"] = int(windows[:, 1:].numel())
+    metrics["tokens_scored"] = int(windows[:, (context if config.protocols == ["context"] else 1):].numel())
     share = cache_stats["encoded_share"]
     if share < LOW_ENCODED_SHARE and not shortcut:
         metrics["note"] = (f"only {share:.0%} of the cached values were encoded (the rest stayed in full precision): "
@@ -158,29 +172,45 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
     return {**metrics, **cache_stats, **example_summary(examples)}
 
 
-def _window_logits(model, codec: Codec, batch: torch.Tensor, protocol: str, chunk_tokens: int):
+def context_length(config: PerplexityConfig, seq_len: int) -> int:
+    """The ``context`` protocol's first forward: ``context_tokens``, or half the window."""
+    return config.context_tokens or seq_len // 2
+
+
+def _window_logits(model, codec: Codec, batch: torch.Tensor, protocol: str, chunk_tokens: int, context: int = 0,
+                   press: Press | None = None):
     """Float logits of ``batch [B, L]`` through a fresh cache, and that cache: one forward, or (``chunked``)
-    forwards of ``chunk_tokens`` tokens through an ``exact_prefill`` cache, logits joined along tokens."""
-    chunked = protocol == "chunked"
-    cache = CompressedCache(codec, "exact_prefill" if chunked else protocol)
-    parts = batch.split(chunk_tokens if chunked else batch.shape[1], dim=1)
+    forwards of ``chunk_tokens`` tokens through an ``exact_prefill`` cache, or (``context``) the first ``context``
+    tokens (``press`` evicting from them) and then such forwards; logits joined along tokens."""
+    stepwise = protocol in ("chunked", "context")
+    cache = CompressedCache(codec, "exact_prefill" if stepwise else protocol, press=press)
+    if protocol == "context":
+        parts = (batch[:, :context], *batch[:, context:].split(chunk_tokens, dim=1))
+    else:
+        parts = batch.split(chunk_tokens if stepwise else batch.shape[1], dim=1)
     logits = [model(part, **with_cache(model, cache), use_cache=True).logits.float() for part in parts]
     return torch.cat(logits, dim=1), cache
 
 
-def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int, dtype: torch.dtype) -> dict:
+def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int, dtype: torch.dtype,
+                 every_token: bool = True) -> dict:
     """Measured storage of one window's cache, apart: encoded payload bits per encoded value, per-sequence
-    state, everything per cached value, and the codec's model-level overhead amortised over one window."""
+    state, everything per cached value, and the codec's model-level overhead amortised over one window.
+    ``every_token`` False (a press evicted some): no formula's expectation, and ``bits_per_value_seen``, everything
+    per value of every token of the window, evicted ones included (the byte axis eviction and quantization share;
+    without a press it is ``bits_per_value_measured``)."""
     fp_bits = torch.finfo(dtype).bits
     try:
-        expected = expected_cache_bits(codec, seq_len, batch, fp_bits) / 8 / batch
+        expected = expected_cache_bits(codec, seq_len, batch, fp_bits) / 8 / batch if every_token else None
     except NotImplementedError:  # variable-rate codecs: only measured bytes
         expected = None
     values = 2 * codec.model.num_layers * codec.model.num_kv_heads * codec.model.head_dim * seq_len
+    seen = {} if every_token else {"bits_per_value_seen": 8 * cache.nbytes / batch / values}
     return {
         "cache_bytes_per_window": cache.nbytes // batch,
         "cache_bytes_expected": expected,
         **cache.bits_breakdown(),
+        **seen,
         "overhead_bits_per_value_per_window": codec.overhead_bits() / values,
         "full_precision_bits": fp_bits,
     }

@@ -42,7 +42,7 @@ import re
 import string
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -184,6 +184,7 @@ class RulerSample:
     answers: list[str]
     needle_spans: list[tuple[int, int]] = field(default_factory=list)  # token [start, end) of each needle
     depths: list[int] = field(default_factory=list)  # requested depth (%) of each needle (essay haystacks)
+    question_start: int = 0  # the first token after the context: the question and answer prefix (kept from a press)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ class RulerGenerator:
         assert len(context) == budget, (len(context), budget)
         offset = len(head_ids)
         ids = head_ids + context + tail_ids
-        return RulerSample("", 0, 0, ids, [], [(offset + a, offset + b) for a, b in spans])
+        return RulerSample("", 0, 0, ids, [], [(offset + a, offset + b) for a, b in spans], question_start=offset + budget)
 
     def _pieces(self, budget: int, haystack: list[list[int]], needles: list[list[int]], positions) -> tuple[list[int], list]:
         """Interleave needle ids into haystack pieces (``positions(n)`` -> insertion index per needle,
@@ -571,6 +572,7 @@ class RulerBenchmark(Benchmark):
 
     names = ("ruler",)
     config_class = RulerConfig
+    takes_press = True
 
     def check(self, model_cfg) -> None:
         from kvcomp.data import CORPORA, check_corpus_available
@@ -611,8 +613,11 @@ class RulerBenchmark(Benchmark):
         ids = json.dumps({f"{k[0]}/{k[1]}": [s.input_ids for s in v] for k, v in self.samples.items()})
         return {"prompts": hashlib.sha256(ids.encode()).hexdigest(), "benchmark": asdict(self.config) | {"include_reference": None}}
 
-    def evaluate(self, model, codec) -> list[dict]:
+    def evaluate(self, model, codec, press=None) -> list[dict]:
+        """With ``press``: each prompt alone, its context pressed, its question kept out (:mod:`~kvcomp.benchmarks.generation`)."""
         c = self.config
+        protocol = replace(self.protocol, press=press)
+        batch_size = 1 if press is not None else c.batch_size  # each prompt's context ends where its question starts
         rows = []
         bar = progress_bar(len(self.samples) * c.num_samples, f"RULER {codec.name}", "sample")
         for length in c.lengths:
@@ -627,10 +632,11 @@ class RulerBenchmark(Benchmark):
                 samples = self.samples[(length, task)]
                 budget = min(TASKS[task].tokens_to_generate, c.max_new_tokens or TASKS[task].tokens_to_generate)
                 predictions = []
-                for batch in [samples[i : i + c.batch_size] for i in range(0, len(samples), c.batch_size)]:
+                for batch in [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]:
                     new = generate_greedy(
                         model, codec, torch.tensor([s.input_ids for s in batch]),
-                        max_new_tokens=budget, eos_token_ids=self.eos, protocol=self.protocol, metrics=examples,
+                        max_new_tokens=budget, eos_token_ids=self.eos, protocol=protocol, metrics=examples,
+                        context_length=batch[0].question_start,
                     )
                     predictions += [self.tokenizer.decode(_until_eos(row_ids, self.eos), skip_special_tokens=True) for row_ids in new.tolist()]
                     bar.update(len(batch))

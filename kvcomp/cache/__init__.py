@@ -4,7 +4,7 @@ import functools
 import inspect
 
 from kvcomp.cache.attention import ATTENTION_NAME, Installation, compressed_attention, install
-from kvcomp.cache.compressed_cache import PROTOCOLS, CompressedCache, CompressedLayer
+from kvcomp.cache.compressed_cache import PROTOCOLS, CompressedCache, CompressedLayer, check_press
 
 
 @functools.lru_cache(maxsize=None)
@@ -19,5 +19,5 @@ def with_cache(model, cache) -> dict:
     return {_cache_kwarg(type(model)): cache}
 
 
-__all__ = ["ATTENTION_NAME", "PROTOCOLS", "CompressedCache", "CompressedLayer", "Installation", "compressed_attention",
-           "install", "with_cache"]
+__all__ = ["ATTENTION_NAME", "PROTOCOLS", "CompressedCache", "CompressedLayer", "Installation", "check_press",
+           "compressed_attention", "install", "with_cache"]

@@ -4,10 +4,10 @@ package imports every module beside ``base``."""
 import importlib
 import pkgutil
 
-from kvcomp.presses.base import PRESSES, Prefill, Press, PressConfig, build_press
+from kvcomp.presses.base import PRESSES, Prefill, Press, PressConfig, build_press, press_config
 
 for _module in pkgutil.iter_modules(__path__):  # importing a module registers the presses it defines
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["PRESSES", "Prefill", "Press", "PressConfig", "build_press"]
+__all__ = ["PRESSES", "Prefill", "Press", "PressConfig", "build_press", "press_config"]

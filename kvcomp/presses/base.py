@@ -11,7 +11,7 @@ token exactly (``exact_prefill``); later forwards see the kept tokens.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -56,6 +56,11 @@ class PressConfig:
     name: str = "none"
     ratio: float = 0.0  # the fraction of prompt tokens evicted (kvpress's compression_ratio)
 
+    def __post_init__(self):
+        if not 0.0 <= self.ratio < 1.0:
+            raise ConfigError(f"press {self.name}: ratio={self.ratio!r} is the fraction of prompt tokens evicted; "
+                              "choose a value in [0, 1)")
+
 
 class Press(ABC):
     """Scores prompt tokens (:meth:`scores`) and keeps the best (:meth:`keep`)."""
@@ -66,13 +71,15 @@ class Press(ABC):
 
     def __init__(self, config: PressConfig, model: ModelInfo):
         self.config, self.model = config, model
-        if not 0.0 <= config.ratio < 1.0:
-            raise ConfigError(f"press {self.name}: ratio={config.ratio!r} is the fraction of prompt tokens evicted; "
-                              "choose a value in [0, 1)")
         self.validate()
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for settings this press cannot use."""
+
+    def describe(self) -> str:
+        """``name(field=value, ...)``, as results rows show it."""
+        shown = {k: v for k, v in asdict(self.config).items() if k != "name"}
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
     def kept_count(self, n: int) -> int:
         """Tokens kept of ``n`` (kvpress: ``int(n * (1 - ratio))``, at least one)."""
@@ -119,18 +126,21 @@ def press_class(name: str) -> type:
     return PRESSES[name]
 
 
-def build_press(config, model: ModelInfo) -> Press | None:
-    """The press a config (a mapping, Hydra group or :class:`PressConfig`) names, None for ``name: none``; unknown or
-    mistyped fields are refused (:func:`~kvcomp.schema.structured`)."""
-    if config is None:
+def press_config(config) -> PressConfig | None:
+    """A press config (a mapping, Hydra group or :class:`PressConfig`) as its dataclass, None for ``name: none``;
+    unknown or mistyped fields are refused (:func:`~kvcomp.schema.structured`)."""
+    if config is None or isinstance(config, PressConfig):
+        return None if config is None or config.name == "none" else config
+    name = config.get("name", "none")
+    if name == "none":
+        if config.get("ratio", 0.0):
+            raise ConfigError(f"press=none evicts nothing, but ratio={config['ratio']} was given: choose a press "
+                              f"({', '.join(sorted(PRESSES))})")
         return None
-    if not isinstance(config, PressConfig):
-        name = config.get("name", "none")
-        if name == "none":
-            if config.get("ratio", 0.0):
-                raise ConfigError(f"press=none evicts nothing, but ratio={config['ratio']} was given: choose a press "
-                                  f"({', '.join(sorted(PRESSES))})")
-            return None
-        cls = press_class(name)
-        config = structured(cls.config_class, config, f"press {name}")
-    return press_class(config.name)(config, model)
+    return structured(press_class(name).config_class, config, f"press {name}")
+
+
+def build_press(config, model: ModelInfo) -> Press | None:
+    """The press a config names (:func:`press_config`), for ``model``; None for ``name: none``."""
+    typed = press_config(config)
+    return None if typed is None else press_class(typed.name)(typed, model)

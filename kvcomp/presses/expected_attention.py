@@ -26,6 +26,12 @@ class ExpectedAttentionConfig(PressConfig):
     use_vnorm: bool = True
     epsilon: float = 0.0  # kvpress's evaluation registry uses 1e-2 (under AdaKV)
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_future_positions < 1 or self.sinks < 0:
+            raise ConfigError(f"press expected_attention: n_future_positions={self.n_future_positions} must be >= 1 "
+                              f"and sinks={self.sinks} >= 0")
+
 
 @register
 class ExpectedAttentionPress(Press):
@@ -33,10 +39,6 @@ class ExpectedAttentionPress(Press):
     config_class = ExpectedAttentionConfig
 
     def validate(self) -> None:
-        cfg = self.config
-        if cfg.n_future_positions < 1 or cfg.sinks < 0:
-            raise ConfigError(f"press expected_attention: n_future_positions={cfg.n_future_positions} must be >= 1 "
-                              f"and sinks={cfg.sinks} >= 0")
         if not self.model.has_rope:
             raise ConfigError(f"press expected_attention averages RoPE over future positions; model {self.model.name} "
                               "has none")

@@ -21,17 +21,17 @@ class SnapKVConfig(PressConfig):
     window_size: int = 64  # the observation window (kvpress and the authors' default)
     kernel_size: int = 5  # the pooling width (odd)
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window_size < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ConfigError(f"press snapkv: window_size={self.window_size} must be >= 1 and kernel_size="
+                              f"{self.kernel_size} odd and >= 1")
+
 
 @register
 class SnapKVPress(Press):
     name = "snapkv"
     config_class = SnapKVConfig
-
-    def validate(self) -> None:
-        cfg = self.config
-        if cfg.window_size < 1 or cfg.kernel_size < 1 or cfg.kernel_size % 2 == 0:
-            raise ConfigError(f"press snapkv: window_size={cfg.window_size} must be >= 1 and kernel_size="
-                              f"{cfg.kernel_size} odd and >= 1")
 
     def scores(self, prefill: Prefill) -> torch.Tensor:
         w, n = self.config.window_size, prefill.length

@@ -17,16 +17,17 @@ class StreamingLLMConfig(PressConfig):
     name: str = "streaming_llm"
     sinks: int = 4  # kvpress's n_sink and the paper's 4 initial tokens
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0:
+            raise ConfigError(f"press streaming_llm: sinks={self.sinks} must be >= 0")
+
 
 @register
 class StreamingLLMPress(Press):
     name = "streaming_llm"
     config_class = StreamingLLMConfig
     shared_across_heads = True
-
-    def validate(self) -> None:
-        if self.config.sinks < 0:
-            raise ConfigError(f"press streaming_llm: sinks={self.config.sinks} must be >= 0")
 
     def scores(self, prefill: Prefill) -> torch.Tensor:
         """1 for the sinks and the last ``k - sinks`` tokens, 0 between (ties are never on the border)."""
