@@ -300,3 +300,24 @@ def test_generation_presses_the_context_and_keeps_the_question(tiny_llama):
     layer = caches[0].layers[0]
     assert new.shape == (1, 3) and layer.parts[0].evicted == 20  # half of the 40 context tokens, none of the 8 others
     assert layer.key_stream.length == 20 + 8 + 2 and caches[0].get_seq_length() == 48 + 2
+
+
+PRESS_CONFIGS = {"knorm": {}, "streaming_llm": {}, "snapkv": {"window_size": 8}, "tova": {}, "expected_attention": {}}
+
+
+@pytest.mark.parametrize("codec", [KIVI, {"name": "turboquant", "key_bits": 4, "value_bits": 2}], ids=["kivi-2", "turboquant"])
+@pytest.mark.parametrize("name", list(PRESS_CONFIGS))
+@torch.no_grad()
+def test_every_press_composes_with_codecs_under_padding_beams_and_capacity(tiny_llama, name, codec):
+    """Each press with two codecs: a left-padded batch decoded by beam search through a preallocated cache; the
+    evicted counts are each row group's, and every tensor the cache holds is counted."""
+    info = info_of(tiny_llama)
+    ids, mask = _ids()
+    press = build_press({"name": name, "ratio": 0.5, **PRESS_CONFIGS[name]}, info)
+    cache = CompressedCache(build_codec(codec, info), "exact_prefill", press=press, capacity=40 + 6)
+    out = tiny_llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, min_new_tokens=6,
+                              num_beams=2, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 46)
+    assert sorted(p.evicted for p in cache.layers[0].parts) == [18, 20]
+    held = held_nbytes(cache, model_storages(tiny_llama), skip=(Codec,))
+    assert held == pytest.approx(cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes, rel=0.01)
