@@ -97,6 +97,13 @@ def test_experiment_composes_and_its_sweep_parses(name):
         if name.startswith("baselines_2026/"):  # one protocol for every codec, kvtc included
             assert benchmark.protocols == ["chunked"] and benchmark.chunk_tokens == 16 and run.model.source == "embedded"
             continue
+        if name.startswith("eviction/"):  # one protocol for presses, codecs and their compositions
+            assert benchmark.protocols == ["context"] and benchmark.context_tokens == 768 and run.model.source == "embedded"
+            for item in job:
+                if item.startswith("press"):
+                    key, value = item.split("=", 1)
+                    assert str(run.press[key.split(".")[1]] if "." in key else run.press.name) == value
+            continue
         if name.startswith("csr/") and run.model.source != "embedded":  # NeuralDict tables: the spec's §5.1 calibration
             assert (run.calibration.name, run.calibration.num_samples, run.calibration.seq_len) == ("wikitext2", 256, 2048)
             assert run.hardware.name == "h100" and run.codec.merged_groups == "paper"
