@@ -316,3 +316,29 @@ def test_render_baselines_ranks_by_class_then_perplexity(tmp_path):
     assert [line.split(" | ")[1] for line in lines] == ["`fp8`", "`turboquant center=bias`", "`kivi`", "`oscar`"]
     assert lines[1] == "| 3 | `turboquant center=bias` | 3.250 | 4.250 | 0.50 | 22.000 | +10.0 % |"
     assert module.bit_class(2.5) == 2 and module.bit_class(5.0) == 4 and module.bit_class(6.25) == 8
+
+
+def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(tmp_path):
+    spec = importlib.util.spec_from_file_location("render_eviction", ROOT / "scripts" / "render_eviction.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fp16 = {"model": "m", "codec": "fp16()", "ppl_context": 20.0, "bits_per_value_measured": 32.0}
+
+    def member(name, codec, press, ratio, seen, held, ppl):
+        folder = tmp_path / name
+        folder.mkdir()
+        row = {"model": "m", "codec": f"{codec}()", "bits_per_value_measured": held, "ppl_context": ppl}
+        if press != "none":
+            row |= {"press": f"{press}(ratio={ratio})", "press_ratio": ratio, "bits_per_value_seen": seen}
+        overrides = [f"codec={codec}", "model=m"] + ([f"press={press}", f"press.ratio={ratio}"] if press != "none" else [])
+        config = {"codec": {"name": codec}, "press": {"name": press}}
+        (folder / "results.json").write_text(json.dumps({"config": config, "overrides": overrides, "rows": [fp16, row]}))
+
+    member("a", "fp16", "snapkv", 0.5, 20.0, 32.0, 24.0)
+    member("b", "kivi", "none", 0.0, None, 5.0, 22.0)
+    member("c", "kivi", "knorm", 0.5, 3.0, 5.0, 30.0)
+    lines = [line for line in module.render(tmp_path).splitlines() if line.startswith("| ") and "kind" not in line]
+    assert [line.split(" | ")[0] for line in lines] == ["| composed", "| quantization", "| eviction"]  # by bits seen
+    assert lines[1] == "| quantization | - | 0.00 | `kivi` | 5.000 | 5.000 | 22.000 | +10.0 % |"
+    assert lines[2] == "| eviction | `snapkv` | 0.50 | `fp16` | 20.000 | 32.000 | 24.000 | +20.0 % |"
+    assert [p.name for p in module.plot(tmp_path, tmp_path)] == ["eviction_m.png"]

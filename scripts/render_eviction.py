@@ -1,0 +1,117 @@
+"""The eviction experiment (issue 37) as Markdown and one rate-distortion plot per model: presses alone, codecs alone
+and their compositions on one axis, the bits per value of every token the window brought (evicted ones included).
+
+    python scripts/render_eviction.py multirun/eviction [--out FILE] [--plot-dir DIR]
+
+Reads every ``results.json`` below the folder (finished members of every eviction sweep; a sweep still running
+renders the rows it has). A row is named by its press (name and ratio) and codec option; its rate is
+``bits_per_value_seen`` (rows without a press: ``bits_per_value_measured``, every token held); its distortion the
+perplexity of the tokens after the context (``ppl_context``) and its change from the model's fp16 row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvcomp.artifacts import write_text_atomic
+from kvcomp.results import parse_overrides
+
+
+def load_rows(directory: str | Path) -> list[dict]:
+    """One dict per evaluated row of every finished member: ``model``, ``press``, ``ratio``, ``codec`` (the swept
+    option), ``bits`` (per value seen), ``held_bits`` (per value held), ``ppl`` and ``fp16`` (the model's reference)."""
+    rows = []
+    for path in sorted(Path(directory).rglob("results.json")):
+        data = json.loads(path.read_text())
+        swept = parse_overrides(data.get("overrides", []))
+        config = data["config"]
+        press = config.get("press", {}).get("name", "none")
+        fp16 = next(r for r in data["rows"] if r["codec"].startswith("fp16") and "press" not in r)
+        for r in data["rows"]:
+            if r is fp16:
+                continue
+            rows.append({"model": r["model"], "press": press, "ratio": r.get("press_ratio", 0.0),
+                         "codec": swept.get("codec", config["codec"]["name"]),
+                         "bits": r.get("bits_per_value_seen", r["bits_per_value_measured"]),
+                         "held_bits": r["bits_per_value_measured"], "ppl": r["ppl_context"], "fp16": fp16["ppl_context"]})
+    return rows
+
+
+def kind(row: dict) -> str:
+    return "composed" if row["press"] != "none" and row["codec"] != "fp16" else "eviction" if row["press"] != "none" else "quantization"
+
+
+def render(directory: str | Path) -> str:
+    rows = load_rows(directory)
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: (r["bits"], r["ppl"]))
+        out += [f"### {model}", "", f"{len(mine)} rows; fp16 ppl_context {mine[0]['fp16']:.3f} (32 bits per value "
+                "seen: the embedded models run in float32).", "",
+                "| kind | press | ratio | codec | bits per value seen | bits per value held | ppl_context | vs fp16 |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            press = f"`{r['press']}`" if r["press"] != "none" else "-"
+            out.append(f"| {kind(r)} | {press} | {r['ratio']:.2f} | `{r['codec']}` | {r['bits']:.3f} | "
+                       f"{r['held_bits']:.3f} | {r['ppl']:.3f} | {100 * (r['ppl'] / r['fp16'] - 1):+.1f} % |")
+        out.append("")
+    return "\n".join(out) if out else f"(no finished run below {directory})\n"
+
+
+def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
+    """``eviction_<model>.png``: perplexity against bits per value seen, one marker per kind of row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, paths = load_rows(directory), []
+    markers = {"eviction": "o", "quantization": "s", "composed": "^"}
+    for model in sorted({r["model"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        mine = [r for r in rows if r["model"] == model]
+        for k, marker in markers.items():
+            points = [r for r in mine if kind(r) == k]
+            ax.scatter([r["bits"] for r in points], [r["ppl"] for r in points], marker=marker, label=k)
+            for r in points:
+                label = r["codec"] if r["press"] == "none" else f"{r['press']} {r['ratio']:g}" + (
+                    "" if r["codec"] == "fp16" else f" + {r['codec']}")
+                ax.annotate(label, (r["bits"], r["ppl"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.axhline(mine[0]["fp16"], color="grey", linestyle=":", label="fp16")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bits per value seen (evicted tokens included)")
+        ax.set_ylabel("perplexity after the context")
+        ax.set_title(f"Eviction and quantization on one byte axis: {model}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = plot_dir / f"eviction_{model}.png"
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path, help="the folder of the eviction sweeps, e.g. multirun/eviction")
+    parser.add_argument("--out", type=Path, help="write the Markdown here (atomically) instead of printing it")
+    parser.add_argument("--plot-dir", type=Path, help="also draw one rate-distortion plot per model here")
+    args = parser.parse_args(argv)
+    if not args.directory.is_dir():
+        parser.error(f"{args.directory} is not a directory")
+    text = render(args.directory)
+    if args.plot_dir:
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        plot(args.directory, args.plot_dir)
+    if args.out:
+        write_text_atomic(args.out, text)
+    else:
+        sys.stdout.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
