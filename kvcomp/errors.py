@@ -49,3 +49,15 @@ def at_least(least: int, kind: type = int):
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def existing_directory(text: str):
+    """An argparse ``type`` for a script's input folder: a :class:`~pathlib.Path` that is a directory, else
+    argparse's usage error before any work starts."""
+    from argparse import ArgumentTypeError
+    from pathlib import Path
+
+    path = Path(text)
+    if not path.is_dir():
+        raise ArgumentTypeError(f"{text} is not a directory")
+    return path

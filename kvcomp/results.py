@@ -261,3 +261,12 @@ def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], grou
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 run.summary["/".join(filter(None, (row.get("run_dir"), row["codec"], key)))] = value
     run.finish()
+
+
+def emit(text: str, out: Path | None = None) -> str:
+    """A script's Markdown: written to ``out`` (atomically) or printed; returned."""
+    if out:
+        write_text_atomic(out, text)
+    else:
+        sys.stdout.write(text)
+    return text

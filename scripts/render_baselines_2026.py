@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from kvcomp.artifacts import write_text_atomic
-from kvcomp.results import parse_overrides
+from kvcomp.errors import existing_directory
+from kvcomp.results import emit, parse_overrides
 
 CLASSES = (2, 3, 4, 8)
 
@@ -71,17 +70,10 @@ def render(directory: str | Path) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path, help="the sweep folder, e.g. multirun/baselines_2026/perplexity")
+    parser.add_argument("directory", type=existing_directory, help="the sweep folder, e.g. multirun/baselines_2026/perplexity")
     parser.add_argument("--out", type=Path, help="write the Markdown here (atomically) instead of printing it")
     args = parser.parse_args(argv)
-    if not args.directory.is_dir():
-        parser.error(f"{args.directory} is not a directory")
-    text = render(args.directory)
-    if args.out:
-        write_text_atomic(args.out, text)
-    else:
-        sys.stdout.write(text)
-    return text
+    return emit(render(args.directory), args.out)
 
 
 if __name__ == "__main__":

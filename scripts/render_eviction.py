@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from kvcomp.artifacts import write_text_atomic
-from kvcomp.results import parse_overrides
+from kvcomp.errors import existing_directory
+from kvcomp.results import emit, parse_overrides
 
 
 def load_rows(directory: str | Path) -> list[dict]:
@@ -96,21 +95,14 @@ def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path, help="the folder of the eviction sweeps, e.g. multirun/eviction")
+    parser.add_argument("directory", type=existing_directory, help="the folder of the eviction sweeps, e.g. multirun/eviction")
     parser.add_argument("--out", type=Path, help="write the Markdown here (atomically) instead of printing it")
     parser.add_argument("--plot-dir", type=Path, help="also draw one rate-distortion plot per model here")
     args = parser.parse_args(argv)
-    if not args.directory.is_dir():
-        parser.error(f"{args.directory} is not a directory")
-    text = render(args.directory)
     if args.plot_dir:
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         plot(args.directory, args.plot_dir)
-    if args.out:
-        write_text_atomic(args.out, text)
-    else:
-        sys.stdout.write(text)
-    return text
+    return emit(render(args.directory), args.out)
 
 
 if __name__ == "__main__":
