@@ -295,11 +295,14 @@ def test_generation_presses_the_context_and_keeps_the_question(tiny_llama):
     protocol = GenerationProtocol(press=build_press({"name": "knorm", "ratio": 0.5}, info))
     original = protocol.new_cache
     object.__setattr__(protocol, "new_cache", lambda codec, capacity=None: caches.append(original(codec, capacity)) or caches[-1])
+    metrics = []
     new = generate_greedy(tiny_llama, build_codec({"name": "fp16"}, info), ids, max_new_tokens=3, eos_token_ids=[0],
-                          protocol=protocol, context_length=40)
+                          protocol=protocol, context_length=40, metrics=metrics)
     layer = caches[0].layers[0]
     assert new.shape == (1, 3) and layer.parts[0].evicted == 20  # half of the 40 context tokens, none of the 8 others
     assert layer.key_stream.length == 20 + 8 + 2 and caches[0].get_seq_length() == 48 + 2
+    assert metrics[0]["bits_per_value_measured"] == 32.0
+    assert metrics[0]["output_tokens"] == (3 if 0 not in new[0].tolist() else new[0].tolist().index(0))
 
 
 PRESS_CONFIGS = {"knorm": {}, "streaming_llm": {}, "snapkv": {"window_size": 8}, "tova": {}, "expected_attention": {}}
@@ -321,3 +324,11 @@ def test_every_press_composes_with_codecs_under_padding_beams_and_capacity(tiny_
     assert sorted(p.evicted for p in cache.layers[0].parts) == [18, 20]
     held = held_nbytes(cache, model_storages(tiny_llama), skip=(Codec,))
     assert held == pytest.approx(cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes, rel=0.01)
+
+
+def test_output_length_counts_the_tokens_before_the_first_eos():
+    from kvcomp.benchmarks.generation import generation_metrics
+
+    cache = CompressedCache(build_codec({"name": "fp16"}, INFO))
+    new = torch.tensor([[5, 0, 7, 0], [3, 4, 6, 2], [9, 9, 1, 0]])
+    assert generation_metrics(new, [0, 1], cache)["output_tokens"] == (1 + 4 + 2) / 3

@@ -58,7 +58,7 @@ def generate_greedy(
     """Greedy continuation of ``input_ids [B, T]`` (left-padded when ``attention_mask`` is given) through
     a fresh compressed cache, preallocated for the prompt and ``max_new_tokens``; returns the new tokens ``[B, <= max_new_tokens]`` (padded with the first
     EOS id after a row stops). ``metrics``: gets the codec's :meth:`~kvcomp.codecs.base.Codec.example_metrics`
-    of the filled cache appended. ``context_length``: with the protocol's press, the prompt's first tokens (the
+    of the filled cache and the :func:`generation_metrics` appended. ``context_length``: with the protocol's press, the prompt's first tokens (the
     context, what the press evicts from) are prefilled alone, before the rest."""
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
@@ -80,9 +80,20 @@ def generate_greedy(
         eos_token_id=eos_token_ids,
         pad_token_id=eos_token_ids[0],
     )
+    new = out[:, input_ids.shape[1]:]
     if metrics is not None:
-        metrics.append(codec.example_metrics(cache.statistics()))
-    return out[:, input_ids.shape[1]:]
+        metrics.append({**codec.example_metrics(cache.statistics()), **generation_metrics(new, eos_token_ids, cache)})
+    return new
+
+
+def generation_metrics(new: torch.Tensor, eos_token_ids: list[int], cache: CompressedCache) -> dict:
+    """``output_tokens``: the mean tokens a row generated before its first EOS (a compressed cache can lengthen
+    outputs); ``bits_per_value_measured``: what the cache held after the generation, per value held
+    (:meth:`~kvcomp.cache.CompressedCache.bits_breakdown`)."""
+    stops = torch.isin(new, torch.tensor(eos_token_ids, device=new.device))
+    lengths = torch.where(stops.any(-1), stops.int().argmax(-1), new.shape[1])
+    return {"output_tokens": lengths.float().mean().item(),
+            "bits_per_value_measured": cache.bits_breakdown()["bits_per_value_measured"]}
 
 
 def eos_ids(tokenizer, model) -> list[int]:
