@@ -165,6 +165,8 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     config.pop("hydra", None)
     force = bool(config.pop("force", False))
     config.pop("plot", None)  # how a sweep draws its members, not part of a run
+    if config.get("press", {}).get("name") == "none":  # no eviction: the config of runs from before presses existed
+        config.pop("press")
     results_path = output_dir / RESULTS_FILE
     if results_path.is_file() and not force:
         previous = read_json(results_path, "results file", "delete it, or run with force=true")
