@@ -97,6 +97,9 @@ def test_experiment_composes_and_its_sweep_parses(name):
         if name.startswith("baselines_2026/"):  # one protocol for every codec, kvtc included
             assert benchmark.protocols == ["chunked"] and benchmark.chunk_tokens == 16 and run.model.source == "embedded"
             continue
+        if name.startswith("leaderboard/"):  # one protocol for every codec, kvtc included (its preset's settings)
+            assert benchmark.protocols == ["chunked"] and benchmark.chunk_tokens == 16
+            continue
         if name.startswith("eviction/"):  # one protocol for presses, codecs and their compositions
             assert benchmark.protocols == ["context"] and benchmark.context_tokens == 768 and run.model.source == "embedded"
             for item in job:
