@@ -1,0 +1,233 @@
+"""The leaderboard (issue 36): every codec of one or more sweeps at matched bits, per model and benchmark, as a static
+HTML page (sortable tables, a rate-distortion plot per panel with its Pareto front), Markdown and CSV.
+
+    python scripts/leaderboard.py multirun/leaderboard/embedded [MORE_SWEEPS...] --out leaderboard
+
+A panel is one model on one benchmark (perplexity's or RULER's metric); its rows are the codecs of every finished
+member, each with the bits per value the cache measured (codes, scales, windows, sinks, boundary layers, per-sequence
+state: the rank axis), the codec's code bits, its model-level overhead apart, the metric, its change from the
+uncompressed reference of the same data, and (RULER) the mean output length. Rows fall into the bit class nearest
+their measured bits (1, 2, 3, 4, 8, 16), not their name. The Pareto front of a panel: the rows no other row beats on
+both bits and metric. Every row links to its member's ``results.json``; the page needs no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import io
+import json
+import os
+from pathlib import Path
+
+from kvcomp.artifacts import write_text_atomic
+from kvcomp.errors import existing_directory
+from kvcomp.results import load_rows, parse_overrides
+
+CLASSES = (1, 2, 3, 4, 8, 16)
+METRICS = {"ppl_chunked": "perplexity (chunked)", "ppl_streaming": "perplexity (streaming)",
+           "ppl_context": "perplexity after the context", "acc_avg": "RULER accuracy"}
+LOWER_IS_BETTER = {"ppl_chunked", "ppl_streaming", "ppl_context"}
+COLUMNS = ("class", "codec", "option", "measured_bits", "code_bits", "overhead_bits", "metric", "vs_reference",
+           "output_tokens")
+
+
+def bit_class(bits: float) -> int:
+    """The class nearest ``bits`` (ties to the lower)."""
+    return min(CLASSES, key=lambda c: (abs(bits - c), c))
+
+
+def _metric(row: dict) -> str | None:
+    return next((m for m in METRICS if isinstance(row.get(m), (int, float))), None)
+
+
+def _bench(row: dict) -> str:
+    return str(row.get("benchmark", "")).split(":", 1)[0].split(" ", 1)[0]
+
+
+def _option(results: Path) -> str:
+    """The member's codec option and the codec and press settings it overrode (``turboquant codec.center=calibration``;
+    ``kivi press=snapkv press.ratio=0.5``), read from its ``results.json``."""
+    swept = parse_overrides(json.loads(results.read_text()).get("overrides", []))
+    extra = " ".join(f"{k}={v}" for k, v in swept.items() if k.startswith(("codec.", "press")))
+    return " ".join(part for part in (swept.get("codec", ""), extra) if part)
+
+
+def leaderboard_rows(directories: list[Path]) -> list[dict]:
+    """One dict per evaluated codec row of every finished member (references included, ``reference: True``): model,
+    panel (benchmark and metric), codec family and swept option, the bits, the metric, and the member's results
+    file."""
+    out = []
+    for directory in directories:
+        rows, _ = load_rows(directory)
+        for row in rows:
+            metric = _metric(row)
+            if row.get("status") == "failed" or metric is None:
+                continue
+            results = Path(directory) / row["run_dir"] / "results.json" if row.get("run_dir") else None
+            family = str(row["codec"]).split("(", 1)[0]
+            out.append({
+                "model": row["model"], "panel": f"{_bench(row)} / {METRICS[metric]}", "metric_name": metric,
+                "codec": family, "option": family if "reference_key" in row or results is None else _option(results),
+                "describe": row["codec"], "reference": "reference_key" in row,
+                "measured_bits": row.get("bits_per_value_measured"), "code_bits": row.get("bits_per_value"),
+                "overhead_bits": row.get("overhead_bits"), "metric": row[metric],
+                "output_tokens": row.get("output_tokens"), "results": str(results) if results else None,
+            })
+    for row in out:
+        bits = row["measured_bits"] if row["measured_bits"] is not None else row["code_bits"]
+        row["class"] = bit_class(bits) if bits is not None else None
+        reference = next((r for r in out if r["reference"] and r["model"] == row["model"] and r["panel"] == row["panel"]), None)
+        row["vs_reference"] = (row["metric"] / reference["metric"] - 1) if reference and row["metric_name"] in LOWER_IS_BETTER \
+            else (row["metric"] - reference["metric"]) if reference else None
+    unique = {}
+    for row in out:  # a reference computed for several members appears once
+        unique.setdefault((row["model"], row["panel"], row["describe"], row["reference"]), row)
+    return list(unique.values())
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+    """The rows of one panel that no other row beats on both measured bits (fewer) and metric (better)."""
+    def better(a, b):
+        lower = a["metric_name"] in LOWER_IS_BETTER
+        at_most = a["measured_bits"] <= b["measured_bits"] and (a["metric"] <= b["metric"] if lower else a["metric"] >= b["metric"])
+        strictly = a["measured_bits"] < b["measured_bits"] or a["metric"] != b["metric"]
+        return at_most and strictly
+
+    placed = [r for r in rows if r["measured_bits"] is not None]
+    return sorted((r for r in placed if not any(better(o, r) for o in placed if o is not r)), key=lambda r: r["measured_bits"])
+
+
+def panels(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Rows by (model, panel), each sorted by bit class, then metric (best first)."""
+    grouped: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        grouped.setdefault((row["model"], row["panel"]), []).append(row)
+    for key, mine in grouped.items():
+        lower = mine[0]["metric_name"] in LOWER_IS_BETTER
+        mine.sort(key=lambda r: (-(r["class"] or 0), r["metric"] if lower else -r["metric"]))
+    return dict(sorted(grouped.items()))
+
+
+def _fmt(value, name: str = "", metric: str = "") -> str:
+    """A cell: ``vs_reference`` as a relative change (perplexity) or a difference in points (accuracy)."""
+    if value is None:
+        return ""
+    if name == "vs_reference":
+        return f"{100 * value:+.1f} %" if metric in LOWER_IS_BETTER else f"{value:+.1f} pts"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = []
+    for (model, panel), mine in panels(rows).items():
+        front = {id(r) for r in pareto(mine)}
+        lines += [f"### {model}: {panel}", "", "| " + " | ".join(COLUMNS) + " | Pareto |",
+                  "|" + "---|" * (len(COLUMNS) + 1)]
+        for r in mine:
+            cells = [_fmt(r[c], c, r["metric_name"]) for c in COLUMNS]
+            cells[2] = f"`{cells[2]}`" + (" (reference)" if r["reference"] else "")
+            lines.append("| " + " | ".join(cells) + " | " + ("*" if id(r) in front else "") + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def csv_text(rows: list[dict]) -> str:
+    out = io.StringIO()
+    fields = ["model", "panel", *COLUMNS, "metric_name", "describe", "reference", "results"]
+    writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def plot_svg(mine: list[dict], title: str) -> str:
+    """The panel's rate-distortion plot as inline SVG: every row, the reference dashed, the Pareto front joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    lower = mine[0]["metric_name"] in LOWER_IS_BETTER
+    placed = [r for r in mine if r["measured_bits"] is not None and not r["reference"]]
+    reference = next((r["metric"] for r in mine if r["reference"]), None)
+    # perplexity: rows beyond twice the reference's are drawn at the top edge (collapsed codecs would flatten the rest)
+    top = 2 * reference if lower and reference else None
+    shown = [min(r["metric"], top) if top else r["metric"] for r in placed]
+    beyond = [top is not None and r["metric"] > top for r in placed]
+    for flag, marker in ((False, "o"), (True, "^")):
+        points = [(r["measured_bits"], y) for r, y, b in zip(placed, shown, beyond) if b == flag]
+        if points:
+            ax.scatter(*zip(*points), s=14, marker=marker, label="beyond 2x the reference" if flag else None)
+    for r, y in zip(placed, shown):
+        ax.annotate(r["option"], (r["measured_bits"], y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+    front = [r for r in pareto(mine) if not r["reference"]]
+    ax.plot([r["measured_bits"] for r in front], [r["metric"] for r in front], color="tab:red", label="Pareto front")
+    for r in mine:
+        if r["reference"]:
+            ax.axhline(r["metric"], color="grey", linestyle="--", label="uncompressed")
+    ax.set_xscale("log", base=2)
+    if lower:
+        ax.set_yscale("log")
+    ax.set_xlabel("bits per value the cache holds (measured)")
+    ax.set_ylabel(METRICS[mine[0]["metric_name"]])
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", metadata={"Date": None})  # no timestamp: the page is the same for the same rows
+    plt.close(fig)
+    svg = buffer.getvalue()
+    return svg[svg.index("<svg"):]
+
+
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px;margin:.5em 0 2em}
+th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}th{background:#eee;cursor:pointer}td.l{text-align:left}
+tr.ref{color:#666;font-style:italic}tr.front td:first-child{border-left:4px solid #d62728}svg{max-width:640px;height:auto}"""
+SORT = """document.querySelectorAll('th').forEach(th=>th.addEventListener('click',()=>{const t=th.closest('table');
+const i=[...th.parentNode.children].indexOf(th);const rows=[...t.tBodies[0].rows];const up=th.dataset.up!=='1';
+th.dataset.up=up?'1':'0';const v=r=>{const s=r.cells[i].dataset.v??r.cells[i].innerText;const n=parseFloat(s);
+return isNaN(n)?s:n};rows.sort((a,b)=>{const x=v(a),y=v(b);return (x>y?1:x<y?-1:0)*(up?1:-1)});
+rows.forEach(r=>t.tBodies[0].appendChild(r))}));"""
+
+
+def page(rows: list[dict], out: Path, reading: str = "") -> str:
+    """The self-contained HTML page: a reading, then per panel its plot and sortable table (rows link to their
+    ``results.json`` relative to ``out``)."""
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>kvcomp leaderboard</title>",
+             f"<style>{STYLE}</style></head><body><h1>kvcomp leaderboard</h1>", reading]
+    for (model, panel), mine in panels(rows).items():
+        front = {id(r) for r in pareto(mine)}
+        parts.append(f"<h2>{html.escape(model)}: {html.escape(panel)}</h2>{plot_svg(mine, f'{model}: {panel}')}")
+        parts.append("<table><thead><tr>" + "".join(f"<th>{c}</th>" for c in COLUMNS) + "<th>results</th></tr></thead><tbody>")
+        for r in mine:
+            kind = " ".join(k for k, on in (("ref", r["reference"]), ("front", id(r) in front)) if on)
+            cells = "".join(f"<td class='{'l' if c in ('codec', 'option') else ''}' data-v='{'' if r[c] is None else r[c]}'>"
+                            f"{html.escape(_fmt(r[c], c, r['metric_name']))}</td>" for c in COLUMNS)
+            link = (f"<a href='{html.escape(os.path.relpath(r['results'], out))}'>results.json</a>" if r["results"] else "")
+            parts.append(f"<tr class='{kind}' title='{html.escape(r['describe'])}'>{cells}<td class='l'>{link}</td></tr>")
+        parts.append("</tbody></table>")
+    parts.append(f"<script>{SORT}</script></body></html>")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directories", type=existing_directory, nargs="+", help="sweep folders, e.g. multirun/leaderboard/embedded")
+    parser.add_argument("--out", type=Path, required=True, help="folder for index.html, leaderboard.md and leaderboard.csv")
+    parser.add_argument("--reading", type=Path, help="a Markdown or HTML file whose text opens the page (the written reading)")
+    args = parser.parse_args(argv)
+    rows = leaderboard_rows(args.directories)
+    args.out.mkdir(parents=True, exist_ok=True)
+    reading = args.reading.read_text() if args.reading else ""
+    written = [args.out / "index.html", args.out / "leaderboard.md", args.out / "leaderboard.csv"]
+    for path, text in zip(written, (page(rows, args.out, reading), markdown(rows), csv_text(rows))):
+        write_text_atomic(path, text)
+    print(json.dumps({"rows": len(rows), "panels": len(panels(rows)), "written": [str(p) for p in written]}))
+    return written
+
+
+if __name__ == "__main__":
+    main()

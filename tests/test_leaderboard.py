@@ -1,0 +1,70 @@
+"""The leaderboard page (scripts/leaderboard.py): rows from sweep folders into panels, bit classes by measured bits,
+the Pareto front, Markdown / CSV / self-contained HTML with links to each row's results.json; and a two-codec slice
+of ``experiment=leaderboard/quick`` through ``run.py -m`` on the embedded model, rendered."""
+
+import csv
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.run_py import THREADS, run_py
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("leaderboard", ROOT / "scripts" / "leaderboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _member(sweep, codec, bits, measured, ppl, acc, tokens):
+    """One fake member per benchmark (perplexity and RULER), its fp16 reference row included as run.py writes it."""
+    for bench, metric, value in (("perplexity", "ppl_chunked", ppl), ("ruler", "acc_avg", acc)):
+        folder = sweep / f"benchmark={bench},codec={codec},model=m"
+        folder.mkdir()
+        extra = {"output_tokens": tokens} if bench == "ruler" else {}
+        reference = {"model": "m", "codec": "fp16()", "bits_per_value": 16.0, "bits_per_value_measured": 32.0,
+                     "benchmark": f"{bench}:x", metric: 20.0 if bench == "perplexity" else 50.0, "reference_key": bench, **extra}
+        row = {"model": "m", "codec": f"{codec}(bits=2)", "bits_per_value": bits, "bits_per_value_measured": measured,
+               "overhead_bits": 0, "benchmark": f"{bench}:x", metric: value, **extra}
+        (folder / "results.json").write_text(json.dumps({"config": {"codec": {"name": codec}}, "rows": [reference, row],
+                                                         "overrides": [f"benchmark={bench}", f"codec={codec}", "model=m"]}))
+
+
+def test_panels_classes_front_and_files(tmp_path):
+    module = _module()
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    _member(sweep, "kivi", 3.0, 4.8, 25.0, 40.0, 30.0)
+    _member(sweep, "temporalkv", 2.0, 2.2, 24.0, 45.0, 28.0)
+    _member(sweep, "higgs", 4.1, 7.6, 30.0, 20.0, 64.0)  # more bits, worse: off the front
+    out = tmp_path / "page"
+    module.main([str(sweep), "--out", str(out)])
+    text = (out / "leaderboard.md").read_text()
+    assert text.count("### m: ") == 2 and "### m: perplexity / perplexity (chunked)" in text
+    assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 24.000 | +20.0 % |  | * |" in text
+    assert "| 8 | higgs | `higgs` | 7.600 | 4.100 | 0 | 30.000 | +50.0 % |  |  |" in text  # class by measured bits
+    assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 45.000 | -5.0 pts | 28.000 | * |" in text
+    rows = list(csv.DictReader(io.StringIO((out / "leaderboard.csv").read_text())))
+    assert len(rows) == 8 and {r["reference"] for r in rows} == {"True", "False"}
+    page = (out / "index.html").read_text()
+    assert page.count("<svg") == 2 and "src=" not in page and "href='http" not in page  # nothing fetched
+    assert "<dc:date>" not in page  # the same rows give the same page
+    assert "href='../sweep/benchmark=ruler,codec=kivi,model=m/results.json'" in page
+
+
+@pytest.mark.integration
+def test_a_two_codec_slice_runs_and_renders(embedded, tmp_path):
+    """``experiment=leaderboard/quick`` (its perplexity part) through run.py -m, then the page from it."""
+    sweep = tmp_path / "sweep"
+    result = run_py("-m", "experiment=leaderboard/quick", "benchmark=leaderboard_quick_perplexity",
+                    f"hardware.threads={THREADS}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _module().main([str(sweep), "--out", str(tmp_path / "page")])
+    text = (tmp_path / "page" / "leaderboard.md").read_text()
+    assert "`kivi`" in text and "`turboquant_4bit`" in text and "(reference)" in text
