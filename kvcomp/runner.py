@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from kvcomp.cache import check_press, install
 from kvcomp.calibration import CalibrationData, calibrate, check_collection, check_windows
 from kvcomp.codecs import (Codec, CodecConfig, ModelInfo, build_codec, codec_config, needs_calibration, reads_fused,
                            scores_from_payload)
-from kvcomp.config import BENCHMARKS, CalibrationConfig, HardwareConfig, LoggerConfig, ModelConfig, typed
+from kvcomp.config import BENCHMARKS, GROUPS, CalibrationConfig, HardwareConfig, LoggerConfig, ModelConfig, typed
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import check_kernel_backend
 from kvcomp.models.fingerprint import model_fingerprint
@@ -170,7 +170,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     results_path = output_dir / RESULTS_FILE
     if results_path.is_file() and not force:
         previous = read_json(results_path, "results file", "delete it, or run with force=true")
-        if previous.get("config") == config:
+        if same_run(previous.get("config"), config):
             log.info("%s already holds this run (force=true re-runs it)\n%s", results_path,
                      markdown_table(previous["rows"]))
             clear_failure(output_dir)
@@ -300,6 +300,45 @@ def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg, press: Press | N
     if press is not None:
         codec_columns |= {"press": press.describe(), "press_ratio": press.config.ratio}
     return [codec_columns | metrics for metrics in benchmark.evaluate(model, codec, press)]
+
+
+def _group_defaults(group: str, values: dict) -> dict:
+    """The defaults of a config group's dataclass (codec and benchmark: the one its ``name`` selects)."""
+    if group == "codec":
+        from kvcomp.codecs.registry import codec_class
+
+        schema = codec_class(values.get("name", ""))
+    else:
+        schema = BENCHMARKS[values.get("name", "")].config_class if group == "benchmark" else GROUPS.get(group)
+    if schema is None:
+        return {}
+    return {f.name: f.default if f.default is not MISSING else f.default_factory()
+            for f in fields(schema) if f.default is not MISSING or f.default_factory is not MISSING}
+
+
+def same_run(previous: dict | None, config: dict) -> bool:
+    """Whether a finished run's recorded config is this run's: equal, or equal but for fields a group gained since
+    that run, at their defaults (a new option leaves finished sweeps resumable)."""
+    if previous == config:
+        return True
+    if not isinstance(previous, dict) or set(previous) != set(config):
+        return False
+    for group, values in config.items():
+        old = previous[group]
+        if not (isinstance(values, dict) and isinstance(old, dict)):
+            if values != old:
+                return False
+            continue
+        if set(old) - set(values) or any(values[k] != old[k] for k in old):
+            return False
+        added = set(values) - set(old)
+        try:
+            defaults = _group_defaults(group, values) if added else {}
+        except ConfigError:  # an unknown codec or benchmark name: not this run
+            return False
+        if any(k not in defaults or values[k] != defaults[k] for k in added):
+            return False
+    return True
 
 
 def check_benchmark_press(plan: RunPlan) -> None:

@@ -171,3 +171,18 @@ def test_the_rate_distortion_notebook_is_committed_executed():
     assert all(cell["execution_count"] for cell in notebook["cells"] if cell["cell_type"] == "code")
     assert not [o for o in outputs if o["output_type"] == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4
+
+
+def test_a_finished_run_stays_finished_when_a_group_gains_a_field_at_its_default():
+    """Resuming a sweep: a run recorded before a config field existed is this run when the field is at its default
+    (perplexity's context_tokens came later), not when it differs, nor when any recorded value differs."""
+    from kvcomp.runner import same_run
+
+    recorded = {"benchmark": {"name": "perplexity", "seq_len": 512}, "codec": {"name": "kivi", "bits": 2}, "seed": 0}
+    now = {"benchmark": {"name": "perplexity", "seq_len": 512, "context_tokens": 0}, "codec": {"name": "kivi", "bits": 2},
+           "seed": 0}
+    assert same_run(recorded, now) and same_run(now, now)
+    assert not same_run(recorded, {**now, "benchmark": {**now["benchmark"], "context_tokens": 64}})
+    assert not same_run(recorded, {**now, "codec": {"name": "kivi", "bits": 4}})
+    assert not same_run(recorded, {**now, "codec": {"name": "kivi", "bits": 2, "not_a_field": 1}})
+    assert not same_run(None, now) and not same_run({**recorded, "press": {"name": "knorm"}}, now)
