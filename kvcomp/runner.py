@@ -307,7 +307,7 @@ def _group_defaults(group: str, values: dict) -> dict:
     if group == "codec":
         from kvcomp.codecs.registry import codec_class
 
-        schema = codec_class(values.get("name", ""))
+        schema = codec_class(values.get("name", "")).config_class
     else:
         schema = BENCHMARKS[values.get("name", "")].config_class if group == "benchmark" else GROUPS.get(group)
     if schema is None:
