@@ -330,7 +330,9 @@ def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(t
     def member(name, codec, press, ratio, seen, held, ppl):
         folder = tmp_path / name
         folder.mkdir()
-        row = {"model": "m", "codec": f"{codec}()", "bits_per_value_measured": held, "ppl_context": ppl}
+        share = 0.0 if codec == "fp16" else 0.9  # kivi: 90 % encoded at 2 bits, the rest in float32
+        row = {"model": "m", "codec": f"{codec}()", "bits_per_value_measured": held, "ppl_context": ppl,
+               "encoded_share": share, "code_bits_per_value": 2.0, "state_bits_per_value": 0.0}
         if press != "none":
             row |= {"press": f"{press}(ratio={ratio})", "press_ratio": ratio, "bits_per_value_seen": seen}
         overrides = [f"codec={codec}", "model=m"] + ([f"press={press}", f"press.ratio={ratio}"] if press != "none" else [])
@@ -341,7 +343,7 @@ def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(t
     member("b", "kivi", "none", 0.0, None, 5.0, 22.0)
     member("c", "kivi", "knorm", 0.5, 3.0, 5.0, 30.0)
     lines = [line for line in module.render(tmp_path).splitlines() if line.startswith("| ") and "kind" not in line]
-    assert [line.split(" | ")[0] for line in lines] == ["| composed", "| quantization", "| eviction"]  # by bits seen
-    assert lines[1] == "| quantization | - | 0.00 | `kivi` | 5.000 | 5.000 | 22.000 | +10.0 % |"
-    assert lines[2] == "| eviction | `snapkv` | 0.50 | `fp16` | 20.000 | 32.000 | 24.000 | +20.0 % |"
+    assert [line.split(" | ")[0] for line in lines] == ["| composed", "| quantization", "| eviction"]  # by bits at 16
+    assert lines[1] == "| quantization | - | 0.00 | `kivi` | 3.40 | 5.00 | 5.00 | 22.000 | +10.0 % |"  # 0.9 x 2 + 0.1 x 16
+    assert lines[2] == "| eviction | `snapkv` | 0.50 | `fp16` | 10.00 | 20.00 | 32.00 | 24.000 | +20.0 % |"
     assert [p.name for p in module.plot(tmp_path, tmp_path)] == ["eviction_m.png"]
