@@ -3,8 +3,8 @@ and their compositions on one axis, the bits per value of every token the window
 
     python scripts/render_eviction.py multirun/eviction [--out FILE] [--plot-dir DIR]
 
-Reads every ``results.json`` below the folder (finished members of every eviction sweep; a sweep still running
-renders the rows it has). A row is named by its press (name and ratio) and codec option; its rate is
+Reads every perplexity ``results.json`` below the folder (finished members of every eviction sweep; a sweep still
+running renders the rows it has). A row is named by its press (name and ratio) and codec option; its rate is
 ``bits_per_value_seen`` (rows without a press: ``bits_per_value_measured``, every token held); its distortion the
 perplexity of the tokens after the context (``ppl_context``) and its change from the model's fp16 row. The embedded
 models run in float32, which doubles what full-precision tokens cost; ``bits seen at 16-bit`` counts them at 16 bits
@@ -31,6 +31,8 @@ def load_rows(directory: str | Path) -> list[dict]:
         swept = parse_overrides(data.get("overrides", []))
         config = data["config"]
         press = config.get("press", {}).get("name", "none")
+        if "ppl_context" not in data["rows"][0]:  # another benchmark's member (eviction/ruler)
+            continue
         fp16 = next(r for r in data["rows"] if r["codec"].startswith("fp16") and "press" not in r)
         for r in data["rows"]:
             if r is fp16:
