@@ -70,7 +70,8 @@ def leaderboard_rows(directories: list[Path]) -> list[dict]:
             out.append({
                 "model": row["model"], "panel": f"{_bench(row)} / {METRICS[metric]}", "metric_name": metric,
                 "codec": family, "option": family if "reference_key" in row or results is None else _option(results),
-                "describe": row["codec"], "reference": "reference_key" in row,
+                "describe": row["codec"] + (f" + {row['press']}" if row.get("press") else ""),
+                "reference": "reference_key" in row,
                 "measured_bits": row.get("bits_per_value_measured"), "code_bits": row.get("bits_per_value"),
                 "overhead_bits": row.get("overhead_bits"), "metric": row[metric],
                 "output_tokens": row.get("output_tokens"), "results": str(results) if results else None,

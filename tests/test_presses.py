@@ -332,3 +332,19 @@ def test_output_length_counts_the_tokens_before_the_first_eos():
     cache = CompressedCache(build_codec({"name": "fp16"}, INFO))
     new = torch.tensor([[5, 0, 7, 0], [3, 4, 6, 2], [9, 9, 1, 0]])
     assert generation_metrics(new, [0, 1], cache)["output_tokens"] == pytest.approx((1 + 4 + 2) / 3)
+
+
+def test_presses_refuse_centred_codecs_before_calibration_and_compressed_sliding_layers():
+    """A centred codec rotates its key offset to each token's position: a per-head press is refused already before
+    the offset is fitted; a codec that encodes sliding-window layers is refused any press."""
+    from kvcomp.cache import check_press
+
+    info = ModelInfo("tiny", 2, 2, 16)
+    knorm = build_press({"name": "knorm", "ratio": 0.5}, info)
+    with pytest.raises(ConfigError, match="rotates a key offset"):
+        check_press(knorm, build_codec({"name": "turboquant", "center": "calibration"}, info), "exact_prefill")
+    hybrid = ModelInfo("hybrid", 2, 2, 16, layer_types=("sliding_attention", "full_attention"), sliding_window=8)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        check_press(build_press({"name": "streaming_llm", "ratio": 0.5}, hybrid),
+                    build_codec({**KIVI, "compress_sliding": True}, hybrid), "exact_prefill")
+    check_press(knorm, build_codec(KIVI, hybrid), "exact_prefill")  # the window layers stay uncompressed

@@ -67,7 +67,7 @@ def generate_greedy(
     cache = protocol.new_cache(codec, input_ids.shape[1] + max_new_tokens)
     if protocol.press is not None and context_length:  # the context alone first: the press evicts from it only
         model(input_ids[:, :context_length], attention_mask=attention_mask[:, :context_length].to(device),
-              **with_cache(model, cache), use_cache=True)
+              **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask.to(device),

@@ -133,6 +133,9 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         raise ConfigError(
             f"perplexity protocols {list(config.protocols)}: choose from {', '.join(PERPLEXITY_PROTOCOLS)}"
         )
+    if "context" in config.protocols and len(config.protocols) > 1:
+        raise ConfigError(f"perplexity protocols {list(config.protocols)}: context scores other tokens (those after the "
+                          "context) than the others; run it alone")
     if press is not None and list(config.protocols) != ["context"]:
         raise ConfigError(f"press {press.name} evicts from a prefill: perplexity protocols [context], not "
                           f"{list(config.protocols)}")
@@ -205,7 +208,8 @@ def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int,
     except NotImplementedError:  # variable-rate codecs: only measured bytes
         expected = None
     values = 2 * codec.model.num_layers * codec.model.num_kv_heads * codec.model.head_dim * seq_len
-    seen = {} if every_token else {"bits_per_value_seen": 8 * cache.nbytes / batch / values}
+    every_layer = values // codec.model.num_layers * codec.model.total_layers  # uncompressed window layers too
+    seen = {} if every_token else {"bits_per_value_seen": 8 * cache.nbytes / batch / every_layer}
     return {
         "cache_bytes_per_window": cache.nbytes // batch,
         "cache_bytes_expected": expected,

@@ -164,8 +164,8 @@ class CompressedLayer(StepLayer):
         if kept is None:
             return None
         part.evicted = key_states.shape[2] - kept.shape[-1]
-        index = kept[..., None].expand(*kept.shape, key_states.shape[-1])
-        key_states, value_states = (x.gather(2, index.expand(-1, x.shape[1], -1, -1)) for x in (key_states, value_states))
+        key_states, value_states = (x.gather(2, kept[..., None].expand(-1, x.shape[1], -1, x.shape[-1]))
+                                    for x in (key_states, value_states))
         if self.press.shared_across_heads and part.streams[0].rotates:  # the kept tokens' positions and angles
             rows = kept[:, 0]
             rope = None if step.rope is None else tuple(
@@ -511,16 +511,22 @@ def check_press(press: Press | None, codec: Codec, protocol: str) -> None:
     """Raise :class:`ConfigError` when ``press`` cannot evict from this cache: it evicts after an exact prefill
     (``exact_prefill``); each layer keeps its own tokens, which layer- and model-scope codecs (one block across
     layers) cannot code; a selection per KV head has no single position per token, which pre-RoPE codecs and rotated
-    key offsets need."""
+    key offsets (``center``, known before calibration) need; a sliding-window layer hides old tokens by position,
+    which a cache of evicted tokens no longer lines up with its mask (codecs that encode them: ``compress_sliding``)."""
     if press is None:
         return
+    info = codec.model
+    if info.layer_types and any(info.layer_types[m] != FULL for m in info.model_layers):
+        raise ConfigError(f"press {press.name}: codec {codec.name} encodes sliding-window layers (compress_sliding), "
+                          "whose window the kept tokens no longer line up with; leave compress_sliding false")
     if protocol != "exact_prefill":
         raise ConfigError(f"press {press.name} evicts prompt tokens after an exact prefill, as kvpress does: use "
                           f"protocol exact_prefill, not {protocol!r}")
     if codec.scope != "stream":
         raise ConfigError(f"press {press.name}: codec {codec.name} codes a block across {codec.scope}s, but each layer "
                           "keeps its own tokens; choose a stream-scope codec")
-    offsets = any(codec.rotated_key_offset(layer) is not None for layer in range(codec.model.num_layers))
+    offsets = getattr(codec.config, "center", "none") != "none" or any(
+        codec.rotated_key_offset(layer) is not None for layer in range(codec.model.num_layers))
     if not press.shared_across_heads and (codec.pre_rope or offsets):
         raise ConfigError(f"press {press.name} keeps different tokens in each KV head, but codec {codec.name} "
                           f"{'encodes keys before RoPE' if codec.pre_rope else 'rotates a key offset'} with one position "
