@@ -1,4 +1,5 @@
-"""The 2026-baselines perplexity comparison as Markdown: one table per model, rows by bit class then perplexity.
+"""The 2026-baselines comparison as Markdown: one table per model, rows by bit class then perplexity (or RULER's
+average accuracy, best first).
 
     python scripts/render_baselines_2026.py multirun/baselines_2026/perplexity [--out FILE]
 
@@ -45,8 +46,15 @@ def load_members(directory: str | Path) -> list[dict]:
 
 
 def _metric(row: dict) -> tuple[str, float]:
-    name = next(k for k in row if k.startswith("ppl_"))
+    """The row's perplexity, or RULER's average accuracy."""
+    name = next(k for k in row if k.startswith("ppl_") or k == "acc_avg")
     return name, row[name]
+
+
+def _cell(row: dict, key: str, digits: int) -> str:
+    """A number of the row, empty where the row has none (RULER rows written before it was recorded)."""
+    value = row.get(key)
+    return "" if value is None else f"{value:.{digits}f}"
 
 
 def render(directory: str | Path) -> str:
@@ -58,12 +66,15 @@ def render(directory: str | Path) -> str:
         out += [f"### {model}", "", f"{len(mine)} rows; fp16 {metric} {fp16:.3f}.", "",
                 f"| class | codec | bits/value | measured bits/value | encoded share | {metric} | vs fp16 |",
                 "|---|---|---|---|---|---|---|"]
-        ranked = sorted(mine, key=lambda m: (-bit_class(m["row"]["bits_per_value"]), _metric(m["row"])[1]))
+        accuracy = metric == "acc_avg"  # higher is better; compared in points
+        ranked = sorted(mine, key=lambda m: (-bit_class(m["row"]["bits_per_value"]),
+                                             -_metric(m["row"])[1] if accuracy else _metric(m["row"])[1]))
         for m in ranked:
-            row, ppl = m["row"], _metric(m["row"])[1]
+            row, value = m["row"], _metric(m["row"])[1]
+            change = f"{value - fp16:+.1f} pts" if accuracy else f"{100 * (value / fp16 - 1):+.1f} %"
             out.append(f"| {bit_class(row['bits_per_value'])} | `{m['option']}` | {row['bits_per_value']:.3f} | "
-                       f"{row['bits_per_value_measured']:.3f} | {row['encoded_share']:.2f} | {ppl:.3f} | "
-                       f"{100 * (ppl / fp16 - 1):+.1f} % |")
+                       f"{_cell(row, 'bits_per_value_measured', 3)} | {_cell(row, 'encoded_share', 2)} | {value:.3f} | "
+                       f"{change} |")
         out.append("")
     return "\n".join(out) if out else f"(no finished run below {directory})\n"
 

@@ -347,3 +347,18 @@ def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(t
     assert lines[1] == "| quantization | - | 0.00 | `kivi` | 3.40 | 5.00 | 5.00 | 22.000 | +10.0 % |"  # 0.9 x 2 + 0.1 x 16
     assert lines[2] == "| eviction | `snapkv` | 0.50 | `fp16` | 10.00 | 20.00 | 32.00 | 24.000 | +20.0 % |"
     assert [p.name for p in module.plot(tmp_path, tmp_path)] == ["eviction_m.png"]
+
+
+def test_render_baselines_ranks_ruler_rows_best_first_in_points(tmp_path):
+    spec = importlib.util.spec_from_file_location("render_baselines_2026", ROOT / "scripts" / "render_baselines_2026.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fp16 = {"model": "m", "codec": "fp16()", "acc_avg": 40.0}
+    for option, bits, acc in (("kivi", 3.0, 20.0), ("turboquant", 3.25, 30.0)):
+        folder = tmp_path / option
+        folder.mkdir()
+        row = {"model": "m", "codec": "x()", "bits_per_value": bits, "acc_avg": acc}  # no measured bits recorded
+        (folder / "results.json").write_text(json.dumps({"config": {"codec": {"name": option}}, "rows": [fp16, row],
+                                                         "overrides": [f"codec={option}"]}))
+    lines = [line for line in module.render(tmp_path).splitlines() if line.startswith("| 3")]
+    assert lines == ["| 3 | `turboquant` | 3.250 |  |  | 30.000 | -10.0 pts |", "| 3 | `kivi` | 3.000 |  |  | 20.000 | -20.0 pts |"]
