@@ -279,3 +279,28 @@ def test_a_destructive_codec_collapses_niah(embedded):
     assert fp16["acc_niah_single_1"] >= 66 and fp16["acc_niah_single_2"] >= 66
     assert one_bit["acc_avg"] == 0.0
     assert fp16["length"] == 1024 and len(fp16["predictions"]["niah_single_1"]) == 3
+
+
+@pytest.mark.integration
+def test_a_press_evicts_from_each_context_and_keeps_the_question(embedded, monkeypatch):
+    """RULER with a press: each prompt alone, its context (up to where the question starts) prefilled and pressed,
+    the question and answer prefix then read uncompressed; the rows carry the output length and measured bits."""
+    import kvcomp.benchmarks.generation as generation
+    from kvcomp.codecs import ModelInfo, build_codec
+    from kvcomp.presses import build_press
+
+    model, tokenizer = embedded
+    benchmark, model_cfg = _ruler(["niah_single_1"], [1024], 2, max_new_tokens=12, batch_size=2)
+    benchmark.prepare(model, tokenizer, model_cfg)
+    info = ModelInfo.from_hf_config(model.config)
+    caches, original = [], generation.GenerationProtocol.new_cache
+    monkeypatch.setattr(generation.GenerationProtocol, "new_cache",
+                        lambda self, codec, capacity=None: caches.append(original(self, codec, capacity)) or caches[-1])
+    (row,) = benchmark.evaluate(model, build_codec({"name": "fp16"}, info), build_press({"name": "knorm", "ratio": 0.5}, info))
+    samples = benchmark.samples[(1024, "niah_single_1")]
+    assert len(caches) == 2  # one prompt at a time, whatever the batch size
+    for cache, sample in zip(caches, samples):
+        context = sample.question_start
+        assert cache.layers[0].parts[0].evicted == context - int(context * 0.5)
+        assert tokenizer.decode(sample.input_ids[context:]).lstrip().startswith("What")  # the question is not pressed
+    assert row["output_tokens"] > 0 and row["bits_per_value_measured"] == pytest.approx(32.0)
