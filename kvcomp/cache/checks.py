@@ -67,36 +67,37 @@ class FiniteChecks:
         self.pending, self.checked = None, []
 
     def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int, store: Callable[[], T],
-               streams: Sequence) -> T:
-        """``store()`` (which stores the forward's K/V from cache position ``first`` on into ``streams``, the
-        layer's :class:`~kvcomp.cache.stream.KVStream` s), checked by the mode."""
+               streams: Callable[[], Sequence]) -> T:
+        """``store()`` (which stores the forward's K/V from cache position ``first`` on into ``streams()``, the
+        layer's :class:`~kvcomp.cache.stream.KVStream` s, read after the store: a press may rebuild them), checked by
+        the mode."""
         if not self.mode:
             return store()
         if self.mode is True:
             self._check_incoming(key_states, value_states, first)
             out = self._stored(store, streams)
-            decoded = self._newly_decoded(streams)
+            decoded = self._newly_decoded(streams())
             if decoded and not finite(*(x for _, x in decoded)):
                 bad = {kind: x for kind, x in decoded if not finite(x)}
-                raise self._decoded_error(streams[0].codec.name, bad, first, key_states.shape[2])
+                raise self._decoded_error(streams()[0].codec.name, bad, first, key_states.shape[2])
             return out
         self.raise_pending()  # the previous forward's verdicts, long computed
         ranges = []
         with deferred_range_checks(ranges):
             out = self._stored(store, streams)
-        decoded = self._newly_decoded(streams)
+        decoded = self._newly_decoded(streams())
         verdicts = [finite(key_states, value_states), *ranges, *(finite(x) for _, x in decoded)]
         self.pending = (DeviceFlag(torch.stack(verdicts)), first, key_states.shape[2], tuple(kind for kind, _ in decoded),
-                        streams[0].codec.name)
+                        streams()[0].codec.name)
         return out
 
-    def _stored(self, store: Callable[[], T], streams: Sequence) -> T:
+    def _stored(self, store: Callable[[], T], streams: Callable[[], Sequence]) -> T:
         """``store()``; a codec's own refusal of values it cannot store (:class:`NonFiniteKVError`) names the layer
         and the codec."""
         try:
             return store()
         except NonFiniteKVError as error:
-            raise NonFiniteKVError(f"layer {self.layer_idx}, codec {streams[0].codec.name}: {error}") from error
+            raise NonFiniteKVError(f"layer {self.layer_idx}, codec {streams()[0].codec.name}: {error}") from error
 
     def _newly_decoded(self, streams: Sequence) -> list[tuple[str, torch.Tensor]]:
         """``(stream kind, entries its decoded copy gained since the last check)`` of each stream that gained some

@@ -134,7 +134,8 @@ class CompressedLayer(StepLayer):
         first = self.length
         self.length += key_states.shape[2]
         return self.checks.around(key_states, value_states, first,
-                                  lambda: self._store_rows(key_states, value_states, step, first == 0, query), self.streams)
+                                  lambda: self._store_rows(key_states, value_states, step, first == 0, query),
+                                  lambda: self.streams)
 
     def _store_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
                     first_forward: bool, query: torch.Tensor | None):
@@ -144,6 +145,9 @@ class CompressedLayer(StepLayer):
         if step is None:
             raise RuntimeError("a cache whose rows are grouped by their padding, or pressed, is read by kvcomp's "
                                "attention only")
+        if self.press is not None and not first_forward and query is not None and self.press.config.decoding_size:
+            for part in self.parts:  # pressing while decoding, before this forward's tokens and mask columns
+                self._press_held(part, part.group.layer_step(step, False), part.group.tokens(query, False, 2))
         dropped = [part.evicted for part in self.parts]  # before this forward: its own prefill reads every token
         return ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
                                                 part.group.tokens(value_states, first_forward, 2),
@@ -173,6 +177,30 @@ class CompressedLayer(StepLayer):
             positions = None if step.positions is None else step.positions.expand(rows.shape[0], -1).gather(1, rows)
             step = replace(step, rope=rope, positions=positions)
         return key_states, value_states, step
+
+    def _press_held(self, part: LayerPart, step: LayerStep, query: torch.Tensor | None) -> None:
+        """Pressing while decoding (kvpress's ``DecodingPress``): once the row group holds ``decoding_size +
+        decoding_interval`` tokens, the press keeps ``decoding_size`` of them, scored with this forward's queries
+        before its tokens are stored; the streams are rebuilt from the kept tokens as held (decoded, keys after RoPE)
+        and encoded again (a quantized codec's kept tokens are quantized twice)."""
+        cfg, (key_stream, value_stream) = self.press.config, part.streams
+        if key_stream.length < cfg.decoding_size + cfg.decoding_interval:
+            return
+        keys, values = key_stream.materialize(), value_stream.materialize()
+        rotary = step.rotary if step.frequencies is not None and step.rope is not None else None
+        rope = part.positions.rope(0, key_stream.length) if key_stream.rotates else step.rope
+        kept = self.press.keep(Prefill(query, keys, values, rope, rotary), count=cfg.decoding_size)
+        if kept is None:
+            return
+        keys, values = (x.gather(2, kept[..., None].expand(-1, x.shape[1], -1, x.shape[-1])) for x in (keys, values))
+        if key_stream.rotates:  # the kept tokens' own positions (a selection shared by the heads: check_press)
+            rows = kept[:, 0]
+            step = replace(step, rope=tuple(t.gather(1, rows[..., None].expand(-1, -1, t.shape[-1])) for t in rope),
+                           positions=part.positions.ids.view.gather(1, rows.to(torch.int64)))
+        part.evicted += key_stream.length - cfg.decoding_size
+        part.schedule.reset()
+        part.positions.reset()
+        self._store(part, keys, values, step)
 
     def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
                first_forward: bool = False, query: torch.Tensor | None = None):

@@ -11,7 +11,7 @@ token exactly (``exact_prefill``); later forwards see the kept tokens.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -40,6 +40,7 @@ class Prefill:
     values: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     rotary: object | None = None
+    kept: int = 0  # how many tokens the press keeps (set by Press.keep)
 
     @property
     def length(self) -> int:
@@ -55,11 +56,18 @@ class Prefill:
 class PressConfig:
     name: str = "none"
     ratio: float = 0.0  # the fraction of prompt tokens evicted (kvpress's compression_ratio)
+    # during decoding too (kvpress's DecodingPress): once a layer holds decoding_size + decoding_interval tokens, press
+    # it back to decoding_size; 0: the prefill only
+    decoding_size: int = 0
+    decoding_interval: int = 64
 
     def __post_init__(self):
         if not 0.0 <= self.ratio < 1.0:
             raise ConfigError(f"press {self.name}: ratio={self.ratio!r} is the fraction of prompt tokens evicted; "
                               "choose a value in [0, 1)")
+        if self.decoding_size < 0 or self.decoding_interval < 1:
+            raise ConfigError(f"press {self.name}: decoding_size={self.decoding_size} must be >= 0 (0: the prefill only) "
+                              f"and decoding_interval={self.decoding_interval} >= 1")
 
 
 class Press(ABC):
@@ -68,9 +76,13 @@ class Press(ABC):
     name: str
     config_class: type = PressConfig
     shared_across_heads = False  # True: one selection for every KV head of a row (scores ``[B, 1, n]``)
+    decodes = False  # True: its scores need no more than the current forward's queries (it can press while decoding)
 
     def __init__(self, config: PressConfig, model: ModelInfo):
         self.config, self.model = config, model
+        if config.decoding_size and not self.decodes:
+            raise ConfigError(f"press {self.name} scores from a window of prompt queries and cannot press while "
+                              "decoding (decoding_size > 0); presses that can: knorm, streaming_llm, tova")
         self.validate()
 
     def validate(self) -> None:
@@ -90,14 +102,15 @@ class Press(ABC):
         """Scores ``[B, H, n]`` (or ``[B, 1, n]`` when :attr:`shared_across_heads`) of the prefill's tokens, higher
         kept."""
 
-    def keep(self, prefill: Prefill) -> torch.Tensor | None:
+    def keep(self, prefill: Prefill, count: int | None = None) -> torch.Tensor | None:
         """Indices ``[B, H or 1, k]`` of the tokens kept, in cache order (kvpress keeps them in score order, which
-        attention does not see), or None when every token is (ratio 0, or too few tokens to evict one)."""
+        attention does not see), or None when every token is (ratio 0, or too few tokens to evict one). ``count``:
+        keep that many (pressing while decoding) instead of the ratio's share."""
         n = prefill.length
-        k = self.kept_count(n)
+        k = self.kept_count(n) if count is None else count
         if k >= n:
             return None
-        return self.scores(prefill).float().topk(k, dim=-1).indices.sort(dim=-1).values
+        return self.scores(replace(prefill, kept=k)).float().topk(k, dim=-1).indices.sort(dim=-1).values
 
 
 def window_attention(prefill: Prefill, window: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from kvcomp.presses.base import Prefill, Press, register
 @register
 class KnormPress(Press):
     name = "knorm"
+    decodes = True
 
     def scores(self, prefill: Prefill) -> torch.Tensor:
         return -prefill.keys.float().norm(dim=-1)

@@ -1,6 +1,7 @@
 """StreamingLLM (Xiao et al. 2024, arXiv 2309.17453; kvpress's ``StreamingLLMPress``): the first ``sinks`` tokens
 (attention sinks) and the most recent ones, the same for every KV head: of ``n`` prompt tokens, the ``k`` kept are
-the ``sinks`` first and the ``k - sinks`` last."""
+the ``sinks`` first and the ``k - sinks`` last. With ``decoding_size`` it also presses while decoding, the paper's
+own setting: the cache holds the sinks and a window of recent tokens (refreshed every ``decoding_interval`` tokens)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ class StreamingLLMPress(Press):
     name = "streaming_llm"
     config_class = StreamingLLMConfig
     shared_across_heads = True
+    decodes = True
 
     def scores(self, prefill: Prefill) -> torch.Tensor:
         """1 for the sinks and the last ``k - sinks`` tokens, 0 between (ties are never on the border)."""
         keys = prefill.keys
         b, n = keys.shape[0], keys.shape[2]
-        k = self.kept_count(n)
+        k = prefill.kept or self.kept_count(n)
         sinks = min(self.config.sinks, k)
         position = torch.arange(n, device=keys.device)
         kept = (position < sinks) | (position >= n - (k - sinks))
