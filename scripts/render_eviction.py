@@ -31,6 +31,8 @@ def load_rows(directory: str | Path) -> list[dict]:
         swept = parse_overrides(data.get("overrides", []))
         config = data["config"]
         press = config.get("press", {}).get("name", "none")
+        if config.get("press", {}).get("decoding_size"):  # pressed while decoding too
+            press += f" decoding {config['press']['decoding_size']}+{config['press'].get('decoding_interval', 64)}"
         if "ppl_context" not in data["rows"][0]:  # another benchmark's member (eviction/ruler)
             continue
         fp16 = next(r for r in data["rows"] if r["codec"].startswith("fp16") and "press" not in r)
@@ -88,7 +90,7 @@ def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
             points = [r for r in mine if kind(r) == k]
             ax.scatter([r["bits16"] for r in points], [r["ppl"] for r in points], marker=marker, label=k)
             for r in points:
-                label = r["codec"] if r["press"] == "none" else f"{r['press']} {r['ratio']:g}" + (
+                label = r["codec"] if r["press"] == "none" else f"{r['press']} {r['ratio']:g}".replace(" 0", "") + (
                     "" if r["codec"] == "fp16" else f" + {r['codec']}")
                 ax.annotate(label, (r["bits16"], r["ppl"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
         ax.axhline(mine[0]["fp16"], color="grey", linestyle=":", label="fp16")
