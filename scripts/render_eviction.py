@@ -90,7 +90,8 @@ def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
             points = [r for r in mine if kind(r) == k]
             ax.scatter([r["bits16"] for r in points], [r["ppl"] for r in points], marker=marker, label=k)
             for r in points:
-                label = r["codec"] if r["press"] == "none" else f"{r['press']} {r['ratio']:g}".replace(" 0", "") + (
+                press = r["press"] if not r["ratio"] else f"{r['press']} {r['ratio']:g}"
+                label = r["codec"] if r["press"] == "none" else press + (
                     "" if r["codec"] == "fp16" else f" + {r['codec']}")
                 ax.annotate(label, (r["bits16"], r["ppl"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
         ax.axhline(mine[0]["fp16"], color="grey", linestyle=":", label="fp16")
