@@ -6,7 +6,8 @@ HTML page (sortable tables, a rate-distortion plot per panel with its Pareto fro
 A panel is one model on one benchmark (perplexity's or RULER's metric); its rows are the codecs of every finished
 member, each with the bits per value the cache measured (codes, scales, windows, sinks, boundary layers, per-sequence
 state: the rank axis), the codec's code bits, its model-level overhead apart, the metric, its change from the
-uncompressed reference of the same data, and (RULER) the mean output length. Rows fall into the bit class nearest
+uncompressed reference of the same data, and (RULER) the mean output length. A row with a press (token eviction)
+is placed by the bits per value of every token seen, evicted ones included. Rows fall into the bit class nearest
 their measured bits (1, 2, 3, 4, 8, 16), not their name. The Pareto front of a panel: the rows no other row beats on
 both bits and metric. Every row links to its member's ``results.json``; the page needs no network.
 """
@@ -46,12 +47,16 @@ def _bench(row: dict) -> str:
     return str(row.get("benchmark", "")).split(":", 1)[0].split(" ", 1)[0]
 
 
-def _option(results: Path) -> str:
+def _option(results: Path, family: str) -> str:
     """The member's codec option and the codec and press settings it overrode (``turboquant codec.center=calibration``;
     ``kivi press=snapkv press.ratio=0.5``), read from its ``results.json``."""
-    swept = parse_overrides(json.loads(results.read_text()).get("overrides", []))
+    data = json.loads(results.read_text())
+    swept = parse_overrides(data.get("overrides", []))
+    decoding = data["config"].get("press", {}).get("decoding_size")  # set by an experiment file, not swept
+    if decoding and "press.decoding_size" not in swept:
+        swept["press.decoding_size"] = str(decoding)
     extra = " ".join(f"{k}={v}" for k, v in swept.items() if k.startswith(("codec.", "press")))
-    return " ".join(part for part in (swept.get("codec", ""), extra) if part)
+    return " ".join(part for part in (swept.get("codec", family), extra) if part)
 
 
 def leaderboard_rows(directories: list[Path]) -> list[dict]:
@@ -69,10 +74,12 @@ def leaderboard_rows(directories: list[Path]) -> list[dict]:
             family = str(row["codec"]).split("(", 1)[0]
             out.append({
                 "model": row["model"], "panel": f"{_bench(row)} / {METRICS[metric]}", "metric_name": metric,
-                "codec": family, "option": family if "reference_key" in row or results is None else _option(results),
+                "codec": family, "option": family if "reference_key" in row or results is None else _option(results, family),
                 "describe": row["codec"] + (f" + {row['press']}" if row.get("press") else ""),
                 "reference": "reference_key" in row,
-                "measured_bits": row.get("bits_per_value_measured"), "code_bits": row.get("bits_per_value"),
+                # a press's rows: the bits of every token seen (evicted ones included), the one axis with codecs
+                "measured_bits": row.get("bits_per_value_seen", row.get("bits_per_value_measured")),
+                "code_bits": row.get("bits_per_value"),
                 "overhead_bits": row.get("overhead_bits"), "metric": row[metric],
                 "output_tokens": row.get("output_tokens"), "results": str(results) if results else None,
             })
