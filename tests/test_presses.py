@@ -302,6 +302,7 @@ def test_generation_presses_the_context_and_keeps_the_question(tiny_llama):
     assert new.shape == (1, 3) and layer.parts[0].evicted == 20  # half of the 40 context tokens, none of the 8 others
     assert layer.key_stream.length == 20 + 8 + 2 and caches[0].get_seq_length() == 48 + 2
     assert metrics[0]["bits_per_value_measured"] == 32.0
+    assert metrics[0]["bits_per_value_seen"] == pytest.approx(32.0 * (20 + 8 + 2) / (48 + 2))  # evicted ones counted
     assert metrics[0]["output_tokens"] == (3 if 0 not in new[0].tolist() else new[0].tolist().index(0))
 
 

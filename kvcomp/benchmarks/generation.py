@@ -89,11 +89,15 @@ def generate_greedy(
 def generation_metrics(new: torch.Tensor, eos_token_ids: list[int], cache: CompressedCache) -> dict:
     """``output_tokens``: the mean tokens a row generated before its first EOS (a compressed cache can lengthen
     outputs); ``bits_per_value_measured``: what the cache held after the generation, per value held
-    (:meth:`~kvcomp.cache.CompressedCache.bits_breakdown`)."""
+    (:meth:`~kvcomp.cache.CompressedCache.bits_breakdown`); with a press, ``bits_per_value_seen``: per value of every
+    token the cache was given, evicted ones included (:meth:`~kvcomp.cache.CompressedCache.bits_per_value_seen`)."""
     stops = torch.isin(new, torch.tensor(eos_token_ids, device=new.device))
     lengths = torch.where(stops.any(-1), stops.int().argmax(-1), new.shape[1])
-    return {"output_tokens": lengths.float().mean().item(),
-            "bits_per_value_measured": cache.bits_breakdown()["bits_per_value_measured"]}
+    metrics = {"output_tokens": lengths.float().mean().item(),
+               "bits_per_value_measured": cache.bits_breakdown()["bits_per_value_measured"]}
+    if cache.press is not None:
+        metrics["bits_per_value_seen"] = cache.bits_per_value_seen()
+    return metrics
 
 
 def eos_ids(tokenizer, model) -> list[int]:

@@ -362,7 +362,7 @@ class CompressedCache(Cache, PaddedRows):
             raise ConfigError(f"unknown check_finite {check_finite!r}; valid choices: True, False, 'deferred'")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise ConfigError(f"capacity={capacity!r}: a positive number of tokens per sequence, or None (grow as needed)")
-        self.codec, self.protocol = codec, protocol
+        self.codec, self.protocol, self.press = codec, protocol, press
         self.capacity, self.decode_per_step = capacity or 0, decode_per_step
         self.groups = [RowGroup(None, 0, make_scope(codec, self.capacity, decode_per_step))]
         info = codec.model
@@ -503,6 +503,14 @@ class CompressedCache(Cache, PaddedRows):
     def working_nbytes(self) -> int:
         """Bytes held besides storage and bookkeeping (decoded copies, spare capacity)."""
         return sum(layer.working_nbytes for layer in self.compressed_layers)
+
+    def bits_per_value_seen(self) -> float:
+        """Storage bits per K/V value of every real token the cache was given (a press's evicted tokens included,
+        left padding not), over every layer: the byte axis eviction and quantization share."""
+        info, layers = self.codec.model, self.compressed_layers
+        tokens = sum(part.schedule.key_stream.batch * (part.schedule.key_stream.length + part.evicted)
+                     for part in layers[0].parts)
+        return 8 * self.nbytes / max(2 * info.total_layers * info.num_kv_heads * info.head_dim * tokens, 1)
 
     def bits_breakdown(self) -> dict[str, float]:
         """Measured storage apart: ``encoded_share`` (the share of cached values held encoded, the others in
