@@ -208,8 +208,7 @@ def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int,
     except NotImplementedError:  # variable-rate codecs: only measured bytes
         expected = None
     values = 2 * codec.model.num_layers * codec.model.num_kv_heads * codec.model.head_dim * seq_len
-    every_layer = values // codec.model.num_layers * codec.model.total_layers  # uncompressed window layers too
-    seen = {} if every_token else {"bits_per_value_seen": 8 * cache.nbytes / batch / every_layer}
+    seen = {} if every_token else {"bits_per_value_seen": cache.bits_per_value_seen()}
     return {
         "cache_bytes_per_window": cache.nbytes // batch,
         "cache_bytes_expected": expected,
