@@ -90,7 +90,8 @@ class Press(ABC):
 
     def describe(self) -> str:
         """``name(field=value, ...)``, as results rows show it."""
-        shown = {k: v for k, v in asdict(self.config).items() if k != "name"}
+        shown = {k: v for k, v in asdict(self.config).items()
+                 if k != "name" and not (k.startswith("decoding_") and not self.config.decoding_size)}
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
     def kept_count(self, n: int) -> int:
