@@ -303,11 +303,15 @@ def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg, press: Press | N
 
 
 def _group_defaults(group: str, values: dict) -> dict:
-    """The defaults of a config group's dataclass (codec and benchmark: the one its ``name`` selects)."""
+    """The defaults of a config group's dataclass (codec, press and benchmark: the one its ``name`` selects)."""
     if group == "codec":
         from kvcomp.codecs.registry import codec_class
 
         schema = codec_class(values.get("name", "")).config_class
+    elif group == "press":
+        from kvcomp.presses.base import press_class
+
+        schema = press_class(values.get("name", "")).config_class
     else:
         schema = BENCHMARKS[values.get("name", "")].config_class if group == "benchmark" else GROUPS.get(group)
     if schema is None:

@@ -186,3 +186,5 @@ def test_a_finished_run_stays_finished_when_a_group_gains_a_field_at_its_default
     assert not same_run(recorded, {**now, "codec": {"name": "kivi", "bits": 4}})
     assert not same_run(recorded, {**now, "codec": {"name": "kivi", "bits": 2, "not_a_field": 1}})
     assert not same_run(None, now) and not same_run({**recorded, "press": {"name": "knorm"}}, now)
+    pressed = {**recorded, "press": {"name": "knorm", "ratio": 0.5}}  # recorded before pressing while decoding existed
+    assert same_run(pressed, {**recorded, "press": {"name": "knorm", "ratio": 0.5, "decoding_size": 0, "decoding_interval": 64}})
