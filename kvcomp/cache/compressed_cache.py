@@ -145,9 +145,9 @@ class CompressedLayer(StepLayer):
         if step is None:
             raise RuntimeError("a cache whose rows are grouped by their padding, or pressed, is read by kvcomp's "
                                "attention only")
-        if self.press is not None and not first_forward and query is not None and self.press.config.decoding_size:
+        if self.press is not None and not first_forward and self.press.config.decoding_size:
             for part in self.parts:  # pressing while decoding, before this forward's tokens and mask columns
-                self._press_held(part, part.group.layer_step(step, False), part.group.tokens(query, False, 2))
+                self._press_held(part, part.group.layer_step(step, False))
         dropped = [part.evicted for part in self.parts]  # before this forward: its own prefill reads every token
         return ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
                                                 part.group.tokens(value_states, first_forward, 2),
@@ -178,28 +178,19 @@ class CompressedLayer(StepLayer):
             step = replace(step, rope=rope, positions=positions)
         return key_states, value_states, step
 
-    def _press_held(self, part: LayerPart, step: LayerStep, query: torch.Tensor | None) -> None:
+    def _press_held(self, part: LayerPart, step: LayerStep) -> None:
         """Pressing while decoding (kvpress's ``DecodingPress``): once the row group holds ``decoding_size +
-        decoding_interval`` tokens, the press keeps ``decoding_size`` of them, scored with this forward's queries
-        before its tokens are stored; the streams are rebuilt from the kept tokens as held (decoded, keys after RoPE)
-        and encoded again (a quantized codec's kept tokens are quantized twice)."""
+        decoding_interval`` tokens, the press keeps ``decoding_size`` of them, before this forward's tokens are stored
+        (presses whose scores read no queries: :attr:`~kvcomp.presses.base.Press.decodes`); the streams, which hold
+        every token in full precision (:func:`check_press`), are rebuilt from the kept ones."""
         cfg, (key_stream, value_stream) = self.press.config, part.streams
         if key_stream.length < cfg.decoding_size + cfg.decoding_interval:
             return
         keys, values = key_stream.materialize(), value_stream.materialize()
-        rotary = step.rotary if step.frequencies is not None and step.rope is not None else None
-        rope = part.positions.rope(0, key_stream.length) if key_stream.rotates else step.rope
-        kept = self.press.keep(Prefill(query, keys, values, rope, rotary), count=cfg.decoding_size)
-        if kept is None:
-            return
+        kept = self.press.keep(Prefill(None, keys, values), count=cfg.decoding_size)
         keys, values = (x.gather(2, kept[..., None].expand(-1, x.shape[1], -1, x.shape[-1])) for x in (keys, values))
-        if key_stream.rotates:  # the kept tokens' own positions (a selection shared by the heads: check_press)
-            rows = kept[:, 0]
-            step = replace(step, rope=tuple(t.gather(1, rows[..., None].expand(-1, -1, t.shape[-1])) for t in rope),
-                           positions=part.positions.ids.view.gather(1, rows.to(torch.int64)))
         part.evicted += key_stream.length - cfg.decoding_size
         part.schedule.reset()
-        part.positions.reset()
         self._store(part, keys, values, step)
 
     def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
@@ -561,6 +552,11 @@ def check_press(press: Press | None, codec: Codec, protocol: str) -> None:
     if codec.scope != "stream":
         raise ConfigError(f"press {press.name}: codec {codec.name} codes a block across {codec.scope}s, but each layer "
                           "keeps its own tokens; choose a stream-scope codec")
+    if press.config.decoding_size and not all(codec.policy(kind, layer).block_size is None
+                                              for kind in ("key", "value") for layer in range(info.num_layers)):
+        raise ConfigError(f"press {press.name} presses while decoding (decoding_size) by rebuilding each layer from the "
+                          f"tokens it keeps, which would quantize codec {codec.name}'s kept tokens again at every "
+                          "rebuild; it runs on the uncompressed cache (codec=fp16)")
     offsets = getattr(codec.config, "center", "none") != "none" or any(
         codec.rotated_key_offset(layer) is not None for layer in range(codec.model.num_layers))
     if not press.shared_across_heads and (codec.pre_rope or offsets):

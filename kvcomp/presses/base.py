@@ -76,13 +76,14 @@ class Press(ABC):
     name: str
     config_class: type = PressConfig
     shared_across_heads = False  # True: one selection for every KV head of a row (scores ``[B, 1, n]``)
-    decodes = False  # True: its scores need no more than the current forward's queries (it can press while decoding)
+    decodes = False  # True: its scores read no queries, so it can press while decoding (before a forward's attention)
 
     def __init__(self, config: PressConfig, model: ModelInfo):
         self.config, self.model = config, model
         if config.decoding_size and not self.decodes:
-            raise ConfigError(f"press {self.name} scores from a window of prompt queries and cannot press while "
-                              "decoding (decoding_size > 0); presses that can: knorm, streaming_llm, tova")
+            raise ConfigError(f"press {self.name} scores with queries and cannot press while decoding "
+                              "(decoding_size > 0; the forward's own queries would pick its context); presses that "
+                              "can: knorm, streaming_llm")
         self.validate()
 
     def validate(self) -> None:

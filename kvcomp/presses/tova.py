@@ -1,8 +1,7 @@
 """TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs", arXiv 2401.06104; kvpress's ``TOVAPress``): at the end
 of the prefill, the last token's attention over the prompt, averaged over all query heads of the layer, scores
-every token, and every KV head keeps the same ones; the last token is always kept (kvpress). While decoding
-(``decoding_size``), the current token's attention over the cache scores it (the authors' cache evicts one token per
-step once over budget: ``decoding_interval: 1``)."""
+every token, and every KV head keeps the same ones; the last token is always kept (kvpress). (The authors' cache also
+evicts one token per decode step, scored by the step's attention after it ran; kvcomp presses the prefill only.)"""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from kvcomp.presses.base import Prefill, Press, kept_first, register, window_att
 class TOVAPress(Press):
     name = "tova"
     shared_across_heads = True
-    decodes = True
 
     def scores(self, prefill: Prefill) -> torch.Tensor:
         weights = window_attention(prefill, 1)[:, :, 0, :-1]  # [B, Hq, n - 1]: the last query, without itself
