@@ -26,6 +26,11 @@ def _row_index(indices: torch.Tensor) -> torch.Tensor:
     return indices.nonzero().squeeze(-1) if indices.dtype == torch.bool else indices
 
 
+def _kept(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Tokens ``kept [B, H or 1, k]`` (a press's choice) of ``x [B, H, T, D]``, each KV head its own or all the same."""
+    return x.gather(2, kept[..., None].expand(-1, x.shape[1], -1, x.shape[-1]))
+
+
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts along tokens; a single part as it is (no copy: e.g. the fp16 codec's tail)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
@@ -168,8 +173,7 @@ class CompressedLayer(StepLayer):
         if kept is None:
             return None
         part.evicted = key_states.shape[2] - kept.shape[-1]
-        key_states, value_states = (x.gather(2, kept[..., None].expand(-1, x.shape[1], -1, x.shape[-1]))
-                                    for x in (key_states, value_states))
+        key_states, value_states = _kept(key_states, kept), _kept(value_states, kept)
         if self.press.shared_across_heads and part.streams[0].rotates:  # the kept tokens' positions and angles
             rows = kept[:, 0]
             rope = None if step.rope is None else tuple(
@@ -188,7 +192,7 @@ class CompressedLayer(StepLayer):
             return
         keys, values = key_stream.materialize(), value_stream.materialize()
         kept = self.press.keep(Prefill(None, keys, values), count=cfg.decoding_size)
-        keys, values = (x.gather(2, kept[..., None].expand(-1, x.shape[1], -1, x.shape[-1])) for x in (keys, values))
+        keys, values = _kept(keys, kept), _kept(values, kept)
         part.evicted += key_stream.length - cfg.decoding_size
         part.schedule.reset()
         self._store(part, keys, values, step)
