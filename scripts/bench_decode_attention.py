@@ -165,28 +165,43 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
              "bytes": dense_bytes, "error": 0.0}]
     dense_sets.clear()  # free the bf16 sets before the payloads are built
     for name, codec in codecs.items():
-        first = cache_state(codec, batch, context, device)
-        states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
-
-        def inputs():
-            keys, values, rope, _ = states[next(turn) % len(states)]
-            return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope
-
-        def step(q, keys, values, rope):
-            return decode_attention(q, keys, values, d**-0.5, None, rope, "triton")
-
-        ms = timer(step, inputs)
-        states.clear()
-        error = float("nan")
-        if context <= 32768:  # a fresh random cache and query against the float64 reference on the device
-            keys, values, rope, _ = cache_state(codec, batch, context, device)
-            q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
-            reference = decode_attention_reference(q, keys, values, d**-0.5, None, rope, torch.float64)
-            error = relative_error(step(q, keys, values, rope), reference)
-            del keys, values, reference
-        rows.append({"batch": batch, "context": context, "method": name, "ms": ms, "vs_sdpa": sdpa_ms / ms,
-                     "bytes": first[3], "error": error})
+        try:
+            row = _bench_codec(name, codec, batch, context, timer, device, l2_bytes, turn)
+        except Exception as failure:  # one format that fails on this device must not cost the others' rows
+            row = {"batch": batch, "context": context, "method": name, "failed": f"{type(failure).__name__}: {failure}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if "ms" in row:
+            row["vs_sdpa"] = sdpa_ms / row["ms"]
+        print(f"[bench] {batch} x {context} {name}: " + (f"{row['ms']:.4f} ms, error {row['error']:.2g}" if "ms" in row
+              else f"failed ({row['failed']})"), flush=True)
+        rows.append(row)
     return rows
+
+
+def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, device, l2_bytes: int, turn) -> dict:
+    """One codec's row: median ms of the fused step over rotated caches, and its error on a fresh one."""
+    hq, d = LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    first = cache_state(codec, batch, context, device)
+    states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
+
+    def inputs():
+        keys, values, rope, _ = states[next(turn) % len(states)]
+        return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope
+
+    def step(q, keys, values, rope):
+        return decode_attention(q, keys, values, d**-0.5, None, rope, "triton")
+
+    ms = timer(step, inputs)
+    states.clear()
+    error = float("nan")
+    if context <= 32768:  # a fresh random cache and query against the float64 reference on the device
+        keys, values, rope, _ = cache_state(codec, batch, context, device)
+        q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
+        reference = decode_attention_reference(q, keys, values, d**-0.5, None, rope, torch.float64)
+        error = relative_error(step(q, keys, values, rope), reference)
+        del keys, values, reference
+    return {"batch": batch, "context": context, "method": name, "ms": ms, "bytes": first[3], "error": error}
 
 
 def copy_bandwidth(timer: Timer, device) -> float:
@@ -198,11 +213,14 @@ def copy_bandwidth(timer: Timer, device) -> float:
 
 
 def bench_encode(codecs: dict, tokens: int, timer: Timer, device) -> list[dict]:
-    """Tokens/s encoding one layer's K and V (batch 1) with the torch path and, where it exists, the Triton encoder."""
+    """Tokens/s encoding one layer's K and V (batch 1) with the torch path and, where it exists, the Triton encoder;
+    ``tokens`` rounded down to whole blocks of the codec (at least one)."""
     h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
     rows = []
     for name, codec in codecs.items():
-        x = {kind: torch.randn(1, h, tokens, d, device=device, dtype=torch.bfloat16) for kind in ("key", "value")}
+        block = max(codec.policy(kind, 0).block_size for kind in ("key", "value"))
+        n = max(block, tokens // block * block)
+        x = {kind: torch.randn(1, h, n, d, device=device, dtype=torch.bfloat16) for kind in ("key", "value")}
 
         def encode(backend):
             for kind in ("key", "value"):
@@ -210,7 +228,7 @@ def bench_encode(codecs: dict, tokens: int, timer: Timer, device) -> list[dict]:
 
         row = {"method": name, "fused": isinstance(codec, CodebookCodec)}
         for backend in ("torch", "triton") if row["fused"] else ("torch",):
-            row[backend] = tokens / timer(lambda: encode(backend), lambda: ()) * 1e3
+            row[backend] = n / timer(lambda: encode(backend), lambda: ()) * 1e3
         rows.append(row)
     return rows
 
@@ -247,6 +265,9 @@ def tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, name, mem
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode_rows:
+        if "failed" in r:
+            out.append(f"| {r['batch']} | {r['context']} | {r['method']} | failed: {r['failed'][:200]} | | | | | |")
+            continue
         gbps = r["bytes"] / r["ms"] / 1e6
         out.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['vs_sdpa']:.2f}x | "
                    f"{r['bytes'] / 1e6:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | {r['error']:.2g} |")

@@ -5,8 +5,9 @@
 #
 # Runs the steps named in STEPS (default: attention qjl e2e sweep ncu overhead; also: profile), in that order,
 # each under its own time limit so that a slow one cannot starve the rest:
-#   1. scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write
-#      (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row)
+#   1. scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192 --reps 30
+#      --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the largest
+#      first, and each row is logged as it is measured, so a step stopped by its limit keeps what it measured)
 #   2. scripts/bench_qjl_decode.py --contexts 8192 32768 --write
 #   3. scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write (all four shapes and the
 #      agreement table took more than 160 s on an H200)
@@ -14,10 +15,11 @@
 #   5. Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
 #   6. scripts/bench_decode_overhead.py --device cuda --write
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
-# The default limits add up to 550 s: call the device with timeout_s 590.
+# The default limits of the default steps add up to 650 s: more than one call (10 minutes at most), so name STEPS.
 # Each benchmark's log and the updated BENCHMARKS.md go to OUTDIR as soon as it ends. Wheels in .whl/
 # (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds can be
-# changed with ATTENTION_S, QJL_S, E2E_S, NCU_S, OVERHEAD_S, SWEEP_S and PROFILE_S.
+# changed with ATTENTION_S, QJL_S, E2E_S, NCU_S, OVERHEAD_S, SWEEP_S and PROFILE_S; the attention contexts with
+# ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
 set -u
 out=${1:?usage: gpu_benchmarks.sh OUTDIR [REVISION]}
 export KVCOMP_REVISION=${2:-} PYTHONUNBUFFERED=1
@@ -45,9 +47,10 @@ step() {  # step NAME LIMIT COMMAND...
 
 run() {  # run STEP: one named benchmark
     case $1 in
-    attention) step attention "${ATTENTION_S:-120}" python3 scripts/bench_decode_attention.py --contexts 4096 32768 131072 --reps 30 --write ;;
+    attention) step attention "${ATTENTION_S:-200}" python3 scripts/bench_decode_attention.py --batches 16 1 \
+        --contexts ${ATTENTION_CONTEXTS:-32768 4096 131072} --encode-tokens 8192 --reps 30 --write ;;
     qjl) step qjl "${QJL_S:-40}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
-    e2e) step e2e "${E2E_S:-150}" python3 scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write ;;
+    e2e) step e2e "${E2E_S:-220}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768 8x16384} --write ;;
     ncu) command -v ncu >/dev/null || echo "=== ncu: not on this machine, step skipped"
         command -v ncu >/dev/null && step ncu "${NCU_S:-40}" ncu --clock-control none --section SpeedOfLight \
             --section Occupancy --section LaunchStats --section WarpStateStats -k regex:_split_kernel --launch-count 1 \
