@@ -99,7 +99,7 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
     keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
     query = torch.randn(1, H * R, D, dtype=torch.bfloat16)
     _, launches = today.decode_launches(query, keys, values, D**-0.5, torch.ones(1, SMALL, dtype=torch.bool), rope, **options)
-    block = options.get("block_tokens") or today.TILE
+    block = options.get("block_tokens") or today.default_tile(keys + values)
     splits, merge = launches[:-1], launches[-1]
     found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields")) for launch in splits]
     merged = analysed(merge)

@@ -567,6 +567,31 @@ def test_a_steps_launch_plan_is_computed_once_for_all_layers():
     assert _plan.cache_info().misses == 1 and _plan.cache_info().hits == 2
 
 
+def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
+    """:func:`default_tile` over the GPU benchmark's caches: 128-token tiles for packed ints, block floats and one
+    shared codebook (the H100 sweep), 32 for per-group codebooks, QJL's sketches and the float8 / int8 formats not
+    yet measured with them."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvcomp.codecs import needs_calibration
+    from kvcomp.kernels.decode_attention_triton import default_tile
+    from kvcomp.kernels.payloads import RotatedReader
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    wide = {"kivi-2", "kivi-4", "int4-token-head", "eden-2", "nvfp4", "kvarn", "turboquant-k3v4-nc"}
+    for name, config in bench.CODECS.items():
+        codec = build_codec(config, ModelInfo("llama31_8b", 1, 2, 128))
+        if needs_calibration(codec):
+            bench.synthetic_state(codec, torch.Generator().manual_seed(0))
+        keys, values, _, _ = bench.cache_state(codec, 1, 384, torch.device("cpu"))
+        segments = [s.inner if isinstance(s, RotatedReader) else s for s in keys + values]
+        assert default_tile(segments) == (128 if name in wide else 32), name
+
+
 def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows():
     from kvcomp.kernels.decode_attention_triton import _packed, _packed_values_ok
 

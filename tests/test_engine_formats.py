@@ -70,6 +70,22 @@ def test_e2m1_rounds_to_the_nearest_magnitude_ties_to_the_even_code(x, expected)
     assert e2m1_values(e2m1_codes(torch.tensor([x]))).item() == expected
 
 
+def test_nvfp4_copies_its_e2m1_grid_to_a_device_once(monkeypatch):
+    """Each decode step encodes its token: a host-to-device copy of the e2m1 grid per encode made the host wait for
+    the GPU twice per layer and step (``host syncs per step`` 8 on 4 layers, ``bench_decode_e2e.py`` on an H100)."""
+    from kvcomp.stages import minifloat
+
+    copies = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: (copies.append(1) if t is minifloat.E2M1 else None,
+                                                                 to(t, *a, **k))[1])
+    minifloat._e2m1_grid.cache_clear()
+    codec = build_codec({"name": "nvfp4"}, MODEL)
+    for step in range(3):
+        payload, _ = _round_trip(codec, torch.randn(1, 2, 1, 64), kind=("key", "value")[step % 2])
+    assert len(copies) == 1
+
+
 def test_nvfp4_stores_a_block_on_its_grid_exactly_low_nibble_first():
     """A block ``b * v`` (``v`` e2m1 values, max 6; ``b`` exact in e4m3) under global scale 1 comes back exactly,
     with block scale ``b`` and codes packed two per byte, the first value in the low nibble."""

@@ -72,12 +72,14 @@ from kvcomp.stages.jl_sketch import estimator_scale
 DENSE, UNIFORM, CODEBOOK, SKETCH, SCALED = 0, 1, 2, 3, 4
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
-# Launch defaults, measured on an H200 (BENCHMARKS.md, "Launch configurations of the fused decode kernel",
-# scripts/sweep_decode_kernel.py): 4 warps per split program and 32-token tiles; ``tl.dot`` for scores and
-# P V except over QJL's sketched keys, which are fastest on the register path. The former defaults (16 warps,
-# 16-token tiles, register path) were 3-10x slower: their per-tile reductions crossed 16 warps.
+# Launch defaults, measured on an H200 and an H100 (BENCHMARKS.md, "Launch configurations of the fused decode
+# kernel", scripts/sweep_decode_kernel.py): 4 warps per split program; ``tl.dot`` for scores and P V except over
+# QJL's sketched keys, which are fastest on the register path; 32-token tiles, or 128 where every payload is read
+# without a per-group table (:func:`default_tile`). The former defaults (16 warps, 16-token tiles, register path)
+# were 3-10x slower: their per-tile reductions crossed 16 warps.
 WARPS = 4
 TILE = 32
+WIDE_TILE = 128
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the least norm a unit-norm rescaling divides by (as in torch)
 SKETCH_STRIDES = ("sk_out_s_b", "sk_out_s_h", "sk_onorm_s_b", "sk_onorm_s_h", "sk_ch_s_b", "sk_ch_s_h")
@@ -788,6 +790,17 @@ def _packed(segment: Segment, d: int, dot: bool) -> bool:
     return not width & (width - 1) and (width >= 16 or not dot)
 
 
+def default_tile(segments: list[Segment]) -> int:
+    """Tokens per tile by default: :data:`WIDE_TILE` where each payload is packed ints, a block float or codes of
+    one shared codebook, which the H100 sweep of 2026-11-26 measured 1.3-1.7x faster at 16 x 32K (KVarN, vLLM's
+    int4 and NVFP4, EDEN-2, TurboQuant k3v4; KIVI-2 unchanged at 1 and 16 x 32K and 1 x 4K); else :data:`TILE`,
+    which per-group codebooks (TemporalKV, ChannelKV, KVQuant: 0.3-0.6x with 128) and QJL's sketches need, and
+    which float8 and int8 payloads keep until they are measured."""
+    wide = all(isinstance(s, (torch.Tensor, UniformReader, BlockFloatReader))
+               or isinstance(s, CodebookReader) and s.codebooks.shape[1] == 1 for s in segments)
+    return WIDE_TILE if wide else TILE
+
+
 def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
     """Tokens per tile of one launch: at most a per-channel group of packed ints (their parameters, or the
     multiplier of per-token ones; a power of two, at least 16 for ``tl.dot``), so that each tile reads at most two
@@ -886,7 +899,7 @@ def decode_launches(
     :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
     ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
     :data:`WARPS`); ``block_tokens``: tokens per tile (default :data:`TILE`, fewer where a payload's groups
-    need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
+    need it, :func:`_tile_tokens`; :func:`default_tile` chooses by format); ``num_warps``: warps per split program (default :data:`WARPS`; on the
     register path a program may take the register file's share of its warps). Only the slice counts depend on
     the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     b, hq, d = query.shape
@@ -901,7 +914,7 @@ def decode_launches(
     if dot is None:
         dot = r > 8 or not any(isinstance(segment, SketchReader) for segment in key_segments)
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    block_tokens = block_tokens or TILE
+    block_tokens = block_tokens or default_tile(key_segments + value_segments)
     num_warps = num_warps or WARPS
     # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
     registers = {} if dot else {"maxnreg": min(255, 65536 // (32 * num_warps))}
