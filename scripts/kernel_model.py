@@ -208,19 +208,23 @@ def spearman_agrees(predicted: dict, measured: dict) -> bool:
 
 
 def measured_sweep(path: Path) -> dict:
-    """``{(codec, batch, context): {configuration: ms}}`` from the launch-configuration section of BENCHMARKS.md
-    (``scripts/sweep_decode_kernel.py --write`` on a GPU)."""
+    """``{(card, codec, batch, context): {configuration: ms}}`` from the launch-configuration section of BENCHMARKS.md
+    (``scripts/sweep_decode_kernel.py --write`` on a GPU; the card: the last H100 or H200 named above the row)."""
     text = path.read_text()
     start = text.find(SWEEP_SECTION)
     if start < 0:
         raise SystemExit(f"{path} has no section {SWEEP_SECTION!r}: run scripts/sweep_decode_kernel.py --write on a GPU first")
     end = text.find("\n## ", start + len(SWEEP_SECTION))
-    out = {}
+    out, card = {}, None
     for line in text[start : end if end >= 0 else len(text)].splitlines():
+        if not line.startswith("|"):
+            named = [c for c in ("H100", "H200") if c in line]
+            card = named[-1] if named else card
+            continue
         cells = [c.strip() for c in line.strip(" |").split(" | ")]
         if len(cells) == 9 and cells[1][:1].isdigit() and not cells[3].startswith("failed"):
             batch, context = (int(x) for x in cells[1].split(" x "))
-            out.setdefault((cells[0], batch, context), {})[cells[2]] = float(cells[3])
+            out.setdefault((card, cells[0], batch, context), {})[cells[2]] = float(cells[3])
     return out
 
 
@@ -237,31 +241,37 @@ def concordance(predicted: dict, measured: dict) -> float:
 FORMER_DEFAULT = "default (register path, 16 warps, 16-token tiles)"
 
 
+# The default row of the H100 sweeps at 0692536, before default_tile: tl.dot, 4 warps, 32-token tiles for every format
+FORMER_DOT_DEFAULT = "default (tl.dot, 4 warps, 32 tokens)"
+
+
 def sweep_options(label: str, name: str) -> dict:
     if label == FORMER_DEFAULT:
         return dict(dot=False, num_warps=16, block_tokens=16 if name.startswith("kivi") else 8)
+    if label == FORMER_DOT_DEFAULT:
+        return dict(dot=True, num_warps=4, block_tokens=32)
     return SWEEP_CONFIGS[label]
 
 
 def sweep_check(path: Path) -> list[str]:
     """The model's prediction of every measured launch configuration (``scripts/sweep_decode_kernel.py``)."""
     measured = measured_sweep(path)
-    lines = [f"Launch configurations measured by `scripts/sweep_decode_kernel.py` ({path.name}, H200) against the "
-             "model (an H100's figures; these kernels are not DRAM-bound, and both cards have 132 SMs at up to 1.98 GHz):",
-             "", "| codec | batch x context | configuration | predicted ms | bound | measured ms | ratio |",
-             "|---|---|---|---:|---|---:|---:|"]
+    lines = [f"Launch configurations measured by `scripts/sweep_decode_kernel.py` ({path.name}) against the model (an "
+             "H100's figures; these kernels are not DRAM-bound, and both cards have 132 SMs at up to 1.98 GHz):",
+             "", "| card | codec | batch x context | configuration | predicted ms | bound | measured ms | ratio |",
+             "|---|---|---|---|---:|---|---:|---:|"]
     summary = []
-    for (name, batch, context), times in measured.items():
+    for (card, name, batch, context), times in measured.items():
         predicted = {}
         for label, ms in times.items():
             seconds, parts = today_step(name, [(batch, context)], sweep_options(label, name))["shapes"][(batch, context)]
             predicted[label] = seconds * 1e3
             bound = max((v, k) for k, v in parts[0].items() if k != "time")[1]
-            lines.append(f"| {name} | {batch} x {context // 1024}K | {label} | {predicted[label]:.3f} | {bound} | {ms:.3f} | "
-                         f"{predicted[label] / ms:.2f} |")
+            lines.append(f"| {card} | {name} | {batch} x {context // 1024}K | {label} | {predicted[label]:.3f} | {bound} | "
+                         f"{ms:.3f} | {predicted[label] / ms:.2f} |")
         ratios = [predicted[k] / times[k] for k in times]
         best = min(times, key=times.get)
-        summary.append(f"- {name} at {batch} x {context // 1024}K: ratio {min(ratios):.2f}-{max(ratios):.2f}; "
+        summary.append(f"- {card} {name} at {batch} x {context // 1024}K: ratio {min(ratios):.2f}-{max(ratios):.2f}; "
                        f"{100 * concordance(predicted, times):.0f} % of configuration pairs ordered as measured; "
                        f"fastest measured: {best}, predicted: {min(predicted, key=predicted.get)}")
     return lines + [""] + summary
