@@ -382,11 +382,53 @@ def test_pressing_while_decoding_equals_masking_what_it_evicted(one_layer_llama)
     assert pressed == 12 and layer.parts[0].evicted > 0 and cache.get_seq_length() == 42
 
 
-def test_presses_that_read_queries_cannot_press_while_decoding(tiny_llama):
-    """A forward's own queries would pick the context they attend to (and, in a multi-token forward, later tokens'
-    queries the context of earlier ones); a quantized codec would quantize its kept tokens again at every rebuild."""
-    for name in ("snapkv", "tova", "expected_attention"):
-        with pytest.raises(ConfigError, match="cannot press while decoding"):
+@torch.no_grad()
+def test_tova_evicts_at_each_step_the_token_the_last_query_attended_least(one_layer_llama):
+    """TOVA's own cache (decoding_interval 1): once full, each step first evicts the held token (not the newest) with
+    the least attention from the previous step's query, averaged over query heads; that query is the model's own
+    (recomputed here from the layer's weights), and the logits equal an uncompressed cache masking what was evicted."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model, info = one_layer_llama, info_of(one_layer_llama)
+    attention = model.model.layers[0].self_attn
+    ids, _ = _ids(batch=1, n=20)
+    press = build_press({"name": "tova", "decoding_size": 12, "decoding_interval": 1}, info)
+    cache = CompressedCache(build_codec({"name": "fp16"}, info), "exact_prefill", press=press)
+    reference = DynamicCache(config=model.config)
+    out, _ = (model(ids, past_key_values=c, use_cache=True) for c in (cache, reference))
+    layer, hq, d = cache.layers[0], info.num_kv_heads * 2, info.head_dim
+    token = out.logits[:, -1:].argmax(-1)
+    for position in range(20, 30):
+        held = layer.key_stream.materialize()[0]  # [H, n, D]
+        query = layer.parts[0].last_query[0, :, 0]  # [Hq, D]: the previous forward's last query
+        hidden = model.model.embed_tokens(ids[:, -1:] if position == 20 else token_before)
+        cos, sin = model.model.rotary_emb(hidden, torch.tensor([[position - 1]]))
+        q = attention.q_proj(model.model.layers[0].input_layernorm(hidden)).view(1, 1, hq, d).transpose(1, 2)
+        torch.testing.assert_close(query, apply_rotary_pos_emb(q, q, cos, sin)[0][0, :, 0])
+        weights = (query.view(held.shape[0], -1, d) @ held.transpose(-1, -2) / d**0.5).softmax(-1).mean((0, 1))
+        expected = held[:, weights[:-1].argmin()] if held.shape[1] == 13 else None  # full: 12 kept + the newest
+        token_before = token
+        out = model(token, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[position]]))
+        now = layer.key_stream.materialize()[0, :, :-1]
+        assert now.shape[1] == min(12, held.shape[1])
+        if expected is not None:
+            assert not (now == expected[:, None]).all(-1).any(-1).any()
+        earlier = reference.layers[0].keys[0, 0]
+        matches = (now[0][:, None] == earlier[None]).all(-1)
+        visible = torch.cat([matches.any(0), torch.ones(1, dtype=torch.bool)]).long()[None]
+        reference_out = model(token, past_key_values=reference, use_cache=True, attention_mask=visible,
+                              position_ids=torch.tensor([[position]]))
+        torch.testing.assert_close(out.logits, reference_out.logits, rtol=1e-5, atol=1e-5)
+        token = out.logits[:, -1:].argmax(-1)
+    assert layer.parts[0].evicted == 20 + 10 - 12 - 1
+
+
+def test_presses_that_read_a_window_of_queries_cannot_press_while_decoding(tiny_llama):
+    """SnapKV's observation window and Expected Attention's query statistics need many queries, which a decode step
+    does not have (TOVA's one last query can); a quantized codec would quantize its kept tokens again at every
+    rebuild."""
+    for name in ("snapkv", "expected_attention"):
+        with pytest.raises(ConfigError, match="cannot press while decoding.*knorm, streaming_llm, tova"):
             build_press({"name": name, "decoding_size": 64}, INFO)
     info = info_of(tiny_llama)
     with pytest.raises(ConfigError, match="quantize"):
@@ -395,7 +437,7 @@ def test_presses_that_read_queries_cannot_press_while_decoding(tiny_llama):
         build_press({"name": "knorm", "decoding_size": 64, "decoding_interval": 0}, INFO)
 
 
-@pytest.mark.parametrize("name", ["knorm", "streaming_llm"])
+@pytest.mark.parametrize("name", ["knorm", "streaming_llm", "tova"])
 @torch.no_grad()
 def test_pressing_while_decoding_under_padding_beams_and_capacity(tiny_llama, name):
     """A pressed prefill, then pressed while decoding, under left padding, beam search and a preallocated cache: each

@@ -39,12 +39,15 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 @dataclass(eq=False)
 class LayerPart:
     """One :class:`~kvcomp.cache.rows.RowGroup`'s share of a layer: the schedule of its key and value streams, the
-    positions of its tokens (pre-RoPE codecs) and how many prompt tokens a press ``evicted`` (per row and KV head)."""
+    positions of its tokens (pre-RoPE codecs), how many prompt tokens a press ``evicted`` (per row and KV head), and
+    the ``last_query [B, Hq, 1, D]`` of the latest forward, which a press that reads queries scores the held tokens
+    with while decoding (TOVA)."""
 
     group: RowGroup
     schedule: Schedule
     positions: Positions
     evicted: int = 0
+    last_query: torch.Tensor | None = None
 
     @property
     def streams(self) -> tuple[KVStream, KVStream]:
@@ -53,6 +56,8 @@ class LayerPart:
     def select_rows(self, index: torch.Tensor) -> None:
         self.schedule.select_rows(index)
         self.positions.select_rows(index)
+        if self.last_query is not None:
+            self.last_query = self.last_query.index_select(0, index.to(self.last_query.device))
 
 
 class CompressedLayer(StepLayer):
@@ -87,6 +92,7 @@ class CompressedLayer(StepLayer):
             part.schedule.reset()
             part.positions.reset()
             part.evicted = 0
+            part.last_query = None
         self.checks.reset()
         self.is_initialized = False
         self.length = 0
@@ -154,12 +160,16 @@ class CompressedLayer(StepLayer):
             for part in self.parts:  # pressing while decoding, before this forward's tokens and mask columns
                 self._press_held(part, part.group.layer_step(step, False))
         dropped = [part.evicted for part in self.parts]  # before this forward: its own prefill reads every token
-        return ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
+        queries = [None if query is None else part.group.tokens(query, first_forward, 2) for part in self.parts]
+        read = ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
                                                 part.group.tokens(value_states, first_forward, 2),
-                                                part.group.layer_step(step, first_forward), first_forward,
-                                                None if query is None else part.group.tokens(query, first_forward, 2)),
+                                                part.group.layer_step(step, first_forward), first_forward, group_query),
                         evicted)
-                       for part, evicted in zip(self.parts, dropped)], first_forward)
+                       for part, evicted, group_query in zip(self.parts, dropped, queries)], first_forward)
+        if self.press is not None and self.press.reads_queries and self.press.config.decoding_size:
+            for part, group_query in zip(self.parts, queries):  # the next forward presses with it
+                part.last_query = None if group_query is None else group_query[:, :, -1:].clone()  # not the prompt's
+        return read
 
     def _evict(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep,
                query: torch.Tensor | None):
@@ -185,13 +195,18 @@ class CompressedLayer(StepLayer):
     def _press_held(self, part: LayerPart, step: LayerStep) -> None:
         """Pressing while decoding (kvpress's ``DecodingPress``): once the row group holds ``decoding_size +
         decoding_interval`` tokens, the press keeps ``decoding_size`` of them, before this forward's tokens are stored
-        (presses whose scores read no queries: :attr:`~kvcomp.presses.base.Press.decodes`); the streams, which hold
-        every token in full precision (:func:`check_press`), are rebuilt from the kept ones."""
+        (:attr:`~kvcomp.presses.base.Press.decodes`; one that reads queries scores with the previous forward's last
+        query, ``part.last_query``); the streams, which hold every token in full precision (:func:`check_press`), are
+        rebuilt from the kept ones."""
         cfg, (key_stream, value_stream) = self.press.config, part.streams
         if key_stream.length < cfg.decoding_size + cfg.decoding_interval:
             return
+        if self.press.reads_queries and part.last_query is None:
+            raise RuntimeError(f"press {self.press.name} scores held tokens with the last forward's query: call the "
+                               "cache through kvcomp's attention (kvcomp.cache.install)")
         keys, values = key_stream.materialize(), value_stream.materialize()
-        kept = self.press.keep(Prefill(None, keys, values), count=cfg.decoding_size)
+        query = part.last_query if self.press.reads_queries else None
+        kept = self.press.keep(Prefill(query, keys, values), count=cfg.decoding_size)
         keys, values = _kept(keys, kept), _kept(values, kept)
         part.evicted += key_stream.length - cfg.decoding_size
         part.schedule.reset()
@@ -295,8 +310,10 @@ class CompressedLayer(StepLayer):
 
     @property
     def bookkeeping_nbytes(self) -> int:
-        """Bytes held besides K/V storage: the positions of cached tokens (pre-RoPE codecs)."""
-        return sum(part.positions.nbytes for part in self.parts)
+        """Bytes held besides K/V storage: the positions of cached tokens (pre-RoPE codecs) and the last query a
+        press scores with while decoding."""
+        return sum(part.positions.nbytes + (0 if part.last_query is None else part.last_query.nbytes)
+                   for part in self.parts)
 
     @property
     def working_nbytes(self) -> int:

@@ -76,14 +76,17 @@ class Press(ABC):
     name: str
     config_class: type = PressConfig
     shared_across_heads = False  # True: one selection for every KV head of a row (scores ``[B, 1, n]``)
-    decodes = False  # True: its scores read no queries, so it can press while decoding (before a forward's attention)
+    reads_queries = True  # False: its scores read keys (and values) only
+    # True: it can press while decoding (decoding_size), its scores reading no queries or, for a press defined at decode
+    # steps (TOVA), the previous forward's last query, after that forward's attention saw every token
+    decodes = False
 
     def __init__(self, config: PressConfig, model: ModelInfo):
         self.config, self.model = config, model
         if config.decoding_size and not self.decodes:
-            raise ConfigError(f"press {self.name} scores with queries and cannot press while decoding "
-                              "(decoding_size > 0; the forward's own queries would pick its context); presses that "
-                              "can: knorm, streaming_llm")
+            raise ConfigError(f"press {self.name} cannot press while decoding (decoding_size > 0): its scores need a "
+                              "window of queries, which one decode step does not have; presses that can: "
+                              f"{', '.join(n for n, c in PRESSES.items() if c.decodes)}")
         self.validate()
 
     def validate(self) -> None:

@@ -12,6 +12,7 @@ from kvcomp.presses.base import Prefill, Press, register
 @register
 class KnormPress(Press):
     name = "knorm"
+    reads_queries = False
     decodes = True
 
     def scores(self, prefill: Prefill) -> torch.Tensor:

@@ -29,6 +29,7 @@ class StreamingLLMPress(Press):
     name = "streaming_llm"
     config_class = StreamingLLMConfig
     shared_across_heads = True
+    reads_queries = False
     decodes = True
 
     def scores(self, prefill: Prefill) -> torch.Tensor:
