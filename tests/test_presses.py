@@ -423,6 +423,40 @@ def test_tova_evicts_at_each_step_the_token_the_last_query_attended_least(one_la
     assert layer.parts[0].evicted == 20 + 10 - 12 - 1
 
 
+@pytest.mark.parametrize("name, codec", [("knorm", "int_token_head"), ("tova", "nvfp4")])
+@torch.no_grad()
+def test_pressing_a_per_token_codec_while_decoding_drops_payload_rows_without_quantizing_again(one_layer_llama, name,
+                                                                                                codec):
+    """A per-token codec's held tokens are dropped in place: after each press every held token decodes to exactly the
+    key it decoded to before (nothing encoded twice), the layer never holds more than size + interval tokens, and
+    knorm keeps each head's lowest-norm decoded keys."""
+    model, info = one_layer_llama, info_of(one_layer_llama)
+    ids, _ = _ids(batch=1, n=24)
+    press = build_press({"name": name, "decoding_size": 16, "decoding_interval": 3}, info)
+    cache = CompressedCache(build_codec({"name": codec}, info), "exact_prefill", press=press)
+    out = model(ids, past_key_values=cache, use_cache=True)
+    encoded, encode = [], cache.codec.encode
+    cache.codec.encode = lambda request: (encoded.append(request.tokens.shape[2]), encode(request))[1]
+    layer, pressed = cache.layers[0], 0
+    for position in range(24, 34):
+        before = [layer.key_stream.materialize()[0], layer.value_stream.materialize()[0]]
+        out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                    position_ids=torch.tensor([[position]]))
+        assert layer.key_stream.drops_in_place and layer.key_stream.length <= 16 + 3
+        for held, earlier in zip((layer.key_stream.materialize()[0, :, :-1], layer.value_stream.materialize()[0, :, :-1]),
+                                 before):
+            matches = (held[:, :, None] == earlier[:, None]).all(-1)  # [H, now, before]
+            assert (matches.sum(-1) >= 1).all()  # every held token decodes as it did
+        if held.shape[1] < before[0].shape[1]:
+            pressed += 1
+            if name == "knorm":
+                norms = before[0].float().norm(dim=-1)
+                expected = norms.topk(16, largest=False).indices.sort(-1).values
+                kept = layer.key_stream.materialize()[0, :, :-1]
+                torch.testing.assert_close(kept, before[0].gather(1, expected[..., None].expand(-1, -1, kept.shape[-1])))
+    assert pressed >= 2 and layer.parts[0].evicted > 0 and set(encoded) == {1}  # only each step's own token
+
+
 def test_presses_that_read_a_window_of_queries_cannot_press_while_decoding(tiny_llama):
     """SnapKV's observation window and Expected Attention's query statistics need many queries, which a decode step
     does not have (TOVA's one last query can); a quantized codec would quantize its kept tokens again at every
@@ -437,15 +471,17 @@ def test_presses_that_read_a_window_of_queries_cannot_press_while_decoding(tiny_
         build_press({"name": "knorm", "decoding_size": 64, "decoding_interval": 0}, INFO)
 
 
-@pytest.mark.parametrize("name", ["knorm", "streaming_llm", "tova"])
+@pytest.mark.parametrize("name, codec", [("knorm", "fp16"), ("streaming_llm", "fp16"), ("tova", "fp16"),
+                                         ("knorm", "int_token_head"), ("tova", "fp8"), ("streaming_llm", "turboquant")])
 @torch.no_grad()
-def test_pressing_while_decoding_under_padding_beams_and_capacity(tiny_llama, name):
-    """A pressed prefill, then pressed while decoding, under left padding, beam search and a preallocated cache: each
-    row group holds at most size + interval tokens and every tensor held is counted."""
+def test_pressing_while_decoding_under_padding_beams_and_capacity(tiny_llama, name, codec):
+    """A pressed prefill, then pressed while decoding, under left padding, beam search and a preallocated cache, on the
+    uncompressed cache and on per-token codecs (their payload rows dropped in place): each row group holds at most
+    size + interval tokens and every tensor held is counted."""
     info = info_of(tiny_llama)
     ids, mask = _ids()
     press = build_press({"name": name, "ratio": 0.25, "decoding_size": 24, "decoding_interval": 4}, info)
-    cache = CompressedCache(build_codec({"name": "fp16"}, info), "exact_prefill", press=press, capacity=40 + 10)
+    cache = CompressedCache(build_codec({"name": codec}, info), "exact_prefill", press=press, capacity=40 + 10)
     out = tiny_llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, min_new_tokens=10,
                               num_beams=2, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 50)

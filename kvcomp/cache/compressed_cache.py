@@ -14,7 +14,8 @@ from kvcomp.cache.rows import ByRows, RowGroup, padding_groups
 from kvcomp.cache.scopes import Schedule, Scope, make_scope
 from kvcomp.cache.step import LayerStep, PaddedRows, StepLayer
 from kvcomp.cache.stream import KVStream
-from kvcomp.codecs.base import FULL, CacheStatistics, Codec, reads_fused, scores_from_payload, values_from_payload
+from kvcomp.codecs.base import (FULL, CacheStatistics, Codec, keeps_state, reads_fused, scores_from_payload,
+                                values_from_payload)
 from kvcomp.errors import ConfigError
 from kvcomp.presses import Prefill, Press
 
@@ -196,8 +197,9 @@ class CompressedLayer(StepLayer):
         """Pressing while decoding (kvpress's ``DecodingPress``): once the row group holds ``decoding_size +
         decoding_interval`` tokens, the press keeps ``decoding_size`` of them, before this forward's tokens are stored
         (:attr:`~kvcomp.presses.base.Press.decodes`; one that reads queries scores with the previous forward's last
-        query, ``part.last_query``); the streams, which hold every token in full precision (:func:`check_press`), are
-        rebuilt from the kept ones."""
+        query, ``part.last_query``). Streams whose held tokens are all encoded one by one keep the payload rows of the
+        kept tokens (:meth:`~kvcomp.cache.stream.KVStream.keep_encoded`, nothing quantized again); streams of the
+        uncompressed cache are rebuilt from the kept tokens (:func:`check_press`)."""
         cfg, (key_stream, value_stream) = self.press.config, part.streams
         if key_stream.length < cfg.decoding_size + cfg.decoding_interval:
             return
@@ -207,8 +209,12 @@ class CompressedLayer(StepLayer):
         keys, values = key_stream.materialize(), value_stream.materialize()
         query = part.last_query if self.press.reads_queries else None
         kept = self.press.keep(Prefill(query, keys, values), count=cfg.decoding_size)
-        keys, values = _kept(keys, kept), _kept(values, kept)
         part.evicted += key_stream.length - cfg.decoding_size
+        if key_stream.drops_in_place and value_stream.drops_in_place:
+            key_stream.keep_encoded(kept)
+            value_stream.keep_encoded(kept)
+            return
+        keys, values = _kept(keys, kept), _kept(values, kept)
         part.schedule.reset()
         self._store(part, keys, values, step)
 
@@ -573,18 +579,31 @@ def check_press(press: Press | None, codec: Codec, protocol: str) -> None:
     if codec.scope != "stream":
         raise ConfigError(f"press {press.name}: codec {codec.name} codes a block across {codec.scope}s, but each layer "
                           "keeps its own tokens; choose a stream-scope codec")
-    if press.config.decoding_size and not all(codec.policy(kind, layer).block_size is None
-                                              for kind in ("key", "value") for layer in range(info.num_layers)):
-        raise ConfigError(f"press {press.name} presses while decoding (decoding_size) by rebuilding each layer from the "
-                          f"tokens it keeps, which would quantize codec {codec.name}'s kept tokens again at every "
-                          "rebuild; it runs on the uncompressed cache (codec=fp16)")
     offsets = getattr(codec.config, "center", "none") != "none" or any(
         codec.rotated_key_offset(layer) is not None for layer in range(codec.model.num_layers))
+    if press.config.decoding_size and not _drops_in_place(codec, offsets):
+        raise ConfigError(f"press {press.name} presses while decoding (decoding_size) by dropping held tokens in place, "
+                          f"which needs every token of codec {codec.name} encoded one by one (block_size 1, no sinks, no "
+                          "full-precision window, no per-sequence state, post-RoPE keys without a rotated offset: e.g. "
+                          "fp8, int_token_head, nvfp4, turboquant, eden, uniform), or the uncompressed cache (fp16); "
+                          "others would quantize their kept tokens again")
     if not press.shared_across_heads and (codec.pre_rope or offsets):
         raise ConfigError(f"press {press.name} keeps different tokens in each KV head, but codec {codec.name} "
                           f"{'encodes keys before RoPE' if codec.pre_rope else 'rotates a key offset'} with one position "
                           "per token and row; choose a press that keeps the same tokens in every head (streaming_llm, tova) "
                           "or a post-RoPE codec")
+
+
+def _drops_in_place(codec: Codec, offsets: bool) -> bool:
+    """Whether each layer's two streams hold their tokens as :attr:`~kvcomp.cache.stream.KVStream.drops_in_place`
+    needs, or both in full precision only (then rebuilt from the kept ones)."""
+    layers = [[codec.policy(kind, layer) for kind in ("key", "value")] for layer in range(codec.model.num_layers)]
+    if all(p.block_size is None for policies in layers for p in policies):
+        return True
+    per_token = (not codec.pre_rope and not offsets and not keeps_state(codec) and codec.payload_layout == "tokens")
+    return per_token and all(all(p.block_size is None for p in policies)
+                             or all(p.block_size == 1 and p.sinks == 0 and p.window == 0 for p in policies)
+                             for policies in layers)
 
 
 def _window_nbytes(layer) -> int:

@@ -323,6 +323,34 @@ class KVStream:
         buffers = (self.decoded, self.tail_buffer)
         return self.decoded.nbytes + sum(g.reserved_nbytes for g in buffers) + self.store.reserved_nbytes
 
+    @property
+    def drops_in_place(self) -> bool:
+        """Whether held tokens can be dropped without decoding them (:meth:`keep_encoded`): every held token is
+        encoded, one payload row per token in every payload tensor (a per-token codec with no sinks or window), its
+        keys neither rotated back nor offset by position (which would tie them to cache indices)."""
+        return (self.num_sinks == 0 and self.num_tail == 0 and self.store.layout == "tokens" and self.state is None
+                and not self.rotates and all(g.length == self.num_encoded for g in self.store.tensors.values()))
+
+    def keep_encoded(self, kept: torch.Tensor) -> None:
+        """Keep the held tokens ``kept [B, H or 1, k]`` (ascending indices, every KV head its own or all the same) and
+        free the rest, their payload rows gathered as stored: nothing is decoded or encoded again
+        (:attr:`drops_in_place`)."""
+        if not self.drops_in_place:
+            raise RuntimeError(f"{self.codec.name} {self.kind} stream: its held tokens cannot be dropped in place")
+        tensors = {}
+        for name, t in self.store.view().tensors.items():
+            if kept.shape[1] not in (1, t.shape[1]):
+                raise RuntimeError(f"{self.codec.name} payload {name!r} has {t.shape[1]} heads; a press kept tokens for "
+                                   f"{kept.shape[1]}")
+            index = kept.to(t.device).expand(t.shape[0], t.shape[1], -1)
+            index = index.reshape(*index.shape, *(1,) * (t.dim() - 3)).expand(*index.shape, *t.shape[3:])
+            tensors[name] = t.gather(2, index)
+        self.store = PayloadStore(self.store.layout, self.capacity)
+        block = self.store.append(Payload(tensors, kept.shape[-1]), 0)
+        self.blocks, self.pending = [block], [block]
+        self.decoded = GrowingTensor(2, self.capacity)
+        self.num_encoded = self.length = kept.shape[-1]
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam reorder, batch select / repeat) of everything held."""
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
