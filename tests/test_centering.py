@@ -229,3 +229,24 @@ def test_center_rotates_the_key_offset_to_each_position(offset_qwen, config):
     request = Request(layer=layer, kind="key", tokens=exact - rotated, dtype=torch.float32)
     expected = rotated + codec.decode(codec.encode(request), request)
     torch.testing.assert_close(stream.materialize(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [ROTATED["turboquant"], ROTATED["eden"],
+                                    {"name": "turboquant", "values": "uniform", "rotation": "plain_hadamard",
+                                     "density": "gaussian", "key_bits": 8, "value_bits": 4}],
+                         ids=["turboquant", "eden", "vllm-k8v4"])
+@pytest.mark.parametrize("center", ["calibration", "bias"])
+@torch.no_grad()
+def test_centred_codecs_decode_on_the_fused_path(offset_qwen, config, center):
+    """``center`` on the fused decode kernel: it adds the key offset's score ``q . R_p c`` (``R_p`` recomputed from the
+    position ids) and the value offset to the output; every generated token's logits equal the torch path's (which
+    decodes the keys and adds the offsets back), with left padding, nothing decoded; vLLM's k8v4 preset rotates
+    nothing and is fused too."""
+    from tests.test_decode_attention import _check_fused_generation
+
+    codec = _fitted(offset_qwen, {**config, "center": center})
+    assert codec.fused_attention_supported(0) and codec.rotated_key_offset(0) is not None
+    assert codec.value_offset(0) is not None
+    layer = _check_fused_generation(offset_qwen, codec)
+    assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+    assert layer.value_stream.decoded.length == 0

@@ -498,7 +498,7 @@ def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(ti
     scalar codebook times each vector's stored scale (per token and head), in the rotated basis, rescaled to unit
     norm first under vLLM's norm correction; vLLM's k8 keys as float8 and its uniform values as packed ints, not
     rotated; logits those of the torch path; the reader decodes what the codec decodes. Not fused: prod's
-    sketch, center."""
+    sketch (``center``: tests/test_centering.py)."""
     codec = build_codec(config, info_of(tiny_llama))
     assert codec.fused_attention_supported(0)
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(7))
@@ -509,8 +509,39 @@ def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(ti
     layer = _check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
     info = info_of(tiny_llama)
-    for other in ({"name": "turboquant", "variant": "prod", "key_bits": 4, "value_bits": 4}, {**config, "center": "bias"}):
-        assert not build_codec(other, info).fused_attention_supported(0), other
+    assert not build_codec({"name": "turboquant", "variant": "prod", "key_bits": 4, "value_bits": 4},
+                           info).fused_attention_supported(0)
+
+
+@torch.no_grad()
+def test_offset_payload_between_full_precision_pieces_matches_the_reference():
+    """:class:`OffsetReader` in the kernel: a rotated EDEN payload stored less offsets, after two full-precision
+    sink tokens and before a tail, each row at its own positions (the offset's angles), some tokens masked, with
+    ``tl.dot`` and on the register path, equals the reference (which decodes ``inner R + R_p c`` and ``+ c_v``)."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.payloads import OffsetReader
+
+    b, h, r, d, n = 2, 2, 3, 32, 40
+    g = torch.Generator().manual_seed(11)
+    codec = build_codec({"name": "eden", "key_bits": 3, "value_bits": 2}, ModelInfo("tiny", 1, h, d))
+    segments = {}
+    for kind in ("key", "value"):
+        payload = codec.encode(Request(0, kind, tokens=torch.randn(b, h, n, d, generator=g)))
+        reader = OffsetReader(n, d, codec.payload_reader(payload, kind, 0), 3 * torch.randn(h, d, generator=g), kind == "key")
+        segments[kind] = [torch.randn(b, h, 2, d, generator=g), reader, torch.randn(b, h, 3, d, generator=g)]
+    positions = torch.stack([torch.arange(45), torch.arange(45) + 7]).to(torch.int32)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    rope = RotaryPositions(positions, 2, inv_freq, 1.0, torch.float32)
+    valid = torch.ones(b, 45, dtype=torch.bool)
+    valid[1, :4] = False
+    valid[0, 20] = False
+    query = torch.randn(b, h * r, d, generator=g)
+    expected = decode_attention_reference(query, segments["key"], segments["value"], d**-0.5, valid, rope)
+    for options in ({"num_splits": 3}, {"dot": False, "block_tokens": 16}):
+        out = decode_attention_triton(query, segments["key"], segments["value"], d**-0.5, valid, key_rope=rope, **options)
+        torch.testing.assert_close(out, expected, rtol=2e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="key_rope gives the positions"):
+        decode_attention_triton(query, segments["key"], segments["value"], d**-0.5, valid)
 
 
 @torch.no_grad()

@@ -252,7 +252,7 @@ class CompressedLayer(StepLayer):
             for stream in part.streams:
                 stream.freeze()
         if fused == "attention":
-            key_rope = part.positions.key_rope(key_stream.num_sinks) if self.codec.pre_rope else None
+            key_rope = part.positions.key_rope(key_stream.num_sinks) if key_stream.rotates else None
             return FusedDecode(keys, values, self.codec, self.layer_idx, step.kernel_backend, key_rope, key_stream.length)
         if fused:
             return FromSegments(keys, values, self.codec, self.layer_idx, step.kernel_backend, value_stream.state)
@@ -266,16 +266,19 @@ class CompressedLayer(StepLayer):
         need fixed RoPE frequencies and every token's position); ``"scores"`` (where the kernel cannot read the
         format): the codec's kernel scores the key payload (:class:`~kvcomp.codecs.base.PayloadScores`),
         values are decoded; ``"values"`` (any backend, :class:`~kvcomp.codecs.base.PayloadValues`): keys are
-        decoded, the codec weights the value payload; ``None``: the torch
-        path (also without kvcomp's attention, ``step`` None; and keys with a rotated offset, which no kernel adds)."""
+        decoded, the codec weights the value payload; ``None``: the torch path (also without kvcomp's attention,
+        ``step`` None). Keys with a rotated offset are read by the fused kernel only (it adds the offset's score, with
+        the same needs as pre-RoPE keys)."""
         if step is None:
             return None
         if values_from_payload(self.codec):
             return "values"
-        if step.kernel_backend != "triton" or part.streams[0].offset is not None:
+        if step.kernel_backend != "triton":
             return None
-        if (not self.codec.pre_rope or part.positions.recomputed) and reads_fused(self.codec, self.layer_idx):
+        if (not part.streams[0].rotates or part.positions.recomputed) and reads_fused(self.codec, self.layer_idx):
             return "attention"
+        if part.streams[0].offset is not None:
+            return None
         return "scores" if scores_from_payload(self.codec) else None
 
     def raise_if_nonfinite(self) -> None:

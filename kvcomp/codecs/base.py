@@ -593,6 +593,12 @@ class FusedPayload(ABC):
         """A :class:`~kvcomp.kernels.payloads.PayloadReader`: how the kernel decodes ``payload`` in registers
         (pre-RoPE keys are rotated by the cache's positions)."""
 
+    def value_offset(self, layer_idx: int) -> torch.Tensor | None:
+        """An offset ``c_v [kv_heads, head_dim]`` that layer ``layer_idx``'s value payloads are stored less (option
+        ``center``; :meth:`~Codec.decode` adds it back), which the fused kernel adds to the attention output; None:
+        nothing. Keys: :meth:`~Codec.rotated_key_offset`."""
+        return None
+
 
 class PayloadScores(ABC):
     """Capability: decode steps score the encoded keys from their payload with the codec's own kernel (where the

@@ -233,9 +233,11 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """The fused decode kernel reads the sign bits (any sketch sizes; groups of at least 16 tokens, a
-        power of two, so that a tile lies in one group) and the per-token uniform values."""
+        power of two, so that a tile lies in one group) and the per-token uniform values; not with ``center``
+        (the kernel adds a key offset in a launch of its own over one payload of keys and values, and QJL's key
+        and value payloads cover different tokens)."""
         group = self.config.group_size
-        return group >= 16 and group & (group - 1) == 0
+        return group >= 16 and group & (group - 1) == 0 and self.config.center == "none"
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> SketchReader | UniformReader:
         if kind == "value":

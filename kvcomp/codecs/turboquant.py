@@ -41,8 +41,9 @@ an error; vLLM attends exactly during prefill (kvcomp's ``benchmark.protocol=exa
 
 Fused decode (``kernel_backend=triton``): TurboQuant-mse, EDEN and vLLM's presets are read by the fused kernel
 (:meth:`RotatedCodec.payload_reader`): Lloyd-Max codes (any width, norm correction included) in the rotated basis
-(the query rotated, the output un-rotated), k8 keys as float8, uniform values as packed ints; ``prod`` and
-``center`` take the reference path.
+(the query rotated, the output un-rotated), k8 keys as float8, uniform values as packed ints; ``center``'s offsets
+are added by the kernel (the key offset's score ``q . R_p c`` per token, the value offset to the output); ``prod``
+takes the reference path.
 """
 
 from __future__ import annotations
@@ -195,11 +196,14 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """Where the fused kernel reads both streams: Lloyd-Max codes of any width times a per-vector scale
-        (vLLM's norm correction included), vLLM's k8 keys (where Triton loads float8) and uniform values; not
-        prod's sketch, nor ``center``."""
+        (vLLM's norm correction included), vLLM's k8 keys (where Triton loads float8) and uniform values, with or
+        without ``center``'s offsets (:class:`~kvcomp.kernels.payloads.OffsetReader`); not prod's sketch."""
         coders = self.coders.values()
-        return (self.config.center == "none" and not any(isinstance(c, ProdQuantizer) for c in coders)
+        return (not any(isinstance(c, ProdQuantizer) for c in coders)
                 and (loads_float8() or not any(isinstance(c, FP8Keys) for c in coders)))
+
+    def value_offset(self, layer_idx: int) -> torch.Tensor | None:
+        return self.offsets.vectors.get((layer_idx, "value"))
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> PayloadReader:
         """k8 keys: float8 e4m3 values (scale 1). Uniform values: packed ints, one group per vector. Lloyd-Max

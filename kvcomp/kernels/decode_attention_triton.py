@@ -58,6 +58,7 @@ from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.payloads import (
     BlockFloatReader,
     CodebookReader,
+    OffsetReader,
     ScaledReader,
     PayloadReader,
     RotaryPositions,
@@ -491,7 +492,7 @@ def _split_kernel(
     v_cut1, v_cut2, v_cut3,
     v_data, v_scale, v_zero, v_codebooks, v_ch_scale, v_ch_center, v_tok_scale, v_tok_center, v_length, v_first,
     v_data_s_b, v_data_s_h, v_param_s_b, v_param_s_h, v_tok_s_b, v_tok_s_h,
-    positions, pos_stride, inv_freq, rope_scaling,
+    positions, pos_stride, inv_freq, rope_scaling, q0_ptr, offset_ptr,
     sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
     sk_out_s_b, sk_out_s_h, sk_onorm_s_b, sk_onorm_s_h, sk_ch_s_b, sk_ch_s_h,
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -503,7 +504,7 @@ def _split_kernel(
     V_CODE_BITS: tl.constexpr, V_CENTROIDS: tl.constexpr, V_TL: tl.constexpr, V_CL: tl.constexpr, V_GC: tl.constexpr,
     V_TOKEN_SCALE: tl.constexpr, V_TOKEN_CENTER: tl.constexpr, V_UNIT: tl.constexpr, V_LEVELS: tl.constexpr,
     V_MULTIPLIER: tl.constexpr, V_ENCODED: tl.constexpr,
-    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr,
+    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr, OFFSET: tl.constexpr,
     SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, SK_M_PAD: tl.constexpr,
     MASKED: tl.constexpr,
     PACKED_V: tl.constexpr,
@@ -548,6 +549,12 @@ def _split_kernel(
     q_mask = row_ok[:, None] & c_ok[None, :]
     q_lo = tl.load(q_at, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
     q_hi = tl.load(q_at + D // 2, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    if OFFSET:  # a rotated key offset: the query as the model made it (q_ptr: rotated with the payload) and c
+        q0_at = q0_ptr + bh * R * D + rows[:, None] * D + c[None, :]
+        q0_lo = tl.load(q0_at, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        q0_hi = tl.load(q0_at + D // 2, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        off_lo = tl.load(offset_ptr + h * D + c, mask=c_ok, other=0.0)
+        off_hi = tl.load(offset_ptr + h * D + D // 2 + c, mask=c_ok, other=0.0)
 
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -586,6 +593,11 @@ def _split_kernel(
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
+            if OFFSET:  # + q . R_p c: the offset rotated to each token's position, scored with the model's query
+                o_lo, o_hi = _rotate(tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_lo[None, :],
+                                     tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_hi[None, :],
+                                     positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
+                s += _scores(q0_lo, q0_hi, o_lo, o_hi, rows, BLOCK_R, BLOCK_T, DOT)
         else:  # a full-precision piece
             s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
         s = tl.where(g_ok[None, :], s, float("-inf"))
@@ -892,6 +904,7 @@ def decode_launches(
     block_tokens: int | None = None,
     dot: bool | None = None,
     num_warps: int | None = None,
+    key_offset: tuple[torch.Tensor, torch.Tensor, RotaryPositions] | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
@@ -900,13 +913,18 @@ def decode_launches(
     ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
     :data:`WARPS`); ``block_tokens``: tokens per tile (default :data:`TILE`, fewer where a payload's groups
     need it, :func:`_tile_tokens`; :func:`default_tile` chooses by format); ``num_warps``: warps per split program (default :data:`WARPS`; on the
-    register path a program may take the register file's share of its warps). Only the slice counts depend on
+    register path a program may take the register file's share of its warps). ``key_offset``: ``(query, c, positions)``
+    of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
+    model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
+    score ``q . R_p c`` the kernel adds. Only the slice counts depend on
     the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
-    if any(isinstance(s, RotatedReader) for s in key_segments + value_segments):
-        raise ValueError("decode kernel: a rotated payload takes its own launches (decode_attention_triton)")
+    if any(isinstance(s, (RotatedReader, OffsetReader)) for s in key_segments + value_segments):
+        raise ValueError("decode kernel: a rotated or offset payload takes its own launches (decode_attention_triton)")
+    if key_rope is not None and key_offset is not None:
+        raise ValueError("decode kernel: keys are pre-RoPE (key_rope) or carry a rotated offset (key_offset), not both")
     h = _kv_heads(key_segments[0])
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
@@ -937,14 +955,19 @@ def decode_launches(
         valid = valid.to(device)
         valid = valid.view(torch.uint8) if valid.dtype == torch.bool and valid.stride(-1) == 1 else valid.to(torch.uint8).contiguous()
         mask = dict(valid_ptr=valid, valid_s_b=valid.stride(0), MASKED=True)
-    no_rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0)
-    key_rotation = no_rope  # for encoded keys of pre-RoPE codecs: converted once, shared by the step's launches
-    if key_rope is not None:
-        positions = key_rope.positions.to(device, torch.int32)  # the cache's position ids, read in place
+    no_rope = dict(positions=placeholder, pos_stride=0, inv_freq=placeholder, rope_scaling=1.0, ROPE=False, ROUND=0,
+                   q0_ptr=placeholder, offset_ptr=placeholder, OFFSET=False)
+    key_rotation = no_rope  # for encoded keys of pre-RoPE codecs (or their offset): shared by the step's launches
+    rotary = key_rope if key_offset is None else key_offset[2]
+    if rotary is not None:
+        positions = rotary.positions.to(device, torch.int32)  # the cache's position ids, read in place
         positions = positions if positions.stride(-1) == 1 else positions.contiguous()
-        key_rotation = dict(positions=positions, pos_stride=positions.stride(0), rope_scaling=float(key_rope.scaling),
-                            inv_freq=key_rope.inv_freq.to(device, torch.float32).contiguous(), ROPE=True,
-                            ROUND=ROUNDING.get(key_rope.dtype, 0))
+        key_rotation = dict(no_rope, positions=positions, pos_stride=positions.stride(0), rope_scaling=float(rotary.scaling),
+                            inv_freq=rotary.inv_freq.to(device, torch.float32).contiguous(), ROPE=key_rope is not None,
+                            ROUND=ROUNDING.get(rotary.dtype, 0))
+    if key_offset is not None:
+        key_rotation.update(q0_ptr=key_offset[0].reshape(b, h, r, d).contiguous(),
+                            offset_ptr=key_offset[1].to(device, torch.float32).contiguous(), OFFSET=True)
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     launches, slot, sketched_queries = [], 0, {}
     for lo, hi, key_indices, value_indices, tiles, splits in plan:
@@ -974,8 +997,9 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
     ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`.
-    A :class:`RotatedReader` payload is read in its own launches (:func:`_with_rotated_payload`)."""
-    if any(isinstance(s, RotatedReader) for s in key_segments + value_segments):
+    A :class:`RotatedReader` or :class:`OffsetReader` payload is read in its own launches (:func:`_with_rotated_payload`;
+    ``key_rope`` then gives the positions of a rotated key offset)."""
+    if any(isinstance(s, (RotatedReader, OffsetReader)) for s in key_segments + value_segments):
         return _with_rotated_payload(query, key_segments, value_segments, scale, valid, **options)
     out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     with launch_device(query.device):
@@ -984,22 +1008,30 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     return out
 
 
-def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **options) -> torch.Tensor:
-    """Attention over a cache whose payload is stored in a rotated basis: one segment of the keys and one of the
-    values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets rotate only
-    the keys). The payload's split launches take the query rotated (``q rotation_k^T``) where its keys are
-    rotated, the other segments' take it as it is; the payload's partial outputs are un-rotated
-    (``@ rotation_v``) where its values are; one merge combines all slices (their log-sum-exps do not depend on
-    the basis)."""
-    at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, RotatedReader)}
+def _with_rotated_payload(query, key_segments, value_segments, scale, valid, key_rope=None, **options) -> torch.Tensor:
+    """Attention over a cache whose payload is stored in a rotated basis or less an offset: one segment of the keys and
+    one of the values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets rotate
+    only the keys), each possibly inside an :class:`OffsetReader`. The payload's split launches take the query rotated
+    (``q rotation_k^T``) where its keys are rotated, the other segments' take it as it is; the payload's partial
+    outputs are un-rotated (``@ rotation_v``) where its values are; a key offset's score is added in the payload's
+    launches (``key_rope``: every cached token's position), a value offset to its partial outputs (each a softmax
+    average); one merge combines all slices (their log-sum-exps do not depend on the basis)."""
+    special = (RotatedReader, OffsetReader)
+    at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, special)}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     i = min(at)
-    if (len(at) != 1 or i >= min(len(key_segments), len(value_segments))
-            or key_bounds[i: i + 2] != value_bounds[i: i + 2] or options.get("key_rope") is not None):
-        raise ValueError("decode kernel: a rotated payload must be one post-RoPE segment of the keys and of the values, "
-                         "over the same tokens")
+    if len(at) != 1 or i >= min(len(key_segments), len(value_segments)) or key_bounds[i: i + 2] != value_bounds[i: i + 2]:
+        raise ValueError("decode kernel: a rotated or offset payload must be one post-RoPE segment of the keys and of the "
+                         "values, over the same tokens")
     lo, hi = key_bounds[i], key_bounds[i + 1]
     keys, values = key_segments[i], value_segments[i]
+    key_offset, value_offset = (s if isinstance(s, OffsetReader) else None for s in (keys, values))
+    keys, values = (s.inner if isinstance(s, OffsetReader) else s for s in (keys, values))
+    if key_offset is not None and not key_offset.rotated or value_offset is not None and value_offset.rotated:
+        raise ValueError("decode kernel: a key offset is rotated to each token's position, a value offset is not")
+    if (key_rope is None) != (key_offset is None):
+        raise ValueError("decode kernel: a rotated payload's keys are post-RoPE; key_rope gives the positions of a "
+                         "key offset, and only of one")
     key_rotation, value_rotation = (s.rotation if isinstance(s, RotatedReader) else None for s in (keys, values))
     keys, values = (s.inner if isinstance(s, RotatedReader) else s for s in (keys, values))
     rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
@@ -1008,13 +1040,20 @@ def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **o
     rotated = query
     if key_rotation is not None:
         rotated = (query.view(b, h, hq // h, d).float() @ key_rotation.transpose(-1, -2).float()).view(b, hq, d)
-    groups = [(rotated, [keys], [values], None if valid is None else valid[:, lo:hi], value_rotation)]
+    payload_options = dict(options)
+    if key_offset is not None:
+        positions = key_rope.positions[:, key_rope.first : key_rope.first + hi - lo]  # the payload's tokens, from 0
+        payload_options["key_offset"] = (query, key_offset.offset,
+                                         RotaryPositions(positions, 0, key_rope.inv_freq, key_rope.scaling, key_rope.dtype))
+    groups = [(rotated, [keys], [values], None if valid is None else valid[:, lo:hi], value_rotation, value_offset,
+               payload_options)]
     if rest[0]:
-        groups.append((query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1), None))
+        groups.append((query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1), None, None,
+                       options))
     partials, lses, merge = [], [], None
     with launch_device(query.device):
-        for q, k, v, mask, rotation in groups:
-            _, launches = decode_launches(q, k, v, scale, mask, **options)
+        for q, k, v, mask, rotation, offset, group_options in groups:
+            _, launches = decode_launches(q, k, v, scale, mask, **group_options)
             for launch in launches[:-1]:
                 launch()
             if launches:
@@ -1023,6 +1062,9 @@ def _with_rotated_payload(query, key_segments, value_segments, scale, valid, **o
                 if rotation is not None:  # [B*H, slots, R, D] by each KV head's rotation ([D, D] or [1 or H, D, D])
                     rotation = rotation.float().reshape(-1, 1, d, d)
                     partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
+                if offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
+                    c_v = offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
+                    partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
                 partials.append(partial)
                 lses.append(merge.args["lse_ptr"])
         if merge is None:  # nothing cached

@@ -240,6 +240,28 @@ class RotatedReader(PayloadReader):
         return self.inner.dequantize_unrotated() @ self.rotation
 
 
+@dataclass
+class OffsetReader(PayloadReader):
+    """A payload stored less an offset per KV head, ``offset`` float32 ``[H, D]`` (the ``center`` option of
+    TurboQuant / EDEN / QJL): values ``x = inner + c``; keys (``rotated``) ``x = inner + R_p c``, the pre-RoPE offset
+    rotated to each token's position (the step's :class:`RotaryPositions`). The kernel adds ``q . R_p c`` to each
+    key's score and ``c`` to the values' share of the output (softmax weights sum to one); nothing is decoded."""
+
+    inner: PayloadReader
+    offset: torch.Tensor
+    rotated: bool
+
+    def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
+        x = self.inner.dequantize()
+        b, h, t, d = x.shape
+        offset = self.offset.float().to(x.device)[None, :, None, :].expand(b, h, t, d)
+        if self.rotated:
+            if rope is None:
+                raise ValueError("a rotated key offset needs the keys' positions (key_rope)")
+            offset = apply_rope(offset, *rope.cos_sin(t))
+        return x + offset
+
+
 Segment = torch.Tensor | PayloadReader
 
 
