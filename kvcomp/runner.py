@@ -203,7 +203,8 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     with phase(f"building codec {plan.codec.name}", timings, "codec_seconds"):
         codec = build_codec(plan.codec, info)
         press = build_press(plan.press, info)
-        check_press(press, codec, "exact_prefill")  # before calibration: a press composes with stream-scope codecs
+        # before calibration: a press composes with stream-scope codecs (and decode presses with generated tokens coded)
+        check_press(press, codec, "exact_prefill", getattr(plan.benchmark, "compress_generated", True))
 
     with phase(f"{plan.benchmark.name} data", timings, "benchmark_data_seconds"):
         benchmark.prepare(model, tokenizer, model_cfg)

@@ -15,7 +15,7 @@
 #   5. Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
 #   6. scripts/bench_decode_overhead.py --device cuda --write
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
-# The default limits of the default steps add up to 650 s: more than one call (10 minutes at most), so name STEPS.
+# The default limits of the default steps add up to 700 s: more than one call (10 minutes at most), so name STEPS.
 # Each benchmark's log and the updated BENCHMARKS.md go to OUTDIR as soon as it ends. Wheels in .whl/
 # (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds can be
 # changed with ATTENTION_S, QJL_S, E2E_S, NCU_S, OVERHEAD_S, SWEEP_S and PROFILE_S; the attention contexts with

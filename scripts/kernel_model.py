@@ -36,6 +36,7 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E40
 from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.kernels import Launch  # noqa: E402
 from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
+from kvcomp.kernels.payloads import RotatedReader  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 from kvcomp.kernels.static_model import SMS, Geometry, accesses, bounds, count, disassemble, tile_instructions  # noqa: E402
@@ -97,9 +98,11 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
     options = options or {}
     codec = codec_for(name)
     keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
+    # a rotated payload's launches read its inner payload (the query's rotation is a matmul outside them)
+    keys, values = ([s.inner if isinstance(s, RotatedReader) else s for s in segments] for segments in (keys, values))
     query = torch.randn(1, H * R, D, dtype=torch.bfloat16)
     _, launches = today.decode_launches(query, keys, values, D**-0.5, torch.ones(1, SMALL, dtype=torch.bool), rope, **options)
-    block = options.get("block_tokens") or today.default_tile(keys + values)
+    block = launches[0].args["unit"]  # the tokens per tile the launch was planned with
     splits, merge = launches[:-1], launches[-1]
     found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields")) for launch in splits]
     merged = analysed(merge)
@@ -208,23 +211,25 @@ def spearman_agrees(predicted: dict, measured: dict) -> bool:
 
 
 def measured_sweep(path: Path) -> dict:
-    """``{(card, codec, batch, context): {configuration: ms}}`` from the launch-configuration section of BENCHMARKS.md
-    (``scripts/sweep_decode_kernel.py --write`` on a GPU; the card: the last H100 or H200 named above the row)."""
+    """``{(card, run, codec, batch, context): {configuration: ms}}`` from the launch-configuration section of
+    BENCHMARKS.md (``scripts/sweep_decode_kernel.py --write`` on a GPU; the card: the last H100 or H200 named above
+    the row; the run: how many commands of the sweep script were named above it)."""
     text = path.read_text()
     start = text.find(SWEEP_SECTION)
     if start < 0:
         raise SystemExit(f"{path} has no section {SWEEP_SECTION!r}: run scripts/sweep_decode_kernel.py --write on a GPU first")
     end = text.find("\n## ", start + len(SWEEP_SECTION))
-    out, card = {}, None
+    out, card, run = {}, None, 0
     for line in text[start : end if end >= 0 else len(text)].splitlines():
         if not line.startswith("|"):
             named = [c for c in ("H100", "H200") if c in line]
             card = named[-1] if named else card
+            run += "sweep_decode_kernel.py" in line
             continue
         cells = [c.strip() for c in line.strip(" |").split(" | ")]
         if len(cells) == 9 and cells[1][:1].isdigit() and not cells[3].startswith("failed"):
             batch, context = (int(x) for x in cells[1].split(" x "))
-            out.setdefault((card, cells[0], batch, context), {})[cells[2]] = float(cells[3])
+            out.setdefault((card, run, cells[0], batch, context), {})[cells[2]] = float(cells[3])
     return out
 
 
@@ -241,15 +246,16 @@ def concordance(predicted: dict, measured: dict) -> float:
 FORMER_DEFAULT = "default (register path, 16 warps, 16-token tiles)"
 
 
-# The default row of the H100 sweeps at 0692536, before default_tile: tl.dot, 4 warps, 32-token tiles for every format
-FORMER_DOT_DEFAULT = "default (tl.dot, 4 warps, 32 tokens)"
+# The default row of the H100 sweeps at 0692536, before default_tile: 4 warps and 32-token tiles for every format
+# (tl.dot but over QJL's sketched keys, as today)
+FORMER_TILE_DEFAULT = "default (32-token tiles)"
 
 
 def sweep_options(label: str, name: str) -> dict:
     if label == FORMER_DEFAULT:
         return dict(dot=False, num_warps=16, block_tokens=16 if name.startswith("kivi") else 8)
-    if label == FORMER_DOT_DEFAULT:
-        return dict(dot=True, num_warps=4, block_tokens=32)
+    if label == FORMER_TILE_DEFAULT:
+        return dict(num_warps=4, block_tokens=32)
     return SWEEP_CONFIGS[label]
 
 
@@ -261,7 +267,7 @@ def sweep_check(path: Path) -> list[str]:
              "", "| card | codec | batch x context | configuration | predicted ms | bound | measured ms | ratio |",
              "|---|---|---|---|---:|---|---:|---:|"]
     summary = []
-    for (card, name, batch, context), times in measured.items():
+    for (card, _, name, batch, context), times in measured.items():
         predicted = {}
         for label, ms in times.items():
             seconds, parts = today_step(name, [(batch, context)], sweep_options(label, name))["shapes"][(batch, context)]

@@ -30,8 +30,8 @@ from kvcomp.kernels.decode_attention import decode_attention_reference, relative
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
 
 SECTION = "## Launch configurations of the fused decode kernel (issue 38)"
-# label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, 32-token
-# tiles, the register path for QJL's sketched keys since b1ee781)
+# label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, the register path
+# for QJL's sketched keys since b1ee781; 32-token tiles, 128 for the formats default_tile names since a676511)
 CONFIGS = {
     "default": {},
     "register, 16 warps, 16 tokens": dict(dot=False, num_warps=16, block_tokens=16),

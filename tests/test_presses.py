@@ -428,8 +428,9 @@ def test_tova_evicts_at_each_step_the_token_the_last_query_attended_least(one_la
 def test_pressing_a_per_token_codec_while_decoding_drops_payload_rows_without_quantizing_again(one_layer_llama, name,
                                                                                                 codec):
     """A per-token codec's held tokens are dropped in place: after each press every held token decodes to exactly the
-    key it decoded to before (nothing encoded twice), the layer never holds more than size + interval tokens, and
-    knorm keeps each head's lowest-norm decoded keys."""
+    key it decoded to before (nothing encoded twice, the torch path's decoded copy gathered, not decoded again), the
+    payload stays in its buffers, the layer never holds more than size + interval tokens, and knorm keeps each head's
+    lowest-norm decoded keys."""
     model, info = one_layer_llama, info_of(one_layer_llama)
     ids, _ = _ids(batch=1, n=24)
     press = build_press({"name": name, "decoding_size": 16, "decoding_interval": 3}, info)
@@ -437,11 +438,19 @@ def test_pressing_a_per_token_codec_while_decoding_drops_payload_rows_without_qu
     out = model(ids, past_key_values=cache, use_cache=True)
     encoded, encode = [], cache.codec.encode
     cache.codec.encode = lambda request: (encoded.append(request.tokens.shape[2]), encode(request))[1]
+    decoded, decode = [], cache.codec.decode
+    cache.codec.decode = lambda payload, request: (decoded.append(payload.num_tokens), decode(payload, request))[1]
     layer, pressed = cache.layers[0], 0
     for position in range(24, 34):
+        if position > 25:  # after the prompt's first read, each read decodes only the newest token
+            assert set(decoded) == {1}, decoded
+        decoded.clear()
         before = [layer.key_stream.materialize()[0], layer.value_stream.materialize()[0]]
+        buffers = {name: g.buffer.data_ptr() for name, g in layer.key_stream.store.tensors.items()}
         out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
                     position_ids=torch.tensor([[position]]))
+        # the kept rows moved to the front of the same buffers (this one-step forward fits their spare capacity)
+        assert {name: g.buffer.data_ptr() for name, g in layer.key_stream.store.tensors.items()} == buffers
         assert layer.key_stream.drops_in_place and layer.key_stream.length <= 16 + 3
         for held, earlier in zip((layer.key_stream.materialize()[0, :, :-1], layer.value_stream.materialize()[0, :, :-1]),
                                  before):
@@ -457,6 +466,33 @@ def test_pressing_a_per_token_codec_while_decoding_drops_payload_rows_without_qu
     assert pressed >= 2 and layer.parts[0].evicted > 0 and set(encoded) == {1}  # only each step's own token
 
 
+@torch.no_grad()
+def test_a_pressed_cache_is_not_stored(tiny_llama):
+    from kvcomp.cache.offload import store
+
+    info = info_of(tiny_llama)
+    cache = CompressedCache(build_codec({"name": "fp16"}, info), "exact_prefill",
+                            press=build_press({"name": "knorm", "ratio": 0.5}, info))
+    tiny_llama(_ids(batch=1, n=12)[0], past_key_values=cache, use_cache=True)
+    with pytest.raises(NotImplementedError, match="with a press"):
+        store(cache)
+
+
+@torch.no_grad()
+def test_the_last_query_follows_its_row_when_beams_are_reordered(tiny_llama):
+    """TOVA's last query is per row: a beam reorder (or batch select) moves it with the row's cache."""
+    info = info_of(tiny_llama)
+    cache = CompressedCache(build_codec({"name": "fp16"}, info), "exact_prefill",
+                            press=build_press({"name": "tova", "decoding_size": 16}, info))
+    ids, _ = _ids(batch=2, n=12)
+    tiny_llama(ids, past_key_values=cache, use_cache=True)
+    layer = cache.layers[1]
+    before = layer.parts[0].last_query.clone()
+    assert before.shape[0] == 2 and not torch.equal(before[0], before[1])
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(layer.parts[0].last_query, before[[1, 1]])
+
+
 def test_presses_that_read_a_window_of_queries_cannot_press_while_decoding(tiny_llama):
     """SnapKV's observation window and Expected Attention's query statistics need many queries, which a decode step
     does not have (TOVA's one last query can); a quantized codec would quantize its kept tokens again at every
@@ -465,6 +501,10 @@ def test_presses_that_read_a_window_of_queries_cannot_press_while_decoding(tiny_
         with pytest.raises(ConfigError, match="cannot press while decoding.*knorm, streaming_llm, tova"):
             build_press({"name": name, "decoding_size": 64}, INFO)
     info = info_of(tiny_llama)
+    with pytest.raises(ConfigError, match="compress_generated=False keeps generated tokens in full precision"):
+        CompressedCache(build_codec({"name": "int_token_head"}, info), "exact_prefill", compress_generated=False,
+                        press=build_press({"name": "knorm", "decoding_size": 8}, info))
+    info = info_of(tiny_llama)
     with pytest.raises(ConfigError, match="quantize"):
         CompressedCache(build_codec(KIVI, info), "exact_prefill", press=build_press({"name": "knorm", "decoding_size": 8}, info))
     with pytest.raises(ConfigError, match="decoding_interval"):
@@ -472,16 +512,22 @@ def test_presses_that_read_a_window_of_queries_cannot_press_while_decoding(tiny_
 
 
 @pytest.mark.parametrize("name, codec", [("knorm", "fp16"), ("streaming_llm", "fp16"), ("tova", "fp16"),
-                                         ("knorm", "int_token_head"), ("tova", "fp8"), ("streaming_llm", "turboquant")])
+                                         ("knorm", "int_token_head"), ("tova", "fp8"), ("streaming_llm", "turboquant"),
+                                         ("knorm", "nvfp4 skip_layers=[0]")])
 @torch.no_grad()
 def test_pressing_while_decoding_under_padding_beams_and_capacity(tiny_llama, name, codec):
     """A pressed prefill, then pressed while decoding, under left padding, beam search and a preallocated cache, on the
-    uncompressed cache and on per-token codecs (their payload rows dropped in place): each row group holds at most
-    size + interval tokens and every tensor held is counted."""
+    uncompressed cache and on per-token codecs (their payload rows dropped in place; a skipped layer rebuilt in full
+    precision): each row group holds at most size + interval tokens, every tensor held is counted, and the only
+    multi-token encodes are the prefill's, one per layer, stream and row group (nothing quantized again)."""
     info = info_of(tiny_llama)
     ids, mask = _ids()
     press = build_press({"name": name, "ratio": 0.25, "decoding_size": 24, "decoding_interval": 4}, info)
-    cache = CompressedCache(build_codec({"name": codec}, info), "exact_prefill", press=press, capacity=40 + 10)
+    config = {"name": codec.split()[0], **({"skip_layers": [0]} if "skip_layers" in codec else {})}
+    codec = build_codec(config, info)
+    encoded, encode = [], codec.encode
+    codec.encode = lambda request: (encoded.append(request.tokens.shape[2]), encode(request))[1]
+    cache = CompressedCache(codec, "exact_prefill", press=press, capacity=40 + 10)
     out = tiny_llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, min_new_tokens=10,
                               num_beams=2, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 50)
@@ -489,3 +535,5 @@ def test_pressing_while_decoding_under_padding_beams_and_capacity(tiny_llama, na
         assert part.schedule.key_stream.length <= 24 + 4 and part.evicted > 0
     held = held_nbytes(cache, model_storages(tiny_llama), skip=(Codec,))
     assert held == pytest.approx(cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes, rel=0.01)
+    coded_layers = sum(codec.policy("key", layer).block_size is not None for layer in range(info.num_layers))
+    assert sum(n > 1 for n in encoded) == coded_layers * 2 * len(cache.layers[0].parts)

@@ -206,14 +206,18 @@ class CompressedLayer(StepLayer):
         if self.press.reads_queries and part.last_query is None:
             raise RuntimeError(f"press {self.press.name} scores held tokens with the last forward's query: call the "
                                "cache through kvcomp's attention (kvcomp.cache.install)")
+        copies = [stream.decoded.length > 0 for stream in part.streams]  # the torch path's: scoring decodes every block
         keys, values = key_stream.materialize(), value_stream.materialize()
         query = part.last_query if self.press.reads_queries else None
         kept = self.press.keep(Prefill(query, keys, values), count=cfg.decoding_size)
         part.evicted += key_stream.length - cfg.decoding_size
         if key_stream.drops_in_place and value_stream.drops_in_place:
-            key_stream.keep_encoded(kept)
-            value_stream.keep_encoded(kept)
+            for stream, copy in zip(part.streams, copies):
+                stream.keep_encoded(kept, copy)
             return
+        if key_stream.num_encoded or value_stream.num_encoded:  # check_press refuses what would come here
+            raise RuntimeError(f"layer {self.layer_idx}: its encoded tokens cannot be dropped in place, and rebuilding "
+                               "the layer would quantize them again")
         keys, values = _kept(keys, kept), _kept(values, kept)
         part.schedule.reset()
         self._store(part, keys, values, step)
@@ -378,7 +382,7 @@ class CompressedCache(Cache, PaddedRows):
                  press: Press | None = None):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
-        check_press(press, codec, protocol)
+        check_press(press, codec, protocol, compress_generated)
         if check_finite not in CHECK_FINITE:
             raise ConfigError(f"unknown check_finite {check_finite!r}; valid choices: True, False, 'deferred'")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
@@ -564,7 +568,7 @@ class CompressedCache(Cache, PaddedRows):
         return bits
 
 
-def check_press(press: Press | None, codec: Codec, protocol: str) -> None:
+def check_press(press: Press | None, codec: Codec, protocol: str, compress_generated: bool = True) -> None:
     """Raise :class:`ConfigError` when ``press`` cannot evict from this cache: it evicts after an exact prefill
     (``exact_prefill``); each layer keeps its own tokens, which layer- and model-scope codecs (one block across
     layers) cannot code; a selection per KV head has no single position per token, which pre-RoPE codecs and rotated
@@ -584,6 +588,10 @@ def check_press(press: Press | None, codec: Codec, protocol: str) -> None:
                           "keeps its own tokens; choose a stream-scope codec")
     offsets = getattr(codec.config, "center", "none") != "none" or any(
         codec.rotated_key_offset(layer) is not None for layer in range(codec.model.num_layers))
+    if press.config.decoding_size and not compress_generated and not _full_precision(codec):
+        raise ConfigError(f"press {press.name} presses while decoding (decoding_size), but compress_generated=False keeps "
+                          f"generated tokens in full precision beside codec {codec.name}'s encoded prompt, so a layer's "
+                          "held tokens cannot be dropped in place; leave compress_generated true or use codec=fp16")
     if press.config.decoding_size and not _drops_in_place(codec, offsets):
         raise ConfigError(f"press {press.name} presses while decoding (decoding_size) by dropping held tokens in place, "
                           f"which needs every token of codec {codec.name} encoded one by one (block_size 1, no sinks, no "
@@ -597,11 +605,17 @@ def check_press(press: Press | None, codec: Codec, protocol: str) -> None:
                           "or a post-RoPE codec")
 
 
+def _full_precision(codec: Codec) -> bool:
+    """Whether no stream of ``codec`` ever encodes (the uncompressed cache)."""
+    return all(codec.policy(kind, layer).block_size is None for kind in ("key", "value")
+               for layer in range(codec.model.num_layers))
+
+
 def _drops_in_place(codec: Codec, offsets: bool) -> bool:
     """Whether each layer's two streams hold their tokens as :attr:`~kvcomp.cache.stream.KVStream.drops_in_place`
     needs, or both in full precision only (then rebuilt from the kept ones)."""
     layers = [[codec.policy(kind, layer) for kind in ("key", "value")] for layer in range(codec.model.num_layers)]
-    if all(p.block_size is None for policies in layers for p in policies):
+    if _full_precision(codec):
         return True
     per_token = (not codec.pre_rope and not offsets and not keeps_state(codec) and codec.payload_layout == "tokens")
     return per_token and all(all(p.block_size is None for p in policies)

@@ -124,6 +124,17 @@ class GrowingTensor:
         else:
             self.buffer, self.end = mapped.contiguous(), mapped.shape[self.dim]
 
+    def keep(self, fn) -> None:
+        """Replace the content by ``fn(view)``, no longer than it (a press's kept entries), written over the front of
+        the buffer in place: nothing is allocated but what ``fn`` returns. Views handed out earlier see the
+        overwritten entries (a cache layer presses before it hands out the views of a forward)."""
+        if self.buffer is None:
+            return
+        kept = fn(self.view)
+        n = kept.shape[self.dim]
+        self.buffer.narrow(self.dim, 0, n).copy_(kept)
+        self.start, self.end = 0, n
+
     @property
     def nbytes(self) -> int:
         view = self.view

@@ -156,6 +156,9 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
     if len(cache.groups) > 1 or cache.groups[0].pads:
         raise NotImplementedError("storing a left-padded cache is not supported: store each conversation's cache "
                                   "(rows without padding)")
+    if cache.press is not None:
+        raise NotImplementedError(f"storing a cache with a press ({cache.press.name}) is not supported: what it evicted "
+                                  "and the query a decode press scores with are not stored")
     if flush:
         cache.scope.flush()
     tensors: dict[str, torch.Tensor] = {}

@@ -331,25 +331,31 @@ class KVStream:
         return (self.num_sinks == 0 and self.num_tail == 0 and self.store.layout == "tokens" and self.state is None
                 and not self.rotates and all(g.length == self.num_encoded for g in self.store.tensors.values()))
 
-    def keep_encoded(self, kept: torch.Tensor) -> None:
+    def keep_encoded(self, kept: torch.Tensor, keep_decoded: bool) -> None:
         """Keep the held tokens ``kept [B, H or 1, k]`` (ascending indices, every KV head its own or all the same) and
-        free the rest, their payload rows gathered as stored: nothing is decoded or encoded again
-        (:attr:`drops_in_place`)."""
+        drop the rest, the kept payload rows gathered to the front of the store's buffers: nothing is encoded again
+        (:attr:`drops_in_place`). ``keep_decoded``: the torch path's decoded copy (complete) keeps its kept rows too;
+        else it is freed and the kept tokens are decoded when a read needs them."""
         if not self.drops_in_place:
             raise RuntimeError(f"{self.codec.name} {self.kind} stream: its held tokens cannot be dropped in place")
-        tensors = {}
-        for name, t in self.store.view().tensors.items():
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
             if kept.shape[1] not in (1, t.shape[1]):
-                raise RuntimeError(f"{self.codec.name} payload {name!r} has {t.shape[1]} heads; a press kept tokens for "
-                                   f"{kept.shape[1]}")
+                raise RuntimeError(f"{self.codec.name} {self.kind} payload has {t.shape[1]} heads; a press kept tokens "
+                                   f"for {kept.shape[1]}")
             index = kept.to(t.device).expand(t.shape[0], t.shape[1], -1)
-            index = index.reshape(*index.shape, *(1,) * (t.dim() - 3)).expand(*index.shape, *t.shape[3:])
-            tensors[name] = t.gather(2, index)
-        self.store = PayloadStore(self.store.layout, self.capacity)
-        block = self.store.append(Payload(tensors, kept.shape[-1]), 0)
-        self.blocks, self.pending = [block], [block]
-        self.decoded = GrowingTensor(2, self.capacity)
-        self.num_encoded = self.length = kept.shape[-1]
+            return t.gather(2, index.reshape(*index.shape, *(1,) * (t.dim() - 3)).expand(*index.shape, *t.shape[3:]))
+
+        count = kept.shape[-1]
+        for grown in self.store.tensors.values():
+            grown.keep(gather)
+        self.store.num_tokens, self.store.num_blocks = count, 1
+        self.blocks = [Block(0, dict.fromkeys(self.store.tensors, 0), dict.fromkeys(self.store.tensors, count), 0, count)]
+        if keep_decoded and not self.pending and self.decoded.length == self.num_encoded:
+            self.decoded.keep(gather)
+        else:
+            self.decoded, self.pending = GrowingTensor(2, self.capacity), list(self.blocks)
+        self.num_encoded = self.length = count
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam reorder, batch select / repeat) of everything held."""

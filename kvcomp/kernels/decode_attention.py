@@ -16,7 +16,10 @@ and payload *readers* that say how a kernel decodes an encoded block in register
 - :class:`ScaledReader`: float8 or int8 values loaded natively, times a per-tensor or per-(token, head) scale
   (``x = fp8 * s``; vLLM's ``fp8``, ``fp8_per_token_head`` and ``int8_per_token_head`` caches, TurboQuant's k8 keys);
 - :class:`RotatedReader`: any of these stored in a rotated basis (``x = inner @ R``: vLLM's int4 per token and
-  head, OSCAR, TurboQuant / EDEN), read with the query rotated and the output un-rotated.
+  head, OSCAR, TurboQuant / EDEN), read with the query rotated and the output un-rotated;
+- :class:`OffsetReader`: any of these stored less an offset per KV head (``center``): values ``x = inner + c``,
+  keys ``x = inner + R_p c`` (the offset rotated to the token's position), read by adding ``q . R_p c`` to each
+  score and ``c`` to the output.
 
 Keys of pre-RoPE codecs carry :class:`RotaryPositions`: the kernel rotates each decoded key by its
 position's angle ``pos * inv_freq`` (as the model's rotary embedding does) before the dot product.

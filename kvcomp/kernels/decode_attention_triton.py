@@ -911,8 +911,8 @@ def decode_launches(
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
     ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
-    :data:`WARPS`); ``block_tokens``: tokens per tile (default :data:`TILE`, fewer where a payload's groups
-    need it, :func:`_tile_tokens`; :func:`default_tile` chooses by format); ``num_warps``: warps per split program (default :data:`WARPS`; on the
+    :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
+    payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
     register path a program may take the register file's share of its warps). ``key_offset``: ``(query, c, positions)``
     of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
