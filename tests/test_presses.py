@@ -397,17 +397,17 @@ def test_tova_evicts_at_each_step_the_token_the_last_query_attended_least(one_la
     reference = DynamicCache(config=model.config)
     out, _ = (model(ids, past_key_values=c, use_cache=True) for c in (cache, reference))
     layer, hq, d = cache.layers[0], info.num_kv_heads * 2, info.head_dim
-    token = out.logits[:, -1:].argmax(-1)
+    token, previous = out.logits[:, -1:].argmax(-1), ids[:, -1:]  # the next token; the one the last forward brought
     for position in range(20, 30):
         held = layer.key_stream.materialize()[0]  # [H, n, D]
         query = layer.parts[0].last_query[0, :, 0]  # [Hq, D]: the previous forward's last query
-        hidden = model.model.embed_tokens(ids[:, -1:] if position == 20 else token_before)
+        hidden = model.model.embed_tokens(previous)
         cos, sin = model.model.rotary_emb(hidden, torch.tensor([[position - 1]]))
         q = attention.q_proj(model.model.layers[0].input_layernorm(hidden)).view(1, 1, hq, d).transpose(1, 2)
         torch.testing.assert_close(query, apply_rotary_pos_emb(q, q, cos, sin)[0][0, :, 0])
         weights = (query.view(held.shape[0], -1, d) @ held.transpose(-1, -2) / d**0.5).softmax(-1).mean((0, 1))
         expected = held[:, weights[:-1].argmin()] if held.shape[1] == 13 else None  # full: 12 kept + the newest
-        token_before = token
+        previous = token
         out = model(token, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[position]]))
         now = layer.key_stream.materialize()[0, :, :-1]
         assert now.shape[1] == min(12, held.shape[1])
