@@ -57,14 +57,21 @@ CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     # vLLM's turboquant_k3v4_nc on an encoded layer: 3-bit codes (straddling bytes), norm correction, uniform values
     "turboquant-k3v4-nc": {"name": "turboquant", "key_bits": 3, "value_bits": 4, "values": "uniform",
                            "rotation": "plain_hadamard", "density": "gaussian", "norm_correction": True},
+    # EDEN-2 with center's offsets (random here): the key offset's score q . R_p c added per token in the kernel
+    "eden-2-center": {"name": "eden", "key_bits": 2, "value_bits": 2, "center": "calibration"},
 }
 WEIGHT_BYTES = 8.03e9 * 2  # Llama-3.1-8B in bf16
 ROPE_THETA = 500000.0
 
 
 def synthetic_state(codec, generator) -> None:
-    """Random codebooks and channel statistics for a calibrated codec (speed does not depend on them)."""
+    """Random codebooks and channel statistics for a calibrated codec, or random offsets for one with ``center``
+    (speed does not depend on them)."""
     h, d = codec.model.num_kv_heads, codec.model.head_dim
+    if not isinstance(codec, CodebookCodec):  # center's offsets, per layer and stream
+        codec.install_state(CodecState({f"layer{layer}.{kind}.center": torch.randn(h, d, generator=generator)
+                                        for layer in range(codec.model.num_layers) for kind in ("key", "value")}))
+        return
     tensors = {}
     for layer in range(codec.model.num_layers):
         for kind in ("key", "value"):
@@ -85,7 +92,7 @@ def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload
     parameters (positive scales): the layout of a real one without encoding gigabytes first."""
     block = codec.policy(kind, 0).block_size
     probe = codec.encode(Request(0, kind, tokens=torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device)))
-    reader = codec.payload_reader(probe, kind, 0)
+    reader = codec.payload_reader(probe, kind, 0)  # the stored format (inside any offset)
     float8 = {"codes"} if isinstance(reader, ScaledReader) else {"scales"} if isinstance(reader, BlockFloatReader) else set()
     tensors = {}
     for name, t in probe.tensors.items():
@@ -113,10 +120,10 @@ def cache_state(codec, batch: int, context: int, device):
         if encoded:
             payload = random_payload(codec, kind, batch, encoded, device)
             nbytes += payload.nbytes
-            segments.insert(1, codec.payload_reader(payload, kind, 0))
+            segments.insert(1, codec.fused_reader(payload, kind, 0))
         streams[kind] = [s for s in segments if not isinstance(s, torch.Tensor) or s.shape[2]]
     rope = None
-    if codec.pre_rope:
+    if codec.pre_rope or codec.rotated_key_offset(0) is not None:  # keys rotated, or their offset
         positions = torch.arange(context, device=device, dtype=torch.int32).expand(batch, context)
         inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device).float() / d)
         rope = RotaryPositions(positions, codec.policy("key", 0).split(context)[0], inv_freq, 1.0, torch.bfloat16)

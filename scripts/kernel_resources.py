@@ -32,8 +32,8 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E40
 from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
-from kvcomp.kernels.decode_attention_triton import decode_launches  # noqa: E402
-from kvcomp.kernels.payloads import RotatedReader  # noqa: E402
+from kvcomp.kernels.decode_attention_triton import decode_launches, launch_groups  # noqa: E402
+from kvcomp.kernels.payloads import OffsetReader, RotatedReader  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
@@ -49,13 +49,13 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
     if needs_calibration(codec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
     keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
-    if any(isinstance(s, RotatedReader) for s in keys + values):  # a rotated payload's own launches
-        keys, values = ([s.inner if isinstance(s, RotatedReader) else s for s in stream if not isinstance(s, torch.Tensor)]
-                        for stream in (keys, values))
-        context = keys[0].num_tokens
     query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
     valid = torch.ones(1, context, dtype=torch.bool)  # decode steps read the attention mask
-    _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, block_tokens=block_tokens)
+    options = {"block_tokens": block_tokens}
+    if any(isinstance(s, (RotatedReader, OffsetReader)) for s in keys + values):  # the payload's own launches
+        group = launch_groups(query, keys, values, valid, rope, options)[0]
+        query, keys, values, valid, rope, options = group.query, group.keys, group.values, group.valid, None, group.options
+    _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, **options)
     distinct = {}
     for launch in launches:
         constants = tuple((k, v) for k, v in launch.args.items() if k.isupper() or k == "num_warps")
@@ -67,7 +67,7 @@ def describe(launch) -> str:
     args = launch.args
     if "K_FMT" not in args:
         return "merge"
-    keys = FORMATS[args["K_FMT"]] + (" (e2m1 values)" if args["K_LEVELS"] else "") + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "")
+    keys = FORMATS[args["K_FMT"]] + (" (e2m1 values)" if args["K_LEVELS"] else "") + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "") + (" + offset" if args["OFFSET"] else "")
     values = FORMATS[args["V_FMT"]] + (" (e2m1 values)" if args["V_LEVELS"] else "") + (" (stored layout)" if args["PACKED_V"] else "")
     return f"keys {keys}, values {values}"
 

@@ -128,7 +128,7 @@ def test_rotated_payloads_are_read_by_rotating_the_query_and_the_output():
                  ([sinks, readers[0].inner, tail], [sinks, readers[1], tail])):  # values rotated only
         torch.testing.assert_close(decode_attention_triton(query, k, v, d**-0.5, valid),
                                    decode_attention_reference(query, k, v, d**-0.5, valid), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="rotated payload"):  # two rotated payloads per stream
+    with pytest.raises(ValueError, match="rotated or offset payload must be one"):  # two rotated payloads per stream
         decode_attention_triton(query, [readers[0], readers[0]], [readers[1], readers[1]], d**-0.5)
 
 
@@ -607,19 +607,21 @@ def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
 
     from kvcomp.codecs import needs_calibration
     from kvcomp.kernels.decode_attention_triton import default_tile
-    from kvcomp.kernels.payloads import RotatedReader
+    from kvcomp.kernels.payloads import OffsetReader, RotatedReader
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_attention.py"
     spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    wide = {"kivi-2", "kivi-4", "int4-token-head", "eden-2", "nvfp4", "kvarn", "turboquant-k3v4-nc"}
+    wide = {"kivi-2", "kivi-4", "int4-token-head", "eden-2", "eden-2-center", "nvfp4", "kvarn", "turboquant-k3v4-nc"}
     for name, config in bench.CODECS.items():
         codec = build_codec(config, ModelInfo("llama31_8b", 1, 2, 128))
         if needs_calibration(codec):
             bench.synthetic_state(codec, torch.Generator().manual_seed(0))
         keys, values, _, _ = bench.cache_state(codec, 1, 384, torch.device("cpu"))
-        segments = [s.inner if isinstance(s, RotatedReader) else s for s in keys + values]
+        segments = keys + values
+        while any(isinstance(s, (RotatedReader, OffsetReader)) for s in segments):  # what the payload's launch reads
+            segments = [s.inner if isinstance(s, (RotatedReader, OffsetReader)) else s for s in segments]
         assert default_tile(segments) == (128 if name in wide else 32), name
 
 

@@ -39,7 +39,7 @@ from kvcomp.cache.step import Step
 from kvcomp.cache.stream import FreshlyEncoded
 from kvcomp.codecs.base import Codec, Payload, SequenceState
 from kvcomp.kernels.decode_attention import decode_attention
-from kvcomp.kernels.payloads import OffsetReader, RotaryPositions
+from kvcomp.kernels.payloads import RotaryPositions
 
 
 class Reads(ABC):
@@ -103,13 +103,7 @@ class FusedDecode(Reads):
 
     def attend(self, query, mask, scaling, step):
         def readers(segments, kind):
-            offset = (self.codec.rotated_key_offset if kind == "key" else self.codec.value_offset)(self.layer_idx)
-
-            def reader(payload: Payload):
-                inner = self.codec.payload_reader(payload, kind, self.layer_idx)
-                return inner if offset is None else OffsetReader(inner.num_tokens, inner.head_dim, inner, offset,
-                                                                 rotated=kind == "key")
-            return [reader(s) if isinstance(s, Payload) else s for s in segments]
+            return [self.codec.fused_reader(s, kind, self.layer_idx) if isinstance(s, Payload) else s for s in segments]
 
         b, _, _, d = query.shape
         out = decode_attention(query[:, :, 0], readers(self.keys, "key"), readers(self.values, "value"),

@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 
 from kvcomp.artifacts import REFIT, ArtifactError
 from kvcomp.errors import CalibrationMismatchError, ConfigError, NonFiniteStateError
+from kvcomp.kernels.payloads import OffsetReader
 
 KINDS = ("key", "value")
 SCOPES = ("stream", "layer", "model")
@@ -598,6 +599,16 @@ class FusedPayload(ABC):
         ``center``; :meth:`~Codec.decode` adds it back), which the fused kernel adds to the attention output; None:
         nothing. Keys: :meth:`~Codec.rotated_key_offset`."""
         return None
+
+    def fused_reader(self, payload: Payload, kind: str, layer_idx: int):
+        """What the fused kernel reads of ``payload``: :meth:`payload_reader`, inside an
+        :class:`~kvcomp.kernels.payloads.OffsetReader` where the stream is stored less an offset (keys: the rotated
+        :meth:`~Codec.rotated_key_offset`; values: :meth:`value_offset`)."""
+        reader = self.payload_reader(payload, kind, layer_idx)
+        offset = self.rotated_key_offset(layer_idx) if kind == "key" else self.value_offset(layer_idx)
+        if offset is None:
+            return reader
+        return OffsetReader(reader.num_tokens, reader.head_dim, reader, offset, rotated=kind == "key")
 
 
 class PayloadScores(ABC):

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -1008,14 +1009,60 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     return out
 
 
+@dataclass
+class LaunchGroup:
+    """The segments one group of split launches reads, and what is done to their partial outputs: ``rotation`` un-rotates
+    them, ``offset`` (an :class:`OffsetReader` of values) adds its ``c_v``; ``options`` of :func:`decode_launches`."""
+
+    query: torch.Tensor
+    keys: list[Segment]
+    values: list[Segment]
+    valid: torch.Tensor | None
+    rotation: torch.Tensor | None
+    offset: OffsetReader | None
+    options: dict
+
+
 def _with_rotated_payload(query, key_segments, value_segments, scale, valid, key_rope=None, **options) -> torch.Tensor:
-    """Attention over a cache whose payload is stored in a rotated basis or less an offset: one segment of the keys and
-    one of the values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets rotate
-    only the keys), each possibly inside an :class:`OffsetReader`. The payload's split launches take the query rotated
-    (``q rotation_k^T``) where its keys are rotated, the other segments' take it as it is; the payload's partial
-    outputs are un-rotated (``@ rotation_v``) where its values are; a key offset's score is added in the payload's
-    launches (``key_rope``: every cached token's position), a value offset to its partial outputs (each a softmax
-    average); one merge combines all slices (their log-sum-exps do not depend on the basis)."""
+    """Attention over a cache whose payload is stored in a rotated basis or less an offset (:func:`launch_groups`):
+    the payload's partial outputs are un-rotated (``@ rotation_v``) where its values are and get a value offset's
+    ``c_v`` (each a softmax average); one merge combines all slices (their log-sum-exps do not depend on the basis)."""
+    b, hq, d = query.shape
+    partials, lses, merge = [], [], None
+    with launch_device(query.device):
+        for group in launch_groups(query, key_segments, value_segments, valid, key_rope, options):
+            _, launches = decode_launches(group.query, group.keys, group.values, scale, group.valid, **group.options)
+            for launch in launches[:-1]:
+                launch()
+            if launches:
+                merge = launches[-1]
+                partial = merge.args["part_ptr"]
+                h = partial.shape[0] // b
+                if group.rotation is not None:  # [B*H, slots, R, D] by each KV head's rotation ([D, D] or [1 or H, D, D])
+                    rotation = group.rotation.float().reshape(-1, 1, d, d)
+                    partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
+                if group.offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
+                    c_v = group.offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
+                    partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
+                partials.append(partial)
+                lses.append(merge.args["lse_ptr"])
+        if merge is None:  # nothing cached
+            return torch.zeros_like(query)
+        out = torch.empty_like(query)  # the merge writes every row
+        partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
+        Launch(_merge_kernel, merge.grid, {**merge.args, "part_ptr": partial, "lse_ptr": lse, "out_ptr": out,
+                                           "num_slots": partial.shape[1]})()
+    return out
+
+
+def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None, options=None) -> list[LaunchGroup]:
+    """The launch groups of a cache whose payload is stored in a rotated basis or less an offset: one segment of the
+    keys and one of the values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets
+    rotate only the keys), each possibly inside an :class:`OffsetReader`. First the payload's, which takes the query
+    rotated (``q rotation_k^T``) where its keys are rotated and adds a key offset's score (``key_rope``: every cached
+    token's position); then, if any, the other segments', which take the query as it is (``scripts/kernel_resources.py``
+    compiles the first)."""
+    options = options or {}
     special = (RotatedReader, OffsetReader)
     at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, special)}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
@@ -1034,7 +1081,6 @@ def _with_rotated_payload(query, key_segments, value_segments, scale, valid, key
                          "key offset, and only of one")
     key_rotation, value_rotation = (s.rotation if isinstance(s, RotatedReader) else None for s in (keys, values))
     keys, values = (s.inner if isinstance(s, RotatedReader) else s for s in (keys, values))
-    rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
     b, hq, d = query.shape
     h = _kv_heads(keys)
     rotated = query
@@ -1045,32 +1091,10 @@ def _with_rotated_payload(query, key_segments, value_segments, scale, valid, key
         positions = key_rope.positions[:, key_rope.first : key_rope.first + hi - lo]  # the payload's tokens, from 0
         payload_options["key_offset"] = (query, key_offset.offset,
                                          RotaryPositions(positions, 0, key_rope.inv_freq, key_rope.scaling, key_rope.dtype))
-    groups = [(rotated, [keys], [values], None if valid is None else valid[:, lo:hi], value_rotation, value_offset,
-               payload_options)]
+    groups = [LaunchGroup(rotated, [keys], [values], None if valid is None else valid[:, lo:hi], value_rotation,
+                          value_offset, payload_options)]
+    rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
     if rest[0]:
-        groups.append((query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1), None, None,
-                       options))
-    partials, lses, merge = [], [], None
-    with launch_device(query.device):
-        for q, k, v, mask, rotation, offset, group_options in groups:
-            _, launches = decode_launches(q, k, v, scale, mask, **group_options)
-            for launch in launches[:-1]:
-                launch()
-            if launches:
-                merge = launches[-1]
-                partial = merge.args["part_ptr"]
-                if rotation is not None:  # [B*H, slots, R, D] by each KV head's rotation ([D, D] or [1 or H, D, D])
-                    rotation = rotation.float().reshape(-1, 1, d, d)
-                    partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
-                if offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
-                    c_v = offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
-                    partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
-                partials.append(partial)
-                lses.append(merge.args["lse_ptr"])
-        if merge is None:  # nothing cached
-            return torch.zeros_like(query)
-        out = torch.empty_like(query)  # the merge writes every row
-        partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
-        Launch(_merge_kernel, merge.grid, {**merge.args, "part_ptr": partial, "lse_ptr": lse, "out_ptr": out,
-                                           "num_slots": partial.shape[1]})()
-    return out
+        groups.append(LaunchGroup(query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1),
+                                  None, None, options))
+    return groups
