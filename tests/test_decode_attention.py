@@ -600,8 +600,8 @@ def test_a_steps_launch_plan_is_computed_once_for_all_layers():
 
 def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
     """:func:`default_tile` over the GPU benchmark's caches: 128-token tiles for packed ints, block floats and one
-    shared codebook (the H100 sweep), 32 for per-group codebooks, QJL's sketches and the float8 / int8 formats not
-    yet measured with them."""
+    shared codebook (the H100 sweep), 32 for per-group codebooks, QJL's sketches, the float8 / int8 formats not
+    yet measured with them, and launches that rotate keys or their offset (EDEN-2 with center)."""
     import importlib.util
     from pathlib import Path
 
@@ -613,16 +613,16 @@ def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
     spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    wide = {"kivi-2", "kivi-4", "int4-token-head", "eden-2", "eden-2-center", "nvfp4", "kvarn", "turboquant-k3v4-nc"}
+    wide = {"kivi-2", "kivi-4", "int4-token-head", "eden-2", "nvfp4", "kvarn", "turboquant-k3v4-nc"}
     for name, config in bench.CODECS.items():
         codec = build_codec(config, ModelInfo("llama31_8b", 1, 2, 128))
         if needs_calibration(codec):
             bench.synthetic_state(codec, torch.Generator().manual_seed(0))
-        keys, values, _, _ = bench.cache_state(codec, 1, 384, torch.device("cpu"))
+        keys, values, rope, _ = bench.cache_state(codec, 1, 384, torch.device("cpu"))
         segments = keys + values
         while any(isinstance(s, (RotatedReader, OffsetReader)) for s in segments):  # what the payload's launch reads
             segments = [s.inner if isinstance(s, (RotatedReader, OffsetReader)) else s for s in segments]
-        assert default_tile(segments) == (128 if name in wide else 32), name
+        assert default_tile(segments, rope is not None) == (128 if name in wide else 32), name
 
 
 def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows():

@@ -803,15 +803,17 @@ def _packed(segment: Segment, d: int, dot: bool) -> bool:
     return not width & (width - 1) and (width >= 16 or not dot)
 
 
-def default_tile(segments: list[Segment]) -> int:
+def default_tile(segments: list[Segment], rotates_keys: bool = False) -> int:
     """Tokens per tile by default: :data:`WIDE_TILE` where each payload is packed ints, a block float or codes of
     one shared codebook, which the H100 sweep of 2026-11-26 measured 1.3-1.7x faster at 16 x 32K (KVarN, vLLM's
     int4 and NVFP4, EDEN-2, TurboQuant k3v4; KIVI-2 unchanged at 1 and 16 x 32K and 1 x 4K); else :data:`TILE`,
     which per-group codebooks (TemporalKV, ChannelKV, KVQuant: 0.3-0.6x with 128) and QJL's sketches need, and
-    which float8 and int8 payloads keep until they are measured."""
+    which float8 and int8 payloads keep until they are measured. A launch that rotates keys or their offset in
+    registers (``rotates_keys``: the angles of every token of a tile) keeps :data:`TILE` too: EDEN-2 with ``center``
+    spills 744 B per thread at 128 tokens under Triton 3.6, 16 B at 32 (``scripts/kernel_resources.py``)."""
     wide = all(isinstance(s, (torch.Tensor, UniformReader, BlockFloatReader))
                or isinstance(s, CodebookReader) and s.codebooks.shape[1] == 1 for s in segments)
-    return WIDE_TILE if wide else TILE
+    return WIDE_TILE if wide and not rotates_keys else TILE
 
 
 def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
@@ -933,7 +935,7 @@ def decode_launches(
     if dot is None:
         dot = r > 8 or not any(isinstance(segment, SketchReader) for segment in key_segments)
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    block_tokens = block_tokens or default_tile(key_segments + value_segments)
+    block_tokens = block_tokens or default_tile(key_segments + value_segments, key_rope is not None or key_offset is not None)
     num_warps = num_warps or WARPS
     # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
     registers = {} if dot else {"maxnreg": min(255, 65536 // (32 * num_warps))}
