@@ -3,23 +3,25 @@
 #
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
-# Runs the steps named in STEPS (default: attention qjl e2e sweep ncu overhead; also: profile), in that order,
-# each under its own time limit so that a slow one cannot starve the rest:
-#   1. scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192 --reps 30
-#      --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the largest
-#      first, and each row is logged as it is measured, so a step stopped by its limit keeps what it measured)
-#   2. scripts/bench_qjl_decode.py --contexts 8192 32768 --write
-#   3. scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write (all four shapes and the
-#      agreement table took more than 160 s on an H200)
-#   4. scripts/sweep_decode_kernel.py --write (launch configurations of the decode kernel)
-#   5. Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
-#   6. scripts/bench_decode_overhead.py --device cuda --write
+# Runs the steps named in STEPS (default: attention e2e tiles ncu overhead, whose limits add up to 525 s: one call with
+# timeout_s 590 after the machine's start; also: qjl sweep profile), in that order, each under its own time limit so
+# that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
+#   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
+#      --reps 30 --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the
+#      largest first, and each row is logged as it is measured, so a step stopped by its limit keeps what it measured;
+#      about 80 s on an H100 for every format)
+#   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write (16 x 32K and the agreement of
+#      every format took a little more than 210 s on an H100)
+#   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
+#      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
+#   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
+#   overhead: scripts/bench_decode_overhead.py --device cuda --write
+#   qjl: scripts/bench_qjl_decode.py --contexts 8192 32768 --write
+#   sweep: scripts/sweep_decode_kernel.py --write (every launch configuration; replaces its BENCHMARKS section)
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
-# The default limits of the default steps add up to 700 s: more than one call (10 minutes at most), so name STEPS.
-# Each benchmark's log and the updated BENCHMARKS.md go to OUTDIR as soon as it ends. Wheels in .whl/
-# (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds can be
-# changed with ATTENTION_S, QJL_S, E2E_S, NCU_S, OVERHEAD_S, SWEEP_S and PROFILE_S; the attention contexts with
-# ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
+# Wheels in .whl/ (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds
+# can be changed with ATTENTION_S, E2E_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S and PROFILE_S; the attention
+# contexts with ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
 set -u
 out=${1:?usage: gpu_benchmarks.sh OUTDIR [REVISION]}
 export KVCOMP_REVISION=${2:-} PYTHONUNBUFFERED=1
@@ -47,21 +49,23 @@ step() {  # step NAME LIMIT COMMAND...
 
 run() {  # run STEP: one named benchmark
     case $1 in
-    attention) step attention "${ATTENTION_S:-200}" python3 scripts/bench_decode_attention.py --batches 16 1 \
+    attention) step attention "${ATTENTION_S:-100}" python3 scripts/bench_decode_attention.py --batches 16 1 \
         --contexts ${ATTENTION_CONTEXTS:-32768 4096 131072} --encode-tokens 8192 --reps 30 --write ;;
     qjl) step qjl "${QJL_S:-40}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
-    e2e) step e2e "${E2E_S:-220}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768 8x16384} --write ;;
+    e2e) step e2e "${E2E_S:-260}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768 8x16384} --write ;;
+    tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
+        --codecs fp8 int8-token-head eden-2-center int4-token-head nvfp4 ;;
     ncu) command -v ncu >/dev/null || echo "=== ncu: not on this machine, step skipped"
-        command -v ncu >/dev/null && step ncu "${NCU_S:-40}" ncu --clock-control none --section SpeedOfLight \
+        command -v ncu >/dev/null && step ncu "${NCU_S:-30}" ncu --clock-control none --section SpeedOfLight \
             --section Occupancy --section LaunchStats --section WarpStateStats -k regex:_split_kernel --launch-count 1 \
             python3 scripts/bench_decode_attention.py --contexts 32768 --batches 16 --codecs kivi-2 --reps 1 --warmup 0 \
             --encode-tokens 256 ;;
-    overhead) step overhead "${OVERHEAD_S:-50}" python3 scripts/bench_decode_overhead.py --device cuda --repeats "${OVERHEAD_REPEATS:-2}" --write ;;
+    overhead) step overhead "${OVERHEAD_S:-45}" python3 scripts/bench_decode_overhead.py --device cuda --repeats "${OVERHEAD_REPEATS:-2}" --write ;;
     sweep) step sweep "${SWEEP_S:-150}" python3 scripts/sweep_decode_kernel.py --write ;;
     profile) step profile "${PROFILE_S:-90}" python3 scripts/profile_decode_step.py ;;
-    *) echo "unknown step $1; steps: attention qjl e2e ncu overhead sweep profile" ;;
+    *) echo "unknown step $1; steps: attention e2e tiles ncu overhead qjl sweep profile" ;;
     esac
 }
 
-for name in ${STEPS:-attention qjl e2e sweep ncu overhead}; do run "$name"; done
+for name in ${STEPS:-attention e2e tiles ncu overhead}; do run "$name"; done
 echo "=== done after $(( $(date +%s) - start ))s"
