@@ -36,7 +36,6 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E40
 from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.kernels import Launch  # noqa: E402
 from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
-from kvcomp.kernels.payloads import OffsetReader, RotatedReader  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 from kvcomp.kernels.static_model import SMS, Geometry, accesses, bounds, count, disassemble, tile_instructions  # noqa: E402
@@ -99,10 +98,9 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
     codec = codec_for(name)
     keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
     query, valid = torch.randn(1, H * R, D, dtype=torch.bfloat16), torch.ones(1, SMALL, dtype=torch.bool)
-    if any(isinstance(s, (RotatedReader, OffsetReader)) for s in keys + values):
-        # the payload's own launches (the query's rotation is a matmul outside them; no sinks or tail in these caches)
-        group = today.launch_groups(query, keys, values, valid, rope, options)[0]
-        query, keys, values, valid, rope, options = group.query, group.keys, group.values, group.valid, None, group.options
+    # a rotated or offset payload's own launches (the query's rotation is a matmul outside them; these caches have no
+    # sinks or tail beside such a payload)
+    query, keys, values, valid, rope, options = today.payload_launch_inputs(query, keys, values, valid, rope, options)
     _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)
     block = launches[0].args["unit"]  # the tokens per tile the launch was planned with
     splits, merge = launches[:-1], launches[-1]

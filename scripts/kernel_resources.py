@@ -32,8 +32,7 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E40
 from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
-from kvcomp.kernels.decode_attention_triton import decode_launches, launch_groups  # noqa: E402
-from kvcomp.kernels.payloads import OffsetReader, RotatedReader  # noqa: E402
+from kvcomp.kernels.decode_attention_triton import decode_launches, payload_launch_inputs  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
@@ -51,10 +50,8 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
     keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
     query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
     valid = torch.ones(1, context, dtype=torch.bool)  # decode steps read the attention mask
-    options = {"block_tokens": block_tokens}
-    if any(isinstance(s, (RotatedReader, OffsetReader)) for s in keys + values):  # the payload's own launches
-        group = launch_groups(query, keys, values, valid, rope, options)[0]
-        query, keys, values, valid, rope, options = group.query, group.keys, group.values, group.valid, None, group.options
+    query, keys, values, valid, rope, options = payload_launch_inputs(query, keys, values, valid, rope,
+                                                                      {"block_tokens": block_tokens})
     _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, **options)
     distinct = {}
     for launch in launches:

@@ -599,15 +599,14 @@ def test_a_steps_launch_plan_is_computed_once_for_all_layers():
 
 
 def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
-    """:func:`default_tile` over the GPU benchmark's caches: 128-token tiles for packed ints, block floats and one
-    shared codebook (the H100 sweep), 32 for per-group codebooks, QJL's sketches, the float8 / int8 formats not
-    yet measured with them, and launches that rotate keys or their offset (EDEN-2 with center)."""
+    """The tile each of the GPU benchmark's caches is planned with (:func:`default_tile`): 128 tokens for packed ints,
+    block floats and one shared codebook (the H100 sweep), 32 for per-group codebooks, QJL's sketches, the float8 /
+    int8 formats not yet measured with them, and launches that rotate keys or their offset (EDEN-2 with center)."""
     import importlib.util
     from pathlib import Path
 
     from kvcomp.codecs import needs_calibration
-    from kvcomp.kernels.decode_attention_triton import default_tile
-    from kvcomp.kernels.payloads import OffsetReader, RotatedReader
+    from kvcomp.kernels.decode_attention_triton import decode_launches, payload_launch_inputs
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_attention.py"
     spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
@@ -619,11 +618,10 @@ def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
         if needs_calibration(codec):
             bench.synthetic_state(codec, torch.Generator().manual_seed(0))
         keys, values, rope, _ = bench.cache_state(codec, 1, 384, torch.device("cpu"))
-        segments = keys + values
-        while any(isinstance(s, (RotatedReader, OffsetReader)) for s in segments):  # what the payload's launch reads
-            segments = [s.inner if isinstance(s, (RotatedReader, OffsetReader)) else s for s in segments]
-        assert default_tile(segments, rope is not None) == (128 if name in wide else 32), name
-
+        query = torch.randn(1, 8, 128)
+        inputs = payload_launch_inputs(query, keys, values, None, rope, {})
+        _, launches = decode_launches(*inputs[:2], inputs[2], 128**-0.5, inputs[3], inputs[4], **inputs[5])
+        assert launches[0].args["unit"] == (128 if name in wide else 32), name
 
 def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows():
     from kvcomp.kernels.decode_attention_triton import _packed, _packed_values_ok

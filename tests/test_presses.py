@@ -493,6 +493,36 @@ def test_the_last_query_follows_its_row_when_beams_are_reordered(tiny_llama):
     assert torch.equal(layer.parts[0].last_query, before[[1, 1]])
 
 
+@torch.no_grad()
+def test_tokens_decoded_around_a_press_are_still_checked_for_finiteness(one_layer_llama):
+    """A press rewrites the torch path's decoded copy in place; the finiteness check then reads it whole again, so a
+    token the codec decodes to NaN during the press's scoring or the forward after it is still refused (TOVA's own
+    setting, one token evicted per step)."""
+    from kvcomp.errors import NonFiniteKVError
+
+    model, info = one_layer_llama, info_of(one_layer_llama)
+    codec = build_codec({"name": "int_token_head"}, info)
+    press = build_press({"name": "knorm", "decoding_size": 16, "decoding_interval": 1}, info)
+    cache = CompressedCache(codec, "exact_prefill", press=press, check_finite=True)
+    decode, poisoned = codec.decode, []
+
+    def nan_once(payload, request):  # the first single token decoded after the press began: NaN
+        x = decode(payload, request)
+        if payload.num_tokens == 1 and cache.layers[0].parts[0].evicted and not poisoned:
+            poisoned.append(True)
+            x = x.clone()
+            x[..., 0] = float("nan")
+        return x
+
+    codec.decode = nan_once
+    out = model(_ids(batch=1, n=24)[0], past_key_values=cache, use_cache=True)
+    with pytest.raises(NonFiniteKVError, match="decoded NaN or Inf"):
+        for position in range(24, 34):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                        position_ids=torch.tensor([[position]]))
+    assert poisoned
+
+
 def test_presses_that_read_a_window_of_queries_cannot_press_while_decoding(tiny_llama):
     """SnapKV's observation window and Expected Attention's query statistics need many queries, which a decode step
     does not have (TOVA's one last query can); a quantized codec would quantize its kept tokens again at every

@@ -60,7 +60,7 @@ class FiniteChecks:
         self.mode, self.layer_idx = mode, layer_idx
         # deferred: verdicts, first position, count, kinds of the decoded streams checked, codec
         self.pending: tuple[DeviceFlag, int, int, tuple[str, ...], str] | None = None
-        self.checked: list[tuple[object, int]] = []  # per stream, in order: (its decoded copy, entries checked)
+        self.checked: list[tuple[object, int, int]] = []  # per stream: (its decoded copy, generation, entries checked)
 
     def reset(self) -> None:
         """Forget the last forward (the cache was reset)."""
@@ -101,13 +101,14 @@ class FiniteChecks:
 
     def _newly_decoded(self, streams: Sequence) -> list[tuple[str, torch.Tensor]]:
         """``(stream kind, entries its decoded copy gained since the last check)`` of each stream that gained some
-        (the streams of every row group, in order)."""
+        (the streams of every row group, in order); a copy rewritten in place since (a press's
+        :meth:`~kvcomp.cache.growing.GrowingTensor.keep`) is checked whole again."""
         fresh, checked = [], []
         for i, stream in enumerate(streams):
             copy = stream.decoded
-            seen, count = self.checked[i] if i < len(self.checked) else (None, 0)
-            start = count if seen is copy else 0
-            checked.append((copy, copy.length))
+            seen, generation, count = self.checked[i] if i < len(self.checked) else (None, 0, 0)
+            start = count if seen is copy and generation == copy.generation else 0
+            checked.append((copy, copy.generation, copy.length))
             if copy.length > start:
                 fresh.append((stream.kind, copy.view.narrow(2, start, copy.length - start)))
         self.checked = checked

@@ -5,8 +5,9 @@ A :class:`GrowingTensor` keeps a buffer with spare capacity (:func:`spare`: 1/8 
 most 256 entries), so appending one entry costs ``O(1)`` amortised copies (``O(length / 256)`` for
 long buffers) instead of the ``O(length)`` of ``torch.cat``; :meth:`drop_front` forgets the oldest entries
 and moves the live ones to a fitting buffer once the dropped ones outnumber them. Without a reserve,
-written entries are never overwritten (a move allocates a new buffer), so a :attr:`view` handed out
-earlier stays valid.
+appended entries are never overwritten (a move allocates a new buffer), so a :attr:`view` handed out
+earlier stays valid; only :meth:`keep` (a press's kept entries) rewrites the buffer in place, and counts it in
+:attr:`generation`.
 :attr:`nbytes` counts the live entries (storage) and :attr:`reserved_nbytes` the rest of the buffer
 (spare capacity and dropped entries: working memory), so the two together are what the buffer occupies.
 
@@ -47,6 +48,7 @@ class GrowingTensor:
         self.standby: torch.Tensor | None = None  # the second buffer of ``reserve`` entries (standby=True)
         self.start = 0  # first live entry of the buffer
         self.end = 0  # one past the last written entry
+        self.generation = 0  # counts keep(): entries rewritten in place, which readers of new entries must look at again
 
     @property
     def length(self) -> int:
@@ -134,6 +136,7 @@ class GrowingTensor:
         n = kept.shape[self.dim]
         self.buffer.narrow(self.dim, 0, n).copy_(kept)
         self.start, self.end = 0, n
+        self.generation += 1
 
     @property
     def nbytes(self) -> int:

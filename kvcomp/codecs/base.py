@@ -600,12 +600,19 @@ class FusedPayload(ABC):
         nothing. Keys: :meth:`~Codec.rotated_key_offset`."""
         return None
 
+    def fused_offset(self, kind: str, layer_idx: int, device: torch.device) -> torch.Tensor | None:
+        """The offset a stream is stored less (keys: the rotated :meth:`~Codec.rotated_key_offset`; values:
+        :meth:`value_offset`), float32 ``[H, D]`` on ``device``; codecs that hold it override this to copy it once."""
+        offset = self.rotated_key_offset(layer_idx) if kind == "key" else self.value_offset(layer_idx)
+        return None if offset is None else offset.to(device, torch.float32).contiguous()
+
     def fused_reader(self, payload: Payload, kind: str, layer_idx: int):
         """What the fused kernel reads of ``payload``: :meth:`payload_reader`, inside an
-        :class:`~kvcomp.kernels.payloads.OffsetReader` where the stream is stored less an offset (keys: the rotated
-        :meth:`~Codec.rotated_key_offset`; values: :meth:`value_offset`)."""
+        :class:`~kvcomp.kernels.payloads.OffsetReader` where the stream is stored less an offset
+        (:meth:`fused_offset`)."""
         reader = self.payload_reader(payload, kind, layer_idx)
-        offset = self.rotated_key_offset(layer_idx) if kind == "key" else self.value_offset(layer_idx)
+        device = next(iter(payload.tensors.values())).device
+        offset = self.fused_offset(kind, layer_idx, device)
         if offset is None:
             return reader
         return OffsetReader(reader.num_tokens, reader.head_dim, reader, offset, rotated=kind == "key")

@@ -205,6 +205,9 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
     def value_offset(self, layer_idx: int) -> torch.Tensor | None:
         return self.offsets.vectors.get((layer_idx, "value"))
 
+    def fused_offset(self, kind: str, layer_idx: int, device: torch.device) -> torch.Tensor | None:
+        return self.offsets.on(layer_idx, kind, device)  # copied to the device once, not at every step
+
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> PayloadReader:
         """k8 keys: float8 e4m3 values (scale 1). Uniform values: packed ints, one group per vector. Lloyd-Max
         codes: a codebook payload in the rotated basis, one scalar codebook for every channel and head

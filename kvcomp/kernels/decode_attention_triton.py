@@ -10,8 +10,9 @@ Flash-decoding in two kernels:
 2. ``_merge_kernel``: combines the partials of all slices per query head,
    ``out = sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)``.
 
-A decode step is therefore two launches per layer (a payload stored in a rotated basis adds its own split
-launches and two small matmuls: :func:`_with_rotated_payload`).
+A decode step is therefore two launches per layer (a payload stored in a rotated basis or less an offset adds its
+own split launches and small matmuls: :func:`launch_groups`; a key offset's score ``q . R_p c`` is added in the
+payload's tiles from the token's position, a value offset to the payload's partial outputs).
 
 One launch of the split kernel reads every segment of a step: per stream, up to three full-precision
 pieces (sinks, tail and, under ``exact_prefill``, the fresh token: separate tensors, each with its own
@@ -29,11 +30,12 @@ on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
 ``P V`` are still ``tl.dot`` products over the query rows padded to 16 (TF32 for float32 operands, Triton's
-default), with 4 warps and 32-token tiles. Measured on an H200 (``scripts/sweep_decode_kernel.py``), that is
-the fastest configuration tried for codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x
-32K ran faster with one register-path warp (2.14 ms against 3.12) but slower at batch 1. QJL's sketched keys
-are faster on the register path: one query row at a time, each a ``[BLOCK_T, C]`` product reduced in
-registers (:func:`_row_scores`), also 4 warps and 32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
+default), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`).
+Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
+codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
+warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys are faster on the register
+path: one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers (:func:`_row_scores`), also 4
+warps and 32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
 ``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
@@ -1000,10 +1002,10 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
     ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`.
-    A :class:`RotatedReader` or :class:`OffsetReader` payload is read in its own launches (:func:`_with_rotated_payload`;
+    A :class:`RotatedReader` or :class:`OffsetReader` payload is read in its own launches (:func:`_with_payload_group`;
     ``key_rope`` then gives the positions of a rotated key offset)."""
     if any(isinstance(s, (RotatedReader, OffsetReader)) for s in key_segments + value_segments):
-        return _with_rotated_payload(query, key_segments, value_segments, scale, valid, **options)
+        return _with_payload_group(query, key_segments, value_segments, scale, valid, **options)
     out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     with launch_device(query.device):
         for launch in launches:
@@ -1025,7 +1027,7 @@ class LaunchGroup:
     options: dict
 
 
-def _with_rotated_payload(query, key_segments, value_segments, scale, valid, key_rope=None, **options) -> torch.Tensor:
+def _with_payload_group(query, key_segments, value_segments, scale, valid, key_rope=None, **options) -> torch.Tensor:
     """Attention over a cache whose payload is stored in a rotated basis or less an offset (:func:`launch_groups`):
     the payload's partial outputs are un-rotated (``@ rotation_v``) where its values are and get a value offset's
     ``c_v`` (each a softmax average); one merge combines all slices (their log-sum-exps do not depend on the basis)."""
@@ -1090,7 +1092,9 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
         rotated = (query.view(b, h, hq // h, d).float() @ key_rotation.transpose(-1, -2).float()).view(b, hq, d)
     payload_options = dict(options)
     if key_offset is not None:
-        positions = key_rope.positions[:, key_rope.first : key_rope.first + hi - lo]  # the payload's tokens, from 0
+        if key_rope.first != lo:
+            raise ValueError(f"decode kernel: key_rope starts at cached token {key_rope.first}, the payload at {lo}")
+        positions = key_rope.positions[:, lo:hi]  # the payload's tokens, from 0
         payload_options["key_offset"] = (query, key_offset.offset,
                                          RotaryPositions(positions, 0, key_rope.inv_freq, key_rope.scaling, key_rope.dtype))
     groups = [LaunchGroup(rotated, [keys], [values], None if valid is None else valid[:, lo:hi], value_rotation,
@@ -1100,3 +1104,13 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
         groups.append(LaunchGroup(query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1),
                                   None, None, options))
     return groups
+
+
+def payload_launch_inputs(query, key_segments, value_segments, valid, key_rope, options) -> tuple:
+    """``(query, keys, values, valid, key_rope, options)`` of :func:`decode_launches` for the launches that read the
+    payload: the payload group's (:func:`launch_groups`) where it is rotated or stored less an offset, else as given
+    (``scripts/kernel_resources.py`` and ``scripts/kernel_model.py`` compile them)."""
+    if not any(isinstance(s, (RotatedReader, OffsetReader)) for s in key_segments + value_segments):
+        return query, key_segments, value_segments, valid, key_rope, options
+    group = launch_groups(query, key_segments, value_segments, valid, key_rope, options)[0]
+    return group.query, group.keys, group.values, group.valid, None, group.options

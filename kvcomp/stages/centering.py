@@ -57,24 +57,25 @@ class Offsets:
         self.vectors = dict(vectors or {})
         self.on_device: dict = {}
 
-    def _vector(self, layer: int, kind: str, like: torch.Tensor) -> torch.Tensor | None:
+    def on(self, layer: int, kind: str, device: torch.device) -> torch.Tensor | None:
+        """The vector of ``(layer, kind)``, float32 ``[H, D]`` on ``device`` (copied there once), or None."""
         vector = self.vectors.get((layer, kind))
         if vector is None:
             return None
-        key = (layer, kind, like.device)
+        key = (layer, kind, device)
         if key not in self.on_device:
-            self.on_device[key] = vector.to(like.device, torch.float32)[None, :, None, :]
+            self.on_device[key] = vector.to(device, torch.float32).contiguous()
         return self.on_device[key]
 
     def remove(self, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
         """``x - c`` (float32)."""
-        c = self._vector(layer, kind, x)
-        return x.float() if c is None else x.float() - c
+        c = self.on(layer, kind, x.device)
+        return x.float() if c is None else x.float() - c[None, :, None, :]
 
     def restore(self, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
         """``x + c`` (float32)."""
-        c = self._vector(layer, kind, x)
-        return x.float() if c is None else x.float() + c
+        c = self.on(layer, kind, x.device)
+        return x.float() if c is None else x.float() + c[None, :, None, :]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """For a :class:`~kvcomp.codecs.base.CodecState`: ``layer{l}.{kind}.center``."""
