@@ -347,15 +347,13 @@ def same_run(previous: dict | None, config: dict) -> bool:
 
 
 def check_benchmark_press(plan: RunPlan) -> None:
-    """A press needs a benchmark that prefills a context before its later tokens: RULER (the question kept out of
-    the compression, as kvpress's pipeline) and perplexity, whose protocols become ``context`` (the window's first
-    ``context_tokens`` as one pressed prefill, the rest scored after it); others are refused before any work."""
+    """A press evicts from a context prefilled before its later tokens: on RULER (the question kept out of the
+    compression, as kvpress's pipeline) and lm-eval's generation tasks (LongBench, AIME: the question pressed with its
+    context; likelihood tasks refused, :meth:`~kvcomp.benchmarks.lm_eval_bridge.LMEvalBenchmark.evaluate`), both
+    under ``exact_prefill``, and on perplexity, whose protocols become ``context`` (the window's first
+    ``context_tokens`` as one pressed prefill, the rest scored after it)."""
     name = plan.benchmark.name
-    if not BENCHMARKS[name].takes_press:
-        takers = sorted(n for n, b in BENCHMARKS.items() if b.takes_press)
-        raise ConfigError(f"press={plan.press.name}: benchmark {name} does not evaluate presses; choose one of "
-                          f"{', '.join(takers)} (or press=none)")
-    if name == "ruler" and plan.benchmark.protocol != "exact_prefill":
+    if name != "perplexity" and plan.benchmark.protocol != "exact_prefill":
         raise ConfigError(f"press={plan.press.name} evicts after an exact prefill: benchmark.protocol=exact_prefill, "
                           f"not {plan.benchmark.protocol!r}")
     if name == "perplexity" and list(plan.benchmark.protocols) != ["context"]:

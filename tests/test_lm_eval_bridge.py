@@ -152,6 +152,42 @@ def test_middle_truncation_reaches_the_model(embedded):
         assert lm._model_call(ids[:1]).shape[:2] == (1, 100)
 
 
+def test_a_press_takes_generation_tasks_and_names_the_likelihood_ones(task_manager):
+    """lm-eval tasks scored by likelihood run context and continuation in one forward: with a press they are named
+    and refused before any request runs; generation tasks (LongBench) are not."""
+    from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
+    from kvcomp.codecs import ModelInfo
+    from kvcomp.presses import build_press
+
+    benchmark = LMEvalBenchmark(LMEvalConfig(name="lm_eval", tasks=["arc_easy", "longbench_trec"]))
+    benchmark.task_manager = task_manager
+    assert benchmark.scored_by_likelihood() == ["arc_easy"]
+    press = build_press({"name": "knorm", "ratio": 0.5}, ModelInfo("tiny", 1, 1, 8))
+    with pytest.raises(ConfigError, match="arc_easy score likelihoods"):
+        benchmark.evaluate(None, None, press)
+
+
+@pytest.mark.integration
+def test_generation_tasks_press_each_prompt(embedded, monkeypatch):
+    """With a press, every generation request's cache evicts from its prompt after the exact prefill."""
+    from kvcomp.benchmarks.generation import GenerationProtocol
+    from kvcomp.benchmarks.lm_eval_bridge import _lm_class
+    from kvcomp.codecs import ModelInfo, build_codec
+    from kvcomp.presses import build_press
+
+    model, tokenizer = embedded
+    info = ModelInfo.from_hf_config(model.config)
+    caches, new_cache = [], GenerationProtocol.new_cache
+    monkeypatch.setattr(GenerationProtocol, "new_cache", lambda self, *a, **k: caches.append(new_cache(self, *a, **k))
+                        or caches[-1])
+    protocol = GenerationProtocol(press=build_press({"name": "streaming_llm", "ratio": 0.5}, info))
+    lm = _lm_class()(model, tokenizer, build_codec({"name": "fp16"}, info), protocol, batch_size=1, max_length=1024,
+                     device="cpu")
+    out = lm.generate_until(_requests("generate_until", [(CONTEXT + "In short, the Nile", {"until": ["\n\n"],
+                                                                                          "max_gen_toks": 6})]))
+    assert out[0].strip() and len(caches) == 1 and caches[0].layers[0].parts[0].evicted > 0
+
+
 def test_hub_only_benchmark_offline_is_a_clear_error(monkeypatch):
     from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
     from kvcomp.config import ModelConfig

@@ -12,7 +12,6 @@ class Benchmark(ABC):
 
     names: ClassVar[tuple[str, ...]]  # the ``benchmark.name`` values it serves (lm-eval's presets share one)
     config_class: ClassVar[type]  # its config dataclass (:mod:`kvcomp.benchmarks.configs`)
-    takes_press: ClassVar[bool] = False  # evaluates token eviction (a press) beside the codec
 
     def __init__(self, config):
         self.config = config
@@ -32,7 +31,7 @@ class Benchmark(ABC):
     @abstractmethod
     def evaluate(self, model, codec, press=None) -> list[dict]:
         """Metric rows for ``codec`` (each names its benchmark under ``"benchmark"``), its caches evicting prompt
-        tokens with ``press`` (:mod:`kvcomp.presses`; only where :attr:`takes_press`)."""
+        tokens with ``press`` (:mod:`kvcomp.presses`)."""
 
 
 def example_summary(examples: list[dict]) -> dict:

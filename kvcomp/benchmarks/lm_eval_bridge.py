@@ -12,6 +12,11 @@ its ``generate`` builds its own cache. :class:`CompressedCacheLM` fixes both:
   event (``every`` tokens) per forward through an ``exact_prefill`` cache instead.
 - ``truncation: middle`` keeps the first and last halves of an over-long context (LongBench's
   reference; lm-eval cuts on the left).
+- a press (``press=...``, :mod:`kvcomp.presses`): generation tasks only (``generate_until``), each prompt pressed
+  after its exact prefill. lm-eval's prompts end with the question, so the question is pressed with its context
+  (a question-aware setting, easier for presses that score with the last queries than kvpress's pipeline, which
+  keeps the question out: ``benchmark=ruler`` does that). Loglikelihood tasks feed context and continuation in one
+  forward, which leaves nothing to press after the context: refused before they run.
 
 Data (``benchmark.data``), decided by :meth:`LMEvalBenchmark.check` before the model loads:
 
@@ -90,6 +95,9 @@ def _lm_class():
             self.scoring_protocol = "simulated" if protocol.protocol == "simulated" else "streaming"
 
         def _model_call(self, inps, attn_mask=None, labels=None):
+            if self.protocol.press is not None:  # LMEvalBenchmark.evaluate refuses such tasks before they run
+                raise ConfigError("a press evicts after a prefill; loglikelihood requests score their continuation in "
+                                  "the same forward as their context")
             with torch.no_grad():
                 if self.codec.encodes_after_forward():  # blocks encode after a forward: feed one compression event at a time
                     cache = CompressedCache(self.codec, "exact_prefill")
@@ -388,12 +396,22 @@ class LMEvalBenchmark(Benchmark):
                             for t, d in self.local_data.items()}
         return out
 
+    def scored_by_likelihood(self) -> list[str]:
+        """The tasks whose requests are not generation (lm-eval's ``output_type``, ``generate_until`` by default)."""
+        return [name for task in self.config.tasks for name, config, _ in leaf_tasks(self.task_manager, task)
+                if config.get("output_type", "generate_until") != "generate_until"]
+
     def evaluate(self, model, codec, press=None) -> list[dict]:
         import lm_eval
 
         c = self.config
+        if press is not None and (scored := self.scored_by_likelihood()):
+            raise ConfigError(f"press {press.name}: lm-eval tasks {_shorten(scored)} score likelihoods, whose context and "
+                              "continuation run in one forward (nothing to press after the context); choose generation "
+                              "tasks (LongBench, AIME) or press=none")
+        protocol = dataclasses.replace(self.protocol, press=press)
         lm = _lm_class()(
-            model, self.tokenizer, codec, self.protocol, truncation=c.truncation, max_gen_toks_cap=c.max_gen_toks,
+            model, self.tokenizer, codec, protocol, truncation=c.truncation, max_gen_toks_cap=c.max_gen_toks,
             batch_size=c.batch_size, max_length=self.max_length, device=str(next(model.parameters()).device),
         )
         start = time.perf_counter()

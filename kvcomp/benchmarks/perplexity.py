@@ -53,7 +53,6 @@ class PerplexityBenchmark(Benchmark):
 
     names = ("perplexity",)
     config_class = PerplexityConfig
-    takes_press = True
 
     def check(self, model_cfg) -> None:
         from kvcomp.data import check_corpus_available

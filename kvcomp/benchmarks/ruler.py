@@ -572,7 +572,6 @@ class RulerBenchmark(Benchmark):
 
     names = ("ruler",)
     config_class = RulerConfig
-    takes_press = True
 
     def check(self, model_cfg) -> None:
         from kvcomp.data import CORPORA, check_corpus_available
