@@ -99,6 +99,17 @@ def encode_with_torch(monkeypatch) -> None:
     monkeypatch.setattr(codebook, "encode_codebook", lambda quantizer, z, codebooks, backend="torch": original(quantizer, z, codebooks))
 
 
+def load_script(name: str):
+    """``scripts/{name}.py`` as a module (the scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def info_of(model) -> ModelInfo:
     return ModelInfo.from_hf_config(model.config)
 

@@ -1,20 +1,16 @@
 """scripts/bench_decode_e2e.py --smoke: the end-to-end decode benchmark's code path (speed rows, the largest
 batch search, the teacher-forced fused vs torch comparison) on a tiny model under the Triton interpreter."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests.conftest import load_script
 
 pytest.importorskip("triton")
 
 
 def test_end_to_end_benchmark_runs_and_the_fused_path_agrees(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_e2e", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_decode_e2e")
     table = module.main(["--smoke", "--rows", "DynamicCache", "kivi-2"])
     speed, batches, agreement = table.split("\n\n")[0], table.split("real allocations")[1], table.split("teacher-forced")[1]
     assert "| 2 | 192 | DynamicCache |" in speed and "| 2 | 192 | kivi-2 |" in speed

@@ -1,15 +1,10 @@
 """scripts/bench_decode_overhead.py --smoke: the decode-step overhead benchmark runs and fills its table."""
 
-import importlib.util
-from pathlib import Path
+from tests.conftest import load_script
 
 
 def _script():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_overhead.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_decode_overhead")
 
 
 def test_smoke_table_has_baseline_and_fp16_rows_with_positive_times():

@@ -1,9 +1,7 @@
 """CSR: matching pursuit, NeuralDict, layer merging, the codec's bits, online bank and guard atoms
 (spec seed-003-csr.md §7 items 1-4)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from kvcomp.stages.sparse_coding import (
     matching_pursuit, normalize_rows, orthogonal_matching_pursuit, reconstruct, sparse_weighted_sum,
 )
 from tests.codec_matrix import make_codec
+from tests.conftest import load_script
 
 
 def _atoms(g=3, n=48, d=16, seed=0, dtype=torch.float32):
@@ -226,10 +225,7 @@ def test_guard_atoms_code_outliers_exactly(tiny_llama):
 
 
 def _renderer():
-    spec = importlib.util.spec_from_file_location("render_csr_tables", Path(__file__).parent.parent / "scripts" / "render_csr_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("render_csr_tables")
 
 
 def test_render_dictionary_table(tmp_path):

@@ -14,7 +14,7 @@ from kvcomp.kernels.payloads import CodebookReader, RotaryPositions, UniformRead
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.packing import packed_length
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
-from tests.conftest import info_of
+from tests.conftest import info_of, load_script
 from tests.test_codebook_codecs import fitted
 
 pytestmark = pytest.mark.usefixtures("session_cache")
@@ -554,13 +554,7 @@ def test_streaming_prefill_then_fused_decode(tiny_llama):
 def test_gpu_benchmark_script_runs_on_the_interpreter():
     """scripts/bench_decode_attention.py --smoke: the GPU benchmark's code path on a tiny CPU shape, with the
     kernel checked inside the script against the float64 reference on fresh inputs (bf16 outputs)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_decode_attention")
     table = module.main(["--smoke", "--codecs", "kivi-2", "temporalkv-2", "qjl"])
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 160 |")]
     assert [row[2] for row in rows][1:] == ["kivi-2", "temporalkv-2", "qjl"]
@@ -572,13 +566,7 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
 def test_launch_configuration_sweep_runs_on_the_interpreter():
     """scripts/sweep_decode_kernel.py --smoke: each configuration (here the default tl.dot launch and the register
     path with 8 warps) runs, is timed and is checked against the float64 reference inside the script."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "sweep_decode_kernel.py"
-    spec = importlib.util.spec_from_file_location("sweep_decode_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("sweep_decode_kernel")
     table = module.main(["--smoke", "--codecs", "kivi-2", "--configs", "0", "2"])
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| kivi-2 | 1 x 160 |")]
     assert [row[2] for row in rows] == list(module.CONFIGS)[0:3:2]
@@ -602,16 +590,11 @@ def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
     """The tile each of the GPU benchmark's caches is planned with (:func:`default_tile`): 128 tokens for packed ints,
     block floats and one shared codebook (the H100 sweep), 32 for per-group codebooks, QJL's sketches, the float8 /
     int8 formats not yet measured with them, and launches that rotate keys or their offset (EDEN-2 with center)."""
-    import importlib.util
-    from pathlib import Path
 
     from kvcomp.codecs import needs_calibration
     from kvcomp.kernels.decode_attention_triton import decode_launches, payload_launch_inputs
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_decode_attention")
     wide = {"kivi-2", "kivi-4", "int4-token-head", "eden-2", "nvfp4", "kvarn", "turboquant-k3v4-nc"}
     for name, config in bench.CODECS.items():
         codec = build_codec(config, ModelInfo("llama31_8b", 1, 2, 128))

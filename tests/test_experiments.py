@@ -4,7 +4,6 @@ Fast: configs are composed with Hydra's compose API (no model is loaded) and the
 results.json files written in a temporary folder.
 """
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -19,6 +18,7 @@ from omegaconf import OmegaConf
 from kvcomp.codecs import codec_config
 from kvcomp.config import BENCHMARKS, register_configs, typed
 from kvcomp.experiments.temporalkv_paper import TABLES, thesis_bits, thesis_name
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -182,10 +182,7 @@ def test_thesis_tables_transcription():
 # the renderer
 # ------------------------------------------------------------------------------------------------
 def _renderer():
-    spec = importlib.util.spec_from_file_location("render_temporalkv_tables", ROOT / "scripts" / "render_temporalkv_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("render_temporalkv_tables")
 
 
 FP16_ROW = {"model": "smollm2_135m", "codec": "fp16()", "benchmark": "perplexity:enwiki/evaluation 32x512",
@@ -297,9 +294,7 @@ def test_render_gives_each_outlier_rule_its_own_table(tmp_path):
 
 
 def test_render_baselines_ranks_by_class_then_perplexity(tmp_path):
-    spec = importlib.util.spec_from_file_location("render_baselines_2026", ROOT / "scripts" / "render_baselines_2026.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("render_baselines_2026")
     fp16 = {"model": "m", "codec": "fp16()", "ppl_chunked": 20.0}
 
     def member(option, bits, ppl, center=None):
@@ -322,9 +317,7 @@ def test_render_baselines_ranks_by_class_then_perplexity(tmp_path):
 
 
 def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(tmp_path):
-    spec = importlib.util.spec_from_file_location("render_eviction", ROOT / "scripts" / "render_eviction.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("render_eviction")
     fp16 = {"model": "m", "codec": "fp16()", "ppl_context": 20.0, "bits_per_value_measured": 32.0}
 
     def member(name, codec, press, ratio, seen, held, ppl):
@@ -350,9 +343,7 @@ def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(t
 
 
 def test_render_baselines_ranks_ruler_rows_best_first_in_points(tmp_path):
-    spec = importlib.util.spec_from_file_location("render_baselines_2026", ROOT / "scripts" / "render_baselines_2026.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("render_baselines_2026")
     fp16 = {"model": "m", "codec": "fp16()", "acc_avg": 40.0}
     for option, bits, acc in (("kivi", 3.0, 20.0), ("turboquant", 3.25, 30.0)):
         folder = tmp_path / option

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcomp.kernels import static_model as sm
+from tests.conftest import load_script
 
 SASS = """
         /*0000*/                   S2R R0, SR_TID.X ;
@@ -156,14 +157,8 @@ def test_layout_lanes_and_a_conflicting_shared_load():
 
 def _script():
     """scripts/kernel_model.py as a module."""
-    import importlib.util
-
     pytest.importorskip("triton")
-    path = Path(__file__).resolve().parent.parent / "scripts" / "kernel_model.py"
-    spec = importlib.util.spec_from_file_location("kernel_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kernel_model")
 
 
 def test_measured_sweep_keeps_each_cards_rows_apart(tmp_path):

@@ -3,23 +3,20 @@ the Pareto front, Markdown / CSV / self-contained HTML with links to each row's 
 of ``experiment=leaderboard/quick`` through ``run.py -m`` on the embedded model, rendered."""
 
 import csv
-import importlib.util
 import io
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script
 from tests.run_py import THREADS, run_py
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("leaderboard", ROOT / "scripts" / "leaderboard.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("leaderboard")
 
 
 def _member(sweep, codec, bits, measured, ppl, acc, tokens):

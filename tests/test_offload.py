@@ -12,7 +12,7 @@ from kvcomp.errors import ConfigError
 from kvcomp.codecs import build_codec
 from kvcomp.calibration import CalibrationData, calibrate
 from tests.codec_matrix import CALIBRATION, MATRIX, calibration_windows, make_codec
-from tests.conftest import info_of
+from tests.conftest import info_of, load_script
 
 
 pytestmark = pytest.mark.usefixtures("session_cache")
@@ -208,13 +208,7 @@ def test_a_decompression_bomb_in_a_kvtc_row_is_refused_when_read(tiny_llama, tmp
 
 @pytest.mark.parametrize("args", [["--prompt", "0"], ["--turn", "1"], ["--cr", "0"], ["--repeats", "0"]])
 def test_the_multiturn_script_refuses_bad_arguments_before_loading(args, capsys):
-    import importlib.util
-
-    from tests.run_py import ROOT
-
-    spec = importlib.util.spec_from_file_location("bench_multiturn", ROOT / "scripts" / "bench_multiturn.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("bench_multiturn")
     with pytest.raises(SystemExit) as exit_:
         script.main(args)
     assert exit_.value.code == 2 and f"{args[0]} must be at least" in capsys.readouterr().err

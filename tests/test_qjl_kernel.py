@@ -12,7 +12,7 @@ from kvcomp.kernels.payloads import SketchedKeys
 from kvcomp.kernels.qjl_scores import qjl_scores, qjl_scores_reference
 from kvcomp.stages.jl_sketch import channel_mask, group_outlier_channels, jl_projection, sign_sketch
 from tests.codec_matrix import QJL_TINY
-from tests.conftest import info_of, reads_taken
+from tests.conftest import info_of, load_script, reads_taken
 
 pytest.importorskip("triton")
 
@@ -124,13 +124,7 @@ def test_install_rejects_an_unknown_backend(tiny_llama):
 
 def test_gpu_benchmark_script_runs_on_the_interpreter():
     """scripts/bench_qjl_decode.py --smoke: the GPU benchmark's code path on a tiny CPU shape."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_qjl_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_qjl_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_qjl_decode")
     table = module.main(["--smoke"])
     assert table.count("| qjl scores (Triton) |") == 2
     fused = next(line for line in table.splitlines() if "qjl step, fused" in line)  # the authors' sketch is fused
