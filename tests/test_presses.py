@@ -408,8 +408,9 @@ def test_tova_evicts_at_each_step_the_token_the_last_query_attended_least(one_la
         torch.testing.assert_close(query, apply_rotary_pos_emb(q, q, cos, sin)[0][0, :, 0])
         weights = (query.view(held.shape[0], -1, d) @ held.transpose(-1, -2) / d**0.5).softmax(-1).mean((0, 1))
         expected = held[:, weights[:-1].argmin()] if held.shape[1] == 13 else None  # full: 12 kept + the newest
-        previous = token
+        previous, buffer = token, layer.key_stream.tail_buffer.buffer.data_ptr()
         out = model(token, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[position]]))
+        assert layer.key_stream.tail_buffer.buffer.data_ptr() == buffer  # kept in place, nothing allocated
         now = layer.key_stream.materialize()[0, :, :-1]
         assert now.shape[1] == min(12, held.shape[1])
         if expected is not None:

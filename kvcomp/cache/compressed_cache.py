@@ -159,7 +159,7 @@ class CompressedLayer(StepLayer):
                                "attention only")
         if self.press is not None and not first_forward and self.press.config.decoding_size:
             for part in self.parts:  # pressing while decoding, before this forward's tokens and mask columns
-                self._press_held(part, part.group.layer_step(step, False))
+                self._press_held(part)
         dropped = [part.evicted for part in self.parts]  # before this forward: its own prefill reads every token
         queries = [None if query is None else part.group.tokens(query, first_forward, 2) for part in self.parts]
         read = ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
@@ -193,13 +193,13 @@ class CompressedLayer(StepLayer):
             step = replace(step, rope=rope, positions=positions)
         return key_states, value_states, step
 
-    def _press_held(self, part: LayerPart, step: LayerStep) -> None:
+    def _press_held(self, part: LayerPart) -> None:
         """Pressing while decoding (kvpress's ``DecodingPress``): once the row group holds ``decoding_size +
         decoding_interval`` tokens, the press keeps ``decoding_size`` of them, before this forward's tokens are stored
         (:attr:`~kvcomp.presses.base.Press.decodes`; one that reads queries scores with the previous forward's last
-        query, ``part.last_query``). Streams whose held tokens are all encoded one by one keep the payload rows of the
-        kept tokens (:meth:`~kvcomp.cache.stream.KVStream.keep_encoded`, nothing quantized again); streams of the
-        uncompressed cache are rebuilt from the kept tokens (:func:`check_press`)."""
+        query, ``part.last_query``). The kept tokens stay where they are held
+        (:meth:`~kvcomp.cache.stream.KVStream.keep_tokens`: the uncompressed cache's tail, a per-token codec's payload
+        rows; nothing quantized again, nothing allocated; :func:`check_press` refuses other codecs)."""
         cfg, (key_stream, value_stream) = self.press.config, part.streams
         if key_stream.length < cfg.decoding_size + cfg.decoding_interval:
             return
@@ -211,16 +211,8 @@ class CompressedLayer(StepLayer):
         query = part.last_query if self.press.reads_queries else None
         kept = self.press.keep(Prefill(query, keys, values), count=cfg.decoding_size)
         part.evicted += key_stream.length - cfg.decoding_size
-        if key_stream.drops_in_place and value_stream.drops_in_place:
-            for stream, copy in zip(part.streams, copies):
-                stream.keep_encoded(kept, copy)
-            return
-        if key_stream.num_encoded or value_stream.num_encoded:  # check_press refuses what would come here
-            raise RuntimeError(f"layer {self.layer_idx}: its encoded tokens cannot be dropped in place, and rebuilding "
-                               "the layer would quantize them again")
-        keys, values = _kept(keys, kept), _kept(values, kept)
-        part.schedule.reset()
-        self._store(part, keys, values, step)
+        for stream, copy in zip(part.streams, copies):
+            stream.keep_tokens(kept, copy)
 
     def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
                first_forward: bool = False, query: torch.Tensor | None = None):
@@ -612,15 +604,15 @@ def _full_precision(codec: Codec) -> bool:
 
 
 def _drops_in_place(codec: Codec, offsets: bool) -> bool:
-    """Whether each layer's two streams hold their tokens as :attr:`~kvcomp.cache.stream.KVStream.drops_in_place`
-    needs, or both in full precision only (then rebuilt from the kept ones)."""
-    layers = [[codec.policy(kind, layer) for kind in ("key", "value")] for layer in range(codec.model.num_layers)]
+    """Whether every stream holds its tokens as :attr:`~kvcomp.cache.stream.KVStream.drops_in_place` needs: in full
+    precision without sinks, or encoded one by one (a post-RoPE, stateless per-token codec)."""
+    policies = [codec.policy(kind, layer) for kind in ("key", "value") for layer in range(codec.model.num_layers)]
+    if any(p.sinks for p in policies):
+        return False
     if _full_precision(codec):
         return True
-    per_token = (not codec.pre_rope and not offsets and not keeps_state(codec) and codec.payload_layout == "tokens")
-    return per_token and all(all(p.block_size is None for p in policies)
-                             or all(p.block_size == 1 and p.sinks == 0 and p.window == 0 for p in policies)
-                             for policies in layers)
+    per_token = not codec.pre_rope and not offsets and not keeps_state(codec) and codec.payload_layout == "tokens"
+    return per_token and all(p.block_size is None or p.block_size == 1 and p.window == 0 for p in policies)
 
 
 def _window_nbytes(layer) -> int:

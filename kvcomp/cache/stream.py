@@ -325,28 +325,38 @@ class KVStream:
 
     @property
     def drops_in_place(self) -> bool:
-        """Whether held tokens can be dropped without decoding them (:meth:`keep_encoded`): every held token is
-        encoded, one payload row per token in every payload tensor (a per-token codec with no sinks or window), its
-        keys neither rotated back nor offset by position (which would tie them to cache indices)."""
-        return (self.num_sinks == 0 and self.num_tail == 0 and self.store.layout == "tokens" and self.state is None
-                and not self.rotates and all(g.length == self.num_encoded for g in self.store.tensors.values()))
+        """Whether held tokens can be dropped where they are (:meth:`keep_tokens`): a stream that never encodes and
+        holds no sinks (its tail is every token), or one whose every held token is encoded, one payload row per
+        token in every payload tensor (a per-token codec with no sinks or window); keys neither rotated back nor
+        offset by position (which would tie them to cache indices)."""
+        if self.rotates or self.num_sinks:
+            return False
+        if self.policy.block_size is None:
+            return True
+        return (self.num_tail == 0 and self.store.layout == "tokens" and self.state is None
+                and all(g.length == self.num_encoded for g in self.store.tensors.values()))
 
-    def keep_encoded(self, kept: torch.Tensor, keep_decoded: bool) -> None:
+    def keep_tokens(self, kept: torch.Tensor, keep_decoded: bool) -> None:
         """Keep the held tokens ``kept [B, H or 1, k]`` (ascending indices, every KV head its own or all the same) and
-        drop the rest, the kept payload rows gathered to the front of the store's buffers: nothing is encoded again
-        (:attr:`drops_in_place`). ``keep_decoded``: the torch path's decoded copy (complete) keeps its kept rows too;
-        else it is freed and the kept tokens are decoded when a read needs them."""
+        drop the rest, gathered to the front of the buffers that hold them (:attr:`drops_in_place`): the tail of a
+        stream that never encodes, else the payload rows, nothing encoded again. ``keep_decoded``: the torch path's
+        decoded copy (complete) keeps its kept rows too; else it is freed and the kept tokens are decoded when a read
+        needs them."""
         if not self.drops_in_place:
             raise RuntimeError(f"{self.codec.name} {self.kind} stream: its held tokens cannot be dropped in place")
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             if kept.shape[1] not in (1, t.shape[1]):
-                raise RuntimeError(f"{self.codec.name} {self.kind} payload has {t.shape[1]} heads; a press kept tokens "
-                                   f"for {kept.shape[1]}")
+                raise RuntimeError(f"{self.codec.name} {self.kind} stream: a tensor of {t.shape[1]} heads; a press kept "
+                                   f"tokens for {kept.shape[1]}")
             index = kept.to(t.device).expand(t.shape[0], t.shape[1], -1)
             return t.gather(2, index.reshape(*index.shape, *(1,) * (t.dim() - 3)).expand(*index.shape, *t.shape[3:]))
 
         count = kept.shape[-1]
+        self.length = count
+        if self.policy.block_size is None:
+            self.tail_buffer.keep(gather)
+            return
         for grown in self.store.tensors.values():
             grown.keep(gather)
         self.store.num_tokens, self.store.num_blocks = count, 1
@@ -355,7 +365,7 @@ class KVStream:
             self.decoded.keep(gather)
         else:
             self.decoded, self.pending = GrowingTensor(2, self.capacity), list(self.blocks)
-        self.num_encoded = self.length = count
+        self.num_encoded = count
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam reorder, batch select / repeat) of everything held."""
