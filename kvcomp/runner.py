@@ -125,6 +125,8 @@ def check_data(plan: RunPlan, benchmark: Benchmark, codec: Codec | None, force: 
     from kvcomp.data import check_corpus_available
 
     benchmark.check(plan.model)
+    if plan.press is not None:
+        benchmark.check_press(plan.press.name)
     calibrates = needs_calibration(codec if codec is not None else codec_class(plan.codec.name))
     artifact = plan.calibration.artifact
     reusable = not force and ((artifact is not None and Path(artifact).is_file())

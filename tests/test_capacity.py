@@ -175,3 +175,25 @@ def test_a_stored_cache_does_not_change_as_the_preallocated_cache_goes_on(tiny_l
         for _ in range(60):  # the tail moves between its buffers several times
             tiny_llama(token, **with_cache(tiny_llama, cache))
     assert all(torch.equal(stored.tensors[name], t) for name, t in before.items())
+
+
+def test_keeping_a_press_s_entries_rewrites_in_place_or_frees_a_mostly_empty_buffer():
+    """:meth:`GrowingTensor.keep`: within a reserve the kept entries move to the front of the same buffer (nothing
+    allocated); without one, a buffer that would be mostly empty is replaced by one that fits (the prompt's tail
+    does not stay allocated after a press keeps 64 of 2000 tokens)."""
+    kept = lambda t: t[:, :64]  # noqa: E731
+    reserved = GrowingTensor(1, reserve=2048)
+    reserved.append(torch.randn(2, 2000))
+    buffer = reserved.buffer
+    reserved.keep(kept)
+    assert reserved.buffer is buffer and reserved.length == 64 and reserved.generation == 1
+    grown = GrowingTensor(1)
+    grown.append(torch.randn(2, 2000))
+    before = grown.view[:, :64].clone()
+    grown.keep(kept)
+    assert grown.buffer.shape[1] <= 64 + 16 and torch.equal(grown.view, before)
+    small = GrowingTensor(1)
+    small.append(torch.randn(2, 40))
+    buffer = small.buffer
+    small.keep(lambda t: t[:, :30])
+    assert small.buffer is buffer  # nearly full after the press: rewritten in place

@@ -154,17 +154,35 @@ def test_middle_truncation_reaches_the_model(embedded):
 
 def test_a_press_takes_generation_tasks_and_names_the_likelihood_ones(task_manager):
     """lm-eval tasks scored by likelihood run context and continuation in one forward: with a press they are named
-    and refused before any request runs; generation tasks (LongBench) are not."""
+    and refused (the runner asks before the model loads), and so are tasks of a Python class (request types unknown);
+    generation tasks (LongBench) are not."""
     from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
     from kvcomp.codecs import ModelInfo
     from kvcomp.presses import build_press
 
-    benchmark = LMEvalBenchmark(LMEvalConfig(name="lm_eval", tasks=["arc_easy", "longbench_trec"]))
+    benchmark = LMEvalBenchmark(LMEvalConfig(name="lm_eval", tasks=["arc_easy", "longbench_trec", "squadv2"]))
     benchmark.task_manager = task_manager
-    assert benchmark.scored_by_likelihood() == ["arc_easy"]
+    assert benchmark.scored_by_likelihood() == ["arc_easy", "squadv2"]  # squadv2: a Python task class
+    with pytest.raises(ConfigError, match="arc_easy, squadv2 score likelihoods"):
+        benchmark.check_press("knorm")
     press = build_press({"name": "knorm", "ratio": 0.5}, ModelInfo("tiny", 1, 1, 8))
-    with pytest.raises(ConfigError, match="arc_easy score likelihoods"):
+    with pytest.raises(ConfigError, match="arc_easy, squadv2 score likelihoods"):
         benchmark.evaluate(None, None, press)
+    benchmark.config.tasks = ["longbench_trec"]
+    benchmark.check_press("knorm")
+
+
+def test_the_runner_refuses_a_press_on_likelihood_tasks_before_loading_the_model(task_manager, monkeypatch):
+    from kvcomp.benchmarks import build_benchmark
+    from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
+    from kvcomp.runner import check_config, check_data
+    from tests.test_config import _compose
+
+    plan = check_config(_compose("codec=fp16", "benchmark=lm_eval", "benchmark.tasks=[arc_easy]", "press=knorm"))
+    benchmark = build_benchmark(plan.benchmark)
+    monkeypatch.setattr(LMEvalBenchmark, "check", lambda self, model_cfg: setattr(self, "task_manager", task_manager))
+    with pytest.raises(ConfigError, match="arc_easy score likelihoods"):
+        check_data(plan, benchmark, None)
 
 
 @pytest.mark.integration

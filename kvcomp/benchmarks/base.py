@@ -20,6 +20,10 @@ class Benchmark(ABC):
         """Cheap checks run before the model loads (e.g. that offline data is present); raise a
         :class:`~kvcomp.errors.KVCompError` naming the problem and the remedy. Default: nothing to check."""
 
+    def check_press(self, press_name: str) -> None:
+        """Raise :class:`~kvcomp.errors.ConfigError` before the model loads when this benchmark's settings cannot
+        evaluate a press (called after :meth:`check`). Default: every setting can."""
+
     @abstractmethod
     def prepare(self, model, tokenizer, model_cfg) -> None:
         """Build the data (raises on bad settings before any slow work)."""

@@ -79,7 +79,7 @@ class LMEvalConfig:
     fixtures: dict[str, str] = field(default_factory=dict)  # task -> JSON-lines file (relative: kvcomp/benchmarks/fixtures)
     limit: int | None = None  # documents per task (None: all)
     num_fewshot: int | None = None
-    batch_size: int = 1  # > 1 left-pads generation batches: pad tokens then count as sinks
+    batch_size: int = 1  # > 1 left-pads generation batches (the cache groups rows by their padding)
     max_length: int | None = None  # context + generation tokens (None: the model config's max_context)
     max_gen_toks: int | None = None  # caps each task's generation budget (None: the task's own)
     truncation: str = "left"  # left (lm-eval) | middle (LongBench: keep the first and last halves)

@@ -16,7 +16,8 @@ its ``generate`` builds its own cache. :class:`CompressedCacheLM` fixes both:
   after its exact prefill. lm-eval's prompts end with the question, so the question is pressed with its context
   (a question-aware setting, easier for presses that score with the last queries than kvpress's pipeline, which
   keeps the question out: ``benchmark=ruler`` does that). Loglikelihood tasks feed context and continuation in one
-  forward, which leaves nothing to press after the context: refused before they run.
+  forward, which leaves nothing to press after the context: refused by name before the model loads (and tasks defined
+  by a Python class, whose request types are not known until they run).
 
 Data (``benchmark.data``), decided by :meth:`LMEvalBenchmark.check` before the model loads:
 
@@ -397,18 +398,25 @@ class LMEvalBenchmark(Benchmark):
         return out
 
     def scored_by_likelihood(self) -> list[str]:
-        """The tasks whose requests are not generation (lm-eval's ``output_type``, ``generate_until`` by default)."""
+        """The tasks whose requests may not all be generation: lm-eval's ``output_type`` other than ``generate_until``
+        (its default), or a task defined by a Python class, whose request types its code decides."""
         return [name for task in self.config.tasks for name, config, _ in leaf_tasks(self.task_manager, task)
-                if config.get("output_type", "generate_until") != "generate_until"]
+                if "class" in config or config.get("output_type", "generate_until") != "generate_until"]
+
+    def check_press(self, press_name: str) -> None:
+        """A press takes generation tasks only (the module docstring); the others are named here, before the model
+        loads (after :meth:`check`, which builds the task index)."""
+        if scored := self.scored_by_likelihood():
+            raise ConfigError(f"press {press_name}: lm-eval tasks {_shorten(scored)} score likelihoods (or may: a Python "
+                              "task class), whose context and continuation run in one forward, nothing to press after "
+                              "the context; choose generation tasks (LongBench, AIME) or press=none")
 
     def evaluate(self, model, codec, press=None) -> list[dict]:
         import lm_eval
 
         c = self.config
-        if press is not None and (scored := self.scored_by_likelihood()):
-            raise ConfigError(f"press {press.name}: lm-eval tasks {_shorten(scored)} score likelihoods, whose context and "
-                              "continuation run in one forward (nothing to press after the context); choose generation "
-                              "tasks (LongBench, AIME) or press=none")
+        if press is not None:
+            self.check_press(press.name)
         protocol = dataclasses.replace(self.protocol, press=press)
         lm = _lm_class()(
             model, self.tokenizer, codec, protocol, truncation=c.truncation, max_gen_toks_cap=c.max_gen_toks,

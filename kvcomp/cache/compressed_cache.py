@@ -197,9 +197,9 @@ class CompressedLayer(StepLayer):
         """Pressing while decoding (kvpress's ``DecodingPress``): once the row group holds ``decoding_size +
         decoding_interval`` tokens, the press keeps ``decoding_size`` of them, before this forward's tokens are stored
         (:attr:`~kvcomp.presses.base.Press.decodes`; one that reads queries scores with the previous forward's last
-        query, ``part.last_query``). The kept tokens stay where they are held
+        query, ``part.last_query``). The kept tokens stay in the buffers that hold them
         (:meth:`~kvcomp.cache.stream.KVStream.keep_tokens`: the uncompressed cache's tail, a per-token codec's payload
-        rows; nothing quantized again, nothing allocated; :func:`check_press` refuses other codecs)."""
+        rows; nothing quantized again; :func:`check_press` refuses other codecs)."""
         cfg, (key_stream, value_stream) = self.press.config, part.streams
         if key_stream.length < cfg.decoding_size + cfg.decoding_interval:
             return
@@ -607,12 +607,12 @@ def _drops_in_place(codec: Codec, offsets: bool) -> bool:
     """Whether every stream holds its tokens as :attr:`~kvcomp.cache.stream.KVStream.drops_in_place` needs: in full
     precision without sinks, or encoded one by one (a post-RoPE, stateless per-token codec)."""
     policies = [codec.policy(kind, layer) for kind in ("key", "value") for layer in range(codec.model.num_layers)]
-    if any(p.sinks for p in policies):
+    if codec.pre_rope or offsets or any(p.sinks for p in policies):  # tokens tied to their cache index, or sinks
         return False
     if _full_precision(codec):
         return True
-    per_token = not codec.pre_rope and not offsets and not keeps_state(codec) and codec.payload_layout == "tokens"
-    return per_token and all(p.block_size is None or p.block_size == 1 and p.window == 0 for p in policies)
+    return (not keeps_state(codec) and codec.payload_layout == "tokens"
+            and all(p.block_size is None or p.block_size == 1 and p.window == 0 for p in policies))
 
 
 def _window_nbytes(layer) -> int:

@@ -128,12 +128,15 @@ class GrowingTensor:
 
     def keep(self, fn) -> None:
         """Replace the content by ``fn(view)``, no longer than it (a press's kept entries), written over the front of
-        the buffer in place: nothing is allocated but what ``fn`` returns. Views handed out earlier see the
-        overwritten entries (a cache layer presses before it hands out the views of a forward)."""
+        the buffer in place (views handed out earlier see the overwritten entries: a cache layer presses before it
+        hands out the views of a forward); without a reserve, a buffer that would then be mostly empty (as
+        :meth:`drop_front` decides) is replaced by one that fits."""
         if self.buffer is None:
             return
         kept = fn(self.view)
         n = kept.shape[self.dim]
+        if not self.reserve and self.buffer.shape[self.dim] - n > max(n, 16) + spare(n):
+            self.buffer = self._empty(n + spare(n), self.buffer.dtype, self.buffer)
         self.buffer.narrow(self.dim, 0, n).copy_(kept)
         self.start, self.end = 0, n
         self.generation += 1

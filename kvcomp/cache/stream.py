@@ -353,9 +353,9 @@ class KVStream:
             return t.gather(2, index.reshape(*index.shape, *(1,) * (t.dim() - 3)).expand(*index.shape, *t.shape[3:]))
 
         count = kept.shape[-1]
-        self.length = count
         if self.policy.block_size is None:
             self.tail_buffer.keep(gather)
+            self.length = count
             return
         for grown in self.store.tensors.values():
             grown.keep(gather)
@@ -365,7 +365,7 @@ class KVStream:
             self.decoded.keep(gather)
         else:
             self.decoded, self.pending = GrowingTensor(2, self.capacity), list(self.blocks)
-        self.num_encoded = count
+        self.num_encoded = self.length = count
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam reorder, batch select / repeat) of everything held."""
