@@ -97,7 +97,10 @@ def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
         ax.axhline(mine[0]["fp16"], color="grey", linestyle=":", label="fp16")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per value seen, full precision at 16 bits (evicted tokens included)")
-        ax.set_ylabel("perplexity after the context")
+        collapsed = max(r["ppl"] for r in mine) > 2 * mine[0]["fp16"]  # a log scale keeps the other rows apart
+        if collapsed:
+            ax.set_yscale("log")
+        ax.set_ylabel("perplexity after the context" + (" (log scale)" if collapsed else ""))
         ax.set_title(f"Eviction and quantization on one byte axis: {model}")
         ax.legend(fontsize=8)
         fig.tight_layout()
