@@ -52,9 +52,11 @@ def _option(results: Path, family: str) -> str:
     ``kivi press=snapkv press.ratio=0.5``), read from its ``results.json``."""
     data = json.loads(results.read_text())
     swept = parse_overrides(data.get("overrides", []))
-    decoding = data["config"].get("press", {}).get("decoding_size")  # set by an experiment file, not swept
-    if decoding and "press.decoding_size" not in swept:
-        swept["press.decoding_size"] = str(decoding)
+    press = data["config"].get("press", {})  # settings an experiment file makes, not swept
+    if press.get("decoding_size") and "press.decoding_size" not in swept:
+        swept["press.decoding_size"] = str(press["decoding_size"])
+    if press.get("head_budgets", "uniform") != "uniform" and "press.head_budgets" not in swept:
+        swept["press.head_budgets"] = press["head_budgets"]
     extra = " ".join(f"{k}={v}" for k, v in swept.items() if k.startswith(("codec.", "press")))
     return " ".join(part for part in (swept.get("codec", family), extra) if part)
 

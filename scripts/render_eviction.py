@@ -33,6 +33,8 @@ def load_rows(directory: str | Path) -> list[dict]:
         press = config.get("press", {}).get("name", "none")
         if config.get("press", {}).get("decoding_size"):  # pressed while decoding too
             press += f" decoding {config['press']['decoding_size']}+{config['press'].get('decoding_interval', 64)}"
+        if config.get("press", {}).get("head_budgets") == "adakv":  # budgets per head
+            press += " adakv"
         if "ppl_context" not in data["rows"][0]:  # another benchmark's member (eviction/ruler)
             continue
         fp16 = next(r for r in data["rows"] if r["codec"].startswith("fp16") and "press" not in r)

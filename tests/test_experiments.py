@@ -320,7 +320,7 @@ def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(t
     module = load_script("render_eviction")
     fp16 = {"model": "m", "codec": "fp16()", "ppl_context": 20.0, "bits_per_value_measured": 32.0}
 
-    def member(name, codec, press, ratio, seen, held, ppl):
+    def member(name, codec, press, ratio, seen, held, ppl, budgets="uniform"):
         folder = tmp_path / name
         folder.mkdir()
         share = 0.0 if codec == "fp16" else 0.9  # kivi: 90 % encoded at 2 bits, the rest in float32
@@ -329,16 +329,18 @@ def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(t
         if press != "none":
             row |= {"press": f"{press}(ratio={ratio})", "press_ratio": ratio, "bits_per_value_seen": seen}
         overrides = [f"codec={codec}", "model=m"] + ([f"press={press}", f"press.ratio={ratio}"] if press != "none" else [])
-        config = {"codec": {"name": codec}, "press": {"name": press}}
+        config = {"codec": {"name": codec}, "press": {"name": press, "head_budgets": budgets}}
         (folder / "results.json").write_text(json.dumps({"config": config, "overrides": overrides, "rows": [fp16, row]}))
 
     member("a", "fp16", "snapkv", 0.5, 20.0, 32.0, 24.0)
     member("b", "kivi", "none", 0.0, None, 5.0, 22.0)
     member("c", "kivi", "knorm", 0.5, 3.0, 5.0, 30.0)
+    member("d", "fp16", "snapkv", 0.5, 20.0, 32.0, 23.0, budgets="adakv")
     lines = [line for line in module.render(tmp_path).splitlines() if line.startswith("| ") and "kind" not in line]
-    assert [line.split(" | ")[0] for line in lines] == ["| composed", "| quantization", "| eviction"]  # by bits at 16
+    assert [line.split(" | ")[0] for line in lines] == ["| composed", "| quantization", "| eviction", "| eviction"]
     assert lines[1] == "| quantization | - | 0.00 | `kivi` | 3.40 | 5.00 | 5.00 | 22.000 | +10.0 % |"  # 0.9 x 2 + 0.1 x 16
-    assert lines[2] == "| eviction | `snapkv` | 0.50 | `fp16` | 10.00 | 20.00 | 32.00 | 24.000 | +20.0 % |"
+    assert lines[2] == "| eviction | `snapkv adakv` | 0.50 | `fp16` | 10.00 | 20.00 | 32.00 | 23.000 | +15.0 % |"
+    assert lines[3] == "| eviction | `snapkv` | 0.50 | `fp16` | 10.00 | 20.00 | 32.00 | 24.000 | +20.0 % |"
     assert [p.name for p in module.plot(tmp_path, tmp_path)] == ["eviction_m.png"]
 
 

@@ -55,6 +55,18 @@ def test_panels_classes_front_and_files(tmp_path):
     assert "href='../sweep/benchmark=ruler,codec=kivi,model=m/results.json'" in page
 
 
+def test_a_row_names_the_press_settings_its_experiment_file_made(tmp_path):
+    """A member's option names its swept overrides and the press settings an experiment file set without sweeping them
+    (pressing while decoding, budgets per head), so that such rows are not taken for the plain press."""
+    path = tmp_path / "results.json"
+    press = {"name": "snapkv", "ratio": 0.5, "decoding_size": 0, "head_budgets": "adakv"}
+    path.write_text(json.dumps({"config": {"press": press}, "overrides": ["codec=fp16", "press=snapkv", "press.ratio=0.5"]}))
+    assert _module()._option(path, "fp16") == "fp16 press=snapkv press.ratio=0.5 press.head_budgets=adakv"
+    path.write_text(json.dumps({"config": {"press": {**press, "decoding_size": 256, "head_budgets": "uniform"}},
+                                "overrides": ["codec=fp16", "press=tova"]}))
+    assert _module()._option(path, "fp16") == "fp16 press=tova press.decoding_size=256"
+
+
 @pytest.mark.integration
 def test_a_two_codec_slice_runs_and_renders(embedded, tmp_path):
     """``experiment=leaderboard/quick`` (its perplexity part) through run.py -m, then the page from it."""

@@ -280,6 +280,10 @@ def test_context_perplexity_scores_the_tokens_after_the_pressed_context(tiny_lla
     assert plain["tokens_scored"] == 2 * 24 and plain["ppl_context"] == zero["ppl_context"] != half["ppl_context"]
     assert "bits_per_value_seen" not in plain and zero["bits_per_value_seen"] == pytest.approx(32.0)
     assert half["bits_per_value_seen"] == pytest.approx(32.0 * (20 + 24) / 64)  # 20 of 40 context tokens kept
+    full_safeguard = build_press({"name": "knorm", "ratio": 0.5, "head_budgets": "adakv", "alpha_safeguard": 1.0}, info)
+    ada = evaluate_perplexity(tiny_llama, build_codec({"name": "fp16"}, info), windows, config, full_safeguard)
+    assert ada["ppl_context"] == pytest.approx(half["ppl_context"], rel=1e-5)  # 8-token forwards over the ragged prefix
+    assert ada["bits_per_value_seen"] == half["bits_per_value_seen"]
     with pytest.raises(ConfigError, match=r"protocols \[context\]"):
         evaluate_perplexity(tiny_llama, build_codec({"name": "fp16"}, info), windows,
                             PerplexityConfig(seq_len=64, protocols=["chunked"]), build_press({"name": "knorm"}, info))
@@ -569,3 +573,116 @@ def test_pressing_while_decoding_under_padding_beams_and_capacity(tiny_llama, na
     assert held == pytest.approx(cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes, rel=0.01)
     coded_layers = sum(codec.policy("key", layer).block_size is not None for layer in range(info.num_layers))
     assert sum(n > 1 for n in encoded) == coded_layers * 2 * len(cache.layers[0].parts)
+
+
+def test_adakv_shares_the_layer_budget_out_among_heads_with_a_safeguard():
+    """AdaKV (``head_budgets=adakv``): each row keeps ``H k`` tokens of the layer, the best scores among all heads,
+    and each head at least ``int(alpha k)`` of its own best; with ``alpha = 1`` every head keeps its own ``k`` best,
+    as the uniform press."""
+    prefill = _prefill(b=2, h=2, n=40)
+    prefill.keys[:, 0] *= 0.1  # head 0's keys have small norms: knorm scores them all above head 1's
+    uniform = build_press({"name": "knorm", "ratio": 0.5}, INFO)
+    flat, counts = build_press({"name": "knorm", "ratio": 0.5, "head_budgets": "adakv"}, INFO).keep_per_layer(prefill)
+    assert flat.shape == (2, 40) and counts.sum(1).tolist() == [40, 40]
+    assert counts[:, 1].tolist() == [int(20 * 0.2)] * 2 and counts[:, 0].tolist() == [40 - 4] * 2  # head 1 at its floor
+    assert torch.equal(counts, torch.stack([(flat < 40).sum(1), (flat >= 40).sum(1)], dim=1))
+    assert (flat.diff(dim=1) > 0).all()  # head by head, each in cache order
+    flat, counts = build_press({"name": "knorm", "ratio": 0.5, "head_budgets": "adakv", "alpha_safeguard": 1.0},
+                               INFO).keep_per_layer(prefill)
+    kept = uniform.keep(prefill)
+    assert counts.tolist() == [[20, 20]] * 2 and torch.equal(flat.view(2, 2, 20) % 40, kept)
+    assert build_press({"name": "knorm", "ratio": 0.0, "head_budgets": "adakv"}, INFO).keep_per_layer(prefill) is None
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"name": "knorm", "head_budgets": "ada"}, "uniform, adakv"),
+    ({"name": "knorm", "head_budgets": "adakv", "alpha_safeguard": 1.5}, r"\[0, 1\]"),
+    ({"name": "streaming_llm", "head_budgets": "adakv"}, "same tokens in every KV head"),
+    ({"name": "knorm", "head_budgets": "adakv", "decoding_size": 16}, "prompt only"),
+])
+def test_bad_head_budgets_are_refused(config, match):
+    with pytest.raises(ConfigError, match=match):
+        build_press(config, INFO)
+
+
+def test_head_budgets_hold_uncompressed_tokens_only(tiny_llama):
+    info = info_of(tiny_llama)
+    press = build_press({"name": "knorm", "ratio": 0.5, "head_budgets": "adakv"}, info)
+    with pytest.raises(ConfigError, match="codec=fp16"):
+        CompressedCache(build_codec(KIVI, info), "exact_prefill", press=press)
+
+
+@torch.no_grad()
+def test_adakv_with_a_full_safeguard_equals_the_uniform_press(tiny_llama):
+    """With ``alpha_safeguard = 1`` AdaKV keeps what the uniform press keeps: the same logits through the ragged prefix
+    (left-padded rows, their own groups) as through the streams, and the same bytes."""
+    info, (ids, mask) = info_of(tiny_llama), _ids()
+    uniform, _, plain = _generate(tiny_llama, build_codec({"name": "fp16"}, info),
+                                  build_press({"name": "snapkv", "ratio": 0.5, "window_size": 8}, info), ids, mask)
+    ada, _, cache = _generate(tiny_llama, build_codec({"name": "fp16"}, info),
+                              build_press({"name": "snapkv", "ratio": 0.5, "window_size": 8, "head_budgets": "adakv",
+                                           "alpha_safeguard": 1.0}, info), ids, mask)
+    assert all(part.prefix is not None for part in cache.layers[0].parts)
+    torch.testing.assert_close(ada, uniform, rtol=1e-5, atol=1e-5)
+    assert cache.nbytes == plain.nbytes and cache.bits_per_value_seen() == plain.bits_per_value_seen()
+
+
+@pytest.mark.parametrize("name", ["knorm", "snapkv", "expected_attention"])
+@torch.no_grad()
+def test_adakv_holds_ragged_heads_under_padding_beams_and_capacity(tiny_llama, name):
+    """AdaKV over each press that scores per head: a left-padded batch decoded by beam search through a preallocated
+    cache; heads hold different counts, each row the uniform press's total, and every tensor the cache holds is
+    counted (the counts as bookkeeping)."""
+    info = info_of(tiny_llama)
+    ids, mask = _ids()
+    press = build_press({"name": name, "ratio": 0.5, "head_budgets": "adakv", **PRESS_CONFIGS[name]}, info)
+    cache = CompressedCache(build_codec({"name": "fp16"}, info), "exact_prefill", press=press, capacity=40 + 6)
+    out = tiny_llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, min_new_tokens=6,
+                              num_beams=2, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 46)
+    parts = cache.layers[0].parts
+    assert sorted(p.evicted for p in parts) == [18, 20] and sorted(p.held_tokens for p in parts) == [17 + 5, 20 + 5]
+    assert all(p.prefix.counts.sum(1).eq(2 * p.prefix.tokens_per_head).all() for p in parts)
+    held = held_nbytes(cache, model_storages(tiny_llama), skip=(Codec,))
+    assert held == cache.nbytes + cache.bookkeeping_nbytes + cache.working_nbytes
+
+
+@torch.no_grad()
+def test_adakv_decode_steps_equal_attention_with_each_heads_evicted_tokens_masked(one_layer_llama):
+    """A one-layer model: each step's attention over the ragged prefix equals the uncompressed layer's attention with
+    every head's evicted prompt tokens masked out of that head (kvpress's simulation of AdaKV), and the bytes held
+    are the kept tokens'."""
+    model, info = one_layer_llama, info_of(one_layer_llama)
+    ids, _ = _ids(batch=1)
+    press = build_press({"name": "knorm", "ratio": 0.5, "head_budgets": "adakv", "alpha_safeguard": 0.0}, info)
+    pressed, sequences, cache = _generate(model, build_codec({"name": "fp16"}, info), press, ids, None, steps=4)
+    prefix = cache.layers[0].parts[0].prefix
+    assert prefix.counts.sum() == 40 and prefix.counts.min() < 20  # ragged: one head keeps more
+    attn = model.model.layers[0].self_attn
+    reference = DynamicCache(config=model.config)
+    logits = [model(ids, past_key_values=reference, use_cache=True).logits[:, -1]]
+    keys = reference.layers[0].keys[0]  # [H, 40, D]
+    kept = torch.zeros(2, 40, dtype=torch.bool)
+    for h in range(2):
+        held = prefix.keys[0, int(prefix.counts[0, :h].sum()):int(prefix.counts[0, :h + 1].sum())]
+        kept[h] = (held[:, None] == keys[h][None]).all(-1).any(0)
+    assert kept.sum(1).tolist() == prefix.counts[0].tolist()
+    masked = []
+
+    def hook(module, args, kwargs):  # every head's evicted prompt columns masked, later columns visible
+        n = kwargs.get("cache", kwargs.get("past_key_values")).get_seq_length() + 1
+        visible = torch.cat([kept, torch.ones(2, n - 40, dtype=torch.bool)], dim=1).repeat_interleave(2, dim=0)
+        kwargs["attention_mask"] = visible[None, :, None]
+        masked.append(n)
+        return args, kwargs
+
+    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for i, token in enumerate(sequences[0, 40:43]):
+            logits.append(model(token.view(1, 1), past_key_values=reference, use_cache=True,
+                                position_ids=torch.tensor([[40 + i]])).logits[:, -1])
+    finally:
+        handle.remove()
+    assert masked == [41, 42, 43]
+    torch.testing.assert_close(pressed[:, 0], torch.cat(logits), rtol=1e-5, atol=1e-5)
+    assert cache.layers[0].full_precision_nbytes == 2 * 4 * (40 + 3 * 2) * 16

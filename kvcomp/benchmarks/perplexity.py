@@ -167,7 +167,7 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
     metrics["tokens_scored"] = int(windows[:, (context if config.protocols == ["context"] else 1):].numel())
     share = cache_stats["encoded_share"]
-    if share < LOW_ENCODED_SHARE and not shortcut:
+    if share < LOW_ENCODED_SHARE and not codec_never_encodes(codec):
         metrics["note"] = (f"only {share:.0%} of the cached values were encoded (the rest stayed in full precision): "
                            f"the row says little about {codec.name}; raise benchmark.seq_len")
         log.warning("perplexity %s with %s: %s", codec.describe(), f"seq_len={windows.shape[1]}", metrics["note"])

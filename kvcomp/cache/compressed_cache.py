@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from kvcomp.cache.checks import CHECK_FINITE, FiniteChecks
+from kvcomp.cache.headwise import HeadwiseReads, HeadwisePrefix
 from kvcomp.cache.positions import Positions
 from kvcomp.cache.reads import FromSegments, FusedDecode, Reads, Streaming
 from kvcomp.cache.rows import ByRows, RowGroup, padding_groups
@@ -42,21 +43,39 @@ class LayerPart:
     """One :class:`~kvcomp.cache.rows.RowGroup`'s share of a layer: the schedule of its key and value streams, the
     positions of its tokens (pre-RoPE codecs), how many prompt tokens a press ``evicted`` (per row and KV head), and
     the ``last_query [B, Hq, 1, D]`` of the latest forward, which a press that reads queries scores the held tokens
-    with while decoding (TOVA)."""
+    with while decoding (TOVA); ``prefix``: the prompt a press with a budget per head kept (``head_budgets=adakv``),
+    held apart from the streams, which then hold the later tokens."""
 
     group: RowGroup
     schedule: Schedule
     positions: Positions
     evicted: int = 0
     last_query: torch.Tensor | None = None
+    prefix: HeadwisePrefix | None = None
 
     @property
     def streams(self) -> tuple[KVStream, KVStream]:
         return self.schedule.streams
 
+    @property
+    def held_tokens(self) -> int:
+        """Tokens held per row and KV head (a per-head prefix's on average over the heads)."""
+        return self.schedule.key_stream.length + (0 if self.prefix is None else self.prefix.tokens_per_head)
+
+    @property
+    def batch(self) -> int:
+        return self.prefix.batch if self.prefix is not None else self.schedule.key_stream.batch
+
+    @property
+    def num_values(self) -> int:
+        """K and V elements held (batch x heads x tokens x head_dim, both streams)."""
+        return sum(s.num_values for s in self.streams) + (0 if self.prefix is None else 2 * self.prefix.num_values)
+
     def select_rows(self, index: torch.Tensor) -> None:
         self.schedule.select_rows(index)
         self.positions.select_rows(index)
+        if self.prefix is not None:
+            self.prefix.select_rows(index)
         if self.last_query is not None:
             self.last_query = self.last_query.index_select(0, index.to(self.last_query.device))
 
@@ -94,6 +113,7 @@ class CompressedLayer(StepLayer):
             part.positions.reset()
             part.evicted = 0
             part.last_query = None
+            part.prefix = None
         self.checks.reset()
         self.is_initialized = False
         self.length = 0
@@ -175,12 +195,21 @@ class CompressedLayer(StepLayer):
     def _evict(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep,
                query: torch.Tensor | None):
         """A row group's prompt as its press keeps it: ``(keys, values, step)`` of the kept tokens (positions and
-        RoPE of a selection shared by the heads), or None when the press keeps every token."""
+        RoPE of a selection shared by the heads), ``()`` when they are held apart (``part.prefix``, a budget per
+        head), or None when the press keeps every token."""
         if query is None:
             raise RuntimeError(f"press {self.press.name} scores the prompt with its queries: call the cache through "
                                "kvcomp's attention (kvcomp.cache.install)")
         rotary = step.rotary if step.frequencies is not None and step.rope is not None else None
-        kept = self.press.keep(Prefill(query, key_states, value_states, step.rope, rotary))
+        prefill = Prefill(query, key_states, value_states, step.rope, rotary)
+        if self.press.adaptive:
+            selection = self.press.keep_per_layer(prefill)
+            if selection is None:
+                return None
+            part.prefix = HeadwisePrefix.pressed(key_states, value_states, *selection)
+            part.evicted = key_states.shape[2] - part.prefix.tokens_per_head
+            return ()  # the streams hold the tokens after the prompt
+        kept = self.press.keep(prefill)
         if kept is None:
             return None
         part.evicted = key_states.shape[2] - kept.shape[-1]
@@ -222,7 +251,8 @@ class CompressedLayer(StepLayer):
             pressed = self._evict(part, key_states, value_states, step, query)
             if pressed is not None:
                 prompt = (key_states, value_states)
-                self._store(part, *pressed)
+                if pressed:
+                    self._store(part, *pressed)
                 return prompt
         batch, n = key_states.shape[0], key_states.shape[2]
         key_stream, value_stream = part.streams
@@ -247,6 +277,8 @@ class CompressedLayer(StepLayer):
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             for stream in part.streams:
                 stream.freeze()
+        if part.prefix is not None:
+            return HeadwiseReads(part.prefix, _joined(keys), _joined(values))
         if fused == "attention":
             key_rope = part.positions.key_rope(key_stream.num_sinks) if key_stream.rotates else None
             return FusedDecode(keys, values, self.codec, self.layer_idx, step.kernel_backend, key_rope, key_stream.length)
@@ -265,7 +297,7 @@ class CompressedLayer(StepLayer):
         decoded, the codec weights the value payload; ``None``: the torch path (also without kvcomp's attention,
         ``step`` None). Keys with a rotated offset are read by the fused kernel only (it adds the offset's score, with
         the same needs as pre-RoPE keys)."""
-        if step is None:
+        if step is None or part.prefix is not None:
             return None
         if values_from_payload(self.codec):
             return "values"
@@ -295,8 +327,14 @@ class CompressedLayer(StepLayer):
 
     @property
     def full_precision_nbytes(self) -> int:
-        """Bytes of full-precision sinks and tails."""
-        return sum(s.full_precision_nbytes for s in self.streams)
+        """Bytes of full-precision sinks and tails, and of a prompt pressed with a budget per head."""
+        return sum(s.full_precision_nbytes for s in self.streams) + sum(
+            part.prefix.nbytes for part in self.parts if part.prefix is not None)
+
+    @property
+    def num_values(self) -> int:
+        """K and V elements held, over every row group."""
+        return sum(part.num_values for part in self.parts)
 
     @property
     def payload_nbytes(self) -> int:
@@ -315,10 +353,10 @@ class CompressedLayer(StepLayer):
 
     @property
     def bookkeeping_nbytes(self) -> int:
-        """Bytes held besides K/V storage: the positions of cached tokens (pre-RoPE codecs) and the last query a
-        press scores with while decoding."""
+        """Bytes held besides K/V storage: the positions of cached tokens (pre-RoPE codecs), the last query a
+        press scores with while decoding and the counts of a prompt pressed with a budget per head."""
         return sum(part.positions.nbytes + (0 if part.last_query is None else part.last_query.nbytes)
-                   for part in self.parts)
+                   + (0 if part.prefix is None else part.prefix.bookkeeping_nbytes) for part in self.parts)
 
     @property
     def working_nbytes(self) -> int:
@@ -525,8 +563,7 @@ class CompressedCache(Cache, PaddedRows):
         """Storage bits per K/V value of every real token the cache was given (a press's evicted tokens included,
         left padding not), over every layer: the byte axis eviction and quantization share."""
         info, layers = self.codec.model, self.compressed_layers
-        tokens = sum(part.schedule.key_stream.batch * (part.schedule.key_stream.length + part.evicted)
-                     for part in layers[0].parts)
+        tokens = sum(part.batch * (part.held_tokens + part.evicted) for part in layers[0].parts)
         return 8 * self.nbytes / max(2 * info.total_layers * info.num_kv_heads * info.head_dim * tokens, 1)
 
     def bits_breakdown(self) -> dict[str, float]:
@@ -539,7 +576,8 @@ class CompressedCache(Cache, PaddedRows):
         ``kv_bytes_<layer type>`` (a model-scope codec's payloads and state count with the full-attention
         layers, if any)."""
         streams = [s for layer in self.compressed_layers for s in layer.streams]
-        values = max(sum(s.num_values for s in streams) + sum(_window_values(w) for w in self.window_layers), 1)
+        values = max(sum(layer.num_values for layer in self.compressed_layers)
+                     + sum(_window_values(w) for w in self.window_layers), 1)
         encoded = sum(s.batch * self.codec.model.num_kv_heads * self.codec.model.head_dim * s.num_encoded for s in streams)
         bits = {
             "encoded_share": encoded / values,
@@ -564,7 +602,8 @@ def check_press(press: Press | None, codec: Codec, protocol: str, compress_gener
     """Raise :class:`ConfigError` when ``press`` cannot evict from this cache: it evicts after an exact prefill
     (``exact_prefill``); each layer keeps its own tokens, which layer- and model-scope codecs (one block across
     layers) cannot code; a selection per KV head has no single position per token, which pre-RoPE codecs and rotated
-    key offsets (``center``, known before calibration) need; a sliding-window layer hides old tokens by position,
+    key offsets (``center``, known before calibration) need, and budgets per head (``head_budgets=adakv``) the
+    uncompressed cache only; a sliding-window layer hides old tokens by position,
     which a cache of evicted tokens no longer lines up with its mask (codecs that encode them: ``compress_sliding``)."""
     if press is None:
         return
@@ -578,6 +617,10 @@ def check_press(press: Press | None, codec: Codec, protocol: str, compress_gener
     if codec.scope != "stream":
         raise ConfigError(f"press {press.name}: codec {codec.name} codes a block across {codec.scope}s, but each layer "
                           "keeps its own tokens; choose a stream-scope codec")
+    if press.adaptive and not _full_precision(codec):
+        raise ConfigError(f"press {press.name}: head_budgets=adakv holds each KV head's kept tokens ragged, which only "
+                          f"the uncompressed cache stores (codec=fp16), not codec {codec.name}; or use "
+                          "head_budgets=uniform, which composes with stream-scope codecs")
     offsets = getattr(codec.config, "center", "none") != "none" or any(
         codec.rotated_key_offset(layer) is not None for layer in range(codec.model.num_layers))
     if press.config.decoding_size and not compress_generated and not _full_precision(codec):
@@ -630,4 +673,4 @@ def _layer_nbytes(layer) -> int:
 
 
 def _layer_values(layer) -> int:
-    return sum(s.num_values for s in layer.streams) if isinstance(layer, CompressedLayer) else _window_values(layer)
+    return layer.num_values if isinstance(layer, CompressedLayer) else _window_values(layer)

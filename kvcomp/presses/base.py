@@ -3,6 +3,10 @@
 A press scores every token of a prefill per KV head (higher: kept) and keeps the ``int(n (1 - ratio))`` best of
 the ``n`` (kvpress's ``compression_ratio``: the fraction removed), each KV head its own tokens unless the press
 selects tokens shared by the heads (:attr:`Press.shared_across_heads`, e.g. StreamingLLM's sinks and window).
+``head_budgets=adakv`` (AdaKV, Feng et al. 2024, arXiv 2407.11550, Alg. 1) keeps the same ``H k`` tokens per row and
+layer but lets the heads share them: the best ``H k`` scores among all heads of the layer, each head keeping at least
+``int(alpha_safeguard k)`` of its own best (kvpress's ``AdaKVPress`` safeguard); the cache holds each head's kept
+tokens as they are, ragged (:class:`~kvcomp.cache.headwise.HeadwisePrefix`).
 The cache (:class:`~kvcomp.cache.CompressedCache`, ``press=...``) stores only the kept tokens, in their order,
 and the codec codes only those: evicted tokens are freed, not masked. The prefill itself attends to every
 token exactly (``exact_prefill``); later forwards see the kept tokens.
@@ -20,6 +24,7 @@ from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.schema import structured
 
 PRESSES: dict[str, type] = {}
+HEAD_BUDGETS = ("uniform", "adakv")
 
 
 def register(cls):
@@ -60,13 +65,23 @@ class PressConfig:
     # it back to decoding_size; 0: the prefill only
     decoding_size: int = 0
     decoding_interval: int = 64
+    # uniform: every KV head keeps k of its n tokens; adakv: the layer's H k are shared out among its heads by score
+    # (AdaKV), each head keeping at least int(alpha_safeguard k)
+    head_budgets: str = "uniform"
+    alpha_safeguard: float = 0.2
 
     def __post_init__(self):
+        if self.head_budgets not in HEAD_BUDGETS:
+            raise ConfigError(f"head_budgets={self.head_budgets!r}; choose one of "
+                              f"{', '.join(HEAD_BUDGETS)}")
+        if not 0.0 <= self.alpha_safeguard <= 1.0:
+            raise ConfigError(f"alpha_safeguard={self.alpha_safeguard!r} is the least share of its "
+                              "budget each head keeps under head_budgets=adakv; choose a value in [0, 1]")
         if not 0.0 <= self.ratio < 1.0:
-            raise ConfigError(f"press {self.name}: ratio={self.ratio!r} is the fraction of prompt tokens evicted; "
+            raise ConfigError(f"ratio={self.ratio!r} is the fraction of prompt tokens evicted; "
                               "choose a value in [0, 1)")
         if self.decoding_size < 0 or self.decoding_interval < 1:
-            raise ConfigError(f"press {self.name}: decoding_size={self.decoding_size} must be >= 0 (0: the prefill only) "
+            raise ConfigError(f"decoding_size={self.decoding_size} must be >= 0 (0: the prefill only) "
                               f"and decoding_interval={self.decoding_interval} >= 1")
 
 
@@ -87,7 +102,19 @@ class Press(ABC):
             raise ConfigError(f"press {self.name} cannot press while decoding (decoding_size > 0): its scores need a "
                               "window of queries, which one decode step does not have; presses that can: "
                               f"{', '.join(n for n, c in PRESSES.items() if c.decodes)}")
+        if self.adaptive and self.shared_across_heads:
+            raise ConfigError(f"press {self.name} keeps the same tokens in every KV head, so head_budgets=adakv has no "
+                              f"budgets to share out; presses with scores per head: "
+                              f"{', '.join(n for n, c in PRESSES.items() if not c.shared_across_heads)}")
+        if self.adaptive and config.decoding_size:
+            raise ConfigError(f"press {self.name}: head_budgets=adakv presses the prompt only (AdaKV); leave "
+                              "decoding_size 0 or use head_budgets=uniform")
         self.validate()
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the heads of a layer share its budget (``head_budgets=adakv``)."""
+        return self.config.head_budgets == "adakv"
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for settings this press cannot use."""
@@ -95,7 +122,8 @@ class Press(ABC):
     def describe(self) -> str:
         """``name(field=value, ...)``, as results rows show it."""
         shown = {k: v for k, v in asdict(self.config).items()
-                 if k != "name" and not (k.startswith("decoding_") and not self.config.decoding_size)}
+                 if k != "name" and not (k.startswith("decoding_") and not self.config.decoding_size)
+                 and not (k in ("head_budgets", "alpha_safeguard") and not self.adaptive)}
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
     def kept_count(self, n: int) -> int:
@@ -116,6 +144,24 @@ class Press(ABC):
         if k >= n:
             return None
         return self.scores(replace(prefill, kept=k)).float().topk(k, dim=-1).indices.sort(dim=-1).values
+
+    def keep_per_layer(self, prefill: Prefill) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """AdaKV's selection (``head_budgets=adakv``): indices ``[B, H k]`` into the prompt's tokens of every head laid
+        end to end (``h n + t``), ascending (head by head, each in cache order), and the tokens each head keeps
+        ``[B, H]``; None when every token is kept. Each head's best ``int(alpha_safeguard k)`` scores are raised above
+        all others, then the row keeps the best ``H k`` of the layer (Alg. 1)."""
+        n = prefill.length
+        k = self.kept_count(n)
+        if k >= n:
+            return None
+        scores = self.scores(replace(prefill, kept=k)).float()
+        b, h, _ = scores.shape
+        safe = int(k * self.config.alpha_safeguard)
+        if safe:
+            scores = scores.scatter(-1, scores.topk(safe, dim=-1).indices, float("inf"))
+        flat = scores.reshape(b, h * n).topk(h * k, dim=-1).indices.sort(dim=-1).values
+        counts = torch.zeros(b, h, dtype=torch.long, device=flat.device).scatter_add_(1, flat // n, torch.ones_like(flat))
+        return flat, counts
 
 
 def window_attention(prefill: Prefill, window: int) -> torch.Tensor:

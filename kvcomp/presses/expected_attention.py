@@ -29,7 +29,7 @@ class ExpectedAttentionConfig(PressConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.n_future_positions < 1 or self.sinks < 0:
-            raise ConfigError(f"press expected_attention: n_future_positions={self.n_future_positions} must be >= 1 "
+            raise ConfigError(f"n_future_positions={self.n_future_positions} must be >= 1 "
                               f"and sinks={self.sinks} >= 0")
 
 

@@ -24,7 +24,7 @@ class SnapKVConfig(PressConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.window_size < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ConfigError(f"press snapkv: window_size={self.window_size} must be >= 1 and kernel_size="
+            raise ConfigError(f"window_size={self.window_size} must be >= 1 and kernel_size="
                               f"{self.kernel_size} odd and >= 1")
 
 
