@@ -3,7 +3,7 @@ HTML page (sortable tables, a rate-distortion plot per panel with its Pareto fro
 
     python scripts/leaderboard.py multirun/leaderboard/embedded [MORE_SWEEPS...] --out leaderboard
 
-A panel is one model on one benchmark (perplexity's or RULER's metric); its rows are the codecs of every finished
+A panel is one model on one benchmark and its data (perplexity's or RULER's metric); its rows are the codecs of every finished
 member, each with the bits per value the cache measured (codes, scales, windows, sinks, boundary layers, per-sequence
 state: the rank axis), the codec's code bits, its model-level overhead apart, the metric, its change from the
 uncompressed reference of the same data, and (RULER) the mean output length. A row with a press (token eviction)
@@ -44,7 +44,9 @@ def _metric(row: dict) -> str | None:
 
 
 def _bench(row: dict) -> str:
-    return str(row.get("benchmark", "")).split(":", 1)[0].split(" ", 1)[0]
+    """The benchmark and its data (``ruler:essays 4096 tokens x1``): rows of the same task on other samples, windows or
+    lengths (e.g. a sweep's RULER with two samples per task) form their own panel, with their own reference."""
+    return str(row.get("benchmark", "")).strip()
 
 
 def _option(results: Path, family: str) -> str:

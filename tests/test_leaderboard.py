@@ -43,7 +43,7 @@ def test_panels_classes_front_and_files(tmp_path):
     out = tmp_path / "page"
     module.main([str(sweep), "--out", str(out)])
     text = (out / "leaderboard.md").read_text()
-    assert text.count("### m: ") == 2 and "### m: perplexity / perplexity (chunked)" in text
+    assert text.count("### m: ") == 2 and "### m: perplexity:x / perplexity (chunked)" in text
     assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 24.000 | +20.0 % |  | * |" in text
     assert "| 8 | higgs | `higgs` | 7.600 | 4.100 | 0 | 30.000 | +50.0 % |  |  |" in text  # class by measured bits
     assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 45.000 | -5.0 pts | 28.000 | * |" in text
