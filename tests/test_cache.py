@@ -1,4 +1,5 @@
 import inspect
+import math
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from kvcomp.cache import CompressedCache, install
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
 from kvcomp.codecs.base import Request
 from kvcomp.errors import ConfigError, NonFiniteKVError
-from kvcomp.stages.rope import apply_rope, undo_rope
+from kvcomp.stages.rope import apply_rope, rotate_half, undo_rope
 from tests.conftest import info_of
 
 SCHEDULES = [
@@ -137,6 +138,34 @@ def test_rope_inverse():
     angles = torch.rand(2, 5, 8) * 10
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     torch.testing.assert_close(undo_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5, rtol=1e-5)
+    assert torch.equal(undo_rope(x, cos, sin), x * cos[:, None] - rotate_half(x) * sin[:, None])  # no scaling: as is
+    scaled = (1.2 * cos, 1.2 * sin)  # YaRN's attention scaling in the model's cos/sin
+    torch.testing.assert_close(undo_rope(apply_rope(x, *scaled), *scaled), x, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_keys_coded_before_rope_are_restored_under_a_scaled_rope():
+    """YaRN multiplies cos/sin by its attention scaling (here 1.14): keys coded before RoPE are un-rotated by the exact
+    inverse, so that the 8-bit codec's decoded keys are the model's keys, as a post-RoPE codec's are."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import _tiny
+
+    model = _tiny(LlamaConfig, LlamaForCausalLM, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                  "factor": 4.0, "original_max_position_embeddings": 64})
+    assert model.model.rotary_emb.attention_scaling == pytest.approx(1 + 0.1 * math.log(4))
+    ids = torch.randint(1, 96, (1, 48), generator=torch.Generator().manual_seed(2))
+    reference = DynamicCache(config=model.config)
+    model(ids, past_key_values=reference)
+    info = ModelInfo.from_hf_config(model.config)
+    for pre_rope in (False, True):
+        codec = build_codec({"name": "uniform", "bits": 8, "group_size": 16, "pre_rope": pre_rope},
+                            info)
+        cache = CompressedCache(codec)
+        model(ids, past_key_values=cache)
+        keys, original = cache.layers[1].key_stream.materialize(), reference.layers[1].keys
+        assert cache.layers[1].key_stream.num_encoded == 48
+        assert (keys - original).abs().max() < 0.02 * original.abs().max(), pre_rope
 
 
 @torch.no_grad()

@@ -42,7 +42,7 @@ from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir, cache_relative
 from kvcomp.progress import progress
-from kvcomp.stages.rope import undo_rope
+from kvcomp.stages.rope import rope_transpose, undo_rope
 
 FIELDS = ("key", "value")
 FISHER_FIELDS = ("key_grad2", "value_grad2")
@@ -267,7 +267,7 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
                     if rope is not None:
                         cos, sin = (t.expand(1, seq_len, -1) for t in rope)
                         keys = undo_rope(keys, cos, sin)
-                        grads = (undo_rope(grads[0], cos, sin), grads[1]) if fisher else ()
+                        grads = (rope_transpose(grads[0], cos, sin), grads[1]) if fisher else ()  # chain rule
                     for field, x in zip(store.fields, (keys, values, *(g.square() for g in grads))):
                         out[field][s] = x[0, :, drop_first:].detach().to(store.dtype).cpu()
         finally:

@@ -52,8 +52,7 @@ class ExpectedAttentionPress(Press):
             raise ValueError(f"press expected_attention: a prompt of {n} tokens leaves too few after its "
                              f"{cfg.sinks} sinks for query statistics")
         cos, sin = prefill.rope
-        # before RoPE (cos/sin carry the RoPE's attention scaling s: undoing with them multiplies by s^2), no sinks
-        q = undo_rope(prefill.query.float(), cos.float(), sin.float())[:, :, cfg.sinks:] / prefill.rotary.scaling**2
+        q = undo_rope(prefill.query.float(), cos.float(), sin.float())[:, :, cfg.sinks:]  # before RoPE, no sinks
         mu = q.mean(dim=2)  # [B, Hq, D]
         centred = q - mu[:, :, None]
         rotary = prefill.rotary
