@@ -20,6 +20,7 @@ import html
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 from kvcomp.artifacts import write_text_atomic
@@ -225,14 +226,35 @@ def page(rows: list[dict], out: Path, reading: str = "") -> str:
     return "\n".join(parts)
 
 
+def copy_results(directories: list[Path], runs: Path) -> list[Path]:
+    """Each sweep's finished members' ``results.json`` copied to ``runs/<sweep path>/<member>/`` (failed members
+    left out); what was there before is replaced, so the copies are exactly the sweeps' members. Returns the copies'
+    sweep folders, in order."""
+    copies = []
+    for directory in directories:
+        target = runs / Path(directory).resolve().relative_to(Path(directory).resolve().parents[1])  # leaderboard/embedded
+        if target.is_dir():
+            shutil.rmtree(target)
+        for path in sorted(Path(directory).rglob("results.json")):
+            destination = target / path.parent.relative_to(directory) / path.name
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(destination, path.read_text())
+        copies.append(target)
+    return copies
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directories", type=existing_directory, nargs="+", help="sweep folders, e.g. multirun/leaderboard/embedded")
     parser.add_argument("--out", type=Path, required=True, help="folder for index.html, leaderboard.md and leaderboard.csv")
     parser.add_argument("--reading", type=Path, help="a Markdown or HTML file whose text opens the page (the written reading)")
+    parser.add_argument("--copy-results", action="store_true",
+                        help="copy every finished member's results.json under OUT/runs/<sweep>/ and link the copies, so "
+                             "that OUT holds every number it shows (a committed leaderboard)")
     args = parser.parse_args(argv)
-    rows = leaderboard_rows(args.directories)
     args.out.mkdir(parents=True, exist_ok=True)
+    directories = copy_results(args.directories, args.out / "runs") if args.copy_results else args.directories
+    rows = leaderboard_rows(directories)
     reading = args.reading.read_text() if args.reading else ""
     written = [args.out / "index.html", args.out / "leaderboard.md", args.out / "leaderboard.csv"]
     for path, text in zip(written, (page(rows, args.out, reading), markdown(rows), csv_text(rows))):

@@ -53,6 +53,13 @@ def test_panels_classes_front_and_files(tmp_path):
     assert page.count("<svg") == 2 and "src=" not in page and "href='http" not in page  # nothing fetched
     assert "<dc:date>" not in page  # the same rows give the same page
     assert "href='../sweep/benchmark=ruler,codec=kivi,model=m/results.json'" in page
+    (out / "runs" / "x" / "stale").mkdir(parents=True)  # copies replace what a sweep's folder held before
+    (out / "runs" / tmp_path.name / "sweep" / "gone").mkdir(parents=True)
+    module.main([str(sweep), "--out", str(out), "--copy-results"])  # a committed page: the results it shows beside it
+    copied = sorted(p.relative_to(out).as_posix() for p in out.rglob("results.json"))
+    assert len(copied) == 6 and copied[0] == f"runs/{tmp_path.name}/sweep/benchmark=perplexity,codec=higgs,model=m/results.json"
+    assert not (out / "runs" / tmp_path.name / "sweep" / "gone").exists() and (out / "runs" / "x" / "stale").exists()
+    assert f"href='runs/{tmp_path.name}/sweep/benchmark=ruler,codec=kivi,model=m/results.json'" in (out / "index.html").read_text()
 
 
 def test_a_row_names_the_press_settings_its_experiment_file_made(tmp_path):
