@@ -132,6 +132,18 @@ def _fmt(value, name: str = "", metric: str = "") -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def leaders(mine: list[dict]) -> str:
+    """``Leaders: 2 bits: `a` (+3.1 %), `b` (+4.0 %); 4 bits: ...``: the best two rows of each bit class of one panel
+    (its rows as :func:`panels` sorts them), the reference left out."""
+    by_class: dict[int, list[dict]] = {}
+    for r in mine:
+        if not r["reference"] and r["class"] is not None:
+            by_class.setdefault(r["class"], []).append(r)
+    parts = [f"{c} bits: " + ", ".join(f"`{r['option']}` ({_fmt(r['vs_reference'], 'vs_reference', r['metric_name'])})"
+                                       for r in best[:2]) for c, best in sorted(by_class.items())]
+    return "Leaders: " + "; ".join(parts) + "." if parts else ""
+
+
 def markdown(rows: list[dict]) -> str:
     lines = []
     for (model, panel), mine in panels(rows).items():
@@ -142,7 +154,7 @@ def markdown(rows: list[dict]) -> str:
             cells = [_fmt(r[c], c, r["metric_name"]) for c in COLUMNS]
             cells[2] = f"`{cells[2]}`" + (" (reference)" if r["reference"] else "")
             lines.append("| " + " | ".join(cells) + " | " + ("*" if id(r) in front else "") + " |")
-        lines.append("")
+        lines += ["", leaders(mine), ""] if leaders(mine) else [""]
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ def test_panels_classes_front_and_files(tmp_path):
     assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 24.000 | +20.0 % |  | * |" in text
     assert "| 8 | higgs | `higgs` | 7.600 | 4.100 | 0 | 30.000 | +50.0 % |  |  |" in text  # class by measured bits
     assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 45.000 | -5.0 pts | 28.000 | * |" in text
+    assert "Leaders: 2 bits: `temporalkv` (+20.0 %); 4 bits: `kivi` (+25.0 %); 8 bits: `higgs` (+50.0 %)." in text
     rows = list(csv.DictReader(io.StringIO((out / "leaderboard.csv").read_text())))
     assert len(rows) == 8 and {r["reference"] for r in rows} == {"True", "False"}
     page = (out / "index.html").read_text()
