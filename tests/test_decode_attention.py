@@ -607,18 +607,16 @@ def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
         assert launches[0].args["unit"] == (128 if name in wide else 32), name
 
 def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows():
-    from kvcomp.kernels.decode_attention_triton import _packed, _packed_values_ok
-
     values, _ = _uniform(torch.randn(1, 1, 8, 128), 2, 32, "per_token")  # KIVI-2 values: 4 groups per token
-    assert _packed_values_ok(values, 128, dot=False) and not _packed_values_ok(values, 128, dot=True)
+    assert values.packed_values(128, dot=False) and not values.packed_values(128, dot=True)
     many_groups, _ = _uniform(torch.randn(1, 1, 8, 128), 2, 8, "per_token")  # 16 groups: gathered, per channel
-    assert not _packed_values_ok(many_groups, 128, dot=False)
+    assert not many_groups.packed_values(128, dot=False)
 
     kivi2, _ = _uniform(torch.randn(1, 1, 32, 128), 2, 32, "per_channel")  # 32 bytes per token
     narrow, _ = _uniform(torch.randn(1, 1, 32, 32), 2, 32, "per_channel")  # 8 bytes per token
-    assert _packed(kivi2, 128, dot=False) and _packed(kivi2, 128, dot=True)
-    assert _packed(narrow, 32, dot=False) and not _packed(narrow, 32, dot=True)  # tl.dot needs 16
-    assert not _packed(torch.randn(1, 1, 4, 128), 128, dot=False)  # full-precision segments
+    assert kivi2.packed_scores(128, dot=False) and kivi2.packed_scores(128, dot=True)
+    assert narrow.packed_scores(32, dot=False) and not narrow.packed_scores(32, dot=True)  # tl.dot needs 16
+    assert not kivi2.packed_values(128, dot=False)  # per-channel values: gathered
 
 
 @pytest.mark.parametrize("outliers, sketch", [(2, 64), (0, 64), (2, 40)])

@@ -59,21 +59,15 @@ import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.payloads import (
-    BlockFloatReader,
-    CodebookReader,
+    DENSE,
     OffsetReader,
-    ScaledReader,
     PayloadReader,
     RotaryPositions,
     RotatedReader,
     Segment,
     SketchReader,
-    UniformReader,
     segment_length,
 )
-from kvcomp.stages.jl_sketch import estimator_scale
-
-DENSE, UNIFORM, CODEBOOK, SKETCH, SCALED = 0, 1, 2, 3, 4
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 and an H100 (BENCHMARKS.md, "Launch configurations of the fused decode
@@ -669,19 +663,6 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, R, num_slots, D: tl.constexpr, BLO
     tl.store(out_ptr + (bh * R + rows[:, None]) * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _in_place(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int]:
-    """Tensors ``[B, H, ...]`` (or ``[B, T]``) of one shape as a kernel reads them, and their shared sequence
-    and head strides (0 for ``[B, T]``): read in place when each (sequence, head) slice is contiguous and
-    the strides agree (a payload store's views, narrowed along tokens from buffers with spare capacity),
-    else copied contiguous. The copy would read and write the whole payload at every layer and step."""
-    inner = (lambda t: t[0, 0]) if tensors[0].dim() > 2 else (lambda t: t[0])
-    strides = {t.stride()[:2] for t in tensors}
-    if len(strides) > 1 or not all(inner(t).is_contiguous() for t in tensors):
-        tensors = tuple(t.contiguous() for t in tensors)
-    first = tensors[0]
-    return list(tensors), first.stride(0), first.stride(1) if first.dim() > 2 else 0
-
-
 def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indices: tuple, hi: int,
                  placeholder: torch.Tensor) -> dict:
     """Kernel arguments of one stream's segments ``indices`` (in token order; at most :data:`MAX_DENSE`
@@ -700,50 +681,9 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
                           else segment.contiguous(), bounds[index]))  # tokens head_dim apart
             continue
         encoded_at = position
-        runtime.update(length=segment.num_tokens, first=bounds[index])
-        if isinstance(segment, UniformReader):
-            (data,), data_s_b, data_s_h = _in_place(segment.codes)
-            (scale, zero), param_s_b, param_s_h = _in_place(segment.scale, segment.zero)
-            runtime.update(data=data, scale=scale, zero=zero, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
-                           param_s_h=param_s_h)
-            static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.group_size, PER_CHANNEL=segment.per_channel)
-            if segment.multiplier is not None:  # per token (per-channel payloads) or per channel every few tokens
-                (runtime["tok_scale"],), runtime["tok_s_b"], runtime["tok_s_h"] = _in_place(segment.multiplier)
-                static["MULTIPLIER"] = segment.head_dim if segment.per_channel else segment.multiplier_group
-        elif isinstance(segment, BlockFloatReader):  # packed ints naming float values, one scale per block of channels
-            (data,), data_s_b, data_s_h = _in_place(segment.codes)
-            (scale,), param_s_b, param_s_h = _in_place(segment.scales)
-            runtime.update(data=data, scale=scale, codebooks=segment.levels, data_s_b=data_s_b, data_s_h=data_s_h,
-                           param_s_b=param_s_b, param_s_h=param_s_h)
-            static.update(FMT=UNIFORM, BITS=segment.bits, GROUP=segment.block, LEVELS=True)
-        elif isinstance(segment, CodebookReader):
-            layout = segment.layout
-            (data,), data_s_b, data_s_h = _in_place(segment.codes)
-            runtime.update(data=data, data_s_b=data_s_b, data_s_h=data_s_h, codebooks=segment.codebooks.contiguous(),
-                           ch_scale=segment.channel_scale.float().contiguous(),
-                           ch_center=segment.channel_center.float().contiguous())
-            names = [name for name in ("token_scale", "token_center") if getattr(segment, name) is not None]
-            if names:  # per-token normalisation [B, T], or per token and head [B, H, T]
-                tokens, runtime["tok_s_b"], runtime["tok_s_h"] = _in_place(*(getattr(segment, name) for name in names))
-                runtime.update({name.replace("token", "tok"): t for name, t in zip(names, tokens)})
-            static.update(FMT=CODEBOOK, CODE_BITS=segment.code_bits, CENTROIDS=segment.num_centroids, TL=layout.time_len,
-                          CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=segment.token_scale is not None,
-                          TOKEN_CENTER=segment.token_center is not None, UNIT=segment.unit_norm)
-        elif isinstance(segment, ScaledReader):
-            (data,), data_s_b, data_s_h = _in_place(segment.codes.view(segment.dtype))
-            if segment.per_token:
-                (scale,), param_s_b, param_s_h = _in_place(segment.scale)
-            else:  # one value for every sequence and head
-                scale, param_s_b, param_s_h = segment.scale.float().reshape(1).contiguous(), 0, 0
-            runtime.update(data=data, scale=scale, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
-                           param_s_h=param_s_h)
-            static.update(FMT=SCALED, TOKEN_SCALE=segment.per_token)
-        else:  # QJL's sketched keys; the rest of the format is in _sketch_args
-            (data,), data_s_b, data_s_h = _in_place(segment.keys.signs)
-            (norm,), param_s_b, param_s_h = _in_place(segment.keys.inlier_norm)
-            runtime.update(data=data, scale=norm, data_s_b=data_s_b, data_s_h=data_s_h, param_s_b=param_s_b,
-                           param_s_h=param_s_h)
-            static.update(FMT=SKETCH)
+        fields, constants = segment.kernel_args()
+        runtime.update(fields, length=segment.num_tokens, first=bounds[index])
+        static.update(constants)
     for i in range(MAX_DENSE):  # unused pieces: never read
         tensor, first = dense[i] if i < len(dense) else (placeholder, 0)
         s_b, s_h = tensor.stride()[:2] if tensor.dim() == 4 else (0, 0)
@@ -755,54 +695,16 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
 
 
 def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, queries: dict) -> dict:
-    """The ``sk_*`` / ``SK_*`` arguments of sketched keys (placeholders for other formats); ``queries``
-    keeps each payload's ``y = S q`` ``[B, H, R, m]`` for the step's other launches."""
-    if not isinstance(segment, SketchReader):
-        return dict(sk_y=placeholder, sk_proj=placeholder, sk_out_signs=placeholder, sk_out_norm=placeholder,
-                    sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, **dict.fromkeys(SKETCH_STRIDES, 0),
-                    SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1, SK_M_PAD=16)
-    keys = segment.keys
-    projection = keys.projection.to(q.device, torch.float32).contiguous()
-    if id(segment) not in queries:
-        queries[id(segment)] = (q.float() @ projection.T).contiguous()
-    m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
-    out = dict(sk_y=queries[id(segment)], sk_proj=projection, sk_out_signs=placeholder, sk_out_norm=placeholder,
-               sk_channels=placeholder, sk_scale_in=estimator_scale(m), sk_scale_out=0.0, **dict.fromkeys(SKETCH_STRIDES, 0),
-               SK_M=m, SK_M_OUT=m_out, SK_N_OUT=n_out, SK_GROUP=keys.group_size, SK_M_PAD=triton.next_power_of_2(m))
-    if n_out:
-        out["sk_scale_out"] = estimator_scale(m_out)
-        for arg, strides, tensor in (("sk_out_signs", "sk_out", keys.outlier_signs),
-                                     ("sk_out_norm", "sk_onorm", keys.outlier_norm),
-                                     ("sk_channels", "sk_ch", keys.outlier_channels)):
-            (out[arg],), out[f"{strides}_s_b"], out[f"{strides}_s_h"] = _in_place(tensor)
-    return out
+    """The ``sk_*`` / ``SK_*`` arguments of sketched keys (:meth:`~kvcomp.kernels.payloads.SketchReader.sketch_args`),
+    placeholders where the keys are not, or have no outliers; ``queries`` keeps each payload's ``y = S q``."""
+    out = dict(sk_y=placeholder, sk_proj=placeholder, sk_out_signs=placeholder, sk_out_norm=placeholder,
+               sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, **dict.fromkeys(SKETCH_STRIDES, 0),
+               SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1, SK_M_PAD=16)
+    return {**out, **segment.sketch_args(q, queries)} if isinstance(segment, SketchReader) else out
 
 
 def _kv_heads(segment: Segment) -> int:
-    if isinstance(segment, SketchReader):
-        return segment.keys.signs.shape[1]
-    return segment.codes.shape[1] if isinstance(segment, PayloadReader) else segment.shape[1]
-
-
-def _packed_values_ok(segment: Segment, d: int, dot: bool) -> bool:
-    """Whether values are weighted in their packed layout (:func:`_packed_values`): per-token packed ints
-    within bytes without a multiplier whose bytes per token are a power of two, groups of whole bytes, at most 8 groups per token (their
-    scales are selected in registers), on the register path. (Beside QJL's sketched keys above 4 query
-    rows the caller keeps the per-channel path, which compiles without spills, ``scripts/kernel_resources.py``.)"""
-    if (dot or not isinstance(segment, UniformReader) or segment.per_channel or 8 % segment.bits
-            or segment.multiplier is not None):
-        return False
-    per_byte, width = 8 // segment.bits, d * segment.bits // 8
-    return not width & (width - 1) and segment.group_size % per_byte == 0 and d // segment.group_size <= 8
-
-
-def _packed(segment: Segment, d: int, dot: bool) -> bool:
-    """Whether keys are scored in their packed layout (:func:`_packed_scores`): packed ints whose bytes per
-    token are a power of two (a Triton range), at least 16 for ``tl.dot``, codes within bytes, no multiplier."""
-    if not isinstance(segment, UniformReader) or 8 % segment.bits or segment.multiplier is not None:
-        return False
-    width = d * segment.bits // 8
-    return not width & (width - 1) and (width >= 16 or not dot)
+    return segment.kv_heads if isinstance(segment, PayloadReader) else segment.shape[1]
 
 
 def default_tile(segments: list[Segment], rotates_keys: bool = False) -> int:
@@ -813,26 +715,15 @@ def default_tile(segments: list[Segment], rotates_keys: bool = False) -> int:
     which float8 and int8 payloads keep until they are measured. A launch that rotates keys or their offset in
     registers (``rotates_keys``: the angles of every token of a tile) keeps :data:`TILE` too: EDEN-2 with ``center``
     spills 744 B per thread at 128 tokens under Triton 3.6, 16 B at 32 (``scripts/kernel_resources.py``)."""
-    wide = all(isinstance(s, (torch.Tensor, UniformReader, BlockFloatReader))
-               or isinstance(s, CodebookReader) and s.codebooks.shape[1] == 1 for s in segments)
+    wide = all(isinstance(s, torch.Tensor) or s.wide_tile for s in segments)
     return WIDE_TILE if wide and not rotates_keys else TILE
 
 
-def _tile_tokens(block_tokens: int, dot: bool, *segments: Segment) -> int:
-    """Tokens per tile of one launch: at most a per-channel group of packed ints (their parameters, or the
-    multiplier of per-token ones; a power of two, at least 16 for ``tl.dot``), so that each tile reads at most two
-    rows of them (:func:`_params`), and for QJL's sketched keys at most their group."""
+def _tile_tokens(block_tokens: int, *segments: Segment, dot: bool) -> int:
+    """Tokens per tile of one launch: at most what each payload allows
+    (:meth:`~kvcomp.kernels.payloads.PayloadReader.tile_limit`: a per-channel group of packed ints, a QJL group)."""
     for segment in segments:
-        if isinstance(segment, SketchReader):  # within one group of outlier channels
-            block_tokens = min(block_tokens, segment.keys.group_size)
-        if not isinstance(segment, UniformReader):
-            continue
-        groups = [segment.group_size] if segment.per_channel else []
-        if segment.multiplier is not None and not segment.per_channel:
-            groups.append(segment.multiplier_group)
-        for group in groups:
-            if group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
-                block_tokens = group
+        block_tokens = segment.tile_limit(block_tokens, dot)
     return block_tokens
 
 
@@ -985,9 +876,10 @@ def decode_launches(
         encoded = [s for s in (keys, values) if s is not None]
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
-                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, dot, *encoded), DOT=dot,
-                    PACKED_K=_packed(keys, d, dot) and not rope["ROPE"],
-                    PACKED_V=_packed_values_ok(values, d, dot) and not (isinstance(keys, SketchReader) and block_r > 4),
+                    BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, *encoded, dot=dot), DOT=dot,
+                    PACKED_K=keys is not None and keys.packed_scores(d, dot) and not rope["ROPE"],
+                    PACKED_V=values is not None and values.packed_values(d, dot)
+                    and not (isinstance(keys, SketchReader) and block_r > 4),
                     num_warps=num_warps, **registers)
         launches.append(Launch(_split_kernel, (b * h, splits), args))
         slot += splits

@@ -1,10 +1,14 @@
-"""What the kernels read: one reader per payload format, each with its torch decoding.
+"""What the kernels read: one reader per payload format, each with its torch decoding and the fused decode kernel's
+arguments for it.
 
 A decode step's keys and values are each a list of *segments* in cache order: full-precision tensors
 ``[B, H, T, D]`` and payload readers, which say how a kernel decodes an encoded block in registers
-(:mod:`kvcomp.kernels.decode_attention` has the formats and their equations). Both the torch references
-and the Triton launchers import this module, and it imports neither of them, so no kernel module imports
-another in a circle.
+(:mod:`kvcomp.kernels.decode_attention` has the formats and their equations). Each reader says what the split kernel
+reads of it (:meth:`PayloadReader.kernel_args`: its tensors, strides and compile-time format constants), how many
+tokens a tile may hold (:meth:`~PayloadReader.tile_limit`, :attr:`~PayloadReader.wide_tile`) and whether it is read
+in its packed layout; the launcher (:mod:`kvcomp.kernels.decode_attention_triton`) asks, and never tests a format's
+type. Both the torch references and the Triton launchers import this module, and it imports neither of them, so no
+kernel module imports another in a circle.
 """
 
 from __future__ import annotations
@@ -45,15 +49,63 @@ class RotaryPositions:
         return tuple((f(angles) * self.scaling).to(self.dtype).float() for f in (torch.cos, torch.sin))
 
 
+# the split kernel's payload formats (its K_FMT / V_FMT): none (full-precision pieces only), packed ints (uniform
+# codes, or codes naming a small float format), codebook indices, QJL's sign bits, a natively loaded dtype
+DENSE, UNIFORM, CODEBOOK, SKETCH, SCALED = 0, 1, 2, 3, 4
+
+
+def in_place(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int]:
+    """Tensors ``[B, H, ...]`` (or ``[B, T]``) of one shape as a kernel reads them, and their shared sequence
+    and head strides (0 for ``[B, T]``): read in place when each (sequence, head) slice is contiguous and
+    the strides agree (a payload store's views, narrowed along tokens from buffers with spare capacity),
+    else copied contiguous. The copy would read and write the whole payload at every layer and step."""
+    inner = (lambda t: t[0, 0]) if tensors[0].dim() > 2 else (lambda t: t[0])
+    strides = {t.stride()[:2] for t in tensors}
+    if len(strides) > 1 or not all(inner(t).is_contiguous() for t in tensors):
+        tensors = tuple(t.contiguous() for t in tensors)
+    first = tensors[0]
+    return list(tensors), first.stride(0), first.stride(1) if first.dim() > 2 else 0
+
+
+def _read(name: str, tensor: torch.Tensor, strides: str) -> dict:
+    """``{name: tensor, <strides>_s_b, <strides>_s_h}`` of one tensor read in place (:func:`in_place`)."""
+    (tensor,), s_b, s_h = in_place(tensor)
+    return {name: tensor, f"{strides}_s_b": s_b, f"{strides}_s_h": s_h}
+
+
 @dataclass
 class PayloadReader:
     """What a kernel needs to read one encoded segment; subclasses define the format."""
 
     num_tokens: int
     head_dim: int
+    wide_tile = False  # whether the kernel's wide tiles suit it (read without a per-group table: default_tile)
 
     def dequantize_unrotated(self) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def kv_heads(self) -> int:
+        return self.codes.shape[1]
+
+    def kernel_args(self) -> tuple[dict, dict]:
+        """The split kernel's arguments for this payload: runtime (``data``, ``scale``, ``zero``, ``codebooks``,
+        ``ch_scale``, ``ch_center``, ``tok_scale``, ``tok_center`` and the strides ``data_s_*``, ``param_s_*``,
+        ``tok_s_*``) and compile-time (``FMT`` and its constants), the launcher prefixing them with ``k_`` / ``v_``;
+        the fields a format does not read keep the launcher's placeholders."""
+        raise NotImplementedError(f"the fused decode kernel cannot read a {type(self).__name__} payload")
+
+    def tile_limit(self, block_tokens: int, dot: bool) -> int:
+        """Tokens per tile this payload allows, at most ``block_tokens`` (``dot``: a ``tl.dot`` launch)."""
+        return block_tokens
+
+    def packed_scores(self, head_dim: int, dot: bool) -> bool:
+        """Whether keys of this format are scored in their packed layout."""
+        return False
+
+    def packed_values(self, head_dim: int, dot: bool) -> bool:
+        """Whether values of this format are weighted in their packed layout."""
+        return False
 
     def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
         """The segment decoded in torch, ``[B, H, T, D]`` float32 (rotated when ``rope`` is given)."""
@@ -87,6 +139,45 @@ class UniformReader(PayloadReader):
         return cls(payload.num_tokens, head_dim, t["codes"], t["scale"], t["zero"], quantizer.bits, quantizer.group_size,
                    quantizer.axis == "per_channel")
 
+    wide_tile = True
+
+    def kernel_args(self) -> tuple[dict, dict]:
+        (scale, zero), param_s_b, param_s_h = in_place(self.scale, self.zero)
+        runtime = dict(_read("data", self.codes, "data"), scale=scale, zero=zero, param_s_b=param_s_b, param_s_h=param_s_h)
+        static = dict(FMT=UNIFORM, BITS=self.bits, GROUP=self.group_size, PER_CHANNEL=self.per_channel)
+        if self.multiplier is not None:  # per token (per-channel payloads) or per channel every few tokens
+            runtime.update(_read("tok_scale", self.multiplier, "tok"))
+            static["MULTIPLIER"] = self.head_dim if self.per_channel else self.multiplier_group
+        return runtime, static
+
+    def tile_limit(self, block_tokens: int, dot: bool) -> int:
+        """At most a per-channel group (its parameters, or the multiplier of a per-token payload; a power of two, at
+        least 16 for ``tl.dot``), so that each tile reads at most two rows of them (the kernel's ``_params``)."""
+        groups = [self.group_size] if self.per_channel else []
+        if self.multiplier is not None and not self.per_channel:
+            groups.append(self.multiplier_group)
+        for group in groups:
+            if group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
+                block_tokens = group
+        return block_tokens
+
+    def packed_scores(self, head_dim: int, dot: bool) -> bool:
+        """Codes within bytes, no multiplier, bytes per token a power of two (a Triton range), at least 16 for
+        ``tl.dot`` (the kernel's ``_packed_scores``)."""
+        if 8 % self.bits or self.multiplier is not None:
+            return False
+        width = head_dim * self.bits // 8
+        return not width & (width - 1) and (width >= 16 or not dot)
+
+    def packed_values(self, head_dim: int, dot: bool) -> bool:
+        """Per-token codes within bytes without a multiplier, bytes per token a power of two, groups of whole bytes,
+        at most 8 groups per token (their scales are selected in registers), on the register path (the kernel's
+        ``_packed_values``)."""
+        if dot or self.per_channel or 8 % self.bits or self.multiplier is not None:
+            return False
+        per_byte, width = 8 // self.bits, head_dim * self.bits // 8
+        return not width & (width - 1) and self.group_size % per_byte == 0 and head_dim // self.group_size <= 8
+
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
         x = quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
@@ -108,6 +199,13 @@ class BlockFloatReader(PayloadReader):
     levels: torch.Tensor
     bits: int
     block: int
+    wide_tile = True
+
+    def kernel_args(self) -> tuple[dict, dict]:
+        (scale,), param_s_b, param_s_h = in_place(self.scales)
+        return (dict(_read("data", self.codes, "data"), scale=scale, codebooks=self.levels, param_s_b=param_s_b,
+                     param_s_h=param_s_h),
+                dict(FMT=UNIFORM, BITS=self.bits, GROUP=self.block, LEVELS=True))
 
     def dequantize_unrotated(self) -> torch.Tensor:
         b, h, t, _ = self.codes.shape
@@ -136,6 +234,23 @@ class CodebookReader(PayloadReader):
     @property
     def num_centroids(self) -> int:
         return self.codebooks.shape[2]
+
+    @property
+    def wide_tile(self) -> bool:
+        """One codebook for every channel group (TurboQuant, EDEN); per-group codebooks need narrow tiles."""
+        return self.codebooks.shape[1] == 1
+
+    def kernel_args(self) -> tuple[dict, dict]:
+        layout = self.layout
+        runtime = dict(_read("data", self.codes, "data"), codebooks=self.codebooks.contiguous(),
+                       ch_scale=self.channel_scale.float().contiguous(), ch_center=self.channel_center.float().contiguous())
+        names = [name for name in ("token_scale", "token_center") if getattr(self, name) is not None]
+        if names:  # per-token normalisation [B, T], or per token and head [B, H, T]
+            tokens, runtime["tok_s_b"], runtime["tok_s_h"] = in_place(*(getattr(self, name) for name in names))
+            runtime.update({name.replace("token", "tok"): t for name, t in zip(names, tokens)})
+        return runtime, dict(FMT=CODEBOOK, CODE_BITS=self.code_bits, CENTROIDS=self.num_centroids, TL=layout.time_len,
+                             CL=layout.channel_len, GC=layout.group_channels, TOKEN_SCALE=self.token_scale is not None,
+                             TOKEN_CENTER=self.token_center is not None, UNIT=self.unit_norm)
 
     @property
     def code_bits(self) -> int:
@@ -206,6 +321,37 @@ class SketchReader(PayloadReader):
     def dequantize_unrotated(self) -> torch.Tensor:
         return reconstruct_keys(self.keys, self.head_dim)
 
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.signs.shape[1]
+
+    def kernel_args(self) -> tuple[dict, dict]:
+        """The inlier sign bits and norms (the rest of the format: :meth:`sketch_args`)."""
+        (norm,), param_s_b, param_s_h = in_place(self.keys.inlier_norm)
+        return (dict(_read("data", self.keys.signs, "data"), scale=norm, param_s_b=param_s_b, param_s_h=param_s_h),
+                dict(FMT=SKETCH))
+
+    def tile_limit(self, block_tokens: int, dot: bool) -> int:
+        """Within one group of outlier channels."""
+        return min(block_tokens, self.keys.group_size)
+
+    def sketch_args(self, q: torch.Tensor, queries: dict) -> dict:
+        """The kernel's ``sk_*`` / ``SK_*`` arguments: the projected queries ``y = S q`` ``[B, H, R, m]`` (kept in
+        ``queries`` for the step's other launches), the projection, the outliers' signs, norms and channels, the
+        estimator's scales (Eq. 4) and the sketch sizes."""
+        keys = self.keys
+        projection = keys.projection.to(q.device, torch.float32).contiguous()
+        if id(self) not in queries:
+            queries[id(self)] = (q.float() @ projection.T).contiguous()
+        m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
+        out = dict(sk_y=queries[id(self)], sk_proj=projection, sk_scale_in=estimator_scale(m),
+                   SK_M=m, SK_M_OUT=m_out, SK_N_OUT=n_out, SK_GROUP=keys.group_size, SK_M_PAD=1 << (m - 1).bit_length())
+        if n_out:
+            out["sk_scale_out"] = estimator_scale(m_out)
+            out.update(_read("sk_out_signs", keys.outlier_signs, "sk_out"), **_read("sk_out_norm", keys.outlier_norm, "sk_onorm"),
+                       **_read("sk_channels", keys.outlier_channels, "sk_ch"))
+        return out
+
 
 @dataclass
 class ScaledReader(PayloadReader):
@@ -222,6 +368,15 @@ class ScaledReader(PayloadReader):
     def per_token(self) -> bool:
         return self.scale.dim() == 4
 
+    def kernel_args(self) -> tuple[dict, dict]:
+        if self.per_token:
+            (scale,), param_s_b, param_s_h = in_place(self.scale)
+        else:  # one value for every sequence and head
+            scale, param_s_b, param_s_h = self.scale.float().reshape(1).contiguous(), 0, 0
+        return (dict(_read("data", self.codes.view(self.dtype), "data"), scale=scale, param_s_b=param_s_b,
+                     param_s_h=param_s_h),
+                dict(FMT=SCALED, TOKEN_SCALE=self.per_token))
+
     def dequantize_unrotated(self) -> torch.Tensor:
         return self.codes.view(self.dtype).float() * self.scale.float()
 
@@ -235,6 +390,10 @@ class RotatedReader(PayloadReader):
 
     inner: PayloadReader
     rotation: torch.Tensor
+
+    @property
+    def kv_heads(self) -> int:
+        return self.inner.kv_heads
 
     def dequantize_unrotated(self) -> torch.Tensor:
         return self.inner.dequantize_unrotated() @ self.rotation
@@ -250,6 +409,10 @@ class OffsetReader(PayloadReader):
     inner: PayloadReader
     offset: torch.Tensor
     rotated: bool
+
+    @property
+    def kv_heads(self) -> int:
+        return self.inner.kv_heads
 
     def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
         x = self.inner.dequantize()
