@@ -244,7 +244,12 @@ def copy_results(directories: list[Path], runs: Path) -> list[Path]:
     sweep folders, in order."""
     copies = []
     for directory in directories:
-        target = runs / Path(directory).resolve().relative_to(Path(directory).resolve().parents[1])  # leaderboard/embedded
+        source = Path(directory).resolve()
+        target = runs / source.relative_to(source.parents[1])  # e.g. leaderboard/embedded
+        if source == runs.resolve() or runs.resolve() in source.parents:
+            raise SystemExit(f"--copy-results: {directory} is already a copy below {runs}; render it without --copy-results")
+        if target in copies:
+            raise SystemExit(f"--copy-results: two sweeps end in {target.relative_to(runs)}; rename one folder")
         if target.is_dir():
             shutil.rmtree(target)
         for path in sorted(Path(directory).rglob("results.json")):

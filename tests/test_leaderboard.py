@@ -61,6 +61,12 @@ def test_panels_classes_front_and_files(tmp_path):
     assert len(copied) == 6 and copied[0] == f"runs/{tmp_path.name}/sweep/benchmark=perplexity,codec=higgs,model=m/results.json"
     assert not (out / "runs" / tmp_path.name / "sweep" / "gone").exists() and (out / "runs" / "x" / "stale").exists()
     assert f"href='runs/{tmp_path.name}/sweep/benchmark=ruler,codec=kivi,model=m/results.json'" in (out / "index.html").read_text()
+    with pytest.raises(SystemExit, match="already a copy"):  # rendering the copies again would delete them
+        module.main([str(out / "runs" / tmp_path.name / "sweep"), "--out", str(out), "--copy-results"])
+    twin = tmp_path / "other" / tmp_path.name / "sweep"
+    twin.mkdir(parents=True)
+    with pytest.raises(SystemExit, match="two sweeps end in"):
+        module.main([str(sweep), str(twin), "--out", str(out), "--copy-results"])
 
 
 def test_a_row_names_the_press_settings_its_experiment_file_made(tmp_path):

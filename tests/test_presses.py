@@ -686,3 +686,17 @@ def test_adakv_decode_steps_equal_attention_with_each_heads_evicted_tokens_maske
     assert masked == [41, 42, 43]
     torch.testing.assert_close(pressed[:, 0], torch.cat(logits), rtol=1e-5, atol=1e-5)
     assert cache.layers[0].full_precision_nbytes == 2 * 4 * (40 + 3 * 2) * 16
+
+
+@torch.no_grad()
+def test_a_prompt_pressed_per_head_alone_keeps_its_rows(tiny_llama):
+    """Right after an AdaKV prompt the streams hold nothing: rows, statistics and batch maps go by the prefix."""
+    info = info_of(tiny_llama)
+    ids, _ = _ids()
+    press = build_press({"name": "knorm", "ratio": 0.5, "head_budgets": "adakv"}, info)
+    cache = CompressedCache(build_codec({"name": "fp16"}, info), "exact_prefill", press=press)
+    tiny_llama(ids, past_key_values=cache, use_cache=True)
+    held = cache.nbytes
+    assert cache.layers[0].batch == 2 and cache.statistics().batch == 2 and cache.statistics().cached_tokens == 2 * 2 * 20
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].batch == 4 and cache.nbytes == 2 * held

@@ -142,7 +142,7 @@ class CompressedLayer(StepLayer):
 
     @property
     def batch(self) -> int:
-        return sum(part.schedule.key_stream.batch for part in self.parts)
+        return sum(part.batch for part in self.parts)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -546,10 +546,12 @@ class CompressedCache(Cache, PaddedRows):
         streams = [s for part in parts for s in part.streams]
         scope = self.groups[k].scope
         store = scope.shared_store
+        prefixes = [part.prefix for part in parts if part.prefix is not None]  # a prompt pressed with budgets per head
         return CacheStatistics(
-            batch=streams[0].batch, streams=len(streams), cached_tokens=sum(s.length for s in streams),
+            batch=parts[0].batch, streams=len(streams),
+            cached_tokens=sum(s.length for s in streams) + 2 * sum(p.tokens_per_head for p in prefixes),
             encoded_tokens=sum(s.num_encoded for s in streams),
-            full_precision_nbytes=sum(s.full_precision_nbytes for s in streams),
+            full_precision_nbytes=sum(s.full_precision_nbytes for s in streams) + sum(p.nbytes for p in prefixes),
             payload_nbytes=sum(s.store.nbytes for s in streams),
             state_nbytes=sum(part.schedule.state_nbytes for part in parts),
             shared_payloads=() if store is None else tuple(store.payloads), shared_state=scope.shared_state)

@@ -6,7 +6,7 @@ heads share them out: one head may keep most of its prompt and another little. k
 evicted keys of a full-size cache; here each head's kept tokens are stored end to end, ``[B, H k, D]`` (every row
 holds the same ``H k``), with the count of each head, so the bytes held are those of the kept tokens only. Attention
 reads them as ``[B, H, W, D]`` (``W``: the largest count of the prompt), each head's unused places masked: a copy made
-per forward and dropped after it (working memory, like the torch path's decoded blocks), never stored.
+in each forward's attention and dropped with it, never held by the cache.
 """
 
 from __future__ import annotations
@@ -102,16 +102,16 @@ class HeadwiseReads(Reads):
     def attend(self, query, mask, scaling, step):
         b, hq, q, _ = query.shape
         keys, values, valid = self.prefix.padded()
-        group = hq // keys.shape[1]
         t = self.keys.shape[2]
         if mask is None:  # causal over the later tokens
             later = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(t - q)
-        else:
-            later = mask[..., -t:] if mask.dtype == torch.bool else mask[..., -t:] == 0
-        columns = torch.cat([valid[:, :, None].expand(-1, -1, q, -1).repeat_interleave(group, dim=1),
-                             later.expand(b, hq, q, t)], dim=-1)
-        keys = torch.cat([keys, self.keys], dim=2).repeat_interleave(group, dim=1)
-        values = torch.cat([values, self.values], dim=2).repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(query, keys.to(query.dtype), values.to(query.dtype), attn_mask=columns,
-                                             scale=scaling)
+        else:  # bool, or additive (its biases kept)
+            later = mask[..., -t:]
+        prefix = valid[:, :, None].expand(-1, -1, q, -1).repeat_interleave(hq // keys.shape[1], dim=1)
+        if later.dtype != torch.bool:
+            prefix = torch.zeros((), dtype=later.dtype, device=later.device).masked_fill(~prefix, torch.finfo(later.dtype).min)
+        columns = torch.cat([prefix, later.expand(b, hq, q, t)], dim=-1)
+        out = F.scaled_dot_product_attention(query, torch.cat([keys, self.keys], dim=2).to(query.dtype),
+                                             torch.cat([values, self.values], dim=2).to(query.dtype), attn_mask=columns,
+                                             scale=scaling, enable_gqa=keys.shape[1] != hq)
         return out.transpose(1, 2).contiguous(), None

@@ -26,11 +26,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`apply_rope`, also where the model's cos/sin carry its RoPE's attention scaling ``s`` (YaRN,
     LongRoPE: ``cos = s cos(theta)``, so that rotating costs a factor ``s``): the rotation by the opposite angle, divided
-    by ``cos^2 + sin^2 = s^2``. Where that is 1 up to rounding (``|s^2 - 1| < 1e-4``: every RoPE without attention
-    scaling) it divides by exactly 1, so that the inverse is the plain opposite rotation, bit for bit."""
+    by ``cos^2 + sin^2 = s^2``. Where that is 1 up to the rounding of cos/sin (``|s^2 - 1| < 0.01``: bf16 cos/sin
+    miss it by up to 0.006; YaRN's smallest scaling, factor 1.1, gives 1.019) it divides by exactly 1: every RoPE
+    without attention scaling is undone by the plain opposite rotation, bit for bit as before this division."""
     cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
     norm = cos * cos + sin * sin
-    norm = torch.where((norm - 1).abs() < 1e-4, torch.ones_like(norm), norm)
+    norm = torch.where((norm - 1).abs() < 0.01, torch.ones_like(norm), norm)
     return saturated((x.float() * cos - rotate_half(x.float()) * sin) / norm, x.dtype)
 
 
