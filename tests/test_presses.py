@@ -613,13 +613,13 @@ def test_head_budgets_hold_uncompressed_tokens_only(tiny_llama):
 
 
 @torch.no_grad()
-def test_adakv_with_a_full_safeguard_equals_the_uniform_press(tiny_llama):
+def test_adakv_with_a_full_safeguard_equals_the_uniform_press(tiny_model):
     """With ``alpha_safeguard = 1`` AdaKV keeps what the uniform press keeps: the same logits through the ragged prefix
-    (left-padded rows, their own groups) as through the streams, and the same bytes."""
-    info, (ids, mask) = info_of(tiny_llama), _ids()
-    uniform, _, plain = _generate(tiny_llama, build_codec({"name": "fp16"}, info),
+    (left-padded rows, their own groups) as through the streams, and the same bytes, in each family."""
+    info, (ids, mask) = info_of(tiny_model), _ids()
+    uniform, _, plain = _generate(tiny_model, build_codec({"name": "fp16"}, info),
                                   build_press({"name": "snapkv", "ratio": 0.5, "window_size": 8}, info), ids, mask)
-    ada, _, cache = _generate(tiny_llama, build_codec({"name": "fp16"}, info),
+    ada, _, cache = _generate(tiny_model, build_codec({"name": "fp16"}, info),
                               build_press({"name": "snapkv", "ratio": 0.5, "window_size": 8, "head_budgets": "adakv",
                                            "alpha_safeguard": 1.0}, info), ids, mask)
     assert all(part.prefix is not None for part in cache.layers[0].parts)
