@@ -144,8 +144,18 @@ def leaders(mine: list[dict]) -> str:
     return "Leaders: " + "; ".join(parts) + "." if parts else ""
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = []
+def member_hours(directories: list[Path]) -> float:
+    """Hours the finished members took, summed (each member's ``timings.total_seconds``; members that ran side by
+    side, e.g. one per core, count each): what the leaderboard costs to compute."""
+    seconds = 0.0
+    for directory in directories:
+        for path in Path(directory).rglob("results.json"):
+            seconds += json.loads(path.read_text()).get("timings", {}).get("total_seconds", 0.0)
+    return seconds / 3600
+
+
+def markdown(rows: list[dict], hours: float | None = None) -> str:
+    lines = [f"Computed in {hours:.2f} hours of member time (the members' total_seconds summed).", ""] if hours else []
     for (model, panel), mine in panels(rows).items():
         front = {id(r) for r in pareto(mine)}
         lines += [f"### {model}: {panel}", "", "| " + " | ".join(COLUMNS) + " | Pareto |",
@@ -274,9 +284,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     rows = leaderboard_rows(directories)
     reading = args.reading.read_text() if args.reading else ""
     written = [args.out / "index.html", args.out / "leaderboard.md", args.out / "leaderboard.csv"]
-    for path, text in zip(written, (page(rows, args.out, reading), markdown(rows), csv_text(rows))):
+    hours = member_hours(directories)
+    for path, text in zip(written, (page(rows, args.out, reading), markdown(rows, hours), csv_text(rows))):
         write_text_atomic(path, text)
-    print(json.dumps({"rows": len(rows), "panels": len(panels(rows)), "written": [str(p) for p in written]}))
+    print(json.dumps({"rows": len(rows), "panels": len(panels(rows)), "member_hours": round(hours, 2),
+                      "written": [str(p) for p in written]}))
     return written
 
 

@@ -30,7 +30,8 @@ def _member(sweep, codec, bits, measured, ppl, acc, tokens):
         row = {"model": "m", "codec": f"{codec}(bits=2)", "bits_per_value": bits, "bits_per_value_measured": measured,
                "overhead_bits": 0, "benchmark": f"{bench}:x", metric: value, **extra}
         (folder / "results.json").write_text(json.dumps({"config": {"codec": {"name": codec}}, "rows": [reference, row],
-                                                         "overrides": [f"benchmark={bench}", f"codec={codec}", "model=m"]}))
+                                                         "overrides": [f"benchmark={bench}", f"codec={codec}", "model=m"],
+                                                         "timings": {"total_seconds": 600.0}}))
 
 
 def test_panels_classes_front_and_files(tmp_path):
@@ -44,6 +45,7 @@ def test_panels_classes_front_and_files(tmp_path):
     module.main([str(sweep), "--out", str(out)])
     text = (out / "leaderboard.md").read_text()
     assert text.count("### m: ") == 2 and "### m: perplexity:x / perplexity (chunked)" in text
+    assert text.startswith("Computed in 1.00 hours of member time")  # 6 members of 10 minutes
     assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 24.000 | +20.0 % |  | * |" in text
     assert "| 8 | higgs | `higgs` | 7.600 | 4.100 | 0 | 30.000 | +50.0 % |  |  |" in text  # class by measured bits
     assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 45.000 | -5.0 pts | 28.000 | * |" in text
