@@ -21,7 +21,7 @@ class StreamingLLMConfig(PressConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.sinks < 0:
-            raise ConfigError(f"press streaming_llm: sinks={self.sinks} must be >= 0")
+            raise ConfigError(f"sinks={self.sinks} must be >= 0")
 
 
 @register
