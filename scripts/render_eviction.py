@@ -76,6 +76,34 @@ def render(directory: str | Path) -> str:
     return "\n".join(out) if out else f"(no finished run below {directory})\n"
 
 
+SHORT = {"expected_attention": "exp. attention", "streaming_llm": "streamingllm", " decoding ": " dec. "}
+
+
+def short(label: str) -> str:
+    """A plot label with the longest press names shortened."""
+    for long, brief in SHORT.items():
+        label = label.replace(long, brief)
+    return label
+
+
+def spread_labels(ax, labelled: list[tuple[float, float, str]], gap: float = 7.0) -> None:
+    """Annotate each ``(x, y, text)`` point to its right, moving a label up (by ``gap`` points at a time, joined to its
+    point by a thin line) until it overprints no label placed before it: many rows share a bit count (every press
+    at one ratio). Labels are placed from the lowest point of the leftmost column on; widths are estimated (6 pt
+    type, about 3.3 points per character)."""
+    to_points = 72 / ax.figure.dpi
+    placed: list[tuple[float, float, float]] = []  # (left, right, baseline) of each label, in points
+    for x, y, text in sorted(labelled, key=lambda p: (p[0], p[1])):
+        px, py = (v * to_points for v in ax.transData.transform((x, y)))
+        left, right, base = px + 4, px + 4 + 3.3 * len(text), py + 1
+        while any(left < r and l < right and abs(base - b) < gap for l, r, b in placed):
+            base += gap
+        placed.append((left, right, base))
+        lift = base - py - 1
+        ax.annotate(text, (x, y), fontsize=6, xytext=(4, 1 + lift), textcoords="offset points",
+                    arrowprops=dict(arrowstyle="-", lw=0.3, color="grey") if lift > 1 else None)
+
+
 def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
     """``eviction_<model>.png``: perplexity against bits per value seen, one marker per kind of row."""
     import matplotlib
@@ -86,8 +114,9 @@ def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
     rows, paths = load_rows(directory), []
     markers = {"eviction": "o", "quantization": "s", "composed": "^"}
     for model in sorted({r["model"] for r in rows}):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(8, 5.5))
         mine = [r for r in rows if r["model"] == model]
+        labelled = []
         for k, marker in markers.items():
             points = [r for r in mine if kind(r) == k]
             ax.scatter([r["bits16"] for r in points], [r["ppl"] for r in points], marker=marker, label=k)
@@ -95,17 +124,25 @@ def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
                 press = r["press"] if not r["ratio"] else f"{r['press']} {r['ratio']:g}"
                 label = r["codec"] if r["press"] == "none" else press + (
                     "" if r["codec"] == "fp16" else f" + {r['codec']}")
-                ax.annotate(label, (r["bits16"], r["ppl"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+                labelled.append((r["bits16"], r["ppl"], short(label)))
         ax.axhline(mine[0]["fp16"], color="grey", linestyle=":", label="fp16")
         ax.set_xscale("log", base=2)
+        low, high = min(r["bits16"] for r in mine), max(r["bits16"] for r in mine)
+        ax.set_xlim(low / 1.15, high * 1.9)  # room for the labels of the last column
         ax.set_xlabel("bits per value seen, full precision at 16 bits (evicted tokens included)")
         collapsed = max(r["ppl"] for r in mine) > 2 * mine[0]["fp16"]  # a log scale keeps the other rows apart
         if collapsed:
+            from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel("perplexity after the context" + (" (log scale)" if collapsed else ""))
         ax.set_title(f"Eviction and quantization on one byte axis: {model}")
         ax.legend(fontsize=8)
         fig.tight_layout()
+        spread_labels(ax, labelled)
         path = plot_dir / f"eviction_{model}.png"
         fig.savefig(path, dpi=130)
         plt.close(fig)
