@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcomp.benchmarks.prefill import PrefillMemo
 from kvcomp.cache import PROTOCOLS, CompressedCache, with_cache
 from kvcomp.codecs import Codec
 from kvcomp.errors import ConfigError
@@ -54,33 +55,44 @@ def generate_greedy(
     attention_mask: torch.Tensor | None = None,
     metrics: list[dict] | None = None,
     context_length: int | None = None,
+    memo: PrefillMemo | None = None,
 ) -> torch.Tensor:
     """Greedy continuation of ``input_ids [B, T]`` (left-padded when ``attention_mask`` is given) through
     a fresh compressed cache, preallocated for the prompt and ``max_new_tokens``; returns the new tokens ``[B, <= max_new_tokens]`` (padded with the first
     EOS id after a row stops). ``metrics``: gets the codec's :meth:`~kvcomp.codecs.base.Codec.example_metrics`
     of the filled cache and the :func:`generation_metrics` appended. ``context_length``: with the protocol's press, the prompt's first tokens (the
-    context, what the press evicts from) are prefilled alone, before the rest."""
+    context, what the press evicts from) are prefilled alone, before the rest. ``memo``: where it applies
+    (:meth:`~kvcomp.benchmarks.prefill.PrefillMemo.applies`), the prompt's prefill is recorded into it or replayed
+    from it and the first token taken from its logits, generation going on from there (the same tokens and cache)."""
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = protocol.new_cache(codec, input_ids.shape[1] + max_new_tokens)
+    attention_mask = attention_mask.to(device)
     if protocol.press is not None and context_length:  # the context alone first: the press evicts from it only
-        model(input_ids[:, :context_length], attention_mask=attention_mask[:, :context_length].to(device),
+        model(input_ids[:, :context_length], attention_mask=attention_mask[:, :context_length],
               **with_cache(model, cache), use_cache=True, logits_to_keep=1)
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask.to(device),
-        **with_cache(model, cache),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        eos_token_id=eos_token_ids,
-        pad_token_id=eos_token_ids[0],
-    )
-    new = out[:, input_ids.shape[1]:]
+    first = None  # the first new token, where the prefill is replayed from the memo
+    if memo is not None and memo.applies(model, cache, input_ids):
+        first = memo.prefill(model, cache, input_ids, attention_mask)[:, -1].float().argmax(-1, keepdim=True)
+        input_ids, attention_mask = torch.cat([input_ids, first], 1), torch.cat([attention_mask, attention_mask[:, -1:]], 1)
+    if first is not None and (max_new_tokens == 1 or first.item() in eos_token_ids):
+        new = first
+    else:
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            **with_cache(model, cache),
+            max_new_tokens=max_new_tokens - (first is not None),
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=eos_token_ids,
+            pad_token_id=eos_token_ids[0],
+        )
+        new = out[:, input_ids.shape[1] - (first is not None):]
     if metrics is not None:
         metrics.append({**codec.example_metrics(cache.statistics()), **generation_metrics(new, eos_token_ids, cache)})
     return new

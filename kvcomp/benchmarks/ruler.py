@@ -51,6 +51,7 @@ import torch
 from kvcomp.benchmarks.base import Benchmark, example_summary, register
 from kvcomp.benchmarks.configs import RulerConfig
 from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
+from kvcomp.benchmarks.prefill import PREFILLS
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
 
@@ -635,7 +636,7 @@ class RulerBenchmark(Benchmark):
                     new = generate_greedy(
                         model, codec, torch.tensor([s.input_ids for s in batch]),
                         max_new_tokens=budget, eos_token_ids=self.eos, protocol=protocol, metrics=examples,
-                        context_length=batch[0].question_start,
+                        context_length=batch[0].question_start, memo=PREFILLS,
                     )
                     predictions += [self.tokenizer.decode(_until_eos(row_ids, self.eos), skip_special_tokens=True) for row_ids in new.tolist()]
                     bar.update(len(batch))

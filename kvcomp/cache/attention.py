@@ -190,3 +190,8 @@ def install(model, kernel_backend: str = "torch") -> Installation:
     installation.attach()
     _INSTALLED[model] = installation
     return installation
+
+
+def installation(model) -> Installation | None:
+    """The model's latest kvcomp installation (:func:`install`), None where its attention is transformers' own."""
+    return _INSTALLED.get(model)

@@ -1,0 +1,170 @@
+"""Exact prefills computed once and replayed into every codec's cache.
+
+Under ``exact_prefill`` a prompt's forward attends to its own keys and values uncompressed, so what it computes (the
+keys and values of every layer, the logits of its last token) does not depend on the codec; only what the cache
+then does with those keys and values does. A benchmark that runs many codecs on the same prompts (RULER in a
+sweep, whose members run one after another in one process) pays the prefill, about nine tenths of a RULER sample
+on a CPU, once per prompt: :class:`PrefillMemo` records the first codec's prefill (the keys, values and step context
+each layer received, the last logits) and replays it into the next codecs' caches, layer by layer, as the forward
+would have (the same :meth:`~kvcomp.cache.step.StepLayer.update_in_step` calls with the same tensors, strides
+included), then generation continues from the recorded logits. The tokens, the cache's bytes and every metric are
+those of running the prefill (``tests/test_prefill_memo.py`` compares them codec by codec).
+
+A recording is kept while the memo's byte budget allows (a quarter of the available host memory, at most 3 GB: the
+13 prompts of the leaderboard's RULER at 4K on SmolLM2 take 2.4 GB in float32; none on a GPU, where a prefill is
+cheap and memory is the cache's), for one model identity (its fingerprint: the runner's models; a model without one
+is recognised as the same object only). It applies to one prompt at a time (``batch_size: 1``), without a press,
+under ``exact_prefill`` and plain greedy decoding (:meth:`PrefillMemo.applies`); RULER uses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvcomp.cache.attention import installation
+from kvcomp.cache.memory import available_bytes
+from kvcomp.cache.step import LayerStep, PaddedRows, Step, StepLayer, row_pads
+
+MAX_BUDGET = 3 * 10**9
+# generation settings that would change the first token's choice from the logits' argmax
+PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+                    "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None,
+                    "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                    "sequence_bias": None, "exponential_decay_length_penalty": None, "renormalize_logits": False,
+                    "remove_invalid_values": False}
+
+
+class _Recorder(StepLayer):
+    """A cache layer that records what its forward's attention gave it and returns it for SDPA unchanged."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self):
+        super().__init__()
+        self.recorded = None
+
+    def lazy_initialization(self, key_states, value_states):
+        self.is_initialized = True
+
+    def update_in_step(self, key_states, value_states, step, query=None):
+        self.recorded = (key_states.clone(), value_states.clone(), step.rope, step.positions, step.frequencies)
+        return key_states, value_states
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("a prefill is recorded through kvcomp's attention only")
+
+    def get_seq_length(self) -> int:
+        return 0 if self.recorded is None else self.recorded[0].shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _RecordingCache(Cache):
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[_Recorder() for _ in range(num_layers)])
+
+
+@dataclass
+class RecordedPrefill:
+    """One prompt's prefill: per cache layer ``(keys, values, rope, positions, frequencies)`` as its attention received
+    them, and the logits of the last token ``[B, 1, V]``."""
+
+    layers: list[tuple]
+    logits: torch.Tensor
+    model: weakref.ref
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v, *_ in self.layers) + self.logits.nbytes
+
+
+def plain_greedy(model) -> bool:
+    """Whether greedy generation takes the argmax of the raw logits (no logits processor in the model's generation
+    config), as :meth:`PrefillMemo.generate` does for the first token."""
+    config = model.generation_config
+    return all(getattr(config, name, default) in (default, None) for name, default in PROCESSOR_FIELDS.items())
+
+
+class PrefillMemo:
+    """Recorded prefills by model and prompt (see the module docstring); ``budget``: bytes it may hold (None: a
+    quarter of the host memory available, at most :data:`MAX_BUDGET`); ``by_object``: also for models without a
+    fingerprint, recognised as the same object (tests; their weights must not change in between)."""
+
+    def __init__(self, budget: int | None = None, by_object: bool = False):
+        self.budget, self.by_object = budget, by_object
+        self.entries: dict[tuple, RecordedPrefill] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries.values())
+
+    def _budget(self, device: torch.device) -> int:
+        if self.budget is not None:
+            return self.budget
+        if device.type != "cpu":
+            return 0
+        return min(MAX_BUDGET, (available_bytes(device) or 0) // 4)
+
+    def applies(self, model, cache, input_ids: torch.Tensor) -> bool:
+        """Whether a prefill of ``input_ids`` into ``cache`` can be replayed: one prompt, ``exact_prefill``, no press,
+        every layer compressed (no sliding-window layer), kvcomp's attention installed, plain greedy decoding, a
+        model known by its fingerprint (or ``by_object``)."""
+        return (input_ids.shape[0] == 1 and cache.protocol == "exact_prefill" and cache.press is None
+                and not cache.window_layers and installation(model) is not None and plain_greedy(model)
+                and (bool(cache.codec.model.fingerprint) or self.by_object))
+
+    def _key(self, model, codec, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
+        info = codec.model
+        who = info.identity if info.fingerprint else f"object:{id(model)}"
+        digest = hashlib.sha256(input_ids.cpu().numpy().tobytes() + attention_mask.cpu().numpy().tobytes()).hexdigest()
+        return who, str(next(model.parameters()).dtype), str(input_ids.device), digest
+
+    def prefill(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Fill the empty ``cache`` with the prefill of ``input_ids`` (recorded now, or replayed); return the logits of
+        the last token ``[B, 1, V]``."""
+        key = self._key(model, cache.codec, input_ids, attention_mask)
+        entry = self.entries.get(key)
+        if entry is None or entry.model() is None or (not cache.codec.model.fingerprint and entry.model() is not model):
+            entry = self._record(model, input_ids, attention_mask)
+            if self.nbytes + entry.nbytes <= self._budget(input_ids.device):
+                self.entries[key] = entry
+        self._replay(entry, model, cache, attention_mask)
+        return entry.logits
+
+    @torch.no_grad()
+    def _record(self, model, input_ids, attention_mask) -> RecordedPrefill:
+        from kvcomp.cache import with_cache
+
+        recording = _RecordingCache(len(cache_layers(model)))
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate's
+        out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **with_cache(model, recording),
+                    use_cache=True, logits_to_keep=1)
+        return RecordedPrefill([layer.recorded for layer in recording.layers], out.logits, weakref.ref(model))
+
+    @staticmethod
+    def _replay(entry: RecordedPrefill, model, cache, attention_mask) -> None:
+        """The recorded forward's calls of the cache, in its layers' order (kvcomp's step context rebuilt)."""
+        if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
+            cache.group_rows(row_pads(attention_mask))
+        step = Step(installation(model).kernel_backend)
+        for layer, (keys, values, rope, positions, frequencies) in zip(cache.layers, entry.layers):
+            layer.update_in_step(keys, values, LayerStep(step, layer, rope, positions, frequencies))
+
+
+def cache_layers(model) -> list:
+    """The model's attention layers that a cache holds one layer for (decoder layers)."""
+    config = model.config.get_text_config(decoder=True)
+    return list(range(config.num_hidden_layers))
+
+
+PREFILLS = PrefillMemo()  # the process's memo: sweep members run one after another in one process
