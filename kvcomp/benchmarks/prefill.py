@@ -24,11 +24,11 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
 from kvcomp.cache.attention import installation
 from kvcomp.cache.memory import available_bytes
-from kvcomp.cache.step import LayerStep, PaddedRows, Step, StepLayer, row_pads
+from kvcomp.cache.recording import RecordingCache
+from kvcomp.cache.step import LayerStep, PaddedRows, Step, row_pads
 
 MAX_BUDGET = 3 * 10**9
 # generation settings that would change the first token's choice from the logits' argmax
@@ -37,41 +37,6 @@ PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encod
                     "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
                     "sequence_bias": None, "exponential_decay_length_penalty": None, "renormalize_logits": False,
                     "remove_invalid_values": False}
-
-
-class _Recorder(StepLayer):
-    """A cache layer that records what its forward's attention gave it and returns it for SDPA unchanged."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self):
-        super().__init__()
-        self.recorded = None
-
-    def lazy_initialization(self, key_states, value_states):
-        self.is_initialized = True
-
-    def update_in_step(self, key_states, value_states, step, query=None):
-        self.recorded = (key_states.clone(), value_states.clone(), step.rope, step.positions, step.frequencies)
-        return key_states, value_states
-
-    def update(self, *args, **kwargs):
-        raise RuntimeError("a prefill is recorded through kvcomp's attention only")
-
-    def get_seq_length(self) -> int:
-        return 0 if self.recorded is None else self.recorded[0].shape[2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _RecordingCache(Cache):
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[_Recorder() for _ in range(num_layers)])
 
 
 @dataclass
@@ -145,11 +110,12 @@ class PrefillMemo:
     def _record(self, model, input_ids, attention_mask) -> RecordedPrefill:
         from kvcomp.cache import with_cache
 
-        recording = _RecordingCache(len(cache_layers(model)))
+        recording = RecordingCache(model.config.get_text_config(decoder=True).num_hidden_layers)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate's
         out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **with_cache(model, recording),
                     use_cache=True, logits_to_keep=1)
-        return RecordedPrefill([layer.recorded for layer in recording.layers], out.logits, weakref.ref(model))
+        layers = [(k, v, step.rope, step.positions, step.frequencies) for k, v, step in (l.recorded for l in recording.layers)]
+        return RecordedPrefill(layers, out.logits, weakref.ref(model))
 
     @staticmethod
     def _replay(entry: RecordedPrefill, model, cache, attention_mask) -> None:
@@ -159,12 +125,6 @@ class PrefillMemo:
         step = Step(installation(model).kernel_backend)
         for layer, (keys, values, rope, positions, frequencies) in zip(cache.layers, entry.layers):
             layer.update_in_step(keys, values, LayerStep(step, layer, rope, positions, frequencies))
-
-
-def cache_layers(model) -> list:
-    """The model's attention layers that a cache holds one layer for (decoder layers)."""
-    config = model.config.get_text_config(decoder=True)
-    return list(range(config.num_hidden_layers))
 
 
 PREFILLS = PrefillMemo()  # the process's memo: sweep members run one after another in one process

@@ -31,13 +31,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import Cache
 
 import kvcomp
 from kvcomp.artifacts import ArtifactError, file_lock, file_record, read_json, verify_file, write_json_atomic
 from kvcomp.cache import install, with_cache
 from kvcomp.cache.memory import readable
-from kvcomp.cache.step import LayerStep, StepLayer
+from kvcomp.cache.recording import RecordingCache
 from kvcomp.codecs import Activations, ModelInfo
 from kvcomp.errors import ConfigError
 from kvcomp.paths import cache_dir, cache_relative
@@ -49,49 +48,6 @@ FISHER_FIELDS = ("key_grad2", "value_grad2")
 RECORD = "complete.json"  # written last: its presence marks a collection complete
 
 log = logging.getLogger(__name__)
-
-
-class _RecordingLayer(StepLayer):
-    """Keeps one forward's K/V (with gradients) and the cos/sin of its step (the model must be installed)."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self):
-        super().__init__()
-        self.recorded = None
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise ConfigError("collecting K/V needs the model's position embeddings: call kvcomp.cache.install(model) first")
-
-    def update_in_step(self, key_states, value_states, step: LayerStep, query=None):
-        if key_states.requires_grad:
-            key_states.retain_grad()
-            value_states.retain_grad()
-        self.recorded = (key_states, value_states, step.rope)
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return 0 if self.recorded is None else self.recorded[0].shape[2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_max_cache_shape(self) -> int:
-        return -1
-
-
-class _RecordingCache(Cache):
-    """A one-forward cache that keeps each layer's K/V (with gradients) and the RoPE cos/sin."""
-
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[_RecordingLayer() for _ in range(num_layers)])
 
 
 class KVActivations(Activations):
@@ -254,14 +210,15 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
         try:
             for s, window in enumerate(progress(windows, f"calibration {what}", unit="window")):
                 ids = window[None].to(device)
-                cache = _RecordingCache(info.total_layers)
+                cache = RecordingCache(info.total_layers, retain_grad=fisher)
                 with torch.set_grad_enabled(fisher):
                     embeds = model.get_input_embeddings()(ids).detach().requires_grad_(fisher)
                     loss = model(inputs_embeds=embeds, labels=ids, **with_cache(model, cache), use_cache=True).loss
                 if fisher:
                     loss.backward()
                 for layer, out in zip([cache.layers[i] for i in info.model_layers], tensors):  # the layers the codec encodes
-                    keys, values, rope = layer.recorded
+                    keys, values, step = layer.recorded
+                    rope = step.rope
                     grads = (keys.grad, values.grad) if fisher else ()
                     keys, values = keys.detach(), values.detach()
                     if rope is not None:
