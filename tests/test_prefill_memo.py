@@ -38,10 +38,10 @@ def _run(model, codec, ids, memo=None, steps=6, eos=(0,)):
 
 
 def _prefill_forwards(model):
-    """A list that gets one entry per forward of more than one token (a prefill)."""
+    """A list that gets one entry per forward of more than one token (a prefill), and the hook's handle."""
     seen = []
-    model.get_input_embeddings().register_forward_pre_hook(lambda m, args: seen.append(1) if args[0].shape[1] > 1 else None)
-    return seen
+    hook = lambda m, args: seen.append(1) if args[0].shape[1] > 1 else None  # noqa: E731
+    return seen, model.get_input_embeddings().register_forward_pre_hook(hook)
 
 
 @pytest.mark.parametrize("name", list(CODECS))
@@ -62,10 +62,13 @@ def test_a_calibrated_pre_rope_codec_and_every_prompt_forward_once(tiny_llama):
     ids = _ids(seed=5)
     codec = fitted(tiny_llama, "temporalkv")
     plain = _run(tiny_llama, codec, ids)
-    memo, forwards = PrefillMemo(budget=10**9, by_object=True), None
+    memo = PrefillMemo(budget=10**9, by_object=True)
     _run(tiny_llama, build_codec({"name": "fp16"}, info_of(tiny_llama)), ids, memo)
-    forwards = _prefill_forwards(tiny_llama)
-    replayed = _run(tiny_llama, codec, ids, memo)
+    forwards, hook = _prefill_forwards(tiny_llama)
+    try:
+        replayed = _run(tiny_llama, codec, ids, memo)
+    finally:
+        hook.remove()
     assert forwards == [] and torch.equal(replayed[0], plain[0]) and replayed[1] == plain[1]
 
 
@@ -82,9 +85,13 @@ def test_the_first_token_ends_generation_when_it_is_eos(tiny_llama):
 
 def test_the_memo_keeps_within_its_budget_and_stands_aside_where_a_replay_differs(tiny_llama):
     info = info_of(tiny_llama)
-    memo = PrefillMemo(budget=0, by_object=True)  # nothing kept: every prompt runs its prefill
-    _run(tiny_llama, build_codec({"name": "fp16"}, info), _ids(), memo)
-    assert memo.entries == {}
+    memo = PrefillMemo(budget=0, by_object=True)  # no room: every prompt runs its prefill, nothing recorded
+    forwards, hook = _prefill_forwards(tiny_llama)
+    try:
+        _run(tiny_llama, build_codec({"name": "fp16"}, info), _ids(), memo)
+    finally:
+        hook.remove()
+    assert memo.entries == {} and forwards == [1]
     memo = PrefillMemo(budget=10**9, by_object=True)
     codec = build_codec({"name": "fp16"}, info)
     batch = torch.cat([_ids(), _ids(seed=4)])

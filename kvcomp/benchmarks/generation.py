@@ -74,7 +74,7 @@ def generate_greedy(
         model(input_ids[:, :context_length], attention_mask=attention_mask[:, :context_length],
               **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     first = None  # the first new token, where the prefill is replayed from the memo
-    if memo is not None and memo.applies(model, cache, input_ids):
+    if memo is not None and memo.applies(model, cache, input_ids, attention_mask):
         first = memo.prefill(model, cache, input_ids, attention_mask)[:, -1].float().argmax(-1, keepdim=True)
         input_ids, attention_mask = torch.cat([input_ids, first], 1), torch.cat([attention_mask, attention_mask[:, -1:]], 1)
     if first is not None and (max_new_tokens == 1 or first.item() in eos_token_ids):
@@ -86,6 +86,7 @@ def generate_greedy(
             **with_cache(model, cache),
             max_new_tokens=max_new_tokens - (first is not None),
             do_sample=False,
+            num_beams=1,
             temperature=None,
             top_p=None,
             top_k=None,

@@ -36,17 +36,19 @@ PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encod
                     "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None,
                     "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
                     "sequence_bias": None, "exponential_decay_length_penalty": None, "renormalize_logits": False,
-                    "remove_invalid_values": False}
+                    "remove_invalid_values": False, "guidance_scale": 1.0, "watermarking_config": None,
+                    "prefill_chunk_size": None}
 
 
 @dataclass
 class RecordedPrefill:
     """One prompt's prefill: per cache layer ``(keys, values, rope, positions, frequencies)`` as its attention received
-    them, and the logits of the last token ``[B, 1, V]``."""
+    them, and the logits of the last token ``[B, 1, V]``; ``model``: the model it was recorded from, where the memo
+    recognises models as objects (``by_object``)."""
 
     layers: list[tuple]
     logits: torch.Tensor
-    model: weakref.ref
+    model: weakref.ref | None = None
 
     @property
     def nbytes(self) -> int:
@@ -55,15 +57,16 @@ class RecordedPrefill:
 
 def plain_greedy(model) -> bool:
     """Whether greedy generation takes the argmax of the raw logits (no logits processor in the model's generation
-    config), as :meth:`PrefillMemo.generate` does for the first token."""
+    config, no chunked prefill), as :func:`~kvcomp.benchmarks.generation.generate_greedy` does for the first token."""
     config = model.generation_config
     return all(getattr(config, name, default) in (default, None) for name, default in PROCESSOR_FIELDS.items())
 
 
 class PrefillMemo:
     """Recorded prefills by model and prompt (see the module docstring); ``budget``: bytes it may hold (None: a
-    quarter of the host memory available, at most :data:`MAX_BUDGET`); ``by_object``: also for models without a
-    fingerprint, recognised as the same object (tests; their weights must not change in between)."""
+    quarter of the host memory available, at most :data:`MAX_BUDGET`, and nothing on a GPU); ``by_object``: also for
+    models without a fingerprint, recognised as the same object (tests; their weights must not change in between).
+    Entries are kept first come, first kept: none is evicted for a later prompt."""
 
     def __init__(self, budget: int | None = None, by_object: bool = False):
         self.budget, self.by_object = budget, by_object
@@ -80,13 +83,20 @@ class PrefillMemo:
             return 0
         return min(MAX_BUDGET, (available_bytes(device) or 0) // 4)
 
-    def applies(self, model, cache, input_ids: torch.Tensor) -> bool:
-        """Whether a prefill of ``input_ids`` into ``cache`` can be replayed: one prompt, ``exact_prefill``, no press,
-        every layer compressed (no sliding-window layer), kvcomp's attention installed, plain greedy decoding, a
-        model known by its fingerprint (or ``by_object``)."""
-        return (input_ids.shape[0] == 1 and cache.protocol == "exact_prefill" and cache.press is None
+    def applies(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+        """Whether the prefill of ``input_ids`` into ``cache`` is replayed from this memo: one prompt, ``exact_prefill``,
+        no press, every layer compressed (no sliding-window layer), kvcomp's attention installed, plain greedy
+        decoding, a model known by its fingerprint (or ``by_object``), and its recording held or fitting the budget
+        (else the prefill simply runs: recording without keeping would only hold every layer's K/V at once)."""
+        if not (input_ids.shape[0] == 1 and cache.protocol == "exact_prefill" and cache.press is None
                 and not cache.window_layers and installation(model) is not None and plain_greedy(model)
-                and (bool(cache.codec.model.fingerprint) or self.by_object))
+                and (bool(cache.codec.model.fingerprint) or self.by_object)):
+            return False
+        if self._held(model, cache, input_ids, attention_mask) is not None:
+            return True
+        info, element = cache.codec.model, next(model.parameters()).element_size()
+        estimate = 2 * info.total_layers * info.num_kv_heads * info.head_dim * input_ids.shape[1] * element
+        return self.nbytes + estimate <= self._budget(input_ids.device)
 
     def _key(self, model, codec, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
         info = codec.model
@@ -94,32 +104,39 @@ class PrefillMemo:
         digest = hashlib.sha256(input_ids.cpu().numpy().tobytes() + attention_mask.cpu().numpy().tobytes()).hexdigest()
         return who, str(next(model.parameters()).dtype), str(input_ids.device), digest
 
+    def _held(self, model, cache, input_ids, attention_mask) -> RecordedPrefill | None:
+        """The recording of this prompt for this model, if held (by object: from this very object, still alive)."""
+        entry = self.entries.get(self._key(model, cache.codec, input_ids, attention_mask))
+        if entry is not None and entry.model is not None and entry.model() is not model:
+            return None
+        return entry
+
     def prefill(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Fill the empty ``cache`` with the prefill of ``input_ids`` (recorded now, or replayed); return the logits of
-        the last token ``[B, 1, V]``."""
-        key = self._key(model, cache.codec, input_ids, attention_mask)
-        entry = self.entries.get(key)
-        if entry is None or entry.model() is None or (not cache.codec.model.fingerprint and entry.model() is not model):
-            entry = self._record(model, input_ids, attention_mask)
-            if self.nbytes + entry.nbytes <= self._budget(input_ids.device):
-                self.entries[key] = entry
+        """Fill the empty ``cache`` with the prefill of ``input_ids`` (recorded now and kept, or replayed); return the
+        logits of the last token ``[B, 1, V]``."""
+        entry = self._held(model, cache, input_ids, attention_mask)
+        if entry is None:
+            entry = self._record(model, input_ids, attention_mask, by_object=not cache.codec.model.fingerprint)
+            self.entries[self._key(model, cache.codec, input_ids, attention_mask)] = entry
         self._replay(entry, model, cache, attention_mask)
         return entry.logits
 
     @torch.no_grad()
-    def _record(self, model, input_ids, attention_mask) -> RecordedPrefill:
+    def _record(self, model, input_ids, attention_mask, by_object: bool) -> RecordedPrefill:
         from kvcomp.cache import with_cache
 
         recording = RecordingCache(model.config.get_text_config(decoder=True).num_hidden_layers)
-        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate's
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate's
         out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **with_cache(model, recording),
                     use_cache=True, logits_to_keep=1)
-        layers = [(k, v, step.rope, step.positions, step.frequencies) for k, v, step in (l.recorded for l in recording.layers)]
-        return RecordedPrefill(layers, out.logits, weakref.ref(model))
+        return RecordedPrefill([layer.recorded for layer in recording.layers], out.logits,
+                               weakref.ref(model) if by_object else None)
 
     @staticmethod
     def _replay(entry: RecordedPrefill, model, cache, attention_mask) -> None:
         """The recorded forward's calls of the cache, in its layers' order (kvcomp's step context rebuilt)."""
+        if len(entry.layers) != len(cache.layers):
+            raise RuntimeError(f"a prefill of {len(entry.layers)} layers replayed into a cache of {len(cache.layers)}")
         if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
             cache.group_rows(row_pads(attention_mask))
         step = Step(installation(model).kernel_backend)

@@ -217,8 +217,7 @@ def _collect_into(store: KVActivations, model, info: ModelInfo, windows: torch.T
                 if fisher:
                     loss.backward()
                 for layer, out in zip([cache.layers[i] for i in info.model_layers], tensors):  # the layers the codec encodes
-                    keys, values, step = layer.recorded
-                    rope = step.rope
+                    keys, values, rope, *_ = layer.recorded
                     grads = (keys.grad, values.grad) if fisher else ()
                     keys, values = keys.detach(), values.detach()
                     if rope is not None:
