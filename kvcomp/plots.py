@@ -149,3 +149,32 @@ def read_rows(source: str | Path) -> list[dict]:
         raise FileNotFoundError(f"{source}: neither a sweep directory with results.json files nor a summary CSV")
     with open(source, newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+def spread_labels(ax, labelled: list[tuple[float, float, str]], gap: float = 7.0) -> None:
+    """Annotate each ``(x, y, text)`` point to its right, moving a label up (by ``gap`` points at a time, joined to its
+    point by a thin line) until it overprints no label placed before it: many rows share a bit count (every press
+    at one ratio). Labels are placed from the lowest point of the leftmost column on; widths are estimated (6 pt
+    type, about 3.3 points per character). Call it once the axes' limits and scales are final."""
+    to_points = 72 / ax.figure.dpi
+    placed: list[tuple[float, float, float]] = []  # (left, right, baseline) of each label, in points
+    for x, y, text in sorted(labelled, key=lambda p: (p[0], p[1])):
+        px, py = (v * to_points for v in ax.transData.transform((x, y)))
+        left, right, base = px + 4, px + 4 + 3.3 * len(text), py + 1
+        while any(left < r and l < right and abs(base - b) < gap for l, r, b in placed):
+            base += gap
+        placed.append((left, right, base))
+        lift = base - py - 1
+        ax.annotate(text, (x, y), fontsize=6, xytext=(4, 1 + lift), textcoords="offset points",
+                    arrowprops=dict(arrowstyle="-", lw=0.3, color="grey") if lift > 1 else None)
+
+
+def log_axis(ax, axis: str = "y") -> None:
+    """A log scale on ``axis`` labelled in plain numbers (30, 40, 60, 100, ...), not powers of ten."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    getattr(ax, f"set_{axis}scale")("log")
+    target = getattr(ax, f"{axis}axis")
+    target.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0)))
+    target.set_major_formatter(ScalarFormatter())
+    target.set_minor_formatter(NullFormatter())

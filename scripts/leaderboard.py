@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvcomp.artifacts import write_text_atomic
 from kvcomp.errors import existing_directory
+from kvcomp.plots import log_axis, spread_labels
 from kvcomp.results import load_rows, parse_overrides
 
 CLASSES = (1, 2, 3, 4, 8, 16)
@@ -184,7 +185,7 @@ def plot_svg(mine: list[dict], title: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(8.0, 5.5))
     lower = mine[0]["metric_name"] in LOWER_IS_BETTER
     placed = [r for r in mine if r["measured_bits"] is not None and not r["reference"]]
     reference = next((r["metric"] for r in mine if r["reference"]), None)
@@ -196,21 +197,23 @@ def plot_svg(mine: list[dict], title: str) -> str:
         points = [(r["measured_bits"], y) for r, y, b in zip(placed, shown, beyond) if b == flag]
         if points:
             ax.scatter(*zip(*points), s=14, marker=marker, label="beyond 2x the reference" if flag else None)
-    for r, y in zip(placed, shown):
-        ax.annotate(r["option"], (r["measured_bits"], y), fontsize=6, xytext=(2, 2), textcoords="offset points")
     front = [r for r in pareto(mine) if not r["reference"]]
     ax.plot([r["measured_bits"] for r in front], [r["metric"] for r in front], color="tab:red", label="Pareto front")
     for r in mine:
         if r["reference"]:
             ax.axhline(r["metric"], color="grey", linestyle="--", label="uncompressed")
     ax.set_xscale("log", base=2)
+    bits = [r["measured_bits"] for r in placed]
+    if bits:
+        ax.set_xlim(min(bits) / 1.15, max(bits) * 1.9)  # room for the labels of the last column
     if lower:
-        ax.set_yscale("log")
+        log_axis(ax)
     ax.set_xlabel("bits per value the cache holds (measured)")
     ax.set_ylabel(METRICS[mine[0]["metric_name"]])
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
+    spread_labels(ax, [(r["measured_bits"], y, r["option"]) for r, y in zip(placed, shown)])
     buffer = io.StringIO()
     fig.savefig(buffer, format="svg", metadata={"Date": None})  # no timestamp: the page is the same for the same rows
     plt.close(fig)
@@ -220,7 +223,7 @@ def plot_svg(mine: list[dict], title: str) -> str:
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px;margin:.5em 0 2em}
 th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}th{background:#eee;cursor:pointer}td.l{text-align:left}
-tr.ref{color:#666;font-style:italic}tr.front td:first-child{border-left:4px solid #d62728}svg{max-width:640px;height:auto}"""
+tr.ref{color:#666;font-style:italic}tr.front td:first-child{border-left:4px solid #d62728}svg{max-width:900px;height:auto}"""
 SORT = """document.querySelectorAll('th').forEach(th=>th.addEventListener('click',()=>{const t=th.closest('table');
 const i=[...th.parentNode.children].indexOf(th);const rows=[...t.tBodies[0].rows];const up=th.dataset.up!=='1';
 th.dataset.up=up?'1':'0';const v=r=>{const s=r.cells[i].dataset.v??r.cells[i].innerText;const n=parseFloat(s);

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from kvcomp.errors import existing_directory
+from kvcomp.plots import log_axis, spread_labels
 from kvcomp.results import emit, parse_overrides
 
 
@@ -86,24 +87,6 @@ def short(label: str) -> str:
     return label
 
 
-def spread_labels(ax, labelled: list[tuple[float, float, str]], gap: float = 7.0) -> None:
-    """Annotate each ``(x, y, text)`` point to its right, moving a label up (by ``gap`` points at a time, joined to its
-    point by a thin line) until it overprints no label placed before it: many rows share a bit count (every press
-    at one ratio). Labels are placed from the lowest point of the leftmost column on; widths are estimated (6 pt
-    type, about 3.3 points per character)."""
-    to_points = 72 / ax.figure.dpi
-    placed: list[tuple[float, float, float]] = []  # (left, right, baseline) of each label, in points
-    for x, y, text in sorted(labelled, key=lambda p: (p[0], p[1])):
-        px, py = (v * to_points for v in ax.transData.transform((x, y)))
-        left, right, base = px + 4, px + 4 + 3.3 * len(text), py + 1
-        while any(left < r and l < right and abs(base - b) < gap for l, r, b in placed):
-            base += gap
-        placed.append((left, right, base))
-        lift = base - py - 1
-        ax.annotate(text, (x, y), fontsize=6, xytext=(4, 1 + lift), textcoords="offset points",
-                    arrowprops=dict(arrowstyle="-", lw=0.3, color="grey") if lift > 1 else None)
-
-
 def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
     """``eviction_<model>.png``: perplexity against bits per value seen, one marker per kind of row."""
     import matplotlib
@@ -132,12 +115,7 @@ def plot(directory: str | Path, plot_dir: Path) -> list[Path]:
         ax.set_xlabel("bits per value seen, full precision at 16 bits (evicted tokens included)")
         collapsed = max(r["ppl"] for r in mine) > 2 * mine[0]["fp16"]  # a log scale keeps the other rows apart
         if collapsed:
-            from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
-            ax.set_yscale("log")
-            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0)))
-            ax.yaxis.set_major_formatter(ScalarFormatter())
-            ax.yaxis.set_minor_formatter(NullFormatter())
+            log_axis(ax)
         ax.set_ylabel("perplexity after the context" + (" (log scale)" if collapsed else ""))
         ax.set_title(f"Eviction and quantization on one byte axis: {model}")
         ax.legend(fontsize=8)

@@ -188,3 +188,25 @@ def test_a_finished_run_stays_finished_when_a_group_gains_a_field_at_its_default
     assert not same_run(None, now) and not same_run({**recorded, "press": {"name": "knorm"}}, now)
     pressed = {**recorded, "press": {"name": "knorm", "ratio": 0.5}}  # recorded before pressing while decoding existed
     assert same_run(pressed, {**recorded, "press": {"name": "knorm", "ratio": 0.5, "decoding_size": 0, "decoding_interval": 64}})
+
+
+def test_labels_of_points_in_one_column_are_stacked_apart():
+    """Points sharing a bit count (every press at one ratio) get labels at least ``gap`` points apart; a lone point
+    keeps its label beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvcomp.plots import log_axis, spread_labels
+
+    fig, ax = plt.subplots()
+    points = [(10.0, 20.0 + 0.001 * i, f"press {i}") for i in range(5)] + [(2.0, 30.0, "alone")]
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    log_axis(ax)
+    spread_labels(ax, points, gap=7.0)
+    offsets = {a.get_text(): a.xyann[1] for a in ax.texts}
+    column = sorted(offsets[f"press {i}"] for i in range(5))
+    assert all(b - a >= 7.0 - 1e-6 for a, b in zip(column, column[1:])) and offsets["alone"] == 1
+    assert ax.yaxis.get_major_formatter().__class__.__name__ == "ScalarFormatter"
+    plt.close(fig)
