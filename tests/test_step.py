@@ -92,3 +92,22 @@ def test_install_is_scoped_and_restores_what_was_there():
     cache = CompressedCache(build_codec(PRE_ROPE, info_of(model)))
     with pytest.raises(Exception, match="install"):  # pre-RoPE keys need the step's position embeddings
         model(ids, past_key_values=cache)
+
+
+def test_an_installed_model_is_freed_with_its_last_reference():
+    """The registry of installations keeps no model alive: a sweep loads one model per member, in one process."""
+    import gc
+    import weakref
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcomp.cache import install
+    from tests.conftest import TINY
+
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    install(model)
+    install(model, "torch")  # a second installation over the first
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

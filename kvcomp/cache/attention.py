@@ -76,11 +76,11 @@ class _Rotary:
     where the module keeps one RoPE per layer type (Gemma 3: local and global bases)."""
 
     def __init__(self, module, prefix: str = ""):
-        self.module, self.prefix = module, prefix
+        self.module, self.prefix = weakref.ref(module), prefix  # the model's own module: not kept alive by this
 
     def frequencies(self) -> tuple[torch.Tensor, float]:
-        return (getattr(self.module, f"{self.prefix}inv_freq"),
-                float(getattr(self.module, f"{self.prefix}attention_scaling", 1.0)))
+        module = self.module()
+        return (getattr(module, f"{self.prefix}inv_freq"), float(getattr(module, f"{self.prefix}attention_scaling", 1.0)))
 
 
 def _layer_rotary(model, layer_type: str | None) -> _Rotary | None:
@@ -108,20 +108,27 @@ class Installation:
 
     def __init__(self, model, kernel_backend: str, previous: "Installation | None"):
         layer_types = attention_layer_types(model.config.get_text_config(decoder=True))  # refuses unsupported kinds
-        self.modules = _attention_modules(model)
-        if not self.modules:
+        modules = _attention_modules(model)
+        if not modules:
             raise NotImplementedError(f"{type(model).__name__}: no attention modules named '*self_attn' with a layer_idx")
         get_decoder = getattr(model, "get_decoder", None)
-        self.model, self.decoder = model, (get_decoder() if get_decoder else None) or model
+        # weak references only: the model's entry in the registry must not keep the model alive (a sweep loads one
+        # model per member)
+        self._model, self._decoder = weakref.ref(model), weakref.ref((get_decoder() if get_decoder else None) or model)
+        self._modules = [weakref.ref(m) for m in modules]
         self.kernel_backend, self.previous, self.handles = kernel_backend, previous, []
         self.implementation_before = previous.implementation_before if previous else model.config._attn_implementation
         by_type = {kind: _layer_rotary(model, kind) for kind in set(layer_types)}
-        self.rotaries = {m.layer_idx: by_type[layer_types[m.layer_idx]] for m in self.modules}
+        self.rotaries = {m.layer_idx: by_type[layer_types[m.layer_idx]] for m in modules}
+
+    @property
+    def model(self):
+        return self._model()
 
     def attach(self) -> None:
         self.model.set_attn_implementation(ATTENTION_NAME)
-        self.handles = [self.decoder.register_forward_pre_hook(self._begin_step, with_kwargs=True)] + [
-            m.register_forward_pre_hook(self._layer_step, with_kwargs=True) for m in self.modules]
+        self.handles = [self._decoder().register_forward_pre_hook(self._begin_step, with_kwargs=True)] + [
+            m().register_forward_pre_hook(self._layer_step, with_kwargs=True) for m in self._modules]
 
     def detach(self) -> None:
         for handle in self.handles:
