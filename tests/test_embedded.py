@@ -198,3 +198,11 @@ def test_user_errors_print_one_line_and_bugs_keep_tracebacks(tmp_path):
     assert "kvcomp error: benchmark.batch_size=0 is out of range; valid: an integer >= 1" in result.stderr
     full = run_py("benchmark.batch_size=0", f"hydra.run.dir={tmp_path}", cwd=tmp_path, HYDRA_FULL_ERROR="1")
     assert full.returncode != 0 and "Traceback" in full.stderr
+
+
+@pytest.mark.integration
+def test_prefill_memo_benchmark_runs_and_agrees(embedded):
+    from tests.conftest import load_script
+
+    body = load_script("bench_prefill_memo").main(["--tokens", "48", "--new", "3", "--codecs", "fp16", "kivi"])
+    assert body.count("| yes |") == 2 and "| NO |" not in body
