@@ -109,3 +109,30 @@ def test_the_memo_keeps_within_its_budget_and_stands_aside_where_a_replay_differ
     finally:
         tiny_llama.generation_config.repetition_penalty = 1.0
     assert memo.entries == {}
+
+
+def test_a_prefill_recorded_with_one_model_object_replays_into_the_next_one_of_the_same_fingerprint():
+    """A sweep loads its model again for each member: the prefill recorded with the first object (freed since) replays
+    into the second one's cache, a pre-RoPE codec reading the second model's RoPE frequencies."""
+    import gc
+    import weakref
+
+    from kvcomp.codecs import ModelInfo
+    from tests.conftest import _tiny
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def loaded():
+        model = _tiny(LlamaConfig, LlamaForCausalLM)  # seeded: the same weights each time
+        return model, ModelInfo.from_hf_config(model.config, name="tiny", fingerprint="same-weights")
+
+    spec, ids, memo = CODECS["uniform-pre-rope"], _ids(seed=6), PrefillMemo(budget=10**9)
+    first, info = loaded()
+    _run(first, build_codec(spec, info), ids, memo)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    second, info = loaded()
+    replayed = _run(second, build_codec(spec, info), ids, memo)
+    plain = _run(second, build_codec(spec, info), ids)
+    assert gone() is None and len(memo.entries) == 1
+    assert torch.equal(replayed[0], plain[0]) and replayed[1] == plain[1]

@@ -42,8 +42,8 @@ PROCESSOR_FIELDS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encod
 
 @dataclass
 class RecordedPrefill:
-    """One prompt's prefill: per cache layer ``(keys, values, rope, positions, frequencies)`` as its attention received
-    them, and the logits of the last token ``[B, 1, V]``; ``model``: the model it was recorded from, where the memo
+    """One prompt's prefill: per cache layer ``(keys, values, rope, positions)`` as its attention received them, and
+    the logits of the last token ``[B, 1, V]``; ``model``: the model it was recorded from, where the memo
     recognises models as objects (``by_object``)."""
 
     layers: list[tuple]
@@ -139,9 +139,12 @@ class PrefillMemo:
             raise RuntimeError(f"a prefill of {len(entry.layers)} layers replayed into a cache of {len(cache.layers)}")
         if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
             cache.group_rows(row_pads(attention_mask))
-        step = Step(installation(model).kernel_backend)
-        for layer, (keys, values, rope, positions, frequencies) in zip(cache.layers, entry.layers):
-            layer.update_in_step(keys, values, LayerStep(step, layer, rope, positions, frequencies))
+        installed = installation(model)  # this model's RoPE frequencies (the recording's model may be gone)
+        step = Step(installed.kernel_backend)
+        for index, (layer, (keys, values, rope, positions)) in enumerate(zip(cache.layers, entry.layers)):
+            rotary = installed.rotaries.get(index)
+            layer.update_in_step(keys, values, LayerStep(step, layer, rope, positions,
+                                                         None if rotary is None else rotary.frequencies))
 
 
 PREFILLS = PrefillMemo()  # the process's memo: sweep members run one after another in one process

@@ -11,9 +11,9 @@ from kvcomp.errors import ConfigError
 
 
 class RecordingLayer(StepLayer):
-    """Keeps one forward's ``(keys, values, rope, positions, frequencies)`` as its
-    :class:`~kvcomp.cache.step.LayerStep` gave them (``recorded``; not the step itself, which names this layer), and
-    returns the keys and values for SDPA; ``retain_grad``: their gradients are kept too (Fisher weights)."""
+    """Keeps one forward's ``(keys, values, rope, positions)`` as its :class:`~kvcomp.cache.step.LayerStep` gave them
+    (``recorded``; not the step itself, which names this layer and reads the model's RoPE frequencies), and returns
+    the keys and values for SDPA; ``retain_grad``: their gradients are kept too (Fisher weights)."""
 
     is_sliding = False
     is_compileable = False
@@ -32,7 +32,7 @@ class RecordingLayer(StepLayer):
         if self.retain_grad and key_states.requires_grad:
             key_states.retain_grad()
             value_states.retain_grad()
-        self.recorded = (key_states, value_states, step.rope, step.positions, step.frequencies)
+        self.recorded = (key_states, value_states, step.rope, step.positions)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
