@@ -92,7 +92,7 @@ class PrefillMemo:
                 and not cache.window_layers and installation(model) is not None and plain_greedy(model)
                 and (bool(cache.codec.model.fingerprint) or self.by_object)):
             return False
-        if self._held(model, cache, input_ids, attention_mask) is not None:
+        if self._held(model, self._key(model, cache.codec, input_ids, attention_mask)) is not None:
             return True
         info, element = cache.codec.model, next(model.parameters()).element_size()
         estimate = 2 * info.total_layers * info.num_kv_heads * info.head_dim * input_ids.shape[1] * element
@@ -104,9 +104,9 @@ class PrefillMemo:
         digest = hashlib.sha256(input_ids.cpu().numpy().tobytes() + attention_mask.cpu().numpy().tobytes()).hexdigest()
         return who, str(next(model.parameters()).dtype), str(input_ids.device), digest
 
-    def _held(self, model, cache, input_ids, attention_mask) -> RecordedPrefill | None:
-        """The recording of this prompt for this model, if held (by object: from this very object, still alive)."""
-        entry = self.entries.get(self._key(model, cache.codec, input_ids, attention_mask))
+    def _held(self, model, key: tuple) -> RecordedPrefill | None:
+        """The recording under ``key`` (:meth:`_key`), if held (by object: from this very object, still alive)."""
+        entry = self.entries.get(key)
         if entry is not None and entry.model is not None and entry.model() is not model:
             return None
         return entry
@@ -114,10 +114,11 @@ class PrefillMemo:
     def prefill(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Fill the empty ``cache`` with the prefill of ``input_ids`` (recorded now and kept, or replayed); return the
         logits of the last token ``[B, 1, V]``."""
-        entry = self._held(model, cache, input_ids, attention_mask)
+        key = self._key(model, cache.codec, input_ids, attention_mask)
+        entry = self._held(model, key)
         if entry is None:
             entry = self._record(model, input_ids, attention_mask, by_object=not cache.codec.model.fingerprint)
-            self.entries[self._key(model, cache.codec, input_ids, attention_mask)] = entry
+            self.entries[key] = entry
         self._replay(entry, model, cache, attention_mask)
         return entry.logits
 
