@@ -59,6 +59,8 @@ CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
                            "rotation": "plain_hadamard", "density": "gaussian", "norm_correction": True},
     # EDEN-2 with center's offsets (random here): the key offset's score q . R_p c added per token in the kernel
     "eden-2-center": {"name": "eden", "key_bits": 2, "value_bits": 2, "center": "calibration"},
+    # TurboQuant-prod at 3 bits: 2-bit codes plus the residual's sign sketch, scored per key and weighted in its own launches
+    "turboquant-prod-3": {"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3},
 }
 WEIGHT_BYTES = 8.03e9 * 2  # Llama-3.1-8B in bf16
 ROPE_THETA = 500000.0

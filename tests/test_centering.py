@@ -231,17 +231,20 @@ def test_center_rotates_the_key_offset_to_each_position(offset_qwen, config):
     torch.testing.assert_close(stream.materialize(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", [ROTATED["turboquant"], ROTATED["eden"],
-                                    {"name": "turboquant", "values": "uniform", "rotation": "plain_hadamard",
-                                     "density": "gaussian", "key_bits": 8, "value_bits": 4}],
-                         ids=["turboquant", "eden", "vllm-k8v4"])
-@pytest.mark.parametrize("center", ["calibration", "bias"])
+CENTRED_FUSED = {"turboquant": ROTATED["turboquant"], "eden": ROTATED["eden"],
+                 "vllm-k8v4": {"name": "turboquant", "values": "uniform", "rotation": "plain_hadamard",
+                               "density": "gaussian", "key_bits": 8, "value_bits": 4}}
+
+
+@pytest.mark.parametrize("name, center", [(name, center) for name in CENTRED_FUSED for center in ("calibration", "bias")]
+                         + [("prod", "bias")], ids=lambda v: v)
 @torch.no_grad()
-def test_centred_codecs_decode_on_the_fused_path(offset_qwen, config, center):
+def test_centred_codecs_decode_on_the_fused_path(offset_qwen, name, center):
     """``center`` on the fused decode kernel: it adds the key offset's score ``q . R_p c`` (``R_p`` recomputed from the
     position ids) and the value offset to the output; every generated token's logits equal the torch path's (which
     decodes the keys and adds the offsets back), with left padding, nothing decoded; vLLM's k8v4 preset rotates
-    nothing and is fused too."""
+    nothing and is fused too; so is TurboQuant-prod, whose residual sketches the kernel reads as well."""
+    config = CENTRED_FUSED.get(name, {**ROTATED["turboquant"], "variant": "prod"})
     from tests.test_decode_attention import _check_fused_generation
 
     codec = _fitted(offset_qwen, {**config, "center": center})

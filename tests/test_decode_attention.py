@@ -491,14 +491,15 @@ VLLM_TURBOQUANT = {"name": "turboquant", "values": "uniform", "rotation": "plain
     {"name": "turboquant"},
     {**VLLM_TURBOQUANT, "norm_correction": True},
     {**VLLM_TURBOQUANT, "key_bits": 8, "value_bits": 4},
-], ids=["turboquant-k2v4", "eden-k4v2-unbiased", "eden-2-haar", "turboquant-3", "vllm-3bit-nc", "vllm-k8v4"])
+    {"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 2},
+], ids=["turboquant-k2v4", "eden-k4v2-unbiased", "eden-2-haar", "turboquant-3", "vllm-3bit-nc", "vllm-k8v4", "prod-k3v2"])
 @torch.no_grad()
 def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(tiny_llama, config):
     """TurboQuant-mse, EDEN and vLLM's presets on the fused path: Lloyd-Max codes (3-bit ones straddle bytes) as a
     scalar codebook times each vector's stored scale (per token and head), in the rotated basis, rescaled to unit
     norm first under vLLM's norm correction; vLLM's k8 keys as float8 and its uniform values as packed ints, not
-    rotated; logits those of the torch path; the reader decodes what the codec decodes. Not fused: prod's
-    sketch (``center``: tests/test_centering.py)."""
+    rotated; prod's residual sketches scored and weighted from their sign bits; logits those of the torch path; the
+    reader decodes what the codec decodes (``center``: tests/test_centering.py)."""
     codec = build_codec(config, info_of(tiny_llama))
     assert codec.fused_attention_supported(0)
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(7))
@@ -508,9 +509,6 @@ def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(ti
                                    codec.decode(payload, Request(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
     layer = _check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
-    info = info_of(tiny_llama)
-    assert not build_codec({"name": "turboquant", "variant": "prod", "key_bits": 4, "value_bits": 4},
-                           info).fused_attention_supported(0)
 
 
 @torch.no_grad()
@@ -542,6 +540,46 @@ def test_offset_payload_between_full_precision_pieces_matches_the_reference():
         torch.testing.assert_close(out, expected, rtol=2e-4, atol=2e-4)
     with pytest.raises(ValueError, match="key_rope gives the positions"):
         decode_attention_triton(query, segments["key"], segments["value"], d**-0.5, valid)
+
+
+@pytest.mark.parametrize("offsets", [False, True], ids=["plain", "offsets"])
+@torch.no_grad()
+def test_prod_residual_sketches_are_read_from_their_sign_bits(offsets):
+    """:class:`ResidualSketchReader` in the kernel (TurboQuant-prod, 3 bits: 2-bit codes in the rotated basis plus the
+    sign sketch of the residual): keys scored as ``q R^T . c + sqrt(pi/2)/d ||r|| <S q, sign(S r)>``, values weighted in
+    both bases and taken back, between full-precision pieces, some tokens masked, with ``tl.dot`` and on the register
+    path, with and without offsets, equal the reference (which decodes ``k_hat``); dropping either sketch's
+    contribution from the reference breaks the match."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.payloads import OffsetReader, ResidualSketchReader
+
+    b, h, r, d, n = 2, 2, 3, 32, 40
+    g = torch.Generator().manual_seed(13)
+    codec = build_codec({"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3}, ModelInfo("tiny", 1, h, d))
+    segments, readers = {}, {}
+    for kind in ("key", "value"):
+        payload = codec.encode(Request(0, kind, tokens=torch.randn(b, h, n, d, generator=g)))
+        reader = readers[kind] = codec.payload_reader(payload, kind, 0)
+        assert isinstance(reader, ResidualSketchReader)
+        if offsets:
+            reader = OffsetReader(n, d, reader, 2 * torch.randn(h, d, generator=g), kind == "key")
+        segments[kind] = [torch.randn(b, h, 2, d, generator=g), reader, torch.randn(b, h, 3, d, generator=g)]
+    positions = torch.stack([torch.arange(45), torch.arange(45) + 5]).to(torch.int32)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    rope = RotaryPositions(positions, 2, inv_freq, 1.0, torch.float32) if offsets else None
+    valid = torch.ones(b, 45, dtype=torch.bool)
+    valid[1, :3] = False
+    valid[0, 17] = False
+    query = torch.randn(b, h * r, d, generator=g)
+    expected = decode_attention_reference(query, segments["key"], segments["value"], d**-0.5, valid, rope)
+    for options in ({"num_splits": 3}, {"dot": False, "block_tokens": 16}):
+        out = decode_attention_triton(query, segments["key"], segments["value"], d**-0.5, valid, key_rope=rope, **options)
+        torch.testing.assert_close(out, expected, rtol=2e-4, atol=2e-4)
+    if not offsets:  # each sketch moves the output, so the match above tests it
+        for kind in ("key", "value"):
+            without = {**segments, kind: [s.inner if s is readers[kind] else s for s in segments[kind]]}
+            assert not torch.allclose(decode_attention_reference(query, without["key"], without["value"], d**-0.5, valid),
+                                      expected, atol=1e-3)
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from tests.conftest import encode_with_torch, reads_taken
 
 pytestmark = pytest.mark.usefixtures("session_cache")
 
-FUSED = ("kivi", "qjl", "temporalkv", "fp8", "int_token_head", "oscar", "eden")  # every payload format and rotation
+FUSED = ("kivi", "qjl", "temporalkv", "fp8", "int_token_head", "oscar", "eden", "turboquant")  # every payload format and rotation (turboquant: prod's sketches)
 # CSR's online guard atoms pick the worst-coded vectors per row and head on the host (csr.py, _guard)
 TORCH = tuple(name for name in MATRIX if name != "csr")
 STEPS = 9  # more than a block of every codec of the matrix: the steps include encodes (checked)

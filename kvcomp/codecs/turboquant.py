@@ -42,8 +42,9 @@ an error; vLLM attends exactly during prefill (kvcomp's ``benchmark.protocol=exa
 Fused decode (``kernel_backend=triton``): TurboQuant-mse, EDEN and vLLM's presets are read by the fused kernel
 (:meth:`RotatedCodec.payload_reader`): Lloyd-Max codes (any width, norm correction included) in the rotated basis
 (the query rotated, the output un-rotated), k8 keys as float8, uniform values as packed ints; ``center``'s offsets
-are added by the kernel (the key offset's score ``q . R_p c`` per token, the value offset to the output); ``prod``
-takes the reference path.
+are added by the kernel (the key offset's score ``q . R_p c`` per token, the value offset to the output); ``prod``'s
+residual sketch too (:class:`~kvcomp.kernels.payloads.ResidualSketchReader`: its score ``sqrt(pi/2)/d ||r|| <S q,
+sign(S r)>`` added to each key's; the values' sketch weighted over the same keys in its own basis, taken back by ``S``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import loads_float8
-from kvcomp.kernels.payloads import CodebookReader, ScaledReader, PayloadReader, RotatedReader, UniformReader
+from kvcomp.kernels.payloads import (CodebookReader, PayloadReader, ResidualSketchReader, RotatedReader, ScaledReader,
+                                     SignReader, UniformReader)
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.codebook import ChunkLayout
 from kvcomp.stages.hadamard import is_power_of_two
@@ -196,11 +198,9 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """Where the fused kernel reads both streams: Lloyd-Max codes of any width times a per-vector scale
-        (vLLM's norm correction included), vLLM's k8 keys (where Triton loads float8) and uniform values, with or
-        without ``center``'s offsets (:class:`~kvcomp.kernels.payloads.OffsetReader`); not prod's sketch."""
-        coders = self.coders.values()
-        return (not any(isinstance(c, ProdQuantizer) for c in coders)
-                and (loads_float8() or not any(isinstance(c, FP8Keys) for c in coders)))
+        (vLLM's norm correction included) with or without prod's residual sketch, vLLM's k8 keys (where Triton loads
+        float8) and uniform values, with or without ``center``'s offsets (:class:`~kvcomp.kernels.payloads.OffsetReader`)."""
+        return loads_float8() or not any(isinstance(c, FP8Keys) for c in self.coders.values())
 
     def value_offset(self, layer_idx: int) -> torch.Tensor | None:
         return self.offsets.vectors.get((layer_idx, "value"))
@@ -212,7 +212,8 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
         """k8 keys: float8 e4m3 values (scale 1). Uniform values: packed ints, one group per vector. Lloyd-Max
         codes: a codebook payload in the rotated basis, one scalar codebook for every channel and head
         (``centroids[q]``) times the stored per-vector scale, ``x_hat = (scale centroids[q]) R`` with ``R`` the
-        inverse rotation as a matrix (under norm correction, ``centroids[q]`` rescaled to unit norm first)."""
+        inverse rotation as a matrix (under norm correction, ``centroids[q]`` rescaled to unit norm first). Prod: that
+        of its mse codes plus the sign sketch of the residual and its norm (:class:`ResidualSketchReader`)."""
         coder, stored, d, n = self.coders[kind], payload.tensors, self.model.head_dim, payload.num_tokens
         codes = stored["codes"]
         if isinstance(coder, UniformValues):
@@ -222,20 +223,28 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
             table = self.reader_tables[(codes.device, kind)] = self.reader_table(coder, codes.shape[1], codes.device)
         if isinstance(coder, FP8Keys):
             return ScaledReader(n, d, codes, FLOAT8["e4m3"], table)
-        codebooks, ones, zeros, rotation = table
+        codebooks, ones, zeros, rotation, *projection = table
+        mse = coder.mse if isinstance(coder, ProdQuantizer) else coder
         inner = CodebookReader(n, d, codes, codebooks, ChunkLayout(1, 1, d), ones, zeros, stored["scale"],
-                               unit_norm=coder.scale == "unit")
-        return RotatedReader(n, d, inner, rotation)
+                               unit_norm=mse.scale == "unit")
+        reader = RotatedReader(n, d, inner, rotation)
+        if not projection:
+            return reader
+        residual = SignReader(n, d, stored["signs"], stored["residual_norm"])
+        return ResidualSketchReader(n, d, reader, residual, projection[0])
 
     def reader_table(self, coder, kv_heads: int, device: torch.device):
         """What :meth:`payload_reader` hands the fused kernel besides the payload, made once per device and kind:
-        k8 keys' unit scale, or the codebook of every head, unit channel scales, zero centres and the rotation."""
+        k8 keys' unit scale, or the codebook of every head, unit channel scales, zero centres and the rotation (prod:
+        and its sketch matrix ``S``)."""
         d = self.model.head_dim
         if isinstance(coder, FP8Keys):
             return torch.ones((), device=device)
-        centroids = coder.codebook.centroids.float().to(device).reshape(1, 1, -1, 1)
-        return (centroids.expand(kv_heads, 1, -1, 1).contiguous(), torch.ones(kv_heads, d, device=device),
-                torch.zeros(kv_heads, d, device=device), coder.rotation.inverse(torch.eye(d, device=device)))
+        mse = coder.mse if isinstance(coder, ProdQuantizer) else coder
+        centroids = mse.codebook.centroids.float().to(device).reshape(1, 1, -1, 1)
+        table = (centroids.expand(kv_heads, 1, -1, 1).contiguous(), torch.ones(kv_heads, d, device=device),
+                 torch.zeros(kv_heads, d, device=device), mse.rotation.inverse(torch.eye(d, device=device)))
+        return table + (coder.projection.to(device),) if isinstance(coder, ProdQuantizer) else table
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         if layer_idx in self.skipped:

@@ -13,6 +13,10 @@ and payload *readers* that say how a kernel decodes an encoded block in register
 - :class:`BlockFloatReader`: packed codes naming small-float values times one scale per block of channels
   (``x = levels[code] * s_block``; vLLM's ``nvfp4``);
 - :class:`SketchReader` (keys only): QJL's sign bits and norms, scored without decoding a key;
+- :class:`SignReader` (values only): sign bits times a norm per token (``x = ||r|| sign``);
+- :class:`ResidualSketchReader`: any of these plus the 1-bit sketch of its residual (TurboQuant-prod,
+  ``x = inner + sqrt(pi/2)/d ||r|| S^T sign(S r)``): the sketch's score added to each key's, the values' sketch
+  weighted in its own basis over the same keys and taken back by ``S``;
 - :class:`ScaledReader`: float8 or int8 values loaded natively, times a per-tensor or per-(token, head) scale
   (``x = fp8 * s``; vLLM's ``fp8``, ``fp8_per_token_head`` and ``int8_per_token_head`` caches, TurboQuant's k8 keys);
 - :class:`RotatedReader`: any of these stored in a rotated basis (``x = inner @ R``: vLLM's int4 per token and

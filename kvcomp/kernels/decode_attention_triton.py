@@ -12,7 +12,9 @@ Flash-decoding in two kernels:
 
 A decode step is therefore two launches per layer (a payload stored in a rotated basis or less an offset adds its
 own split launches and small matmuls: :func:`launch_groups`; a key offset's score ``q . R_p c`` is added in the
-payload's tiles from the token's position, a value offset to the payload's partial outputs).
+payload's tiles from the token's position, a value offset to the payload's partial outputs; TurboQuant-prod's
+residual sketch adds its score ``sqrt(pi/2)/d ||r|| <S q, sign(S r)>`` to each key's, and its values' sketch is
+weighted in launches of their own over the same keys, whose partial outputs are taken back by ``S`` and added).
 
 One launch of the split kernel reads every segment of a step: per stream, up to three full-precision
 pieces (sinks, tail and, under ``exact_prefill``, the fresh token: separate tensors, each with its own
@@ -62,12 +64,16 @@ from kvcomp.kernels.payloads import (
     DENSE,
     OffsetReader,
     PayloadReader,
+    ResidualSketchReader,
     RotaryPositions,
     RotatedReader,
     Segment,
+    SignReader,
     SketchReader,
+    in_place,
     segment_length,
 )
+from kvcomp.stages.jl_sketch import estimator_scale
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 and an H100 (BENCHMARKS.md, "Launch configurations of the fused decode
@@ -80,6 +86,7 @@ TILE = 32
 WIDE_TILE = 128
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the least norm a unit-norm rescaling divides by (as in torch)
+OWN_LAUNCHES = (RotatedReader, OffsetReader, ResidualSketchReader)  # payloads read in launches of their own
 SKETCH_STRIDES = ("sk_out_s_b", "sk_out_s_h", "sk_onorm_s_b", "sk_onorm_s_h", "sk_ch_s_b", "sk_ch_s_h")
 
 
@@ -175,6 +182,8 @@ def _tile(
             x = code.to(tl.float32) * s + _params(zero, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
         if MULTIPLIER > 0:  # KVarN's normaliser, along the other axis: per token, or per channel every MULTIPLIER tokens
             x = x * _params(tok_scale, length, t, t0, t_ok, c, c0, c_ok, D, MULTIPLIER, not PER_CHANNEL, BLOCK_T)
+    elif FMT == 3:  # sign bits times a per-token norm (TurboQuant-prod's value sketch, read in the sketch's basis)
+        x = _signs(data, t, D // 8, c, ok) * tl.load(scale + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
     elif FMT == 4:  # float8 or int8 values (the pointer's element type) times a per-tensor or per-token scale
         x = tl.load(data + t[:, None] * D + c[None, :], mask=ok, other=0.0).to(tl.float32)
         if TOKEN_SCALE:
@@ -492,6 +501,7 @@ def _split_kernel(
     positions, pos_stride, inv_freq, rope_scaling, q0_ptr, offset_ptr,
     sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
     sk_out_s_b, sk_out_s_h, sk_onorm_s_b, sk_onorm_s_h, sk_ch_s_b, sk_ch_s_h,
+    sk_res_signs, sk_res_norm, sk_res_s_b, sk_res_s_h, sk_rnorm_s_b, sk_rnorm_s_h,
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
     K_CODE_BITS: tl.constexpr, K_CENTROIDS: tl.constexpr, K_TL: tl.constexpr, K_CL: tl.constexpr, K_GC: tl.constexpr,
@@ -504,7 +514,7 @@ def _split_kernel(
     ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, PACKED_K: tl.constexpr, OFFSET: tl.constexpr,
     SK_M: tl.constexpr, SK_M_OUT: tl.constexpr, SK_N_OUT: tl.constexpr, SK_GROUP: tl.constexpr, SK_M_PAD: tl.constexpr,
     MASKED: tl.constexpr,
-    PACKED_V: tl.constexpr,
+    PACKED_V: tl.constexpr, K_RESIDUAL: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -534,6 +544,10 @@ def _split_kernel(
         sk_out_signs += b64 * sk_out_s_b + h64 * sk_out_s_h
         sk_out_norm += b64 * sk_onorm_s_b + h64 * sk_onorm_s_h
         sk_channels += b64 * sk_ch_s_b + h64 * sk_ch_s_h
+    if K_RESIDUAL:  # keys plus the sign sketch of their residual (TurboQuant-prod): its bits and norms per token
+        sk_res_signs += b64 * sk_res_s_b + h64 * sk_res_s_h
+        sk_res_norm += b64 * sk_rnorm_s_b + h64 * sk_rnorm_s_h
+    if K_FMT == 3 or K_RESIDUAL:
         sk_y += bh * R * SK_M
     positions += b64 * pos_stride
     valid_ptr += b64 * valid_s_b
@@ -590,6 +604,10 @@ def _split_kernel(
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
+            if K_RESIDUAL:  # + sqrt(pi/2)/d ||r|| <S q, sign(S r)>, S q of the model's query (sk_y)
+                s += _sketch_scores(q_ptr, R, rows, row_ok, qk_scale, sk_res_signs, sk_res_norm, t, g0 - k_first, g_ok,
+                                    sk_y, sk_proj, sk_out_signs, sk_out_norm, sk_channels, sk_scale_in, sk_scale_out,
+                                    D, SK_M, SK_M_OUT, 0, SK_GROUP, SK_M_PAD, BLOCK_R, BLOCK_T)
             if OFFSET:  # + q . R_p c: the offset rotated to each token's position, scored with the model's query
                 o_lo, o_hi = _rotate(tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_lo[None, :],
                                      tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_hi[None, :],
@@ -694,29 +712,45 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
     return {**{f"{prefix}_{k}": v for k, v in runtime.items()}, **{f"{prefix.upper()}_{k}": v for k, v in static.items()}}
 
 
-def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, queries: dict) -> dict:
+def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, queries: dict,
+                 residual: tuple[torch.Tensor, SignReader, torch.Tensor] | None = None) -> dict:
     """The ``sk_*`` / ``SK_*`` arguments of sketched keys (:meth:`~kvcomp.kernels.payloads.SketchReader.sketch_args`),
-    placeholders where the keys are not, or have no outliers; ``queries`` keeps each payload's ``y = S q``."""
+    or of the residual sketch of encoded keys (``residual``: ``(query, signs, S)``, ``y = S q`` of the model's query,
+    kept in ``queries`` for the step's other launches); placeholders where neither, or no outliers."""
     out = dict(sk_y=placeholder, sk_proj=placeholder, sk_out_signs=placeholder, sk_out_norm=placeholder,
                sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, **dict.fromkeys(SKETCH_STRIDES, 0),
-               SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1, SK_M_PAD=16)
-    return {**out, **segment.sketch_args(q, queries)} if isinstance(segment, SketchReader) else out
+               sk_res_signs=placeholder, sk_res_norm=placeholder, sk_res_s_b=0, sk_res_s_h=0, sk_rnorm_s_b=0,
+               sk_rnorm_s_h=0, SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1, SK_M_PAD=16, K_RESIDUAL=False)
+    if isinstance(segment, SketchReader):
+        return {**out, **segment.sketch_args(q, queries)}
+    if residual is None or segment is None:
+        return out
+    query, signs, projection = residual
+    m = projection.shape[0]
+    if id(signs) not in queries:
+        queries[id(signs)] = (query.reshape(q.shape).float() @ projection.to(q.device, torch.float32).T).contiguous()
+    (bits,), res_s_b, res_s_h = in_place(signs.signs)
+    (norm,), rnorm_s_b, rnorm_s_h = in_place(signs.norm)
+    return {**out, "sk_y": queries[id(signs)], "sk_scale_in": estimator_scale(m), "SK_M": m, "SK_M_PAD": triton.next_power_of_2(m),
+            "sk_res_signs": bits, "sk_res_norm": norm, "sk_res_s_b": res_s_b, "sk_res_s_h": res_s_h,
+            "sk_rnorm_s_b": rnorm_s_b, "sk_rnorm_s_h": rnorm_s_h, "K_RESIDUAL": True}
 
 
 def _kv_heads(segment: Segment) -> int:
     return segment.kv_heads if isinstance(segment, PayloadReader) else segment.shape[1]
 
 
-def default_tile(segments: list[Segment], rotates_keys: bool = False) -> int:
+def default_tile(segments: list[Segment], narrow: bool = False) -> int:
     """Tokens per tile by default: :data:`WIDE_TILE` where each payload is packed ints, a block float or codes of
     one shared codebook, which the H100 sweep of 2026-11-26 measured 1.3-1.7x faster at 16 x 32K (KVarN, vLLM's
     int4 and NVFP4, EDEN-2, TurboQuant k3v4; KIVI-2 unchanged at 1 and 16 x 32K and 1 x 4K); else :data:`TILE`,
     which per-group codebooks (TemporalKV, ChannelKV, KVQuant: 0.3-0.6x with 128) and QJL's sketches need, and
     which float8 and int8 payloads keep until they are measured. A launch that rotates keys or their offset in
-    registers (``rotates_keys``: the angles of every token of a tile) keeps :data:`TILE` too: EDEN-2 with ``center``
-    spills 744 B per thread at 128 tokens under Triton 3.6, 16 B at 32 (``scripts/kernel_resources.py``)."""
+    registers (the angles of every token of a tile), or scores a residual sketch (a ``[tokens, d]`` tile of signs), keeps
+    :data:`TILE` too (``narrow``): EDEN-2 with ``center`` spills 744 B per thread at 128 tokens under Triton 3.6, 16 B
+    at 32 (``scripts/kernel_resources.py``)."""
     wide = all(isinstance(s, torch.Tensor) or s.wide_tile for s in segments)
-    return WIDE_TILE if wide and not rotates_keys else TILE
+    return WIDE_TILE if wide and not narrow else TILE
 
 
 def _tile_tokens(block_tokens: int, *segments: Segment, dot: bool) -> int:
@@ -801,6 +835,7 @@ def decode_launches(
     dot: bool | None = None,
     num_warps: int | None = None,
     key_offset: tuple[torch.Tensor, torch.Tensor, RotaryPositions] | None = None,
+    key_residual: tuple[torch.Tensor, SignReader, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
@@ -812,12 +847,14 @@ def decode_launches(
     register path a program may take the register file's share of its warps). ``key_offset``: ``(query, c, positions)``
     of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
-    score ``q . R_p c`` the kernel adds. Only the slice counts depend on
+    score ``q . R_p c`` the kernel adds. ``key_residual``: ``(query, signs, S)`` of encoded keys plus the sign sketch of
+    their residual (TurboQuant-prod: ``query`` the model's, ``S`` the sketch ``[d, d]``), whose score the kernel adds.
+    Only the slice counts depend on
     the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
-    if any(isinstance(s, (RotatedReader, OffsetReader)) for s in key_segments + value_segments):
+    if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         raise ValueError("decode kernel: a rotated or offset payload takes its own launches (decode_attention_triton)")
     if key_rope is not None and key_offset is not None:
         raise ValueError("decode kernel: keys are pre-RoPE (key_rope) or carry a rotated offset (key_offset), not both")
@@ -825,10 +862,14 @@ def decode_launches(
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
     device = query.device
+    sketched = key_residual is not None or any(isinstance(segment, SketchReader) for segment in key_segments)
+    if any(isinstance(segment, SignReader) for segment in key_segments):
+        raise ValueError("decode kernel: sign bits are read as values, or as a key payload's residual (key_residual)")
     if dot is None:
-        dot = r > 8 or not any(isinstance(segment, SketchReader) for segment in key_segments)
+        dot = r > 8 or not sketched
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    block_tokens = block_tokens or default_tile(key_segments + value_segments, key_rope is not None or key_offset is not None)
+    block_tokens = block_tokens or default_tile(key_segments + value_segments,
+                                                key_rope is not None or key_offset is not None or key_residual is not None)
     num_warps = num_warps or WARPS
     # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
     registers = {} if dot else {"maxnreg": min(255, 65536 // (32 * num_warps))}
@@ -871,7 +912,7 @@ def decode_launches(
         values = next((value_segments[i] for i in value_indices if value_encoded[i]), None)
         stream = {**_stream_args("k", key_segments, key_bounds, key_indices, hi, placeholder),
                   **_stream_args("v", value_segments, value_bounds, value_indices, hi, placeholder),
-                  **_sketch_args(keys, q, placeholder, sketched_queries)}
+                  **_sketch_args(keys, q, placeholder, sketched_queries, key_residual)}
         rope = no_rope if keys is None else key_rotation
         encoded = [s for s in (keys, values) if s is not None]
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
@@ -896,7 +937,7 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`.
     A :class:`RotatedReader` or :class:`OffsetReader` payload is read in its own launches (:func:`_with_payload_group`;
     ``key_rope`` then gives the positions of a rotated key offset)."""
-    if any(isinstance(s, (RotatedReader, OffsetReader)) for s in key_segments + value_segments):
+    if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         return _with_payload_group(query, key_segments, value_segments, scale, valid, **options)
     out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     with launch_device(query.device):
@@ -908,7 +949,9 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
 @dataclass
 class LaunchGroup:
     """The segments one group of split launches reads, and what is done to their partial outputs: ``rotation`` un-rotates
-    them, ``offset`` (an :class:`OffsetReader` of values) adds its ``c_v``; ``options`` of :func:`decode_launches`."""
+    them, ``offset`` (an :class:`OffsetReader` of values) adds its ``c_v``; ``options`` of :func:`decode_launches`.
+    ``adds``: the group reads the previous group's keys in the same slices (the same log-sum-exps) and its partial
+    outputs are added to that group's (a :class:`ResidualSketchReader`'s value sketch)."""
 
     query: torch.Tensor
     keys: list[Segment]
@@ -917,6 +960,7 @@ class LaunchGroup:
     rotation: torch.Tensor | None
     offset: OffsetReader | None
     options: dict
+    adds: bool = False
 
 
 def _with_payload_group(query, key_segments, value_segments, scale, valid, key_rope=None, **options) -> torch.Tensor:
@@ -940,6 +984,11 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
                 if group.offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
                     c_v = group.offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
                     partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
+                if group.adds:  # the same keys and slices as the previous group: its share of the same softmax
+                    if partial.shape != partials[-1].shape:
+                        raise ValueError("decode kernel: a value sketch's launches must slice the payload as its keys'")
+                    partials[-1] = partials[-1] + partial
+                    continue
                 partials.append(partial)
                 lses.append(merge.args["lse_ptr"])
         if merge is None:  # nothing cached
@@ -954,13 +1003,13 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
 def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None, options=None) -> list[LaunchGroup]:
     """The launch groups of a cache whose payload is stored in a rotated basis or less an offset: one segment of the
     keys and one of the values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets
-    rotate only the keys), each possibly inside an :class:`OffsetReader`. First the payload's, which takes the query
-    rotated (``q rotation_k^T``) where its keys are rotated and adds a key offset's score (``key_rope``: every cached
-    token's position); then, if any, the other segments', which take the query as it is (``scripts/kernel_resources.py``
-    compiles the first)."""
+    rotate only the keys), each possibly inside a :class:`ResidualSketchReader` (TurboQuant-prod), inside an
+    :class:`OffsetReader`. First the payload's, which takes the query rotated (``q rotation_k^T``) where its keys are
+    rotated and adds a key offset's score (``key_rope``: every cached token's position) and a residual sketch's; then the
+    values' residual sketch over the same keys, if any (``adds``); then, if any, the other segments', which take the
+    query as it is (``scripts/kernel_resources.py`` compiles the first)."""
     options = options or {}
-    special = (RotatedReader, OffsetReader)
-    at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, special)}
+    at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, OWN_LAUNCHES)}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     i = min(at)
     if len(at) != 1 or i >= min(len(key_segments), len(value_segments)) or key_bounds[i: i + 2] != value_bounds[i: i + 2]:
@@ -975,6 +1024,8 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
     if (key_rope is None) != (key_offset is None):
         raise ValueError("decode kernel: a rotated payload's keys are post-RoPE; key_rope gives the positions of a "
                          "key offset, and only of one")
+    key_sketch, value_sketch = (s if isinstance(s, ResidualSketchReader) else None for s in (keys, values))
+    keys, values = (s.inner if isinstance(s, ResidualSketchReader) else s for s in (keys, values))
     key_rotation, value_rotation = (s.rotation if isinstance(s, RotatedReader) else None for s in (keys, values))
     keys, values = (s.inner if isinstance(s, RotatedReader) else s for s in (keys, values))
     b, hq, d = query.shape
@@ -989,8 +1040,13 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
         positions = key_rope.positions[:, lo:hi]  # the payload's tokens, from 0
         payload_options["key_offset"] = (query, key_offset.offset,
                                          RotaryPositions(positions, 0, key_rope.inv_freq, key_rope.scaling, key_rope.dtype))
-    groups = [LaunchGroup(rotated, [keys], [values], None if valid is None else valid[:, lo:hi], value_rotation,
-                          value_offset, payload_options)]
+    if key_sketch is not None:
+        payload_options["key_residual"] = (query, key_sketch.residual, key_sketch.projection)
+    payload_valid = None if valid is None else valid[:, lo:hi]
+    groups = [LaunchGroup(rotated, [keys], [values], payload_valid, value_rotation, value_offset, payload_options)]
+    if value_sketch is not None:  # the values' residual sketch, in its basis, over the same keys
+        groups.append(LaunchGroup(rotated, [keys], [value_sketch.residual], payload_valid, value_sketch.basis, None,
+                                  payload_options, adds=True))
     rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
     if rest[0]:
         groups.append(LaunchGroup(query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1),
@@ -1002,7 +1058,7 @@ def payload_launch_inputs(query, key_segments, value_segments, valid, key_rope, 
     """``(query, keys, values, valid, key_rope, options)`` of :func:`decode_launches` for the launches that read the
     payload: the payload group's (:func:`launch_groups`) where it is rotated or stored less an offset, else as given
     (``scripts/kernel_resources.py`` and ``scripts/kernel_model.py`` compile them)."""
-    if not any(isinstance(s, (RotatedReader, OffsetReader)) for s in key_segments + value_segments):
+    if not any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         return query, key_segments, value_segments, valid, key_rope, options
     group = launch_groups(query, key_segments, value_segments, valid, key_rope, options)[0]
     return group.query, group.keys, group.values, group.valid, None, group.options

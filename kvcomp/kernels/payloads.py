@@ -354,6 +354,55 @@ class SketchReader(PayloadReader):
 
 
 @dataclass
+class SignReader(PayloadReader):
+    """Values ``x = norm * (+-1)`` from sign bits packed 8 per byte (``signs`` uint8 ``[B, H, T, D/8]``, bit ``c % 8`` of
+    byte ``c // 8``) and one ``norm`` per token and head ``[B, H, T]``: TurboQuant-prod's residual sketch
+    ``sign(S r)`` with ``||r||``, read in the sketch's basis (:class:`ResidualSketchReader`). Values only: the kernel
+    reads keys of this format as QJL's (:class:`SketchReader`)."""
+
+    signs: torch.Tensor
+    norm: torch.Tensor
+
+    @property
+    def kv_heads(self) -> int:
+        return self.signs.shape[1]
+
+    def kernel_args(self) -> tuple[dict, dict]:
+        (norm,), param_s_b, param_s_h = in_place(self.norm)
+        return (dict(_read("data", self.signs, "data"), scale=norm, param_s_b=param_s_b, param_s_h=param_s_h),
+                dict(FMT=SKETCH))
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        return unpack_signs(self.signs, self.head_dim) * self.norm.float()[..., None]
+
+
+@dataclass
+class ResidualSketchReader(PayloadReader):
+    """TurboQuant-prod (Algorithm 2): a payload ``inner`` plus the 1-bit QJL sketch of its residual,
+    ``x = inner + sqrt(pi/2)/d ||r|| S^T sign(S r)`` (``residual``: the signs and ``||r||``; ``projection`` ``S``
+    float32 ``[d, d]``). The kernel adds the sketch's score ``sqrt(pi/2)/d ||r|| <S q, sign(S r)>`` to each key's (the
+    query as the model made it, projected once per step), and reads the values' sketch in launches of their own over
+    the same keys, whose partial outputs, taken back by ``sqrt(pi/2)/d S``, add to the payload's (the same softmax)."""
+
+    inner: PayloadReader
+    residual: SignReader
+    projection: torch.Tensor
+
+    @property
+    def kv_heads(self) -> int:
+        return self.inner.kv_heads
+
+    @property
+    def basis(self) -> torch.Tensor:
+        """``sqrt(pi/2)/d S``: what takes the sketch's basis back to the vectors' (``x = inner + residual @ basis``)."""
+        return self.projection.float() * estimator_scale(self.head_dim)
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        residual = self.residual.dequantize_unrotated()
+        return self.inner.dequantize_unrotated() + residual @ self.basis.to(residual.device)
+
+
+@dataclass
 class ScaledReader(PayloadReader):
     """Values of a dtype the kernel loads natively, times a scale: vLLM's ``fp8`` / ``fp8_per_token_head`` caches
     (:mod:`kvcomp.codecs.fp8`) and ``int8_per_token_head`` (:mod:`kvcomp.codecs.int_token_head`). ``codes``
