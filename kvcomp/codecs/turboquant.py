@@ -200,7 +200,10 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
         """Where the fused kernel reads both streams: Lloyd-Max codes of any width times a per-vector scale
         (vLLM's norm correction included) with or without prod's residual sketch, vLLM's k8 keys (where Triton loads
         float8) and uniform values, with or without ``center``'s offsets (:class:`~kvcomp.kernels.payloads.OffsetReader`)."""
-        return loads_float8() or not any(isinstance(c, FP8Keys) for c in self.coders.values())
+        coders = self.coders.values()
+        whole_bytes = self.model.head_dim % 8 == 0  # prod's sign bits: one byte per 8 channels
+        return ((loads_float8() or not any(isinstance(c, FP8Keys) for c in coders))
+                and (whole_bytes or not any(isinstance(c, ProdQuantizer) for c in coders)))
 
     def value_offset(self, layer_idx: int) -> torch.Tensor | None:
         return self.offsets.vectors.get((layer_idx, "value"))
@@ -223,15 +226,15 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
             table = self.reader_tables[(codes.device, kind)] = self.reader_table(coder, codes.shape[1], codes.device)
         if isinstance(coder, FP8Keys):
             return ScaledReader(n, d, codes, FLOAT8["e4m3"], table)
-        codebooks, ones, zeros, rotation, *projection = table
-        mse = coder.mse if isinstance(coder, ProdQuantizer) else coder
+        codebooks, ones, zeros, rotation = table[:4]
+        prod = isinstance(coder, ProdQuantizer)
         inner = CodebookReader(n, d, codes, codebooks, ChunkLayout(1, 1, d), ones, zeros, stored["scale"],
-                               unit_norm=mse.scale == "unit")
+                               unit_norm=(coder.mse if prod else coder).scale == "unit")
         reader = RotatedReader(n, d, inner, rotation)
-        if not projection:
+        if not prod:
             return reader
         residual = SignReader(n, d, stored["signs"], stored["residual_norm"])
-        return ResidualSketchReader(n, d, reader, residual, projection[0])
+        return ResidualSketchReader(n, d, reader, residual, table[4])
 
     def reader_table(self, coder, kv_heads: int, device: torch.device):
         """What :meth:`payload_reader` hands the fused kernel besides the payload, made once per device and kind:
@@ -244,7 +247,7 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
         centroids = mse.codebook.centroids.float().to(device).reshape(1, 1, -1, 1)
         table = (centroids.expand(kv_heads, 1, -1, 1).contiguous(), torch.ones(kv_heads, d, device=device),
                  torch.zeros(kv_heads, d, device=device), mse.rotation.inverse(torch.eye(d, device=device)))
-        return table + (coder.projection.to(device),) if isinstance(coder, ProdQuantizer) else table
+        return (*table, coder.projection.to(device)) if isinstance(coder, ProdQuantizer) else table
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         if layer_idx in self.skipped:

@@ -713,25 +713,28 @@ def _stream_args(prefix: str, segments: list[Segment], bounds: list[int], indice
 
 
 def _sketch_args(segment: Segment, q: torch.Tensor, placeholder: torch.Tensor, queries: dict,
-                 residual: tuple[torch.Tensor, SignReader, torch.Tensor] | None = None) -> dict:
+                 residual: tuple[torch.Tensor, SignReader] | None = None) -> dict:
     """The ``sk_*`` / ``SK_*`` arguments of sketched keys (:meth:`~kvcomp.kernels.payloads.SketchReader.sketch_args`),
-    or of the residual sketch of encoded keys (``residual``: ``(query, signs, S)``, ``y = S q`` of the model's query,
-    kept in ``queries`` for the step's other launches); placeholders where neither, or no outliers."""
+    or of the residual sketch of encoded keys (``residual``: ``(y, signs)``, ``y = S q`` ``[B, H, R, m]`` of the
+    model's query); placeholders where neither, or no outliers."""
     out = dict(sk_y=placeholder, sk_proj=placeholder, sk_out_signs=placeholder, sk_out_norm=placeholder,
                sk_channels=placeholder, sk_scale_in=0.0, sk_scale_out=0.0, **dict.fromkeys(SKETCH_STRIDES, 0),
                sk_res_signs=placeholder, sk_res_norm=placeholder, sk_res_s_b=0, sk_res_s_h=0, sk_rnorm_s_b=0,
                sk_rnorm_s_h=0, SK_M=16, SK_M_OUT=16, SK_N_OUT=0, SK_GROUP=1, SK_M_PAD=16, K_RESIDUAL=False)
     if isinstance(segment, SketchReader):
+        if residual is not None:
+            raise ValueError("decode kernel: QJL's sketched keys have no residual sketch")
         return {**out, **segment.sketch_args(q, queries)}
     if residual is None or segment is None:
         return out
-    query, signs, projection = residual
-    m = projection.shape[0]
-    if id(signs) not in queries:
-        queries[id(signs)] = (query.reshape(q.shape).float() @ projection.to(q.device, torch.float32).T).contiguous()
+    y, signs = residual
+    m = y.shape[-1]
+    if m != signs.head_dim or m % 8:
+        raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} rows "
+                         f"for head_dim {signs.head_dim}")
     (bits,), res_s_b, res_s_h = in_place(signs.signs)
     (norm,), rnorm_s_b, rnorm_s_h = in_place(signs.norm)
-    return {**out, "sk_y": queries[id(signs)], "sk_scale_in": estimator_scale(m), "SK_M": m, "SK_M_PAD": triton.next_power_of_2(m),
+    return {**out, "sk_y": y, "sk_scale_in": estimator_scale(m), "SK_M": m, "SK_M_PAD": triton.next_power_of_2(m),
             "sk_res_signs": bits, "sk_res_norm": norm, "sk_res_s_b": res_s_b, "sk_res_s_h": res_s_h,
             "sk_rnorm_s_b": rnorm_s_b, "sk_rnorm_s_h": rnorm_s_h, "K_RESIDUAL": True}
 
@@ -835,7 +838,7 @@ def decode_launches(
     dot: bool | None = None,
     num_warps: int | None = None,
     key_offset: tuple[torch.Tensor, torch.Tensor, RotaryPositions] | None = None,
-    key_residual: tuple[torch.Tensor, SignReader, torch.Tensor] | None = None,
+    key_residual: tuple[torch.Tensor, SignReader] | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
@@ -847,15 +850,16 @@ def decode_launches(
     register path a program may take the register file's share of its warps). ``key_offset``: ``(query, c, positions)``
     of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
-    score ``q . R_p c`` the kernel adds. ``key_residual``: ``(query, signs, S)`` of encoded keys plus the sign sketch of
-    their residual (TurboQuant-prod: ``query`` the model's, ``S`` the sketch ``[d, d]``), whose score the kernel adds.
+    score ``q . R_p c`` the kernel adds. ``key_residual``: ``(y, signs)`` of encoded keys plus the sign sketch of their
+    residual (TurboQuant-prod: ``y = S q`` ``[B, H, R, d]`` of the model's query), whose score the kernel adds.
     Only the slice counts depend on
     the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
-        raise ValueError("decode kernel: a rotated or offset payload takes its own launches (decode_attention_triton)")
+        raise ValueError("decode kernel: a rotated, offset or residual-sketch payload takes its own launches "
+                         "(decode_attention_triton)")
     if key_rope is not None and key_offset is not None:
         raise ValueError("decode kernel: keys are pre-RoPE (key_rope) or carry a rotated offset (key_offset), not both")
     h = _kv_heads(key_segments[0])
@@ -920,7 +924,7 @@ def decode_launches(
                     BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, *encoded, dot=dot), DOT=dot,
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and not rope["ROPE"],
                     PACKED_V=values is not None and values.packed_values(d, dot)
-                    and not (isinstance(keys, SketchReader) and block_r > 4),
+                    and not ((isinstance(keys, SketchReader) or key_residual is not None) and block_r > 4),
                     num_warps=num_warps, **registers)
         launches.append(Launch(_split_kernel, (b * h, splits), args))
         slot += splits
@@ -935,8 +939,8 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
     ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`.
-    A :class:`RotatedReader` or :class:`OffsetReader` payload is read in its own launches (:func:`_with_payload_group`;
-    ``key_rope`` then gives the positions of a rotated key offset)."""
+    A :class:`RotatedReader`, :class:`OffsetReader` or :class:`ResidualSketchReader` payload is read in its own launches
+    (:func:`_with_payload_group`; ``key_rope`` then gives the positions of a rotated key offset)."""
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         return _with_payload_group(query, key_segments, value_segments, scale, valid, **options)
     out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
@@ -964,11 +968,13 @@ class LaunchGroup:
 
 
 def _with_payload_group(query, key_segments, value_segments, scale, valid, key_rope=None, **options) -> torch.Tensor:
-    """Attention over a cache whose payload is stored in a rotated basis or less an offset (:func:`launch_groups`):
-    the payload's partial outputs are un-rotated (``@ rotation_v``) where its values are and get a value offset's
-    ``c_v`` (each a softmax average); one merge combines all slices (their log-sum-exps do not depend on the basis)."""
+    """Attention over a cache whose payload is stored in a rotated basis, less an offset or with a residual sketch
+    (:func:`launch_groups`): the payload's partial outputs are un-rotated (``@ rotation_v``) where its values are and get
+    a value offset's ``c_v`` (each a softmax average), and a values' sketch group's outputs, taken back to the values'
+    basis, are added to them slice by slice; one merge combines all slices (their log-sum-exps do not depend on the
+    basis)."""
     b, hq, d = query.shape
-    partials, lses, merge = [], [], None
+    partials, lses, merge, sliced = [], [], None, None
     with launch_device(query.device):
         for group in launch_groups(query, key_segments, value_segments, valid, key_rope, options):
             _, launches = decode_launches(group.query, group.keys, group.values, scale, group.valid, **group.options)
@@ -984,12 +990,14 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
                 if group.offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
                     c_v = group.offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
                     partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
+                slices = [(launch.grid, *(launch.args[k] for k in ("lo", "hi", "tiles", "unit"))) for launch in launches[:-1]]
                 if group.adds:  # the same keys and slices as the previous group: its share of the same softmax
-                    if partial.shape != partials[-1].shape:
+                    if slices != sliced:
                         raise ValueError("decode kernel: a value sketch's launches must slice the payload as its keys'")
                     partials[-1] = partials[-1] + partial
                     continue
                 partials.append(partial)
+                sliced = slices
                 lses.append(merge.args["lse_ptr"])
         if merge is None:  # nothing cached
             return torch.zeros_like(query)
@@ -1003,8 +1011,8 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
 def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None, options=None) -> list[LaunchGroup]:
     """The launch groups of a cache whose payload is stored in a rotated basis or less an offset: one segment of the
     keys and one of the values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets
-    rotate only the keys), each possibly inside a :class:`ResidualSketchReader` (TurboQuant-prod), inside an
-    :class:`OffsetReader`. First the payload's, which takes the query rotated (``q rotation_k^T``) where its keys are
+    rotate only the keys), nested as ``OffsetReader(ResidualSketchReader(RotatedReader(...)))`` where present (``center``;
+    TurboQuant-prod). First the payload's, which takes the query rotated (``q rotation_k^T``) where its keys are
     rotated and adds a key offset's score (``key_rope``: every cached token's position) and a residual sketch's; then the
     values' residual sketch over the same keys, if any (``adds``); then, if any, the other segments', which take the
     query as it is (``scripts/kernel_resources.py`` compiles the first)."""
@@ -1040,9 +1048,15 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
         positions = key_rope.positions[:, lo:hi]  # the payload's tokens, from 0
         payload_options["key_offset"] = (query, key_offset.offset,
                                          RotaryPositions(positions, 0, key_rope.inv_freq, key_rope.scaling, key_rope.dtype))
-    if key_sketch is not None:
-        payload_options["key_residual"] = (query, key_sketch.residual, key_sketch.projection)
+    if key_sketch is not None:  # y = S q of the model's query, once for the payload's launches
+        projection = key_sketch.projection.to(query.device, torch.float32)
+        payload_options["key_residual"] = ((query.view(b, h, hq // h, d).float() @ projection.T).contiguous(),
+                                           key_sketch.residual)
     payload_valid = None if valid is None else valid[:, lo:hi]
+    if value_sketch is not None:  # both groups slice the payload alike: one tile size for both
+        narrow = key_offset is not None or key_sketch is not None
+        payload_options["block_tokens"] = (payload_options.get("block_tokens")
+                                           or default_tile([keys, values, value_sketch.residual], narrow))
     groups = [LaunchGroup(rotated, [keys], [values], payload_valid, value_rotation, value_offset, payload_options)]
     if value_sketch is not None:  # the values' residual sketch, in its basis, over the same keys
         groups.append(LaunchGroup(rotated, [keys], [value_sketch.residual], payload_valid, value_sketch.basis, None,

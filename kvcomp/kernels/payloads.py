@@ -357,8 +357,8 @@ class SketchReader(PayloadReader):
 class SignReader(PayloadReader):
     """Values ``x = norm * (+-1)`` from sign bits packed 8 per byte (``signs`` uint8 ``[B, H, T, D/8]``, bit ``c % 8`` of
     byte ``c // 8``) and one ``norm`` per token and head ``[B, H, T]``: TurboQuant-prod's residual sketch
-    ``sign(S r)`` with ``||r||``, read in the sketch's basis (:class:`ResidualSketchReader`). Values only: the kernel
-    reads keys of this format as QJL's (:class:`SketchReader`)."""
+    ``sign(S r)`` with ``||r||``, read in the sketch's basis (:class:`ResidualSketchReader`). The kernel reads it as
+    values, or as a key payload's residual; QJL's sketched keys are :class:`SketchReader`."""
 
     signs: torch.Tensor
     norm: torch.Tensor
