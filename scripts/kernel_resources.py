@@ -63,8 +63,8 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
 def describe(launch) -> str:
     args = launch.args
     if "K_FMT" not in args:
-        return "merge"
-    keys = FORMATS[args["K_FMT"]] + (" (e2m1 values)" if args["K_LEVELS"] else "") + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "") + (" + offset" if args["OFFSET"] else "")
+        return f"merge ({args['BLOCK_R']} query rows per program)"
+    keys = FORMATS[args["K_FMT"]] + (" (e2m1 values)" if args["K_LEVELS"] else "") + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "") + (" + offset" if args["OFFSET"] else "") + (" + residual sketch" if args["K_RESIDUAL"] else "")
     values = FORMATS[args["V_FMT"]] + (" (e2m1 values)" if args["V_LEVELS"] else "") + (" (stored layout)" if args["PACKED_V"] else "")
     return f"keys {keys}, values {values}"
 
@@ -103,15 +103,15 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     rows = []
     for ratio in args.ratios:
-        merge = None
+        merges = {}
         for name in args.codecs:
             for block_tokens in args.block_tokens:
                 for launch in codec_launches(name, ratio, args.context, block_tokens):
                     if "K_FMT" in launch.args:
                         rows += rows_for(launch, name, args.warps, ratio)
-                    else:  # the same merge kernel for every codec
-                        merge = launch
-        if merge is not None:
+                    else:  # the merge kernel: one compilation per query-row tile (tl.dot launches pad rows to 16)
+                        merges.setdefault(launch.args["BLOCK_R"], launch)
+        for _, merge in sorted(merges.items()):
             rows += rows_for(merge, "merge", args.warps, ratio)
         if not args.no_qjl:
             h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
