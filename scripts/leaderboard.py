@@ -9,7 +9,9 @@ state: the rank axis), the codec's code bits, its model-level overhead apart, th
 uncompressed reference of the same data, and (RULER) the mean output length. A row with a press (token eviction)
 is placed by the bits per value of every token seen, evicted ones included. Rows fall into the bit class nearest
 their measured bits (1, 2, 3, 4, 8, 16), not their name. The Pareto front of a panel: the rows no other row beats on
-both bits and metric. Every row links to its member's ``results.json``; the page needs no network.
+both bits and metric. Every row links to its member's ``results.json``; the page needs no network. Panels that several
+models share open the page in one table across the models (each option's bits, change and place in its bit class per
+model), which is where a conclusion that holds on one model and not another shows.
 """
 
 from __future__ import annotations
@@ -145,6 +147,52 @@ def leaders(mine: list[dict]) -> str:
     return "Leaders: " + "; ".join(parts) + "." if parts else ""
 
 
+def class_ranks(mine: list[dict]) -> dict[int, int]:
+    """Each row's place within its bit class in one panel (1: the best of its class), by ``id``; the reference has
+    none."""
+    ranks, seen = {}, {}
+    for r in mine:  # as panels() sorts them: by class, best first
+        if not r["reference"] and r["class"] is not None:
+            seen[r["class"]] = seen.get(r["class"], 0) + 1
+            ranks[id(r)] = seen[r["class"]]
+    return ranks
+
+
+def across_models(rows: list[dict]) -> list[tuple[str, list[str], list[dict]]]:
+    """Per benchmark panel that more than one model has: ``(panel, models, rows)`` with one row per option (presses
+    included, references left out) and per model its measured bits, change from that model's reference and place in
+    its bit class (``None`` where the model has no such row), sorted by the first model's class, then place: where
+    a conclusion holds on one model and not the other."""
+    grouped = panels(rows)
+    out = []
+    for panel in sorted({p for _, p in grouped}):
+        models = sorted(m for m, p in grouped if p == panel)
+        if len(models) < 2:
+            continue
+        table: dict[str, dict] = {}
+        for model in models:
+            mine = grouped[(model, panel)]
+            ranks = class_ranks(mine)
+            for r in mine:
+                if not r["reference"]:
+                    entry = table.setdefault(r["option"], {"codec": r["codec"], "option": r["option"]})
+                    entry[model] = (r["measured_bits"], r["vs_reference"], r["class"], ranks.get(id(r)), r["metric_name"])
+
+        def order(entry):
+            first = next(entry[m] for m in models if m in entry)
+            return -(first[2] or 0), first[3] or 0, entry["option"]
+        out.append((panel, models, sorted(table.values(), key=order)))
+    return out
+
+
+def _across_cells(entry: dict, model: str) -> list[str]:
+    """``measured bits``, ``change`` and ``class: place`` of one model's row, empty where it has none."""
+    if model not in entry:
+        return ["", "", ""]
+    bits, change, klass, place, metric = entry[model]
+    return [_fmt(bits), _fmt(change, "vs_reference", metric), f"{klass}: {place}" if place else ""]
+
+
 def member_hours(directories: list[Path]) -> float:
     """Hours the finished members took, summed (each member's ``timings.total_seconds``; members that ran side by
     side, e.g. one per core, count each): what the leaderboard costs to compute."""
@@ -157,6 +205,13 @@ def member_hours(directories: list[Path]) -> float:
 
 def markdown(rows: list[dict], hours: float | None = None) -> str:
     lines = [f"Computed in {hours:.2f} hours of member time (the members' total_seconds summed).", ""] if hours else []
+    for panel, models, entries in across_models(rows):
+        lines += [f"### Across models: {panel}", "",
+                  "| codec | option | " + " | ".join(f"{m} bits | {m} vs reference | {m} class: place" for m in models) + " |",
+                  "|" + "---|" * (2 + 3 * len(models))]
+        for e in entries:
+            lines.append(f"| {e['codec']} | `{e['option']}` | " + " | ".join(c for m in models for c in _across_cells(e, m)) + " |")
+        lines.append("")
     for (model, panel), mine in panels(rows).items():
         front = {id(r) for r in pareto(mine)}
         lines += [f"### {model}: {panel}", "", "| " + " | ".join(COLUMNS) + " | Pareto |",
@@ -236,6 +291,15 @@ def page(rows: list[dict], out: Path, reading: str = "") -> str:
     ``results.json`` relative to ``out``)."""
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>kvcomp leaderboard</title>",
              f"<style>{STYLE}</style></head><body><h1>kvcomp leaderboard</h1>", reading]
+    for panel, models, entries in across_models(rows):
+        parts.append(f"<h2>Across models: {html.escape(panel)}</h2><table><thead><tr><th>codec</th><th>option</th>"
+                     + "".join(f"<th>{html.escape(m)} {c}</th>" for m in models
+                               for c in ("bits", "vs reference", "class: place")) + "</tr></thead><tbody>")
+        for e in entries:
+            cells = "".join(f"<td>{html.escape(c)}</td>" for m in models for c in _across_cells(e, m))
+            parts.append(f"<tr><td class='l'>{html.escape(e['codec'])}</td><td class='l'>{html.escape(e['option'])}</td>"
+                         f"{cells}</tr>")
+        parts.append("</tbody></table>")
     for (model, panel), mine in panels(rows).items():
         front = {id(r) for r in pareto(mine)}
         parts.append(f"<h2>{html.escape(model)}: {html.escape(panel)}</h2>{plot_svg(mine, f'{model}: {panel}')}")

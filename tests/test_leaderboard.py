@@ -19,18 +19,20 @@ def _module():
     return load_script("leaderboard")
 
 
-def _member(sweep, codec, bits, measured, ppl, acc, tokens):
+def _member(sweep, codec, bits, measured, ppl, acc, tokens, model="m"):
     """One fake member per benchmark (perplexity and RULER), its fp16 reference row included as run.py writes it."""
     for bench, metric, value in (("perplexity", "ppl_chunked", ppl), ("ruler", "acc_avg", acc)):
-        folder = sweep / f"benchmark={bench},codec={codec},model=m"
+        folder = sweep / f"benchmark={bench},codec={codec},model={model}"
         folder.mkdir()
         extra = {"output_tokens": tokens} if bench == "ruler" else {}
-        reference = {"model": "m", "codec": "fp16()", "bits_per_value": 16.0, "bits_per_value_measured": 32.0,
-                     "benchmark": f"{bench}:x", metric: 20.0 if bench == "perplexity" else 50.0, "reference_key": bench, **extra}
-        row = {"model": "m", "codec": f"{codec}(bits=2)", "bits_per_value": bits, "bits_per_value_measured": measured,
+        reference = {"model": model, "codec": "fp16()", "bits_per_value": 16.0, "bits_per_value_measured": 32.0,
+                     "benchmark": f"{bench}:x", metric: 20.0 if bench == "perplexity" else 50.0,
+                     "reference_key": f"{bench}-{model}", **extra}
+        row = {"model": model, "codec": f"{codec}(bits=2)", "bits_per_value": bits, "bits_per_value_measured": measured,
                "overhead_bits": 0, "benchmark": f"{bench}:x", metric: value, **extra}
         (folder / "results.json").write_text(json.dumps({"config": {"codec": {"name": codec}}, "rows": [reference, row],
-                                                         "overrides": [f"benchmark={bench}", f"codec={codec}", "model=m"],
+                                                         "overrides": [f"benchmark={bench}", f"codec={codec}",
+                                                                       f"model={model}"],
                                                          "timings": {"total_seconds": 600.0}}))
 
 
@@ -69,6 +71,28 @@ def test_panels_classes_front_and_files(tmp_path):
     twin.mkdir(parents=True)
     with pytest.raises(SystemExit, match="two sweeps end in"):
         module.main([str(sweep), str(twin), "--out", str(out), "--copy-results"])
+
+
+def test_panels_that_models_share_are_tabled_across_them(tmp_path):
+    """One table per benchmark panel that both models have: each option's measured bits, change from its own model's
+    reference and place in its bit class on each model, blank where a model lacks the option."""
+    module = _module()
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    _member(sweep, "kivi", 3.0, 2.4, 25.0, 40.0, 30.0, model="a")
+    _member(sweep, "temporalkv", 2.0, 2.2, 24.0, 45.0, 28.0, model="a")
+    _member(sweep, "kivi", 3.0, 2.4, 22.0, 48.0, 30.0, model="b")  # the order in class 2 flips on model b
+    _member(sweep, "temporalkv", 2.0, 2.2, 30.0, 30.0, 28.0, model="b")
+    _member(sweep, "higgs", 4.1, 4.4, 21.0, 49.0, 30.0, model="b")  # on b only
+    out = tmp_path / "page"
+    module.main([str(sweep), "--out", str(out)])
+    text = (out / "leaderboard.md").read_text()
+    table = text[text.index("### Across models: perplexity:x"):text.index("### Across models: ruler:x")]
+    assert "| temporalkv | `temporalkv` | 2.200 | +20.0 % | 2: 1 | 2.200 | +50.0 % | 2: 2 |" in table
+    assert "| kivi | `kivi` | 2.400 | +25.0 % | 2: 2 | 2.400 | +10.0 % | 2: 1 |" in table
+    assert "| higgs | `higgs` |  |  |  | 4.400 | +5.0 % | 4: 1 |" in table
+    assert "fp16" not in table
+    assert (out / "index.html").read_text().count("<h2>Across models: ") == 2
 
 
 def test_a_row_names_the_press_settings_its_experiment_file_made(tmp_path):
