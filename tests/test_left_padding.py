@@ -64,8 +64,11 @@ def test_fp16_rows_equal_the_plain_cache_and_each_row_alone(tiny_model):
 
 # CSR's matching pursuit takes an argmax over atoms: the batch's K/V differ from a row's alone in the last float
 # bits (batched matmuls), which can flip a near-tie and change one vector's code (observed: 62 of 3,936 logits off
-# by up to 2e-4 on tiny Qwen2). Its rows must agree to this looser bound; every other codec to 1e-4.
-TOLERANCE = {"csr": 1e-3}
+# by up to 2e-4 on tiny Qwen2). KVarN's 16 Sinkhorn rounds (std, log, exp) carry such last-bit differences into its
+# scales, where a value on a rounding boundary flips its code (observed on one CPU: 3 of 3,936 logits off by up to
+# 1.3e-4 on tiny Qwen2; with sinkhorn_iters=0 the rows agree to 1e-4). Their rows must agree to this looser bound;
+# every other codec to 1e-4.
+TOLERANCE = {"csr": 1e-3, "kvarn": 1e-3}
 
 
 def _check_rows(model, codec, protocol="streaming"):
