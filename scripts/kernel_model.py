@@ -36,6 +36,7 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E40
 from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.kernels import Launch  # noqa: E402
 from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
+from kvcomp.kernels.decode_plan import plan_decode  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 from kvcomp.kernels.static_model import SMS, Geometry, accesses, bounds, count, disassemble, tile_instructions  # noqa: E402
@@ -108,16 +109,15 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
     merged = analysed(merge)
     out = {}
     for batch, context in shapes:
-        plan = today._plan(*stream_bounds(codec, context), batch * H, SMS, block, None)
-        if len(plan) != len(splits):
-            raise RuntimeError(f"{name}: {len(plan)} launches at {context} tokens, {len(splits)} compiled at {SMALL}")
-        parts, slots = [], 0
-        for (lo, hi, _, _, tiles, n), launch, a in zip(plan, splits, found):
-            per_program = math.ceil(math.ceil(tiles / n) * block / launch.args["BLOCK_T"])
-            parts.append((a, Geometry(batch * H * n, a["num_warps"], a["resident"], per_program,
-                                      nbytes * batch * (hi - lo) / SMALL)))
-            slots += n
-        parts.append((merged, Geometry(batch * H, merged["num_warps"], merged["resident"], slots, 0.0)))
+        plan = plan_decode(*stream_bounds(codec, context), batch * H, SMS, block, None)
+        if len(plan.launches) != len(splits):
+            raise RuntimeError(f"{name}: {len(plan.launches)} launches at {context} tokens, {len(splits)} compiled at {SMALL}")
+        parts = []
+        for planned, launch, a in zip(plan.launches, splits, found):
+            per_program = math.ceil(math.ceil(planned.tiles / planned.splits) * block / launch.args["BLOCK_T"])
+            parts.append((a, Geometry(batch * H * planned.splits, a["num_warps"], a["resident"], per_program,
+                                      nbytes * batch * (planned.hi - planned.lo) / SMALL)))
+        parts.append((merged, Geometry(batch * H, merged["num_warps"], merged["resident"], plan.slots, 0.0)))
         out[(batch, context)] = step_time(parts)
     return {"shapes": out, "launches": found + [merged]}
 

@@ -613,17 +613,47 @@ def test_launch_configuration_sweep_runs_on_the_interpreter():
     assert all(float(row[3]) > 0 and 0 < float(row[-1].rstrip(" |")) < 1e-2 for row in rows)
 
 
-def test_a_steps_launch_plan_is_computed_once_for_all_layers():
-    from kvcomp.kernels.decode_attention_triton import _plan, decode_attention_triton
+def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatch):
+    """flashinfer's plan / run split: the step's first layer plans its launches, the other layers find the plan; every
+    layer and the next steps run in the same scratch (one region per launch group, grown to the largest step), and
+    each layer's output is its own and equals the reference."""
+    from kvcomp.kernels import decode_plan
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.payloads import RotatedReader
 
+    real, planned = decode_plan.plan_decode, []
+    monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs: planned.append(inputs) or real(*inputs))
     gen = torch.Generator().manual_seed(3)
-    key_reader, _ = _uniform(torch.randn(1, 1, 32, 16, generator=gen), 2, 16, "per_channel")
-    tail = torch.randn(1, 1, 5, 16, generator=gen)
-    query = torch.randn(1, 2, 16, generator=gen)
-    _plan.cache_clear()
-    for _layer in range(3):  # the layers of one step: same segment boundaries
-        decode_attention_triton(query, [key_reader, tail], [key_reader, tail], 0.25)
-    assert _plan.cache_info().misses == 1 and _plan.cache_info().hits == 2
+    workspace = decode_plan.DecodeWorkspace()
+    outputs, held, sizes = [], set(), []
+    for batch in (1, 1, 2):  # a step, the same shape again, a larger batch
+        step = decode_plan.DecodeStep(workspace)
+        key_reader, _ = _uniform(torch.randn(batch, 1, 32, 16, generator=gen), 2, 16, "per_channel")
+        value_reader, _ = _uniform(torch.randn(batch, 1, 32, 16, generator=gen), 2, 16, "per_token")
+        tail = torch.randn(batch, 1, 5, 16, generator=gen)
+        before = len(planned)
+        for _layer in range(3):  # the layers of one step: same segment boundaries, their own payloads
+            query = torch.randn(batch, 2, 16, generator=gen)
+            out = decode_attention_triton(query, [key_reader, tail], [value_reader, tail], 0.25, num_splits=3, step=step)
+            torch.testing.assert_close(out, decode_attention_reference(query, [key_reader, tail], [value_reader, tail],
+                                                                       0.25), rtol=1e-5, atol=1e-5)
+            outputs.append(out)
+            held |= {id(t) for t in workspace._storage.values()}
+        assert len(planned) == before + 1  # once per step
+        sizes.append(workspace.nbytes)
+    assert len({o.data_ptr() for o in outputs}) == len(outputs)  # outputs leave the layer: never reused
+    assert len(held) == 2 and len(workspace._storage) == 1  # one region, grown once: for the larger batch
+    # [B*H, slots, R, D + 1] float32: 37 tokens are one 128-token tile, one slot
+    assert sizes[0] == sizes[1] < sizes[2] == (2 * 1) * 1 * 2 * (16 + 1) * 4
+    # a rotated payload's launch groups are merged together: each writes its own region of the same workspace
+    d = 16
+    rotation = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]
+    inner, _ = _uniform(torch.randn(1, 1, 40, d, generator=gen), 4, d, "per_token")
+    keys = [torch.randn(1, 1, 3, d, generator=gen), RotatedReader(40, d, inner, rotation)]
+    query = torch.randn(1, 2, d, generator=gen)
+    out = decode_attention_triton(query, keys, keys, 0.25, step=decode_plan.DecodeStep(workspace))
+    torch.testing.assert_close(out, decode_attention_reference(query, keys, keys, 0.25), rtol=1e-5, atol=1e-5)
+    assert {region for _, region in workspace._storage} == {0, 1}
 
 
 def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():

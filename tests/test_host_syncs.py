@@ -85,3 +85,29 @@ def test_the_immediate_finiteness_check_synchronises_every_layer(tiny_llama):
     where = {s.where.split(":")[0] for s in syncs.in_kvcomp}
     assert "kvcomp/cache/checks.py" in where  # the check of incoming K/V, 2 layers x 2 steps
     assert len([s for s in syncs.in_kvcomp if "_check_incoming" in s.where]) == 4
+
+
+def test_a_fused_decode_step_is_planned_once_for_every_layer_and_runs_in_the_installations_workspace(triton_llama,
+                                                                                                   monkeypatch):
+    """flashinfer's ``plan`` once per step: one :func:`~kvcomp.kernels.decode_plan.plan_decode` per decode forward and
+    row group, whatever the number of layers; every step's split kernels write the installation's workspace, which
+    holds the same storage after the first step."""
+    from kvcomp.cache.attention import _INSTALLED
+    from kvcomp.kernels import decode_plan
+
+    real, planned = decode_plan.plan_decode, []
+    monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs: planned.append(inputs) or real(*inputs))
+    workspace = _INSTALLED[triton_llama].workspace
+    partials, scratch = [], workspace.scratch
+
+    def spied(*args):
+        partial, lse = scratch(*args)
+        partials.append(partial)
+        return partial, lse
+
+    monkeypatch.setattr(workspace, "scratch", spied)
+    _, cache = _decode_syncs(triton_llama, make_codec(triton_llama, "kivi"), "deferred", FUSED_STEPS)
+    per_step = len(cache.groups) * len(cache.layers)
+    assert len(cache.layers) > 1 and len(planned) == FUSED_STEPS * len(cache.groups)
+    assert len(partials) == FUSED_STEPS * per_step  # every layer ran in it
+    assert len({t.untyped_storage().data_ptr() for t in partials[per_step:]}) == 1 and workspace.nbytes > 0

@@ -11,7 +11,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from kvcomp.kernels.decode_attention_triton import _splits  # noqa: E402
+from kvcomp.kernels.decode_plan import _splits  # noqa: E402
 from kvcomp.kernels.resources import occupancy  # noqa: E402
 
 

@@ -71,7 +71,8 @@ def _run(model, codec, path, monkeypatch) -> CompressedCache:
     return cache
 
 
-def _reference_decode_attention(original, query, keys, values, scale, valid=None, key_rope=None, backend="torch", num_splits=None):
+def _reference_decode_attention(original, query, keys, values, scale, valid=None, key_rope=None, backend="torch", num_splits=None,
+                                step=None):
     return original(query, keys, values, scale, valid, key_rope, "torch")
 
 

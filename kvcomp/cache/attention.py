@@ -18,6 +18,7 @@ from kvcomp.cache.step import LayerStep, PaddedRows, Step, StepLayer, row_pads
 from kvcomp.codecs.base import attention_layer_types
 from kvcomp.errors import unknown_choice
 from kvcomp.kernels import KERNEL_BACKENDS, sdpa_without_cudnn
+from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 
 ATTENTION_NAME = "kvcomp"
 STEP_ARGUMENT = "kvcomp_step"  # the decoder's keyword argument that carries the Step down to the attention modules
@@ -103,8 +104,9 @@ class Installation:
     """kvcomp's attention on one model (:func:`install`): the attention implementation and two forward pre-hooks.
     The decoder's builds each forward's :class:`Step`; each attention module's adds its :class:`LayerStep` and,
     for a :class:`StepLayer`, takes the cache out of the module's arguments, so that the layer is updated by
-    :func:`compressed_attention`, with the step. A context manager: leaving it removes the hooks and restores the
-    installation (or attention implementation) that was there before."""
+    :func:`compressed_attention`, with the step. ``workspace``: the fused decode kernels' scratch, kept across this
+    model's steps (:class:`~kvcomp.kernels.decode_plan.DecodeWorkspace`). A context manager: leaving it removes the
+    hooks and restores the installation (or attention implementation) that was there before."""
 
     def __init__(self, model, kernel_backend: str, previous: "Installation | None"):
         layer_types = attention_layer_types(model.config.get_text_config(decoder=True))  # refuses unsupported kinds
@@ -117,6 +119,7 @@ class Installation:
         self._model, self._decoder = weakref.ref(model), weakref.ref((get_decoder() if get_decoder else None) or model)
         self._modules = [weakref.ref(m) for m in modules]
         self.kernel_backend, self.previous, self.handles = kernel_backend, previous, []
+        self.workspace = DecodeWorkspace()  # the fused kernels' scratch, kept across this model's steps
         self.implementation_before = previous.implementation_before if previous else model.config._attn_implementation
         by_type = {kind: _layer_rotary(model, kind) for kind in set(layer_types)}
         self.rotaries = {m.layer_idx: by_type[layer_types[m.layer_idx]] for m in modules}
@@ -160,7 +163,7 @@ class Installation:
             return None
         if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
             cache.group_rows(row_pads(kwargs.get("attention_mask")))
-        return args, {**kwargs, STEP_ARGUMENT: Step(self.kernel_backend)}
+        return args, {**kwargs, STEP_ARGUMENT: Step(self.kernel_backend, DecodeStep(self.workspace))}
 
     def _layer_step(self, module, args, kwargs):
         """An attention module's pre-hook: its :class:`LayerStep`, in place of the cache."""

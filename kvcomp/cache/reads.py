@@ -108,7 +108,7 @@ class FusedDecode(Reads):
         b, _, _, d = query.shape
         out = decode_attention(query[:, :, 0], readers(self.keys, "key"), readers(self.values, "value"),
                                d**-0.5 if scaling is None else scaling, step.valid_tokens(mask, self.length, b),
-                               self.key_rope, self.kernel_backend)
+                               self.key_rope, self.kernel_backend, step=step.decode)
         return out[:, None], None
 
 

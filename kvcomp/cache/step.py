@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcomp.kernels.decode_attention import ValidTokens
+from kvcomp.kernels.decode_plan import DecodeStep
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -44,11 +45,13 @@ def row_pads(mask: torch.Tensor | None) -> list[int]:
 
 @dataclass
 class Step:
-    """One model forward: what every layer shares. ``plans``: the fused kernels' valid tokens, made by the first
-    layer that needs them and reused by the others (:meth:`valid_tokens`; flashinfer's ``plan`` once per step);
-    ``masks``: the mask's columns of each row group (:meth:`columns`), cut once per step."""
+    """One model forward: what every layer shares. ``decode``: the fused kernels' launch plans, made by the first
+    layer that needs them and run by every layer in the installation's workspace (flashinfer's ``plan`` once per
+    step); ``plans``: the fused kernels' valid tokens, read once per step (:meth:`valid_tokens`); ``masks``: the
+    mask's columns of each row group (:meth:`columns`), cut once per step."""
 
     kernel_backend: str = "torch"
+    decode: DecodeStep = field(default_factory=DecodeStep)
     plans: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
 

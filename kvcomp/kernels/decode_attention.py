@@ -44,6 +44,7 @@ from functools import cached_property
 
 import torch
 
+from kvcomp.kernels.decode_plan import DecodeStep
 from kvcomp.kernels.payloads import PayloadReader, RotaryPositions, Segment
 
 
@@ -105,9 +106,11 @@ def decode_attention(
     key_rope: RotaryPositions | None = None,
     backend: str = "torch",
     num_splits: int | None = None,
+    step: DecodeStep | None = None,
 ) -> torch.Tensor:
     """:func:`decode_attention_reference` (``backend="torch"``) or the Triton kernels (``"triton"``).
-    ``valid`` covers exactly the cached tokens (``[B, L]``, or the step's :class:`ValidTokens`)."""
+    ``valid`` covers exactly the cached tokens (``[B, L]``, or the step's :class:`ValidTokens`); ``step``: the
+    forward's :class:`~kvcomp.kernels.decode_plan.DecodeStep` (the kernels' plan and workspace)."""
     if isinstance(valid, torch.Tensor):
         valid = ValidTokens(valid)
     if backend == "triton":
@@ -115,5 +118,5 @@ def decode_attention(
 
         mask = None if valid is None else valid.as_bytes
         return decode_attention_triton(query, key_segments, value_segments, scale, mask, key_rope=key_rope,
-                                       num_splits=num_splits)
+                                       num_splits=num_splits, step=step)
     return decode_attention_reference(query, key_segments, value_segments, scale, None if valid is None else valid.mask, key_rope)

@@ -22,9 +22,9 @@ pointer, strides and token range) and one encoded payload, whose format is fixed
 tile lies within one piece of each stream (tiles are cut at piece boundaries and end at multiples of
 ``BLOCK_T`` from the key payload's first token), and a scalar branch per tile and stream picks the
 piece's decoder; a cache with more payloads per stream gets one launch per run of segments that fits
-(:func:`_plan`). Everything that changes with the cache length (segment bounds, lengths, slot counts) is a
-``do_not_specialize`` argument: a growing cache never recompiles a kernel. Strides are specialised: they
-stay multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned vector
+(:func:`~kvcomp.kernels.decode_plan.plan_decode`: planned once per step, run per layer, in a workspace kept across
+steps). Everything that changes with the cache length (segment bounds, lengths, slot counts) is a
+``do_not_specialize`` argument: a growing cache never recompiles a kernel. Strides are specialised: they stay multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned vector
 loads of the full-precision pieces. Every tensor is advanced to the program's sequence and head once, in
 int64, so no offset overflows at a large batch x context. The step's attention mask is read per token
 (one byte per cached token and sequence), so any mask runs in the kernel and nothing about it is checked
@@ -46,13 +46,12 @@ field-major accumulator (:func:`_packed_values`); ``tl.dot`` launches unpack val
 3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`_codes`).
 
 Each launch shares the tiles of its token range out evenly over its slices (+-1 tile), and the slice count fills
-whole waves of the GPU's multiprocessors where the range is long enough (:func:`_splits`).
+whole waves of the GPU's multiprocessors where the range is long enough (:func:`~kvcomp.kernels.decode_plan._splits`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +59,7 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
+from kvcomp.kernels.decode_plan import MAX_DENSE, DecodeStep
 from kvcomp.kernels.payloads import (
     DENSE,
     OffsetReader,
@@ -84,7 +84,6 @@ LOG2E = 1.4426950408889634
 WARPS = 4
 TILE = 32
 WIDE_TILE = 128
-MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the least norm a unit-norm rescaling divides by (as in torch)
 OWN_LAUNCHES = (RotatedReader, OffsetReader, ResidualSketchReader)  # payloads read in launches of their own
 SKETCH_STRIDES = ("sk_out_s_b", "sk_out_s_h", "sk_onorm_s_b", "sk_onorm_s_h", "sk_ch_s_b", "sk_ch_s_h")
@@ -764,48 +763,6 @@ def _tile_tokens(block_tokens: int, *segments: Segment, dot: bool) -> int:
     return block_tokens
 
 
-def _splits(tiles: int, programs: int, wave: int, num_splits: int | None) -> int:
-    """Slices of a launch of ``tiles`` tiles run by ``programs`` (batch x KV head) programs each: the
-    fewest that fill at least two waves of ``wave`` resident programs in whole waves (a multiple of
-    ``wave / gcd(wave, programs)``), or fewer where the launch has too few tiles (then at most two waves);
-    ``num_splits`` forces a count."""
-    if num_splits:
-        return max(1, min(tiles, num_splits))
-    step = wave // math.gcd(wave, programs)
-    whole = step * -(-2 * wave // (programs * step))
-    return whole if whole <= tiles else max(1, min(tiles, -(-2 * wave // programs)))
-
-
-def _fits(indices: set, encoded: tuple) -> bool:
-    """Whether one launch can read these segments of a stream: at most one encoded payload (its format is
-    compiled in) and :data:`MAX_DENSE` full-precision pieces."""
-    payloads = sum(encoded[i] for i in indices)
-    return payloads <= 1 and len(indices) - payloads <= MAX_DENSE
-
-
-@functools.lru_cache(maxsize=64)
-def _plan(key_bounds: tuple, key_encoded: tuple, value_bounds: tuple, value_encoded: tuple, programs: int, wave: int,
-          block_tokens: int, num_splits: int | None) -> tuple:
-    """The launches of one decode step, ``(lo, hi, key segments, value segments, tiles, splits)`` each: one
-    launch over the whole cache when each stream is at most one payload and three full-precision pieces
-    (sinks, tail, fresh token), else one per run of consecutive segments that is. Every layer of a step
-    has the same segments, so the step's first layer computes it and the others find it here."""
-    cuts = sorted(set(key_bounds) | set(value_bounds))
-    runs = []  # [lo, hi, key segment indices, value segment indices]
-    for lo, hi in zip(cuts, cuts[1:]):
-        ki = max(i for i, bound in enumerate(key_bounds[:-1]) if bound <= lo)
-        vi = max(i for i, bound in enumerate(value_bounds[:-1]) if bound <= lo)
-        if runs and _fits(runs[-1][2] | {ki}, key_encoded) and _fits(runs[-1][3] | {vi}, value_encoded):
-            runs[-1][1:] = [hi, runs[-1][2] | {ki}, runs[-1][3] | {vi}]
-        else:
-            runs.append([lo, hi, {ki}, {vi}])
-    launches = []
-    for lo, hi, keys, values in runs:
-        tiles = -(-(hi - lo) // block_tokens)
-        launches.append((lo, hi, tuple(sorted(keys)), tuple(sorted(values)), tiles, _splits(tiles, programs, wave, num_splits)))
-    return tuple(launches)
-
-
 @functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> torch.Tensor:
     """A valid pointer for the kernel arguments a segment's format does not read (never written)."""
@@ -839,11 +796,13 @@ def decode_launches(
     num_warps: int | None = None,
     key_offset: tuple[torch.Tensor, torch.Tensor, RotaryPositions] | None = None,
     key_residual: tuple[torch.Tensor, SignReader] | None = None,
+    step: DecodeStep | None = None,
+    region: int = 0,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
-    :func:`_splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
+    :func:`~kvcomp.kernels.decode_plan._splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
     ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
     :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
@@ -852,6 +811,8 @@ def decode_launches(
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
     score ``q . R_p c`` the kernel adds. ``key_residual``: ``(y, signs)`` of encoded keys plus the sign sketch of their
     residual (TurboQuant-prod: ``y = S q`` ``[B, H, R, d]`` of the model's query), whose score the kernel adds.
+    ``step``: the forward's :class:`~kvcomp.kernels.decode_plan.DecodeStep` (its plan, made once for every layer,
+    and its workspace, whose scratch region ``region`` takes the partial outputs; default: a step of its own).
     Only the slice counts depend on
     the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     b, hq, d = query.shape
@@ -882,14 +843,14 @@ def decode_launches(
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
     key_encoded = tuple(not isinstance(s, torch.Tensor) for s in key_segments)
     value_encoded = tuple(not isinstance(s, torch.Tensor) for s in value_segments)
-    plan = _plan(tuple(key_bounds), key_encoded, tuple(value_bounds), value_encoded, b * h, _multiprocessors(device),
-                 block_tokens, num_splits)
-    out = torch.zeros(b, hq, d, device=device, dtype=query.dtype)
-    total = sum(launch[-1] for launch in plan)
+    step = step or DecodeStep()
+    plan = step.plan(tuple(key_bounds), key_encoded, tuple(value_bounds), value_encoded, b * h, _multiprocessors(device),
+                     block_tokens, num_splits)
+    total = plan.slots
     if total == 0:
-        return out, []
-    partial = torch.empty(b * h, total, r, d, device=device, dtype=torch.float32)
-    lse = torch.empty(b * h, total, r, device=device, dtype=torch.float32)
+        return torch.zeros(b, hq, d, device=device, dtype=query.dtype), []
+    out = torch.empty(b, hq, d, device=device, dtype=query.dtype)  # the merge writes every row
+    partial, lse = step.workspace.scratch(device, region, b * h, total, r, d)
     placeholder = _placeholder(device)
     mask = dict(valid_ptr=placeholder, valid_s_b=0, MASKED=False)
     if valid is not None:
@@ -911,23 +872,23 @@ def decode_launches(
                             offset_ptr=key_offset[1].to(device, torch.float32).contiguous(), OFFSET=True)
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     launches, slot, sketched_queries = [], 0, {}
-    for lo, hi, key_indices, value_indices, tiles, splits in plan:
-        keys = next((key_segments[i] for i in key_indices if key_encoded[i]), None)  # the launch's payloads, if any
-        values = next((value_segments[i] for i in value_indices if value_encoded[i]), None)
-        stream = {**_stream_args("k", key_segments, key_bounds, key_indices, hi, placeholder),
-                  **_stream_args("v", value_segments, value_bounds, value_indices, hi, placeholder),
+    for planned in plan.launches:
+        keys = next((key_segments[i] for i in planned.keys if key_encoded[i]), None)  # the launch's payloads, if any
+        values = next((value_segments[i] for i in planned.values if value_encoded[i]), None)
+        stream = {**_stream_args("k", key_segments, key_bounds, planned.keys, planned.hi, placeholder),
+                  **_stream_args("v", value_segments, value_bounds, planned.values, planned.hi, placeholder),
                   **_sketch_args(keys, q, placeholder, sketched_queries, key_residual)}
         rope = no_rope if keys is None else key_rotation
         encoded = [s for s in (keys, values) if s is not None]
-        args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=lo, hi=hi, tiles=tiles,
+        args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, **mask, H=h, R=r, lo=planned.lo, hi=planned.hi, tiles=planned.tiles,
                     unit=block_tokens, slot0=slot, num_slots=total, qk_scale=scale * LOG2E, **stream, **rope, D=d, HALF_PAD=half_pad,
                     BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, *encoded, dot=dot), DOT=dot,
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and not rope["ROPE"],
                     PACKED_V=values is not None and values.packed_values(d, dot)
                     and not ((isinstance(keys, SketchReader) or key_residual is not None) and block_r > 4),
                     num_warps=num_warps, **registers)
-        launches.append(Launch(_split_kernel, (b * h, splits), args))
-        slot += splits
+        launches.append(Launch(_split_kernel, (b * h, planned.splits), args))
+        slot += planned.splits
     merge = dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, R=r, num_slots=total, D=d, BLOCK_R=block_r,
                  BLOCK_D=triton.next_power_of_2(d))
     launches.append(Launch(_merge_kernel, (b * h,), merge))
@@ -938,7 +899,7 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
                             valid: torch.Tensor | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
-    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``): see :func:`decode_launches`.
+    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``step``): see :func:`decode_launches`.
     A :class:`RotatedReader`, :class:`OffsetReader` or :class:`ResidualSketchReader` payload is read in its own launches
     (:func:`_with_payload_group`; ``key_rope`` then gives the positions of a rotated key offset)."""
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
@@ -967,7 +928,7 @@ class LaunchGroup:
     adds: bool = False
 
 
-def _with_payload_group(query, key_segments, value_segments, scale, valid, key_rope=None, **options) -> torch.Tensor:
+def _with_payload_group(query, key_segments, value_segments, scale, valid, key_rope=None, step=None, **options) -> torch.Tensor:
     """Attention over a cache whose payload is stored in a rotated basis, less an offset or with a residual sketch
     (:func:`launch_groups`): the payload's partial outputs are un-rotated (``@ rotation_v``) where its values are and get
     a value offset's ``c_v`` (each a softmax average), and a values' sketch group's outputs, taken back to the values'
@@ -976,8 +937,10 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
     b, hq, d = query.shape
     partials, lses, merge, sliced = [], [], None, None
     with launch_device(query.device):
-        for group in launch_groups(query, key_segments, value_segments, valid, key_rope, options):
-            _, launches = decode_launches(group.query, group.keys, group.values, scale, group.valid, **group.options)
+        step = step or DecodeStep()
+        for region, group in enumerate(launch_groups(query, key_segments, value_segments, valid, key_rope, options)):
+            _, launches = decode_launches(group.query, group.keys, group.values, scale, group.valid, step=step,
+                                          region=region, **group.options)
             for launch in launches[:-1]:
                 launch()
             if launches:

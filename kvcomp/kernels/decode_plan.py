@@ -1,0 +1,130 @@
+"""The plan / run split of the fused decode kernels (flashinfer's decode wrapper: ``plan`` once per step, ``run`` per
+layer, a caller-owned workspace).
+
+- :func:`plan_decode`: which split launches a step needs and how many slices each gets, from the segments'
+  token bounds alone (every layer of a step has the same ones);
+- :class:`DecodeStep`: one model forward's plans, made by the first layer that asks and reused by the others
+  (:class:`~kvcomp.cache.step.Step` holds one), and the workspace they run in;
+- :class:`DecodeWorkspace`: the split kernels' partial outputs and log-sum-exps, owned across layers and steps
+  (:class:`~kvcomp.cache.attention.Installation` holds one per model), so that a decode step allocates no scratch.
+
+Imports neither Triton nor the launcher: the plan is arithmetic on token counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
+
+
+@dataclass(frozen=True)
+class PlannedLaunch:
+    """One split launch: cached tokens ``[lo, hi)``, the key and value segments it reads (indices in token order),
+    its ``tiles`` and its ``splits`` (slices, one program each per batch x KV head)."""
+
+    lo: int
+    hi: int
+    keys: tuple[int, ...]
+    values: tuple[int, ...]
+    tiles: int
+    splits: int
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The split launches of one decode step, in token order; their slices are numbered consecutively, and the merge
+    combines all :attr:`slots` of them."""
+
+    launches: tuple[PlannedLaunch, ...]
+
+    @property
+    def slots(self) -> int:
+        return sum(launch.splits for launch in self.launches)
+
+
+def _splits(tiles: int, programs: int, wave: int, num_splits: int | None) -> int:
+    """Slices of a launch of ``tiles`` tiles run by ``programs`` (batch x KV head) programs each: the
+    fewest that fill at least two waves of ``wave`` resident programs in whole waves (a multiple of
+    ``wave / gcd(wave, programs)``), or fewer where the launch has too few tiles (then at most two waves);
+    ``num_splits`` forces a count."""
+    if num_splits:
+        return max(1, min(tiles, num_splits))
+    step = wave // math.gcd(wave, programs)
+    whole = step * -(-2 * wave // (programs * step))
+    return whole if whole <= tiles else max(1, min(tiles, -(-2 * wave // programs)))
+
+
+def _fits(indices: set, encoded: tuple) -> bool:
+    """Whether one launch can read these segments of a stream: at most one encoded payload (its format is
+    compiled in) and :data:`MAX_DENSE` full-precision pieces."""
+    payloads = sum(encoded[i] for i in indices)
+    return payloads <= 1 and len(indices) - payloads <= MAX_DENSE
+
+
+def plan_decode(key_bounds: tuple, key_encoded: tuple, value_bounds: tuple, value_encoded: tuple, programs: int,
+                wave: int, block_tokens: int, num_splits: int | None) -> DecodePlan:
+    """One launch over the whole cache when each stream is at most one payload and :data:`MAX_DENSE` full-precision
+    pieces (sinks, tail, fresh token), else one per run of consecutive segments that is. ``*_bounds``: each stream's
+    segment boundaries in cached tokens (``[0, ..., length]``); ``*_encoded``: which segments are payloads;
+    ``programs``: batch x KV heads; ``wave``: resident programs per wave (the GPU's multiprocessors)."""
+    cuts = sorted(set(key_bounds) | set(value_bounds))
+    runs = []  # [lo, hi, key segment indices, value segment indices]
+    for lo, hi in zip(cuts, cuts[1:]):
+        ki = max(i for i, bound in enumerate(key_bounds[:-1]) if bound <= lo)
+        vi = max(i for i, bound in enumerate(value_bounds[:-1]) if bound <= lo)
+        if runs and _fits(runs[-1][2] | {ki}, key_encoded) and _fits(runs[-1][3] | {vi}, value_encoded):
+            runs[-1][1:] = [hi, runs[-1][2] | {ki}, runs[-1][3] | {vi}]
+        else:
+            runs.append([lo, hi, {ki}, {vi}])
+    launches = []
+    for lo, hi, keys, values in runs:
+        tiles = -(-(hi - lo) // block_tokens)
+        launches.append(PlannedLaunch(lo, hi, tuple(sorted(keys)), tuple(sorted(values)), tiles,
+                                      _splits(tiles, programs, wave, num_splits)))
+    return DecodePlan(tuple(launches))
+
+
+class DecodeWorkspace:
+    """Float32 scratch for the split kernels' partial outputs ``[B*H, slots, R, D]`` and log-sum-exps
+    ``[B*H, slots, R]``, one region per launch group of a layer (a rotated or offset payload's groups are merged
+    together, so each keeps its own). A region grows to the largest step it has served and never shrinks; every layer
+    and step after reuses it in stream order (the merge reads it before the next layer's split launches write it).
+    The attention output is not kept here: it leaves the layer."""
+
+    def __init__(self):
+        self._storage: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def scratch(self, device: torch.device, region: int, programs: int, slots: int, rows: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(partial, lse)`` views of region ``region`` on ``device``, grown if it is too small (contents undefined)."""
+        partial_size, lse_size = programs * slots * rows * head_dim, programs * slots * rows
+        key = (torch.device(device), region)
+        storage = self._storage.get(key)
+        if storage is None or storage.numel() < partial_size + lse_size:
+            storage = self._storage[key] = torch.empty(partial_size + lse_size, device=device, dtype=torch.float32)
+        return (storage[:partial_size].view(programs, slots, rows, head_dim),
+                storage[partial_size: partial_size + lse_size].view(programs, slots, rows))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, over every device and region."""
+        return sum(t.numel() * t.element_size() for t in self._storage.values())
+
+
+@dataclass
+class DecodeStep:
+    """One model forward's decode plans, by their inputs (:func:`plan_decode`'s arguments): the step's first layer
+    plans, the others find the plan here; and the :class:`DecodeWorkspace` they run in (a fresh one by default:
+    scratch allocated for this step only)."""
+
+    workspace: DecodeWorkspace = field(default_factory=DecodeWorkspace)
+    plans: dict = field(default_factory=dict)
+
+    def plan(self, *inputs) -> DecodePlan:
+        if inputs not in self.plans:
+            self.plans[inputs] = plan_decode(*inputs)
+        return self.plans[inputs]
