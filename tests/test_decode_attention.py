@@ -643,8 +643,11 @@ def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatc
         sizes.append(workspace.nbytes)
     assert len({o.data_ptr() for o in outputs}) == len(outputs)  # outputs leave the layer: never reused
     assert len(held) == 2 and len(workspace._storage) == 1  # one region, grown once: for the larger batch
-    # [B*H, slots, R, D + 1] float32: 37 tokens are one 128-token tile, one slot
-    assert sizes[0] == sizes[1] < sizes[2] == (2 * 1) * 1 * 2 * (16 + 1) * 4
+    # [B*H, slots, R, D] partial outputs, then [B*H, slots, R] log-sum-exps from the next 256 bytes, float32: 37
+    # tokens are one 128-token tile, one slot
+    assert sizes[0] == sizes[1] < sizes[2] == (64 + (2 * 1) * 1 * 2) * 4
+    partial, lse = workspace.scratch(torch.device("cpu"), 0, 2, 1, 2, 16)
+    assert lse.data_ptr() - partial.data_ptr() == 256
     # a rotated payload's launch groups are merged together: each writes its own region of the same workspace
     d = 16
     rotation = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]

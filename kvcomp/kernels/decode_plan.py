@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
+ALIGN = 64  # float32 elements (256 bytes, CUDA's allocation alignment) at which a workspace's log-sum-exps start
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,13 @@ class DecodeWorkspace:
                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(partial, lse)`` views of region ``region`` on ``device``, grown if it is too small (contents undefined)."""
         partial_size, lse_size = programs * slots * rows * head_dim, programs * slots * rows
+        lse_at = -(-partial_size // ALIGN) * ALIGN  # as aligned as a fresh allocation (the kernels' pointer specialisation)
         key = (torch.device(device), region)
         storage = self._storage.get(key)
-        if storage is None or storage.numel() < partial_size + lse_size:
-            storage = self._storage[key] = torch.empty(partial_size + lse_size, device=device, dtype=torch.float32)
+        if storage is None or storage.numel() < lse_at + lse_size:
+            storage = self._storage[key] = torch.empty(lse_at + lse_size, device=device, dtype=torch.float32)
         return (storage[:partial_size].view(programs, slots, rows, head_dim),
-                storage[partial_size: partial_size + lse_size].view(programs, slots, rows))
+                storage[lse_at: lse_at + lse_size].view(programs, slots, rows))
 
     @property
     def nbytes(self) -> int:
