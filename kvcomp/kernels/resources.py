@@ -6,7 +6,7 @@ three are known at compile time, so they can be read on a machine without a GPU:
 
 - :func:`compile_launch` compiles one :class:`~kvcomp.kernels.decode_attention_triton.Launch` with
   Triton's own argument specialisation (alignment, ``do_not_specialize``) for ``cuda`` compute
-  capability ``capability``, through a stand-in driver (nothing runs);
+  capability ``capability``, through a stand-in driver (:func:`static_target`; nothing runs);
 - :func:`kernel_resources` assembles its PTX with Triton's ``ptxas -v`` for registers and spills, and
   takes the dynamic shared memory from the compiled metadata;
 - :func:`occupancy` is the resident warps per multiprocessor over the maximum, by the CUDA occupancy
@@ -27,7 +27,7 @@ RESERVED_SHARED_PER_BLOCK, REGISTER_UNIT = 1024, 256
 
 
 @contextlib.contextmanager
-def _static_target(capability: int):
+def static_target(capability: int):
     """Triton's active driver replaced by one that reports a ``cuda`` target of ``capability`` on a device
     of its own name (so these compilations never meet a real device's kernel cache)."""
     from triton.backends.compiler import GPUTarget
@@ -57,7 +57,7 @@ def compile_launch(launch, capability: int = 90):
 
     if not isinstance(launch.kernel, JITFunction):
         raise RuntimeError("static compilation needs compiled kernels: unset TRITON_INTERPRET (the interpreter is on)")
-    with _static_target(capability):
+    with static_target(capability):
         return launch.kernel.warmup(grid=launch.grid, **launch.args)
 
 

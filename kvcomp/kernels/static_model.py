@@ -29,7 +29,14 @@ the occupancy of the resources table):
   multiprocessor's rounds of resident programs (a partial last round costs a full one);
 - **DRAM**: the launch's unique payload bytes / the measured copy bandwidth (whole GPU).
 
-Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. Constants and their sources:
+Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
+launches'. Launches are asynchronous, so the device waits for the host only where the host is slower: a step takes
+the larger of its device time and its **host** time, the Python work of one call (the launcher building its
+arguments, Triton binding them and finding the compiled kernel) measured on this machine's CPU
+(:func:`host_seconds`), plus ``LAUNCH_S`` per launch for the driver's launch, which needs a GPU. The GPU
+machine's CPU is another one: this term is this CPU's figure, not the H100 host's.
+
+Constants and their sources:
 
 - ``SMS = 132``, ``SCHEDULERS = 4``: H100 SXM (ncu "# SMs", the sm_90 partitioning).
 - ``CLOCK_HZ = 1.755e9``: the H100 SXM boosts to 1.98 GHz; ncu ran the 9c57ff6 kernels at 1.45-1.59 GHz
@@ -44,7 +51,8 @@ Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. Constants 
 - ``MUFU_CYCLES = 2``: 16 SFU lanes per SM (4 per partition).
 - ``BARRIER_CYCLES = 30``: the shared-memory load latency of Hopper (about 30 cycles, microbenchmarks,
   Luo et al. 2024, "Benchmarking and dissecting the Nvidia Hopper GPU architecture").
-- ``LAUNCH_S = 3e-6``: a kernel launch's fixed cost on the device (host-side Python work is not modelled).
+- ``LAUNCH_S = 3e-6``: a kernel launch's fixed cost, on the device and in the driver.
+- ``HOST_REPEATS = 30``: calls timed for the host term, the fastest kept (other processes only add time).
 """
 
 from __future__ import annotations
@@ -55,12 +63,14 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_PER_S = 132, 4, 1.755e9, 2970e9
 L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, BARRIER_CYCLES, LAUNCH_S = 1.0, 2.0, 30.0, 3e-6
+HOST_REPEATS = 30
 WARP_LANES, WAVEFRONT_BYTES = 32, 128
 
 CLASSES = ("global load", "global store", "shared load", "shared store", "local", "fma", "alu", "shuffle",
@@ -289,6 +299,24 @@ def bounds(counts: TileCounts, geometry: Geometry) -> dict[str, float]:
     out["dram"] = geometry.bytes / COPY_BYTES_PER_S
     out["time"] = max(out.values()) + LAUNCH_S
     return out
+
+
+def host_seconds(call) -> float:
+    """The host term of a step (module docstring): the fastest of :data:`HOST_REPEATS` runs of ``call`` on this CPU,
+    after one untimed run (which compiles)."""
+    call()
+    fastest = math.inf
+    for _ in range(HOST_REPEATS):
+        begin = time.perf_counter()
+        call()
+        fastest = min(fastest, time.perf_counter() - begin)
+    return fastest
+
+
+def step_seconds(launches: list[dict], host: float) -> float:
+    """A step's time: its launches' device times (:func:`bounds`) in sequence, or its ``host`` seconds plus
+    ``LAUNCH_S`` per launch where the host is slower."""
+    return max(sum(found["time"] for found in launches), host + LAUNCH_S * len(launches))
 
 
 # --- Per-lane addresses: L1 wavefronts of each access from the layouts Triton chose ---------------------------
