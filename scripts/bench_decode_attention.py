@@ -38,6 +38,7 @@ from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
+from kvcomp.kernels.decode_plan import DecodeStep
 from kvcomp.kernels.payloads import BlockFloatReader, ScaledReader, RotaryPositions
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
@@ -198,8 +199,10 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         keys, values, rope, _ = states[next(turn) % len(states)]
         return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope
 
+    planned = DecodeStep()  # a model's layers share their step's plan and workspace: each call is one such layer
+
     def step(q, keys, values, rope):
-        return decode_attention(q, keys, values, d**-0.5, None, rope, "triton")
+        return decode_attention(q, keys, values, d**-0.5, None, rope, "triton", step=planned)
 
     ms = timer(step, inputs)
     states.clear()

@@ -38,7 +38,7 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E40
 from kvcomp.codecs.base import Request  # noqa: E402
 from kvcomp.kernels import Launch  # noqa: E402
 from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
-from kvcomp.kernels.decode_plan import plan_decode  # noqa: E402
+from kvcomp.kernels.decode_plan import DecodeStep, plan_decode  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
@@ -124,11 +124,12 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
     # sinks or tail beside such a payload)
     query, keys, values, valid, rope, options = today.payload_launch_inputs(query, keys, values, valid, rope, options)
     _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)
+    step = DecodeStep()  # one layer's call in a step whose plan and workspace are made (as the benchmark times it)
     with bound_launches(()):  # the benchmark's call, on this CPU: its launcher and Triton's binding of each launch
         host = host_seconds(lambda: decode_attention(model_query, model_keys, model_values, D**-0.5, None, model_rope,
-                                                     "triton") if not options else
+                                                     "triton", step=step) if not options else
                             today.decode_attention_triton(model_query, model_keys, model_values, D**-0.5, None,
-                                                          key_rope=model_rope, **options))
+                                                          key_rope=model_rope, step=step, **options))
     block = launches[0].args["unit"]  # the tokens per tile the launch was planned with
     splits, merge = launches[:-1], launches[-1]
     found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields")) for launch in splits]

@@ -28,6 +28,7 @@ from kvcomp.kernels.benchmarking import (  # noqa: E402
 )
 from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
+from kvcomp.kernels.decode_plan import DecodeStep  # noqa: E402
 
 SECTION = "## Launch configurations of the fused decode kernel (issue 38)"
 # label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, the register path
@@ -63,8 +64,10 @@ def sweep(codec, name: str, batch: int, context: int, timer: Timer, device, l2_b
     reference = decode_attention_reference(q, check[0], check[1], d**-0.5, None, check[2], torch.float64)
     rows = []
     for label, options in configs.items():
-        def step(q, keys, values, rope):
-            return decode_attention_triton(q, keys, values, d**-0.5, None, key_rope=rope, **options)
+        planned = DecodeStep()  # a model's layers share their step's plan and workspace: each call is one such layer
+
+        def step(q, keys, values, rope, planned=planned, options=options):
+            return decode_attention_triton(q, keys, values, d**-0.5, None, key_rope=rope, step=planned, **options)
 
         try:
             error = relative_error(step(q, check[0], check[1], check[2]), reference)
