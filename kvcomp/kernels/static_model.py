@@ -52,7 +52,7 @@ Constants and their sources:
 - ``BARRIER_CYCLES = 30``: the shared-memory load latency of Hopper (about 30 cycles, microbenchmarks,
   Luo et al. 2024, "Benchmarking and dissecting the Nvidia Hopper GPU architecture").
 - ``LAUNCH_S = 3e-6``: a kernel launch's fixed cost, on the device and in the driver.
-- ``HOST_REPEATS = 30``: calls timed for the host term, the fastest kept (other processes only add time).
+- ``HOST_REPEATS = 200``: calls timed for the host term, the fastest kept (other processes only add time).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from pathlib import Path
 
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_PER_S = 132, 4, 1.755e9, 2970e9
 L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, BARRIER_CYCLES, LAUNCH_S = 1.0, 2.0, 30.0, 3e-6
-HOST_REPEATS = 30
+HOST_REPEATS = 200
 WARP_LANES, WAVEFRONT_BYTES = 32, 128
 
 CLASSES = ("global load", "global store", "shared load", "shared store", "local", "fma", "alu", "shuffle",
