@@ -263,6 +263,8 @@ def plot_svg(mine: list[dict], title: str) -> str:
         ax.set_xlim(min(bits) / 1.15, max(bits) * 1.9)  # room for the labels of the last column
     if lower:
         log_axis(ax)
+    if any(beyond):  # headroom for the labels stacked above the top edge's rows
+        ax.set_ylim(top=top * 1.25)
     ax.set_xlabel("bits per value the cache holds (measured)")
     ax.set_ylabel(METRICS[mine[0]["metric_name"]])
     ax.set_title(title, fontsize=9)
