@@ -65,6 +65,17 @@ def test_skipped_source_functions_leave_their_branch_out(tmp_path):
     assert [i.address for i in instructions] == [0x20, 0x30, 0x60, 0x70, 0x80, 0x90]
 
 
+def test_a_skipped_functions_instruction_hoisted_into_the_loops_shared_blocks_keeps_them(tmp_path):
+    """The scheduler moves a few instructions of a skipped function into blocks every tile runs (NVFP4's register-path
+    launch: 5 of its loop header's 133): those blocks stay, or the tile would be empty."""
+    source = tmp_path / "k.py"
+    source.write_text("\n" * 8 + "def payload():\n    pass\n" + "\n" * 8 + "def dense():\n    pass\n")
+    hoisted = SASS.replace("/nonexistent/k.py", str(source)).replace(
+        "        /*0030*/              @!P0 BRA", f'\t//## File "{source}", line 20\n        /*0030*/              @!P0 BRA')
+    instructions, _ = sm.tile_instructions(hoisted, skip=("dense",))
+    assert [i.address for i in instructions] == [0x20, 0x30, 0x60, 0x70, 0x80, 0x90]
+
+
 def test_a_kernel_without_a_loop_is_one_tile():
     instructions, looped = sm.tile_instructions(SASS.replace("@P1 BRA `(.L_x_1)", "NOP"))
     assert not looped and len(instructions) == 12

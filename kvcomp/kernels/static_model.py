@@ -3,8 +3,9 @@
 A launch compiled for sm_90a (:mod:`kvcomp.kernels.resources`) is disassembled with Triton's bundled
 ``nvdisasm`` (with source lines). The tile loop is the body of the kernel's outermost backward branch;
 where a tile can take several paths (today's split kernel picks a full-precision piece or the encoded
-payload per tile), the blocks whose instructions come from ``skip`` source functions, and every block
-reachable only through them, are left out: a payload tile runs the rest. A kernel without a loop (the
+payload per tile), the blocks whose instructions come mostly from ``skip`` source functions, and every block
+reachable only through them, are left out: a payload tile runs the rest (the loop's first and last blocks always
+run; the scheduler hoists a few instructions of the skipped functions into shared blocks). A kernel without a loop (the
 QJL score kernel: one group of keys per program) is one tile. Its instructions are counted per warp by
 class (:func:`classify`).
 
@@ -211,7 +212,8 @@ def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instr
     body = _reachable({latch}, {i: p - {header} for i, p in predecessors.items()}, set(range(len(blocks)))) | {header}
     functions = {}
     banned = set()
-    for i in body:
+    for i in body - {header, latch}:  # the loop's own blocks run every tile
+        skipped = 0
         for ins in blocks[i]:
             if ins.source is None:
                 continue
@@ -219,8 +221,9 @@ def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instr
             if path not in functions:
                 functions[path] = _functions(path) if Path(path).exists() else []
             names = [name for lo, hi, name in functions[path] if lo <= line <= hi]
-            if names and names[-1] in skip:
-                banned.add(i)
+            skipped += bool(names) and names[-1] in skip
+        if 2 * skipped > len(blocks[i]):  # mostly a skipped function's: the scheduler moves a few instructions
+            banned.add(i)
     allowed = body - banned
     inner = {i: successors[i] - {header} for i in allowed}
     forward = _reachable({header}, inner, allowed)
