@@ -171,7 +171,8 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
         return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), k, v
 
     sdpa_ms, sdpa_backend = fastest_sdpa(timer, dense_inputs)
-    rows = [{"batch": batch, "context": context, "method": f"sdpa bf16 ({sdpa_backend})", "ms": sdpa_ms, "vs_sdpa": 1.0,
+    rows = [{"batch": batch, "context": context, "method": f"sdpa bf16 ({sdpa_backend})", "ms": sdpa_ms,
+             "host_ms": float("nan"), "vs_sdpa": 1.0,
              "bytes": dense_bytes, "error": 0.0}]
     dense_sets.clear()  # free the bf16 sets before the payloads are built
     for name, codec in codecs.items():
@@ -205,6 +206,7 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         return decode_attention(q, keys, values, d**-0.5, None, rope, "triton", step=planned)
 
     ms = timer(step, inputs)
+    host_ms = timer.host_ms
     states.clear()
     error = float("nan")
     if context <= 32768:  # a fresh random cache and query against the float64 reference on the device
@@ -213,7 +215,8 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         reference = decode_attention_reference(q, keys, values, d**-0.5, None, rope, torch.float64)
         error = relative_error(step(q, keys, values, rope), reference)
         del keys, values, reference
-    return {"batch": batch, "context": context, "method": name, "ms": ms, "bytes": first[3], "error": error}
+    return {"batch": batch, "context": context, "method": name, "ms": ms, "host_ms": host_ms, "bytes": first[3],
+            "error": error}
 
 
 def copy_bandwidth(timer: Timer, device) -> float:
@@ -273,15 +276,16 @@ def tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, name, mem
         "Decode-step attention (one layer, Llama-3.1-8B heads; error: ||kernel - reference|| / ||reference|| on fresh "
         "random inputs, the torch reference in float64 on the device, the kernel's output in bf16; up to 32K tokens):",
         "",
-        "| batch | context | method | median ms | speed vs SDPA | MB read | GB/s | % of copy bandwidth | relative error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| batch | context | method | median ms | host ms | speed vs SDPA | MB read | GB/s | % of copy bandwidth | "
+        "relative error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode_rows:
         if "failed" in r:
-            out.append(f"| {r['batch']} | {r['context']} | {r['method']} | failed: {r['failed'][:200]} | | | | | |")
+            out.append(f"| {r['batch']} | {r['context']} | {r['method']} | failed: {r['failed'][:200]} | | | | | | |")
             continue
         gbps = r["bytes"] / r["ms"] / 1e6
-        out.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['vs_sdpa']:.2f}x | "
+        out.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['host_ms']:.4f} | {r['vs_sdpa']:.2f}x | "
                    f"{r['bytes'] / 1e6:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | {r['error']:.2g} |")
     out += ["", "Prefill encode throughput (one layer's K and V, batch 1, tokens/s):", "",
             "| codec | torch | Triton encoder |", "|---|---|---|"]

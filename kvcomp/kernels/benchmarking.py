@@ -19,22 +19,27 @@ SDPA_BACKENDS = "flash, memory-efficient or math (cuDNN excluded)"
 
 class Timer:
     """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup``: CUDA events on a GPU, wall clock on a CPU.
-    ``make_inputs`` runs before each call, outside the timed region (fresh inputs every repetition)."""
+    ``make_inputs`` runs before each call, outside the timed region (fresh inputs every repetition). ``host_ms``: the
+    last call's median host time, the wall clock until ``fn`` returns without waiting for the device (the launches
+    queued; on a CPU the same as the time): where it is near the time, the host bounds the step."""
 
     def __init__(self, device: torch.device, warmup: int, reps: int):
         self.device, self.warmup, self.reps = device, warmup, reps
+        self.host_ms = float("nan")
 
     def __call__(self, fn, make_inputs) -> float:
         for _ in range(self.warmup):
             fn(*make_inputs())
-        times = []
+        times, hosts = [], []
         for _ in range(self.reps):
             inputs = make_inputs()
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
                 start.record()
+                begin = time.perf_counter()
                 fn(*inputs)
+                hosts.append(1e3 * (time.perf_counter() - begin))
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
@@ -42,6 +47,8 @@ class Timer:
                 begin = time.perf_counter()
                 fn(*inputs)
                 times.append(1e3 * (time.perf_counter() - begin))
+                hosts.append(times[-1])
+        self.host_ms = statistics.median(hosts)
         return statistics.median(times)
 
 
