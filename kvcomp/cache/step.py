@@ -47,12 +47,12 @@ def row_pads(mask: torch.Tensor | None) -> list[int]:
 class Step:
     """One model forward: what every layer shares. ``decode``: the fused kernels' launch plans, made by the first
     layer that needs them and run by every layer in the installation's workspace (flashinfer's ``plan`` once per
-    step); ``plans``: the fused kernels' valid tokens, read once per step (:meth:`valid_tokens`); ``masks``: the
+    step); ``valid``: the fused kernels' valid tokens, read once per step (:meth:`valid_tokens`); ``masks``: the
     mask's columns of each row group (:meth:`columns`), cut once per step."""
 
     kernel_backend: str = "torch"
     decode: DecodeStep = field(default_factory=DecodeStep)
-    plans: dict = field(default_factory=dict)
+    valid: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
 
     def valid_tokens(self, mask: torch.Tensor | None, length: int, batch: int) -> ValidTokens | None:
@@ -61,9 +61,9 @@ class Step:
         if mask is None:
             return None
         key = (id(mask), length)
-        if key not in self.plans:  # the mask is kept with its plan, so its id cannot be reused within the step
-            self.plans[key] = (mask, ValidTokens(allowed(mask[:, 0, -1, :length]).expand(batch, length)))
-        return self.plans[key][1]
+        if key not in self.valid:  # the mask is kept with its tokens, so its id cannot be reused within the step
+            self.valid[key] = (mask, ValidTokens(allowed(mask[:, 0, -1, :length]).expand(batch, length)))
+        return self.valid[key][1]
 
     def columns(self, mask: torch.Tensor | None, group, first_forward: bool, evicted: int = 0) -> torch.Tensor | None:
         """The part of a 4-D mask a :class:`~kvcomp.cache.rows.RowGroup` attends with: its rows, its cache

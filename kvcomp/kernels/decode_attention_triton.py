@@ -24,8 +24,9 @@ tile lies within one piece of each stream (tiles are cut at piece boundaries and
 piece's decoder; a cache with more payloads per stream gets one launch per run of segments that fits
 (:func:`~kvcomp.kernels.decode_plan.plan_decode`: planned once per step, run per layer, in a workspace kept across
 steps). Everything that changes with the cache length (segment bounds, lengths, slot counts) is a
-``do_not_specialize`` argument: a growing cache never recompiles a kernel. Strides are specialised: they stay multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned vector
-loads of the full-precision pieces. Every tensor is advanced to the program's sequence and head once, in
+``do_not_specialize`` argument: a growing cache never recompiles a kernel. Strides are specialised: they stay
+multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned vector loads of the
+full-precision pieces. Every tensor is advanced to the program's sequence and head once, in
 int64, so no offset overflows at a large batch x context. The step's attention mask is read per token
 (one byte per cached token and sequence), so any mask runs in the kernel and nothing about it is checked
 on the host.
@@ -46,7 +47,8 @@ field-major accumulator (:func:`_packed_values`); ``tl.dot`` launches unpack val
 3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`_codes`).
 
 Each launch shares the tiles of its token range out evenly over its slices (+-1 tile), and the slice count fills
-whole waves of the GPU's multiprocessors where the range is long enough (:func:`~kvcomp.kernels.decode_plan._splits`).
+whole waves of the GPU's multiprocessors where the range is long enough
+(:func:`~kvcomp.kernels.decode_plan._splits`).
 """
 
 from __future__ import annotations
@@ -802,8 +804,8 @@ def decode_launches(
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
-    :func:`~kvcomp.kernels.decode_plan._splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for scores and
-    ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
+    :func:`~kvcomp.kernels.decode_plan._splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for
+    scores and ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
     :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
     register path a program may take the register file's share of its warps). ``key_offset``: ``(query, c, positions)``
@@ -899,7 +901,8 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
                             valid: torch.Tensor | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
-    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``step``): see :func:`decode_launches`.
+    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``step``): see
+    :func:`decode_launches`.
     A :class:`RotatedReader`, :class:`OffsetReader` or :class:`ResidualSketchReader` payload is read in its own launches
     (:func:`_with_payload_group`; ``key_rope`` then gives the positions of a rotated key offset)."""
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):

@@ -5,8 +5,8 @@ A launch compiled for sm_90a (:mod:`kvcomp.kernels.resources`) is disassembled w
 where a tile can take several paths (today's split kernel picks a full-precision piece or the encoded
 payload per tile), the blocks whose instructions come mostly from ``skip`` source functions, and every block
 reachable only through them, are left out: a payload tile runs the rest (the loop's first and last blocks always
-run; the scheduler hoists a few instructions of the skipped functions into shared blocks). A kernel without a loop (the
-QJL score kernel: one group of keys per program) is one tile. Its instructions are counted per warp by
+run; the scheduler hoists a few instructions of the skipped functions into shared blocks). A kernel without a
+loop (the QJL score kernel: one group of keys per program) is one tile. Its instructions are counted per warp by
 class (:func:`classify`).
 
 The time of a launch is the largest of these per-multiprocessor bounds, each over the programs the
