@@ -39,7 +39,7 @@ from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_plan import DecodeStep
-from kvcomp.kernels.payloads import BlockFloatReader, ScaledReader, RotaryPositions
+from kvcomp.kernels.formats import BlockFloatReader, ScaledReader, RotaryPositions
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)

@@ -154,7 +154,7 @@ def old_module(repo: Path, commit: str, path: str):
     source = subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{path}"], capture_output=True, text=True,
                             check=True).stdout
     for moved in ("kvcomp.kernels.decode_attention", "kvcomp.kernels.qjl_scores"):
-        source = source.replace(f"from {moved} import", "from kvcomp.kernels.payloads import")
+        source = source.replace(f"from {moved} import", "from kvcomp.kernels.formats import")
     name = f"kvcomp_{commit}_{Path(path).stem}"
     file = Path(tempfile.mkdtemp()) / f"{name}.py"  # kept: line info of the compiled kernels points here
     file.write_text(source)

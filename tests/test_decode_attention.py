@@ -10,7 +10,7 @@ from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference
-from kvcomp.kernels.payloads import CodebookReader, RotaryPositions, UniformReader
+from kvcomp.kernels.formats import CodebookReader, RotaryPositions, UniformReader
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.packing import packed_length
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
@@ -78,7 +78,7 @@ def test_float8_payloads_are_read_natively(fmt, per_token):
     """vLLM's fp8 caches (:class:`ScaledReader`): float8 values loaded by the kernel and scaled per tensor or
     per token and head, between full-precision sinks and a tail, on the default (tl.dot) and register paths."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-    from kvcomp.kernels.payloads import ScaledReader
+    from kvcomp.kernels.formats import ScaledReader
     from kvcomp.stages.minifloat import FLOAT8, float8_max, to_float8, token_head_scale
 
     gen = torch.Generator().manual_seed(8)
@@ -104,7 +104,7 @@ def test_rotated_payloads_are_read_by_rotating_the_query_and_the_output():
     """A :class:`RotatedReader` (``x = inner @ R``) between sinks and a tail: its launches take ``q R^T`` and its
     partial outputs are un-rotated before the one merge; keys and values with different rotations."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-    from kvcomp.kernels.payloads import RotatedReader
+    from kvcomp.kernels.formats import RotatedReader
 
     gen = torch.Generator().manual_seed(9)
     b, h, r, d, n = 2, 2, 4, 32, 48
@@ -164,7 +164,7 @@ def test_unit_norm_codebooks_and_codes_straddling_bytes():
     per token and head before the stored norm (norm correction), beside per-token 3-bit uniform values that are
     not rotated."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-    from kvcomp.kernels.payloads import RotatedReader
+    from kvcomp.kernels.formats import RotatedReader
 
     gen = torch.Generator().manual_seed(10)
     b, h, r, d, n = 2, 2, 4, 32, 40
@@ -213,17 +213,39 @@ def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
 
 def test_nothing_that_grows_with_the_cache_specializes_a_kernel():
     """Triton compiles a variant per value class (1, multiple of 16) of every specialised integer: lengths and
-    bounds that grow with the cache would recompile the kernels as decoding goes on. (Strides stay specialised:
-    they remain multiples of head_dim as buffers grow, and the class lets the compiler vectorise loads.)"""
+    bounds that grow with the cache would recompile the kernels as decoding goes on. The decode kernels read them from
+    the plan's rows on the device; their runtime scalars are fixed per model (strides stay specialised: they remain
+    multiples of head_dim as buffers grow, and the class lets the compiler vectorise loads)."""
+    import inspect
+
     from kvcomp.kernels import decode_attention_triton as kernels
 
-    growing = {"lo", "hi", "tiles", "slot0", "num_slots", "pos_stride", "valid_s_b",
-               *(f"{s}_{name}" for s in "kv" for name in ("length", "first", "cut1", "cut2", "cut3", "d0_lo", "d1_lo", "d2_lo"))}
-    assert growing <= _unspecialized(kernels._split_kernel) and "num_slots" in _unspecialized(kernels._merge_kernel)
+    def runtime(kernel):
+        parameters = inspect.signature(kernel.fn).parameters.values()
+        return {p.name for p in parameters if "constexpr" not in str(p.annotation)}
+
+    assert runtime(kernels._split_kernel) == {"q_ptr", "part_ptr", "lse_ptr", "bounds", "H", "R", "unit", "qk_scale",
+                                              "k_pieces", "k", "v_pieces", "v", "valid", "rope", "offset", "residual"}
+    assert runtime(kernels._merge_kernel) == {"part_ptr", "lse_ptr", "out_ptr", "slots", "R"}
     from kvcomp.kernels.codebook_encode_triton import _encode_kernel
     from kvcomp.kernels.qjl_scores_triton import _qjl_scores_kernel
 
     assert "T" in _unspecialized(_encode_kernel) and "T" in _unspecialized(_qjl_scores_kernel)
+
+
+def test_a_launch_reads_its_bounds_from_the_plan_rows():
+    """Each split launch's row holds its tokens, slots, and each stream's payload and piece bounds in order."""
+    from kvcomp.kernels import decode_plan as dp
+
+    keys, values = (0, 3, 67, 76, 77), (0, 3, 72, 76, 77)  # sinks, payload, tail, fresh token
+    encoded = (False, True, False, False)
+    plan = dp.plan_decode(keys, encoded, values, encoded, programs=4, wave=4, block_tokens=32, num_splits=2)
+    (row,) = plan.rows(valid_s_b=80, pos_s_b=96)
+    assert len(row) == dp.ROW and dp.ROW % 4 == 0
+    assert row[dp.LO: dp.POS_S_B + 1] == [0, 77, 3, 0, 2, 80, 96]
+    assert row[dp.K_FIRST: dp.V_LENGTH + 1] == [3, 64, 3, 69]
+    assert row[dp.K_LOWS: dp.K_LOWS + 3] == [0, 67, 76] and row[dp.K_CUTS: dp.K_CUTS + 3] == [3, 67, 76]
+    assert row[dp.V_LOWS: dp.V_LOWS + 3] == [0, 72, 76] and row[dp.V_CUTS: dp.V_CUTS + 3] == [3, 72, 76]
 
 
 def test_one_launch_reads_every_segment_of_a_step():
@@ -517,7 +539,7 @@ def test_offset_payload_between_full_precision_pieces_matches_the_reference():
     sink tokens and before a tail, each row at its own positions (the offset's angles), some tokens masked, with
     ``tl.dot`` and on the register path, equals the reference (which decodes ``inner R + R_p c`` and ``+ c_v``)."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-    from kvcomp.kernels.payloads import OffsetReader
+    from kvcomp.kernels.formats import OffsetReader
 
     b, h, r, d, n = 2, 2, 3, 32, 40
     g = torch.Generator().manual_seed(11)
@@ -551,7 +573,7 @@ def test_prod_residual_sketches_are_read_from_their_sign_bits(offsets):
     for 3 query rows) and with ``tl.dot``, with and without offsets, equal the reference (which decodes ``k_hat``); dropping either sketch's
     contribution from the reference breaks the match."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-    from kvcomp.kernels.payloads import OffsetReader, ResidualSketchReader
+    from kvcomp.kernels.formats import OffsetReader, ResidualSketchReader
 
     b, h, r, d, n = 2, 2, 3, 32, 40
     g = torch.Generator().manual_seed(13)
@@ -620,7 +642,7 @@ def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatc
     each layer's output is its own and equals the reference."""
     from kvcomp.kernels import decode_plan
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-    from kvcomp.kernels.payloads import RotatedReader
+    from kvcomp.kernels.formats import RotatedReader
 
     real, planned = decode_plan.plan_decode, []
     monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs: planned.append(inputs) or real(*inputs))
@@ -742,7 +764,7 @@ def test_the_kernel_reads_a_cache_payload_in_place(tiny_llama, name, monkeypatch
     query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))
     rope = layer.positions.key_rope(layer.key_stream.num_sinks) if codec.pre_rope else None
     _, launches = decode_launches(query, keys, values, 0.25, key_rope=rope)
-    read = {t.untyped_storage().data_ptr() for launch in launches for t in launch.args.values() if isinstance(t, torch.Tensor)}
+    read = {t.untyped_storage().data_ptr() for launch in launches for t in launch.tensors()}
     held = [g.buffer for store in stores for g in store.tensors.values()]
     if rope is not None:
         held.append(layer.positions.ids.buffer)  # pre-RoPE codecs rotate by the cached position ids

@@ -14,7 +14,7 @@ from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
 from kvcomp.codecs.base import Request
 from kvcomp.errors import ConfigError
-from kvcomp.kernels.payloads import SketchedKeys
+from kvcomp.kernels.formats import SketchedKeys
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
 from kvcomp.stages.jl_sketch import (
     channel_mask,

@@ -8,7 +8,7 @@ from kvcomp.cache import CompressedCache, install
 from kvcomp.codecs import build_codec
 from kvcomp.errors import ConfigError
 from kvcomp.kernels import check_kernel_backend
-from kvcomp.kernels.payloads import SketchedKeys
+from kvcomp.kernels.formats import SketchedKeys
 from kvcomp.kernels.qjl_scores import qjl_scores, qjl_scores_reference
 from kvcomp.stages.jl_sketch import channel_mask, group_outlier_channels, jl_projection, sign_sketch
 from tests.codec_matrix import QJL_TINY

@@ -163,7 +163,7 @@ def test_decode_attention_reads_float32_parameters():
     """The torch reference and the fused kernel (interpreter) read a payload whose huge block promoted
     its params to float32, and agree."""
     from kvcomp.kernels.decode_attention import decode_attention_reference
-    from kvcomp.kernels.payloads import UniformReader
+    from kvcomp.kernels.formats import UniformReader
 
     quantizer = GroupQuantizer(2, 16, "per_channel")
     x = torch.cat([_block(1.0, (1, 1, 32, 16)), _block(1e5, (1, 1, 32, 16), seed=2)], dim=2)

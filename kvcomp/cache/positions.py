@@ -7,7 +7,7 @@ import torch
 from kvcomp.cache.growing import GrowingTensor
 from kvcomp.cache.step import LayerStep, Rotary
 from kvcomp.errors import ConfigError
-from kvcomp.kernels.payloads import RotaryPositions
+from kvcomp.kernels.formats import RotaryPositions
 
 
 class Positions:

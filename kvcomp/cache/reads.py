@@ -39,7 +39,7 @@ from kvcomp.cache.step import Step
 from kvcomp.cache.stream import FreshlyEncoded
 from kvcomp.codecs.base import Codec, Payload, SequenceState
 from kvcomp.kernels.decode_attention import decode_attention
-from kvcomp.kernels.payloads import RotaryPositions
+from kvcomp.kernels.formats import RotaryPositions
 
 
 class Reads(ABC):

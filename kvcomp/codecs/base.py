@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file
 
 from kvcomp.artifacts import REFIT, ArtifactError
 from kvcomp.errors import CalibrationMismatchError, ConfigError, NonFiniteStateError
-from kvcomp.kernels.payloads import OffsetReader
+from kvcomp.kernels.formats import OffsetReader
 
 KINDS = ("key", "value")
 SCOPES = ("stream", "layer", "model")
@@ -591,7 +591,7 @@ class FusedPayload(ABC):
 
     @abstractmethod
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int):
-        """A :class:`~kvcomp.kernels.payloads.PayloadReader`: how the kernel decodes ``payload`` in registers
+        """A :class:`~kvcomp.kernels.formats.PayloadReader`: how the kernel decodes ``payload`` in registers
         (pre-RoPE keys are rotated by the cache's positions)."""
 
     def value_offset(self, layer_idx: int) -> torch.Tensor | None:
@@ -608,7 +608,7 @@ class FusedPayload(ABC):
 
     def fused_reader(self, payload: Payload, kind: str, layer_idx: int):
         """What the fused kernel reads of ``payload``: :meth:`payload_reader`, inside an
-        :class:`~kvcomp.kernels.payloads.OffsetReader` where the stream is stored less an offset
+        :class:`~kvcomp.kernels.formats.OffsetReader` where the stream is stored less an offset
         (:meth:`fused_offset`)."""
         reader = self.payload_reader(payload, kind, layer_idx)
         device = next(iter(payload.tensors.values())).device

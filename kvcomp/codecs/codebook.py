@@ -32,7 +32,7 @@ from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConf
                                 Request, StreamPolicy)
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.kernels.codebook_encode import encode_codebook
-from kvcomp.kernels.payloads import CodebookReader
+from kvcomp.kernels.formats import CodebookReader
 from kvcomp.progress import progress_bar
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.kmeans import KMeansSettings, weighted_kmeans

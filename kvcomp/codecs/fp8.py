@@ -20,7 +20,7 @@ Stored bits per value: 8 (``tensor``; the per-layer scales are model-level overh
 the model dtype (:mod:`kvcomp.stages.skip_layers`), counted at 16 bits. Differences from vLLM: rounding to
 float8 is torch's (round to nearest even) on float32 ``x / s``, where vLLM divides in the kernel's precision;
 with ``kernel_backend=triton`` decode steps read the float8 payload in the fused decode-attention kernel
-(:class:`~kvcomp.kernels.payloads.ScaledReader`), not a vLLM kernel.
+(:class:`~kvcomp.kernels.formats.ScaledReader`), not a vLLM kernel.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvcomp.codecs.base import (
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import loads_float8
-from kvcomp.kernels.payloads import ScaledReader
+from kvcomp.kernels.formats import ScaledReader
 from kvcomp.stages.minifloat import FLOAT8, StreamScales, float8_max, from_float8, to_float8, token_head_scale
 from kvcomp.stages.ranges import saturated
 from kvcomp.stages.skip_layers import SKIPPED_BITS, skipped_layers

@@ -20,8 +20,8 @@ Stored bits per value: ``8 + 32 / head_dim`` or ``4 + 32 / head_dim`` (vLLM's pa
 model dtype (vLLM's ``--kv-cache-dtype-skip-layers``). Differences from vLLM: the rotation is computed in
 float32 and quantized as such (vLLM rounds it to the model dtype first); the torch path decodes ``x_hat``; with
 ``kernel_backend=triton`` int4 decode steps rotate the query and un-rotate the attention output as vLLM does
-(:class:`~kvcomp.kernels.payloads.RotatedReader`; the same attention, up to float rounding), and int8 codes are
-loaded as signed bytes times their scale (:class:`~kvcomp.kernels.payloads.ScaledReader`).
+(:class:`~kvcomp.kernels.formats.RotatedReader`; the same attention, up to float rounding), and int8 codes are
+loaded as signed bytes times their scale (:class:`~kvcomp.kernels.formats.ScaledReader`).
 Older vLLM releases truncated int8 codes (an implicit float-to-int8 store) and stored int4 symmetrically
 (``[-8, 7]``, no rotation); this codec follows the current kernels.
 """
@@ -36,7 +36,7 @@ from kvcomp.codecs.base import CodecConfig, FusedPayload, Payload, Request
 from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, NonFiniteKVError
-from kvcomp.kernels.payloads import RotatedReader, ScaledReader, UniformReader
+from kvcomp.kernels.formats import RotatedReader, ScaledReader, UniformReader
 from kvcomp.stages.hadamard import fwht, is_power_of_two
 from kvcomp.stages.minifloat import SCALE_FLOOR, round_half_away, token_head_scale
 from kvcomp.stages.packing import pack_bits, unpack_bits

@@ -44,7 +44,7 @@ from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, Reques
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
-from kvcomp.kernels.payloads import RotatedReader, UniformReader
+from kvcomp.kernels.formats import RotatedReader, UniformReader
 from kvcomp.stages.hadamard import fwht, is_power_of_two
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
 from kvcomp.stages.ranges import range_fits, saturated, stored_in

@@ -11,7 +11,7 @@ triton_reshape_and_cache_flash.py``), with ``g`` the float32 global scale of the
 - ``x_hat = e2m1 value * b * g``.
 
 With ``kernel_backend=triton`` decode steps read the codes and block scales in the fused decode-attention kernel
-(:class:`~kvcomp.kernels.payloads.BlockFloatReader`: ``e2m1 value * g`` looked up per code, times ``b``).
+(:class:`~kvcomp.kernels.formats.BlockFloatReader`: ``e2m1 value * g`` looked up per code, times ``b``).
 
 The global scale ``g`` (vLLM's ``k_scale`` / ``v_scale``, a dequantization multiplier) comes from the checkpoint,
 else 1.0. ``global_scale: one`` (the default) is the uncalibrated 1.0; ``global_scale: calibrated`` is the
@@ -42,7 +42,7 @@ from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import loads_float8
-from kvcomp.kernels.payloads import BlockFloatReader
+from kvcomp.kernels.formats import BlockFloatReader
 from kvcomp.stages.minifloat import (E2M1_MAX, StreamScales, e2m1_codes, e2m1_values, float8_max, from_float8,
                                      to_float8)
 from kvcomp.stages.packing import pack_bits, unpack_bits

@@ -34,7 +34,7 @@ Differences from the reference, all documented options or stated here: scale and
 reference's optional Lloyd-Max levels (``SGLANG_LLOYD_MAX``) are not implemented; the statistics come from the
 project's calibration windows (the reference dumps 10-30K tokens of GPQA prompts). With ``kernel_backend=triton``
 decode steps read the INT2 payload in the fused kernel in its rotated basis
-(:class:`~kvcomp.kernels.payloads.RotatedReader`).
+(:class:`~kvcomp.kernels.formats.RotatedReader`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConf
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
-from kvcomp.kernels.payloads import RotatedReader, UniformReader
+from kvcomp.kernels.formats import RotatedReader, UniformReader
 from kvcomp.stages.covariance_rotation import covariance_rotation, score_weighted_covariance
 from kvcomp.stages.hadamard import is_power_of_two
 from kvcomp.stages.ranges import range_fits, saturated

@@ -43,7 +43,7 @@ from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecConfig, Cod
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
-from kvcomp.kernels.payloads import SketchedKeys, SketchReader, UniformReader, reconstruct_keys
+from kvcomp.kernels.formats import SketchedKeys, SketchReader, UniformReader, reconstruct_keys
 from kvcomp.kernels.qjl_scores import qjl_scores
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.jl_sketch import (

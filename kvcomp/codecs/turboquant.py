@@ -43,7 +43,7 @@ Fused decode (``kernel_backend=triton``): TurboQuant-mse, EDEN and vLLM's preset
 (:meth:`RotatedCodec.payload_reader`): Lloyd-Max codes (any width, norm correction included) in the rotated basis
 (the query rotated, the output un-rotated), k8 keys as float8, uniform values as packed ints; ``center``'s offsets
 are added by the kernel (the key offset's score ``q . R_p c`` per token, the value offset to the output); ``prod``'s
-residual sketch too (:class:`~kvcomp.kernels.payloads.ResidualSketchReader`: its score ``sqrt(pi/2)/d ||r|| <S q,
+residual sketch too (:class:`~kvcomp.kernels.formats.ResidualSketchReader`: its score ``sqrt(pi/2)/d ||r|| <S q,
 sign(S r)>`` added to each key's; the values' sketch weighted over the same keys in its own basis, taken back by ``S``).
 """
 
@@ -59,7 +59,7 @@ from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import loads_float8
-from kvcomp.kernels.payloads import (CodebookReader, PayloadReader, ResidualSketchReader, RotatedReader, ScaledReader,
+from kvcomp.kernels.formats import (CodebookReader, PayloadReader, ResidualSketchReader, RotatedReader, ScaledReader,
                                      SignReader, UniformReader)
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.codebook import ChunkLayout
@@ -199,7 +199,7 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
     def fused_attention_supported(self, layer_idx: int) -> bool:
         """Where the fused kernel reads both streams: Lloyd-Max codes of any width times a per-vector scale
         (vLLM's norm correction included) with or without prod's residual sketch, vLLM's k8 keys (where Triton loads
-        float8) and uniform values, with or without ``center``'s offsets (:class:`~kvcomp.kernels.payloads.OffsetReader`)."""
+        float8) and uniform values, with or without ``center``'s offsets (:class:`~kvcomp.kernels.formats.OffsetReader`)."""
         coders = self.coders.values()
         whole_bytes = self.model.head_dim % 8 == 0  # prod's sign bits: one byte per 8 channels
         return ((loads_float8() or not any(isinstance(c, FP8Keys) for c in coders))

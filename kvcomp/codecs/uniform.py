@@ -12,7 +12,7 @@ import torch
 from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, Request, StreamPolicy
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError
-from kvcomp.kernels.payloads import UniformReader
+from kvcomp.kernels.formats import UniformReader
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 PARAM_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

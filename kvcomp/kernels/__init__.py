@@ -2,8 +2,8 @@
 (triton is an optional dependency); the references run everywhere and are what the kernels are tested
 against (under ``TRITON_INTERPRET=1`` on a CPU).
 
-- ``payloads``: the payload readers (one per format, with its torch decoding), the sketched keys and the
-  fused encoder's layouts; imported by the references and the Triton launchers, importing neither;
+- ``formats``: the payload formats, one module each (its reader, torch decoding and kernel arguments) beside its
+  Triton device functions; the readers are imported by the references and the Triton launchers, importing neither;
 - ``decode_attention`` (reference, dispatch) / ``decode_attention_triton``: decode-step attention
   reading packed uniform/KIVI, codebook, QJL-sketch, float8 / int8 and NVFP4 payloads, split-K + merge;
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
@@ -35,6 +35,17 @@ class Launch:
 
     def __call__(self) -> None:
         self.kernel[self.grid](**self.args)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the launch passes, within tuples too (a format's arguments are named tuples)."""
+        found, pending = [], list(self.args.values())
+        while pending:
+            value = pending.pop()
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, tuple):
+                pending.extend(value)
+        return found
 
 
 def launch_device(device: torch.device):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcomp.kernels.payloads import fused_encode_supported
+from kvcomp.kernels.formats import fused_encode_supported
 from kvcomp.stages.codebook import CodebookQuantizer
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels import launch_device
-from kvcomp.kernels.payloads import fused_encode_supported
+from kvcomp.kernels.formats import fused_encode_supported
 from kvcomp.stages.codebook import ChunkLayout
 
 

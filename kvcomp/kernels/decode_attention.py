@@ -45,7 +45,7 @@ from functools import cached_property
 import torch
 
 from kvcomp.kernels.decode_plan import DecodeStep
-from kvcomp.kernels.payloads import PayloadReader, RotaryPositions, Segment
+from kvcomp.kernels.formats import PayloadReader, RotaryPositions, Segment
 
 
 def materialize(segments: list[Segment], rope: RotaryPositions | None = None) -> torch.Tensor:

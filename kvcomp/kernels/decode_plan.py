@@ -20,6 +20,13 @@ import torch
 
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 ALIGN = 64  # float32 elements (256 bytes, CUDA's allocation alignment) at which a workspace's log-sum-exps start
+# A split launch's row of int32 bounds, read by the kernel from device memory (nothing that grows with the cache is a
+# kernel argument: a growing cache never recompiles a kernel): its tokens [lo, hi), tiles, first slot and the step's
+# slots, the strides of the attention mask and the position ids, each stream's payload (first cached token, tokens),
+# the first cached token of each full-precision piece in order, and the cuts between the stream's segments.
+LO, HI, TILES, SLOT0, SLOTS, VALID_S_B, POS_S_B, K_FIRST, K_LENGTH, V_FIRST, V_LENGTH = range(11)
+K_LOWS, K_CUTS, V_LOWS, V_CUTS = (11 + i * MAX_DENSE for i in range(4))
+ROW = -(-(V_CUTS + MAX_DENSE) // 4) * 4  # whole 16-byte rows: each launch's row as aligned as the first
 
 
 @dataclass(frozen=True)
@@ -38,13 +45,37 @@ class PlannedLaunch:
 @dataclass(frozen=True)
 class DecodePlan:
     """The split launches of one decode step, in token order; their slices are numbered consecutively, and the merge
-    combines all :attr:`slots` of them."""
+    combines all :attr:`slots` of them. ``key_bounds`` / ``value_bounds``: each stream's segment boundaries, and
+    ``*_encoded`` which segments are payloads (:func:`plan_decode`)."""
 
     launches: tuple[PlannedLaunch, ...]
+    key_bounds: tuple = ()
+    key_encoded: tuple = ()
+    value_bounds: tuple = ()
+    value_encoded: tuple = ()
 
     @property
     def slots(self) -> int:
         return sum(launch.splits for launch in self.launches)
+
+    def rows(self, valid_s_b: int, pos_s_b: int) -> list[list[int]]:
+        """Each launch's row of bounds (:data:`ROW` ints, laid out as :data:`LO` ... :data:`V_CUTS` say)."""
+        rows, slot = [], 0
+        for launch in self.launches:
+            row = [0] * ROW
+            row[LO: POS_S_B + 1] = [launch.lo, launch.hi, launch.tiles, slot, self.slots, valid_s_b, pos_s_b]
+            streams = ((launch.keys, self.key_bounds, self.key_encoded, K_FIRST, K_LOWS, K_CUTS),
+                       (launch.values, self.value_bounds, self.value_encoded, V_FIRST, V_LOWS, V_CUTS))
+            for indices, bounds, encoded, first, lows, cuts in streams:
+                dense = [bounds[i] for i in indices if not encoded[i]]
+                row[lows: lows + len(dense)] = dense
+                row[cuts: cuts + len(indices) - 1] = [bounds[i + 1] for i in indices[:-1]]
+                for i in indices:
+                    if encoded[i]:
+                        row[first: first + 2] = [bounds[i], bounds[i + 1] - bounds[i]]
+            rows.append(row)
+            slot += launch.splits
+        return rows
 
 
 def _splits(tiles: int, programs: int, wave: int, num_splits: int | None) -> int:
@@ -86,7 +117,7 @@ def plan_decode(key_bounds: tuple, key_encoded: tuple, value_bounds: tuple, valu
         tiles = -(-(hi - lo) // block_tokens)
         launches.append(PlannedLaunch(lo, hi, tuple(sorted(keys)), tuple(sorted(values)), tiles,
                                       _splits(tiles, programs, wave, num_splits)))
-    return DecodePlan(tuple(launches))
+    return DecodePlan(tuple(launches), key_bounds, key_encoded, value_bounds, value_encoded)
 
 
 class DecodeWorkspace:
@@ -120,13 +151,27 @@ class DecodeWorkspace:
 @dataclass
 class DecodeStep:
     """One model forward's decode plans, by their inputs (:func:`plan_decode`'s arguments): the step's first layer
-    plans, the others find the plan here; and the :class:`DecodeWorkspace` they run in (a fresh one by default:
-    scratch allocated for this step only)."""
+    plans, the others find the plan here, with its rows of bounds on the device (copied once per step); and the
+    :class:`DecodeWorkspace` they run in (a fresh one by default: scratch allocated for this step only)."""
 
     workspace: DecodeWorkspace = field(default_factory=DecodeWorkspace)
     plans: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
 
     def plan(self, *inputs) -> DecodePlan:
         if inputs not in self.plans:
             self.plans[inputs] = plan_decode(*inputs)
         return self.plans[inputs]
+
+    def bounds(self, plan: DecodePlan, device: torch.device, valid_s_b: int, pos_s_b: int) -> torch.Tensor:
+        """The plan's rows of bounds (:meth:`DecodePlan.rows`), int32 ``[launches, ROW]`` on ``device``."""
+        return self._int32(plan, device, valid_s_b, pos_s_b, rows=lambda: plan.rows(valid_s_b, pos_s_b))
+
+    def count(self, device: torch.device, value: int) -> torch.Tensor:
+        """``[value]`` int32 on ``device``: a merge's slot count over several plans."""
+        return self._int32("count", device, value, rows=lambda: [value])
+
+    def _int32(self, *key, rows) -> torch.Tensor:
+        if key not in self.tensors:  # a small copy to the device, queued (no host sync)
+            self.tensors[key] = torch.tensor(rows(), dtype=torch.int32).to(key[1], non_blocking=True)
+        return self.tensors[key]

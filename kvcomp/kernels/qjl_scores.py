@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcomp.kernels.payloads import SketchedKeys
+from kvcomp.kernels.formats import SketchedKeys
 from kvcomp.stages.jl_sketch import estimator_scale, unpack_signs
 
 

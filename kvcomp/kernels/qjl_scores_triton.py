@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
-from kvcomp.kernels.payloads import SketchedKeys
+from kvcomp.kernels.formats import SketchedKeys
 from kvcomp.stages.jl_sketch import estimator_scale
 
 

@@ -528,7 +528,7 @@ def record_global_accesses(launch) -> dict:
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
-    storages = sorted({v.untyped_storage().data_ptr() for v in launch.args.values() if hasattr(v, "untyped_storage")})
+    storages = sorted({t.untyped_storage().data_ptr() for t in launch.tensors()})
     starts = np.array(storages, dtype=np.uint64)
     swapped = []
 

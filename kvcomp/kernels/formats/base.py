@@ -1,0 +1,147 @@
+"""The payload-format contract: what a reader says about one encoded segment, for the torch reference and for the
+fused decode kernel.
+
+A decode step's keys and values are each a list of *segments* in cache order: full-precision tensors
+``[B, H, T, D]`` and payload readers. A reader decodes its segment in torch (:meth:`PayloadReader.dequantize`) and
+tells the split kernel how to read it in registers:
+
+- :meth:`PayloadReader.kernel_format`: its device functions (:class:`KernelFormat`, from the format's ``*_triton``
+  module, imported only then: Triton is optional);
+- :meth:`PayloadReader.kernel_args`: its runtime arguments (one named tuple: only the tensors and strides the format
+  reads) and compile-time constants (another);
+- :meth:`~PayloadReader.tile_limit`, :attr:`~PayloadReader.wide_tile`, :meth:`~PayloadReader.packed_scores` and
+  :meth:`~PayloadReader.packed_values`: its tile sizes and whether it is read in its stored layout.
+
+The launcher (:mod:`kvcomp.kernels.decode_attention_triton`) asks, and never tests a format's type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvcomp.stages.rope import apply_rope
+
+
+@dataclass
+class RotaryPositions:
+    """RoPE of the tokens of one key payload, recomputed from positions as the model's rotary embedding
+    does: ``cos = cos(pos * inv_freq) * scaling`` rounded to the model's ``dtype`` (HF's cos/sin dtype).
+
+    ``positions [B, L]``: the position id of every cached token; the payload's token ``t`` is cached
+    token ``first + t``.
+    """
+
+    positions: torch.Tensor
+    first: int
+    inv_freq: torch.Tensor  # [D/2] float32
+    scaling: float
+    dtype: torch.dtype
+
+    def cos_sin(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, T, D]`` (float32) of the payload's ``num_tokens`` tokens."""
+        pos = self.positions[:, self.first : self.first + num_tokens].float()
+        freqs = pos[..., None] * self.inv_freq.float().to(pos.device)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return tuple((f(angles) * self.scaling).to(self.dtype).float() for f in (torch.cos, torch.sin))
+
+
+class KernelFormat(NamedTuple):
+    """A format's Triton device functions, passed to the split kernel as one compile-time argument (the kernel is
+    compiled per (key format, value format)). Each takes the format's runtime arguments ``a`` and constants ``C``
+    (:meth:`PayloadReader.kernel_args`):
+
+    - ``advance(a, C, b, h, D)``: ``a`` with every tensor advanced to sequence ``b`` and KV head ``h`` (int64);
+    - ``halves(a, C, length, t, t0, t_ok, c, c_ok, D, BLOCK_T)``: payload tokens ``t`` (the first ``t0``, valid
+      ``t_ok``) x channel halves ``c`` and ``c + D/2`` as two float32 tiles (``None``: the format is only scored);
+    - ``scores(q_ptr, R, rows, row_ok, qk_scale, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, DOT)``: logits of keys
+      read in their stored layout (``None``: keys are decoded by ``halves`` and scored);
+    - ``fields(p, rows, a, C, t, t_ok, D, BLOCK_R, BLOCK_T)``: ``P V`` of values in their stored layout, field-major
+      ``[BLOCK_R, 8 / C.BITS, D * C.BITS / 8]`` (``None``: values are decoded by ``halves``)."""
+
+    name: str
+    advance: object
+    halves: object = None
+    scores: object = None
+    fields: object = None
+
+
+def in_place(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int]:
+    """Tensors ``[B, H, ...]`` (or ``[B, T]``) of one shape as a kernel reads them, and their shared sequence
+    and head strides (0 for ``[B, T]``): read in place when each (sequence, head) slice is contiguous and
+    the strides agree (a payload store's views, narrowed along tokens from buffers with spare capacity),
+    else copied contiguous. The copy would read and write the whole payload at every layer and step."""
+    inner = (lambda t: t[0, 0]) if tensors[0].dim() > 2 else (lambda t: t[0])
+    strides = {t.stride()[:2] for t in tensors}
+    if len(strides) > 1 or not all(inner(t).is_contiguous() for t in tensors):
+        tensors = tuple(t.contiguous() for t in tensors)
+    first = tensors[0]
+    return list(tensors), first.stride(0), first.stride(1) if first.dim() > 2 else 0
+
+
+class Strided(NamedTuple):
+    """One tensor as a kernel reads it in place (:func:`in_place`): where sequence 0 and head 0 start, and the
+    sequence and head strides."""
+
+    ptr: torch.Tensor
+    s_b: int
+    s_h: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Strided:
+        (tensor,), s_b, s_h = in_place(tensor)
+        return cls(tensor, s_b, s_h)
+
+
+@dataclass
+class PayloadReader:
+    """What a kernel needs to read one encoded segment; subclasses define the format."""
+
+    num_tokens: int
+    head_dim: int
+    wide_tile = False  # whether the kernel's wide tiles suit it (read without a per-group table: default_tile)
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def kv_heads(self) -> int:
+        return self.codes.shape[1]
+
+    def kernel_format(self) -> KernelFormat:
+        """The format's device functions (its ``*_triton`` module's)."""
+        raise NotImplementedError(f"the fused decode kernel cannot read a {type(self).__name__} payload")
+
+    def kernel_args(self, queries: dict) -> tuple[NamedTuple, NamedTuple]:
+        """The split kernel's arguments for this payload: runtime (its tensors and strides) and compile-time (its
+        format constants), each a named tuple of this format's. ``queries``: the step's query and what formats derive
+        from it (``"q"``: ``[B, H, R, D]``), shared by the step's launches."""
+        raise NotImplementedError(f"the fused decode kernel cannot read a {type(self).__name__} payload")
+
+    def tile_limit(self, block_tokens: int, dot: bool) -> int:
+        """Tokens per tile this payload allows, at most ``block_tokens`` (``dot``: a ``tl.dot`` launch)."""
+        return block_tokens
+
+    def packed_scores(self, head_dim: int, dot: bool) -> bool:
+        """Whether keys of this format are scored in their stored layout (:attr:`KernelFormat.scores`)."""
+        return False
+
+    def packed_values(self, head_dim: int, dot: bool) -> bool:
+        """Whether values of this format are weighted in their stored layout (:attr:`KernelFormat.fields`)."""
+        return False
+
+    def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
+        """The segment decoded in torch, ``[B, H, T, D]`` float32 (rotated when ``rope`` is given)."""
+        x = self.dequantize_unrotated()
+        if rope is None:
+            return x
+        return apply_rope(x, *rope.cos_sin(self.num_tokens))
+
+
+Segment = torch.Tensor | PayloadReader
+
+
+def segment_length(segment: Segment) -> int:
+    return segment.num_tokens if isinstance(segment, PayloadReader) else segment.shape[2]

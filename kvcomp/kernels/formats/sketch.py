@@ -1,0 +1,176 @@
+"""Sign bits: QJL's sign-sketched keys (scored from their bits, Eq. 4 of the paper plus the outlier term) and sign
+bits times a norm read as values (TurboQuant-prod's residual sketch). Device functions:
+:mod:`kvcomp.kernels.formats.sketch_triton`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, Strided
+from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
+
+
+@dataclass
+class SketchedKeys:
+    """Encoded keys of one layer, ``T`` tokens per (batch, KV head); ``T`` a multiple of ``group_size``.
+
+    ``signs`` uint8 ``[B, H, T, m/8]`` and ``inlier_norm`` ``[B, H, T]`` code the inlier part; with
+    outliers, ``outlier_signs`` uint8 ``[B, H, T, m_o/8]`` (sketched by the first ``m_o`` rows of
+    ``projection``), ``outlier_norm`` ``[B, H, T]`` and ``outlier_channels`` ``[B, H, T/G, n_out]``.
+    """
+
+    signs: torch.Tensor
+    inlier_norm: torch.Tensor
+    projection: torch.Tensor  # [m, D] float32
+    group_size: int
+    outlier_signs: torch.Tensor | None = None
+    outlier_norm: torch.Tensor | None = None
+    outlier_channels: torch.Tensor | None = None
+
+    @property
+    def sketch_dim(self) -> int:
+        return self.signs.shape[-1] * 8
+
+    @property
+    def outlier_sketch_dim(self) -> int:
+        return 0 if self.outlier_signs is None else self.outlier_signs.shape[-1] * 8
+
+    @property
+    def num_outliers(self) -> int:
+        return 0 if self.outlier_channels is None else self.outlier_channels.shape[-1]
+
+
+def reconstruct_keys(keys: SketchedKeys, head_dim: int) -> torch.Tensor:
+    """``k_hat`` float32 ``[B, H, T, D]``, whose logits ``<q, k_hat>`` equal the estimator's: on each part,
+    ``sqrt(pi/2)/m' ||k'|| S'^T sign(S' k')`` (outlier channels from the outlier sketch)."""
+    projection = keys.projection.to(keys.signs.device)
+
+    def reconstruct(signs, norm, rows):
+        return estimator_scale(rows) * norm.float()[..., None] * (unpack_signs(signs, rows) @ projection[:rows])
+
+    k_hat = reconstruct(keys.signs, keys.inlier_norm, keys.sketch_dim)
+    if keys.num_outliers:
+        mask = channel_mask(keys.outlier_channels, head_dim, keys.group_size)
+        k_hat = torch.where(mask, reconstruct(keys.outlier_signs, keys.outlier_norm, keys.outlier_sketch_dim), k_hat)
+    return k_hat
+
+
+class Outliers(NamedTuple):
+    """QJL's outlier channels: the projection (whose columns build ``u_g``), their sketch's signs and norms, their
+    channel ids per group, and their estimator scale."""
+
+    projection: torch.Tensor
+    signs: Strided
+    norm: Strided
+    channels: Strided
+    scale: float
+
+
+class SketchArgs(NamedTuple):
+    """Sign bits and norms per token, the step's projected queries ``y = S q`` ``[B, H, R, m]`` and the estimator's
+    scale ``sqrt(pi/2)/m`` (Eq. 4); ``outliers``: :class:`Outliers`, or ``()``."""
+
+    signs: Strided
+    norm: Strided
+    y: Strided
+    scale: float
+    outliers: tuple
+
+
+class SketchConstants(NamedTuple):
+    M: int  # sketch rows
+    M_OUT: int  # outlier sketch rows
+    N_OUT: int  # outlier channels per group
+    GROUP: int  # tokens per outlier group
+    M_PAD: int  # M as a power of two
+
+
+def sketch_args(signs: torch.Tensor, norm: torch.Tensor, y: torch.Tensor, outliers=()) -> SketchArgs:
+    """:class:`SketchArgs` of sign bits ``[B, H, T, m/8]``, norms ``[B, H, T]`` and projected queries ``y``."""
+    return SketchArgs(Strided.of(signs), Strided.of(norm), Strided.of(y), estimator_scale(y.shape[-1]), outliers)
+
+
+@dataclass
+class SketchReader(PayloadReader):
+    """QJL's sign-sketched keys (:class:`SketchedKeys`). The kernel scores them from their sign bits
+    (:mod:`kvcomp.kernels.qjl_scores`: Eq. 4 plus the outlier term); the reference decodes ``k_hat``
+    (:func:`reconstruct_keys`), whose logits are the same."""
+
+    keys: SketchedKeys
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        return reconstruct_keys(self.keys, self.head_dim)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.signs.shape[1]
+
+    def tile_limit(self, block_tokens: int, dot: bool) -> int:
+        """Within one group of outlier channels."""
+        return min(block_tokens, self.keys.group_size)
+
+    def packed_scores(self, head_dim: int, dot: bool) -> bool:
+        return True  # always scored from the bits
+
+    def kernel_format(self) -> KernelFormat:
+        from kvcomp.kernels.formats import sketch_triton
+
+        return sketch_triton.SKETCH
+
+    def kernel_args(self, queries: dict) -> tuple[SketchArgs, SketchConstants]:
+        """The sign bits and norms, the projected queries ``y = S q`` ``[B, H, R, m]`` (kept in ``queries`` for the
+        step's other launches), the outliers' signs, norms and channels, and the sketch sizes."""
+        keys = self.keys
+        q = queries["q"]
+        projection = keys.projection.to(q.device, torch.float32).contiguous()
+        if id(self) not in queries:
+            queries[id(self)] = (q.float() @ projection.T).contiguous()
+        m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
+        outliers = ()
+        if n_out:
+            outliers = Outliers(projection, Strided.of(keys.outlier_signs), Strided.of(keys.outlier_norm),
+                                Strided.of(keys.outlier_channels), estimator_scale(m_out))
+        return (sketch_args(keys.signs, keys.inlier_norm, queries[id(self)], outliers),
+                SketchConstants(m, m_out, n_out, keys.group_size, 1 << (m - 1).bit_length()))
+
+
+@dataclass
+class SignReader(PayloadReader):
+    """Values ``x = norm * (+-1)`` from sign bits packed 8 per byte (``signs`` uint8 ``[B, H, T, D/8]``, bit ``c % 8`` of
+    byte ``c // 8``) and one ``norm`` per token and head ``[B, H, T]``: TurboQuant-prod's residual sketch
+    ``sign(S r)`` with ``||r||``, read in the sketch's basis (:class:`~kvcomp.kernels.formats.wrappers.ResidualSketchReader`).
+    The kernel reads it as values, or as a key payload's residual; QJL's sketched keys are :class:`SketchReader`."""
+
+    signs: torch.Tensor
+    norm: torch.Tensor
+
+    @property
+    def kv_heads(self) -> int:
+        return self.signs.shape[1]
+
+    def kernel_format(self) -> KernelFormat:
+        from kvcomp.kernels.formats import sketch_triton
+
+        return sketch_triton.SIGNS
+
+    def kernel_args(self, queries: dict) -> tuple[tuple[Strided, Strided], tuple]:
+        """The bits and norms; no constants."""
+        return (Strided.of(self.signs), Strided.of(self.norm)), ()
+
+    def residual_args(self, y: torch.Tensor) -> tuple[SketchArgs, tuple[KernelFormat, SketchConstants]]:
+        """The kernel's arguments for these bits as the residual sketch of keys (scored against ``y = S q``
+        ``[B, H, R, d]`` of the model's query), a sketch without outliers: runtime, and its format and constants."""
+        from kvcomp.kernels.formats import sketch_triton
+
+        m = y.shape[-1]
+        if m != self.head_dim or m % 8:
+            raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} "
+                             f"rows for head_dim {self.head_dim}")
+        constants = SketchConstants(m, 0, 0, 1, 1 << (m - 1).bit_length())
+        return sketch_args(self.signs, self.norm, y), (sketch_triton.SKETCH, constants)
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        return unpack_signs(self.signs, self.head_dim) * self.norm.float()[..., None]

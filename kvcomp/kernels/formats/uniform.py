@@ -1,0 +1,109 @@
+"""Packed ints with a scale and zero-point per group (:class:`~kvcomp.stages.uniform_quantizer.GroupQuantizer`: KIVI,
+``uniform``, KVarN, vLLM's int4 and TurboQuant values): ``x = code * scale + zero``. Device functions:
+:mod:`kvcomp.kernels.formats.uniform_triton`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, Strided, in_place
+from kvcomp.stages.uniform_quantizer import GroupQuantizer
+
+
+class UniformArgs(NamedTuple):
+    """The kernel's runtime arguments: codes (in place), scales and zero-points (one pair of strides for both), and
+    the multiplier (``()`` where none)."""
+
+    data: Strided
+    scale: torch.Tensor
+    zero: torch.Tensor
+    param_s_b: int
+    param_s_h: int
+    multiplier: tuple
+
+
+class UniformConstants(NamedTuple):
+    BITS: int
+    GROUP: int
+    PER_CHANNEL: bool
+    MULTIPLIER: int  # the multiplier's group along the other axis than the parameters (0: none)
+
+
+@dataclass
+class UniformReader(PayloadReader):
+    """A :class:`~kvcomp.stages.uniform_quantizer.GroupQuantizer` payload: ``codes`` uint8
+    ``[B, H, T, D*bits/8]``; ``scale``/``zero`` ``[B, H, T, D/G]`` (per token) or ``[B, H, T/G, D]``
+    (per channel). ``multiplier`` (KVarN's normaliser), applied after ``code * scale + zero``: one factor per
+    token ``[B, H, T]`` for per-channel payloads, or per channel ``[B, H, T/multiplier_group, D]`` (one row per
+    ``multiplier_group`` tokens) for per-token payloads."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    per_channel: bool
+    multiplier: torch.Tensor | None = None
+    multiplier_group: int = 0
+
+    @classmethod
+    def of(cls, quantizer: GroupQuantizer, payload, head_dim: int) -> UniformReader:
+        """The reader of a :class:`~kvcomp.codecs.base.Payload` that ``quantizer`` encoded."""
+        t = payload.tensors
+        return cls(payload.num_tokens, head_dim, t["codes"], t["scale"], t["zero"], quantizer.bits, quantizer.group_size,
+                   quantizer.axis == "per_channel")
+
+    wide_tile = True
+
+    def kernel_format(self) -> KernelFormat:
+        from kvcomp.kernels.formats import uniform_triton
+
+        return uniform_triton.UNIFORM
+
+    def kernel_args(self, queries: dict) -> tuple[UniformArgs, UniformConstants]:
+        (scale, zero), param_s_b, param_s_h = in_place(self.scale, self.zero)
+        multiplier, group = (), 0
+        if self.multiplier is not None:  # per token (per-channel payloads) or per channel every few tokens
+            multiplier = Strided.of(self.multiplier)
+            group = self.head_dim if self.per_channel else self.multiplier_group
+        return (UniformArgs(Strided.of(self.codes), scale, zero, param_s_b, param_s_h, multiplier),
+                UniformConstants(self.bits, self.group_size, self.per_channel, group))
+
+    def tile_limit(self, block_tokens: int, dot: bool) -> int:
+        """At most a per-channel group (its parameters, or the multiplier of a per-token payload; a power of two, at
+        least 16 for ``tl.dot``), so that each tile reads at most two rows of them (:func:`~.uniform_triton.params`)."""
+        groups = [self.group_size] if self.per_channel else []
+        if self.multiplier is not None and not self.per_channel:
+            groups.append(self.multiplier_group)
+        for group in groups:
+            if group < block_tokens and not group & (group - 1) and (group >= 16 or not dot):
+                block_tokens = group
+        return block_tokens
+
+    def packed_scores(self, head_dim: int, dot: bool) -> bool:
+        """Codes within bytes, no multiplier, bytes per token a power of two (a Triton range), at least 16 for
+        ``tl.dot`` (:func:`~.uniform_triton.packed_scores`)."""
+        if 8 % self.bits or self.multiplier is not None:
+            return False
+        width = head_dim * self.bits // 8
+        return not width & (width - 1) and (width >= 16 or not dot)
+
+    def packed_values(self, head_dim: int, dot: bool) -> bool:
+        """Per-token codes within bytes without a multiplier, bytes per token a power of two, groups of whole bytes,
+        at most 8 groups per token (their scales are selected in registers), on the register path
+        (:func:`~.uniform_triton.packed_values`)."""
+        if dot or self.per_channel or 8 % self.bits or self.multiplier is not None:
+            return False
+        per_byte, width = 8 // self.bits, head_dim * self.bits // 8
+        return not width & (width - 1) and self.group_size % per_byte == 0 and head_dim // self.group_size <= 8
+
+    def dequantize_unrotated(self) -> torch.Tensor:
+        quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
+        x = quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
+        if self.multiplier is None:
+            return x
+        m = self.multiplier.float()
+        return x * (m[..., None] if self.per_channel else m.repeat_interleave(self.multiplier_group, dim=2))

@@ -1,0 +1,158 @@
+"""Device functions of packed ints (:mod:`kvcomp.kernels.formats.uniform`): ``x = code * scale + zero``, decoded
+per tile or read in the stored layout."""
+
+import triton
+import triton.language as tl
+
+from kvcomp.kernels.formats.base import KernelFormat
+from kvcomp.kernels.formats.tiles_triton import at, row_values
+from kvcomp.kernels.formats.uniform import UniformArgs
+
+
+@triton.jit
+def codes(data, row, index, ok, BITS: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Code ``index`` of rows starting at byte ``row`` of a little-endian bit stream of ``BITS``-bit codes
+    (:func:`~kvcomp.stages.packing.pack_bits`): one byte where codes fill bytes (1, 2, 4, 8 bits), else the two
+    bytes a code may straddle (3, 5, 6, 7 bits; the second only where the row has one)."""
+    if 8 % BITS == 0:  # (index // PER_BYTE, not index * BITS // 8: the compiler keeps fewer registers)
+        PER_BYTE: tl.constexpr = 8 // BITS
+        byte = tl.load(data + row + index // PER_BYTE, mask=ok, other=0).to(tl.int32)
+        shift = (index % PER_BYTE) * BITS
+    else:
+        first = index * BITS // 8
+        byte = tl.load(data + row + first, mask=ok, other=0).to(tl.int32)
+        byte = byte | (tl.load(data + row + first + 1, mask=ok & (first + 1 < ROW_BYTES), other=0).to(tl.int32) << 8)
+        shift = index * BITS % 8
+    return (byte >> shift) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def params(ptr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+           BLOCK_T: tl.constexpr):
+    """Packed ints' scale or zero of each value of a tile as float32 ``[BLOCK_T, C]``: per-channel groups of ``GROUP``
+    tokens (``[T/G, D]``) or per-token groups of ``GROUP`` channels (``[T, D/G]``). Where the tile spans at most two
+    groups (per-channel groups when ``BLOCK_T <= GROUP``; per-token groups when a half of the channels holds at most
+    two) each parameter is loaded once per tile and selected per token or channel in registers, instead of one
+    gathered load per value."""
+    if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters
+        first = t0 // GROUP
+        second_ok = c_ok & (tl.zeros_like(c) + first + 1 < length // GROUP)
+        p = tl.where((t // GROUP == first)[:, None], tl.load(ptr + first * D + c, mask=c_ok, other=0.0).to(tl.float32)[None, :],
+                     tl.load(ptr + (first + 1) * D + c, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+    elif not PER_CHANNEL and (D // 2 <= GROUP or D // 2 == 2 * GROUP):  # two columns of per-token parameters
+        param = t * (D // GROUP) + c0 // GROUP
+        second_ok = t_ok & (tl.zeros_like(t) + c0 // GROUP + 1 < D // GROUP)
+        p = tl.where((c // GROUP == c0 // GROUP)[None, :], tl.load(ptr + param, mask=t_ok, other=0.0).to(tl.float32)[:, None],
+                     tl.load(ptr + param + 1, mask=second_ok, other=0.0).to(tl.float32)[:, None])
+    else:  # a gathered load per value
+        if PER_CHANNEL:
+            param = (t[:, None] // GROUP) * D + c[None, :]
+        else:
+            param = t[:, None] * (D // GROUP) + c[None, :] // GROUP
+        p = tl.load(ptr + param, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    return p
+
+
+@triton.jit
+def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
+    multiplier = a.multiplier
+    if C.MULTIPLIER > 0:
+        multiplier = at(a.multiplier, b, h)
+    offset = b * a.param_s_b + h * a.param_s_h
+    return UniformArgs(at(a.data, b, h), a.scale + offset, a.zero + offset, a.param_s_b, a.param_s_h, multiplier)
+
+
+@triton.jit
+def _tile(a, C: tl.constexpr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Payload tokens ``t`` x channels ``c`` (the first ``c0``) as float32; rows outside ``t_ok`` hold anything
+    finite. The multiplier (KVarN's normaliser) lies along the other axis than the parameters: per token, or per
+    channel every ``C.MULTIPLIER`` tokens."""
+    ok = t_ok[:, None] & c_ok[None, :]
+    ROW_BYTES: tl.constexpr = (D * C.BITS + 7) // 8
+    code = codes(a.data.ptr, t[:, None] * ROW_BYTES, c[None, :], ok, C.BITS, ROW_BYTES)
+    x = (code.to(tl.float32) * params(a.scale, length, t, t0, t_ok, c, c0, c_ok, D, C.GROUP, C.PER_CHANNEL, BLOCK_T)
+         + params(a.zero, length, t, t0, t_ok, c, c0, c_ok, D, C.GROUP, C.PER_CHANNEL, BLOCK_T))
+    if C.MULTIPLIER > 0:
+        x = x * params(a.multiplier.ptr, length, t, t0, t_ok, c, c0, c_ok, D, C.MULTIPLIER, not C.PER_CHANNEL, BLOCK_T)
+    return x
+
+
+@triton.jit
+def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    return (_tile(a, C, length, t, t0, t_ok, c, 0, c_ok, D, BLOCK_T),
+            _tile(a, C, length, t, t0, t_ok, c + D // 2, D // 2, c_ok, D, BLOCK_T))
+
+
+@triton.jit
+def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
+    """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout: each byte of the tile is
+    loaded once, and each of its ``8 / BITS`` fields (channels ``PER_BYTE * i + j``) meets the matching
+    query sub-vector, instead of one byte load per channel."""
+    BITS: tl.constexpr = C.BITS
+    GROUP: tl.constexpr = C.GROUP
+    PER_BYTE: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PER_BYTE
+    scale, zero = a.scale, a.zero
+    i = tl.arange(0, W)
+    ok = t_ok[:, None]
+    byte = tl.load(a.data.ptr + t[:, None] * W + i[None, :], mask=ok, other=0).to(tl.int32)  # [BLOCK_T, W]
+    s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+    for j in tl.static_range(PER_BYTE):
+        channel = i * PER_BYTE + j
+        code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        if C.PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see params)
+            first = t0 // GROUP
+            second_ok = tl.zeros_like(i) + first + 1 < length // GROUP
+            in_first = (t // GROUP == first)[:, None]
+            sc = tl.where(in_first, tl.load(scale + first * D + channel).to(tl.float32)[None, :],
+                          tl.load(scale + (first + 1) * D + channel, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+            zc = tl.where(in_first, tl.load(zero + first * D + channel).to(tl.float32)[None, :],
+                          tl.load(zero + (first + 1) * D + channel, mask=second_ok, other=0.0).to(tl.float32)[None, :])
+        else:
+            if C.PER_CHANNEL:
+                param = (t[:, None] // GROUP) * D + channel[None, :]
+            else:
+                param = t[:, None] * (D // GROUP) + channel[None, :] // GROUP
+            sc = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
+            zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
+        k = code * sc + zc  # [BLOCK_T, W]
+        if DOT:
+            q = tl.load(q_ptr + rows[:, None] * D + channel[None, :], mask=row_ok[:, None], other=0.0)
+            s += tl.dot(q.to(tl.float32) * qk_scale, tl.trans(k))  # q: the field's query sub-vectors [BLOCK_R, W]
+        else:  # one query row at a time, its field sub-vector [W] loaded as is (L1-resident)
+            for r in tl.static_range(BLOCK_R):
+                q_r = tl.load(q_ptr + r * D + channel, mask=tl.zeros_like(channel) + r < R, other=0.0)
+                s_r = tl.sum(k * (q_r.to(tl.float32) * qk_scale)[None, :], 1)
+                s = tl.where(rows[:, None] == r, s + s_r[None, :], s)
+    return s
+
+
+@triton.jit
+def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``P V`` of per-token packed-int values in their stored layout, ``[BLOCK_R, 8 / BITS, W]`` where
+    ``[r, j, i]`` is channel ``PER_BYTE * i + j``: each byte of the tile is loaded once and each of its
+    fields is weighted as it lies; the caller keeps this field-major accumulator and writes it to the
+    head_dim layout once, at the end. Byte ``i`` lies in per-token group ``i // (GROUP / PER_BYTE)`` for
+    every field, so a token's few group scales are loaded once and selected per byte in registers."""
+    BITS: tl.constexpr = C.BITS
+    PER_BYTE: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PER_BYTE
+    GROUPS: tl.constexpr = D // C.GROUP
+    i = tl.arange(0, W)
+    byte = tl.load(a.data.ptr + t[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
+    group_of = (i // (C.GROUP // PER_BYTE))[None, :]
+    sc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
+    zc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
+    for k in tl.static_range(GROUPS):
+        sc = tl.where(group_of == k, tl.load(a.scale + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], sc)
+        zc = tl.where(group_of == k, tl.load(a.zero + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
+    field = tl.arange(0, PER_BYTE)[None, :, None]
+    out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
+    for j in tl.static_range(PER_BYTE):
+        v = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * sc + zc  # channels PER_BYTE * i + j
+        out = tl.where(field == j, row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
+    return out
+
+
+UNIFORM = KernelFormat("packed ints", advance, halves, packed_scores, packed_values)
