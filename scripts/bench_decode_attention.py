@@ -38,7 +38,8 @@ from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
-from kvcomp.kernels.decode_plan import DecodeStep
+from kvcomp.kernels.decode_graphs import DecodeGraphs
+from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 from kvcomp.kernels.formats import BlockFloatReader, ScaledReader, RotaryPositions
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
@@ -157,7 +158,9 @@ def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str, float]:
     return min(timings)
 
 
-def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l2_bytes: int) -> list[dict]:
+def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l2_bytes: int,
+                 graphs: tuple = (False,)) -> list[dict]:
+    """SDPA's row and each codec's (once per entry of ``graphs``: without, or with CUDA graphs)."""
     h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
     dense_bytes = 2 * batch * h * context * d * 2
     dense_sets = [
@@ -177,22 +180,25 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
              "bytes": dense_bytes, "error": 0.0}]
     dense_sets.clear()  # free the bf16 sets before the payloads are built
     for name, codec in codecs.items():
-        try:
-            row = _bench_codec(name, codec, batch, context, timer, device, l2_bytes, turn)
-        except Exception as failure:  # one format that fails on this device must not cost the others' rows
-            row = {"batch": batch, "context": context, "method": name, "failed": f"{type(failure).__name__}: {failure}"}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        if "ms" in row:
-            row["vs_sdpa"] = sdpa_ms / row["ms"]
-        print(f"[bench] {batch} x {context} {name}: " + (f"{row['ms']:.4f} ms, error {row['error']:.2g}" if "ms" in row
-              else f"failed ({row['failed']})"), flush=True)
-        rows.append(row)
+        for captured in graphs:
+            try:
+                row = _bench_codec(name, codec, batch, context, timer, device, l2_bytes, turn, captured)
+            except Exception as failure:  # one format that fails on this device must not cost the others' rows
+                row = {"batch": batch, "context": context, "method": name, "failed": f"{type(failure).__name__}: {failure}"}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if "ms" in row:
+                row["vs_sdpa"] = sdpa_ms / row["ms"]
+            print(f"[bench] {batch} x {context} {row['method']}: " + (f"{row['ms']:.4f} ms, error {row['error']:.2g}"
+                  if "ms" in row else f"failed ({row['failed']})"), flush=True)
+            rows.append(row)
     return rows
 
 
-def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, device, l2_bytes: int, turn) -> dict:
-    """One codec's row: median ms of the fused step over rotated caches, and its error on a fresh one."""
+def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, device, l2_bytes: int, turn,
+                 graphs: bool = False) -> dict:
+    """One codec's row: median ms of the fused step over rotated caches, and its error on a fresh one. ``graphs``: the
+    calls captured in CUDA graphs (:mod:`kvcomp.kernels.decode_graphs`; each rotated cache is captured once)."""
     hq, d = LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
     first = cache_state(codec, batch, context, device)
     states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
@@ -201,7 +207,8 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         keys, values, rope, _ = states[next(turn) % len(states)]
         return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope
 
-    planned = DecodeStep()  # a model's layers share their step's plan and workspace: each call is one such layer
+    # a model's layers share their step's plan and workspace: each call is one such layer
+    planned = DecodeStep(DecodeWorkspace(DecodeGraphs() if graphs else None))
 
     def step(q, keys, values, rope):
         return decode_attention(q, keys, values, d**-0.5, None, rope, "triton", step=planned)
@@ -216,8 +223,8 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         reference = decode_attention_reference(q, keys, values, d**-0.5, None, rope, torch.float64)
         error = relative_error(step(q, keys, values, rope), reference)
         del keys, values, reference
-    return {"batch": batch, "context": context, "method": name, "ms": ms, "host_ms": host_ms, "bytes": first[3],
-            "error": error}
+    return {"batch": batch, "context": context, "method": name + (" (CUDA graphs)" if graphs else ""), "ms": ms,
+            "host_ms": host_ms, "bytes": first[3], "error": error}
 
 
 def copy_bandwidth(timer: Timer, device) -> float:
@@ -308,6 +315,7 @@ def main(argv=None) -> str:
     parser.add_argument("--warmup", type=at_least(0), default=10)
     parser.add_argument("--reps", type=at_least(1), default=50)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--cuda-graphs", action="store_true", help="also time each codec's call captured in CUDA graphs")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -332,7 +340,8 @@ def main(argv=None) -> str:
     decode_rows = []
     for batch in batches:
         for context in contexts:
-            decode_rows += bench_decode(codecs, batch, context, timer, device, l2_cache_bytes(device))
+            decode_rows += bench_decode(codecs, batch, context, timer, device, l2_cache_bytes(device),
+                                        (False, True) if args.cuda_graphs else (False,))
             print(f"[bench] batch {batch} context {context} done", flush=True)
     encode_rows = bench_encode(codecs, encode_tokens, timer, device)
     context_mem = max(contexts)

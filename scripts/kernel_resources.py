@@ -37,7 +37,6 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
 SECTION = f"## Decode kernel resources on sm_90, Triton {triton.__version__} (static, compiled without a GPU)"
-FORMATS = {0: "dense", 1: "packed ints", 2: "codebook", 3: "QJL sign bits", 4: "float8 / int8"}
 QJL_LAYER = 31  # a layer past QJL's initial_layers: the authors' 256 + 256 sign bits per key
 
 
@@ -62,11 +61,12 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
 
 def describe(launch) -> str:
     args = launch.args
-    if "K_FMT" not in args:
+    if "K_FORMAT" not in args:
         return f"merge ({args['BLOCK_R']} query rows per program)"
-    keys = FORMATS[args["K_FMT"]] + (" (e2m1 values)" if args["K_LEVELS"] else "") + (" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "") + (" + offset" if args["OFFSET"] else "") + (" + residual sketch" if args["K_RESIDUAL"] else "")
-    values = FORMATS[args["V_FMT"]] + (" (e2m1 values)" if args["V_LEVELS"] else "") + (" (stored layout)" if args["PACKED_V"] else "")
-    return f"keys {keys}, values {values}"
+    keys, values = ("dense" if args[name] is None else args[name].name for name in ("K_FORMAT", "V_FORMAT"))
+    keys += ((" (stored layout)" if args["PACKED_K"] else "") + (" + RoPE" if args["ROPE"] else "")
+             + (" + offset" if args["offset"] else "") + (" + residual sketch" if args["RESIDUAL_FORMAT"] else ""))
+    return f"keys {keys}, values {values}" + (" (stored layout)" if args["PACKED_V"] else "")
 
 
 def rows_for(launch, label: str, warps: list[int | None], ratio: int) -> list[dict]:
@@ -107,7 +107,7 @@ def main(argv=None) -> str:
         for name in args.codecs:
             for block_tokens in args.block_tokens:
                 for launch in codec_launches(name, ratio, args.context, block_tokens):
-                    if "K_FMT" in launch.args:
+                    if "K_FORMAT" in launch.args:
                         rows += rows_for(launch, name, args.warps, ratio)
                     else:  # the merge kernel: one compilation per query-row tile (tl.dot launches pad rows to 16)
                         merges.setdefault(launch.args["BLOCK_R"], launch)

@@ -233,6 +233,17 @@ def test_nothing_that_grows_with_the_cache_specializes_a_kernel():
     assert "T" in _unspecialized(_encode_kernel) and "T" in _unspecialized(_qjl_scores_kernel)
 
 
+def test_a_format_function_edited_changes_the_kernel_cache_key():
+    """Triton keys its on-disk cache on the text of a compile-time argument, not on the source of functions inside a
+    tuple: a format's key names each function's source hash, so an edited format recompiles the kernel."""
+    from types import SimpleNamespace
+
+    from kvcomp.kernels.formats.base import KernelFormat
+
+    first, edited = (KernelFormat("f", SimpleNamespace(cache_key=key)) for key in ("a1", "b2"))
+    assert first.cache_key != edited.cache_key and "a1" in first.cache_key and "a1" in str((first, 1))
+
+
 def test_a_launch_reads_its_bounds_from_the_plan_rows():
     """Each split launch's row holds its tokens, slots, and each stream's payload and piece bounds in order."""
     from kvcomp.kernels import decode_plan as dp
@@ -645,7 +656,7 @@ def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatc
     from kvcomp.kernels.formats import RotatedReader
 
     real, planned = decode_plan.plan_decode, []
-    monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs: planned.append(inputs) or real(*inputs))
+    monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs, **options: planned.append(inputs) or real(*inputs, **options))
     gen = torch.Generator().manual_seed(3)
     workspace = decode_plan.DecodeWorkspace()
     outputs, held, sizes = [], set(), []
@@ -661,11 +672,11 @@ def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatc
             torch.testing.assert_close(out, decode_attention_reference(query, [key_reader, tail], [value_reader, tail],
                                                                        0.25), rtol=1e-5, atol=1e-5)
             outputs.append(out)
-            held |= {id(t) for t in workspace._storage.values()}
+            held |= {id(t) for key, t in workspace._storage.items() if key[0] == "scratch"}
         assert len(planned) == before + 1  # once per step
-        sizes.append(workspace.nbytes)
+        sizes.append(sum(t.nbytes for key, t in workspace._storage.items() if key[0] == "scratch"))
     assert len({o.data_ptr() for o in outputs}) == len(outputs)  # outputs leave the layer: never reused
-    assert len(held) == 2 and len(workspace._storage) == 1  # one region, grown once: for the larger batch
+    assert len(held) == 2 and sum(key[0] == "scratch" for key in workspace._storage) == 1  # one region, grown once
     # [B*H, slots, R, D] partial outputs, then [B*H, slots, R] log-sum-exps from the next 256 bytes, float32: 37
     # tokens are one 128-token tile, one slot
     assert sizes[0] == sizes[1] < sizes[2] == (64 + (2 * 1) * 1 * 2) * 4
@@ -679,7 +690,7 @@ def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatc
     query = torch.randn(1, 2, d, generator=gen)
     out = decode_attention_triton(query, keys, keys, 0.25, step=decode_plan.DecodeStep(workspace))
     torch.testing.assert_close(out, decode_attention_reference(query, keys, keys, 0.25), rtol=1e-5, atol=1e-5)
-    assert {region for _, region in workspace._storage} == {0, 1}
+    assert {key[2] for key in workspace._storage if key[0] == "scratch"} == {0, 1}
 
 
 def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
@@ -771,3 +782,35 @@ def test_the_kernel_reads_a_cache_payload_in_place(tiny_llama, name, monkeypatch
     assert all(t.untyped_storage().data_ptr() in read for t in held)
     out = decode_attention(query, keys, values, 0.25, key_rope=rope, backend="triton")
     torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.25, key_rope=rope), rtol=1e-4, atol=1e-4)
+
+
+def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask():
+    """With CUDA graphs (here a stand-in whose replay runs the captured launches again, with the arguments they were
+    captured with): a call runs, the same call the next step is captured, later ones replay. Every output equals the
+    reference although the payload grew in place and the query and the mask are new tensors each step: the bounds
+    and the mask are read from the workspace's buffers, the grid does not change, the query is copied in."""
+    from dataclasses import replace
+
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton, decode_launches
+    from kvcomp.kernels.decode_graphs import DecodeGraphs
+    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+
+    captured = []
+    workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: captured.append(run) or run))
+    b, h, r, d, group, capacity = 2, 2, 2, 32, 16, 128
+    gen = torch.Generator().manual_seed(5)
+    full_keys, _ = _uniform(torch.randn(b, h, capacity, d, generator=gen), 4, group, "per_token")
+    full_values, _ = _uniform(torch.randn(b, h, capacity, d, generator=gen), 2, group, "per_token")
+    fresh = torch.randn(b, h, 4, d, generator=gen)  # a buffer with spare capacity: the fresh token is its first row
+    outputs, grids = [], set()
+    for tokens in (64, 80, 96, 112):
+        keys, values = ([replace(full, num_tokens=tokens, codes=full.codes[:, :, :tokens], scale=full.scale[:, :, :tokens],
+                                 zero=full.zero[:, :, :tokens]), fresh[:, :, :1]] for full in (full_keys, full_values))
+        query, valid = torch.randn(b, h * r, d, generator=gen), _mask(b, tokens + 1, gen)
+        step = DecodeStep(workspace)
+        grids.add(tuple(launch.grid for launch in decode_launches(query, keys, values, 0.2, valid, step=DecodeStep(DecodeWorkspace(DecodeGraphs())))[1]))
+        out = decode_attention_triton(query, keys, values, 0.2, valid, step=step)
+        torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.2, valid), rtol=1e-5, atol=1e-5)
+        outputs.append(out)
+    assert len(grids) == 1  # the grid of a graph's plan does not change as the cache grows
+    assert len(captured) == 1 and outputs[1] is outputs[2] is outputs[3]  # captured once, replayed into its own output

@@ -96,7 +96,7 @@ def test_a_fused_decode_step_is_planned_once_for_every_layer_and_runs_in_the_ins
     from kvcomp.kernels import decode_plan
 
     real, planned = decode_plan.plan_decode, []
-    monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs: planned.append(inputs) or real(*inputs))
+    monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs, **options: planned.append(inputs) or real(*inputs, **options))
     workspace = _INSTALLED[triton_llama].workspace
     partials, scratch = [], workspace.scratch
 

@@ -16,8 +16,9 @@ from kvcomp.cache.reads import Reads
 from kvcomp.cache.rows import ByRows
 from kvcomp.cache.step import LayerStep, PaddedRows, Step, StepLayer, row_pads
 from kvcomp.codecs.base import attention_layer_types
-from kvcomp.errors import unknown_choice
+from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import KERNEL_BACKENDS, sdpa_without_cudnn
+from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 
 ATTENTION_NAME = "kvcomp"
@@ -108,7 +109,7 @@ class Installation:
     model's steps (:class:`~kvcomp.kernels.decode_plan.DecodeWorkspace`). A context manager: leaving it removes the
     hooks and restores the installation (or attention implementation) that was there before."""
 
-    def __init__(self, model, kernel_backend: str, previous: "Installation | None"):
+    def __init__(self, model, kernel_backend: str, previous: "Installation | None", workspace: DecodeWorkspace):
         layer_types = attention_layer_types(model.config.get_text_config(decoder=True))  # refuses unsupported kinds
         modules = _attention_modules(model)
         if not modules:
@@ -119,7 +120,7 @@ class Installation:
         self._model, self._decoder = weakref.ref(model), weakref.ref((get_decoder() if get_decoder else None) or model)
         self._modules = [weakref.ref(m) for m in modules]
         self.kernel_backend, self.previous, self.handles = kernel_backend, previous, []
-        self.workspace = DecodeWorkspace()  # the fused kernels' scratch, kept across this model's steps
+        self.workspace = workspace  # the fused kernels' scratch (and CUDA graphs), kept across this model's steps
         self.implementation_before = previous.implementation_before if previous else model.config._attn_implementation
         by_type = {kind: _layer_rotary(model, kind) for kind in set(layer_types)}
         self.rotaries = {m.layer_idx: by_type[layer_types[m.layer_idx]] for m in modules}
@@ -183,18 +184,22 @@ class Installation:
 _INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its latest Installation
 
 
-def install(model, kernel_backend: str = "torch") -> Installation:
+def install(model, kernel_backend: str = "torch", cuda_graphs: bool = False) -> Installation:
     """Route ``model``'s attention through kvcomp: globally (``install(model)``) or for a block
     (``with install(model): ...``, which restores what was there before). Works with any cache; the compressed
     path switches on for caches with :class:`StepLayer` s (:class:`~kvcomp.cache.CompressedCache`).
-    ``kernel_backend="triton"``: decode steps use a codec's fused kernel where it has one. Installing again
-    replaces the hooks (e.g. another backend) until that installation is removed."""
+    ``kernel_backend="triton"``: decode steps use a codec's fused kernel where it has one; ``cuda_graphs``: each
+    layer's fused decode launches are captured in a CUDA graph and replayed where they read what they read before
+    (:mod:`kvcomp.kernels.decode_graphs`; verified only on a GPU). Installing again replaces the hooks (e.g. another
+    backend) until that installation is removed."""
     if kernel_backend not in KERNEL_BACKENDS:
         raise unknown_choice("kernel backend", kernel_backend, KERNEL_BACKENDS)
+    if cuda_graphs and kernel_backend != "triton":
+        raise ConfigError("cuda_graphs=True captures the fused decode kernels: it needs kernel_backend='triton'")
     AttentionInterface.register(ATTENTION_NAME, compressed_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, decode_step_mask)
     previous = _INSTALLED.get(model)
-    installation = Installation(model, kernel_backend, previous)
+    installation = Installation(model, kernel_backend, previous, DecodeWorkspace(DecodeGraphs() if cuda_graphs else None))
     if previous is not None:
         previous.detach()
     installation.attach()

@@ -18,15 +18,18 @@ weighted in launches of their own over the same keys, whose partial outputs are 
 
 One launch of the split kernel reads every segment of a step: per stream, up to three full-precision
 pieces (sinks, tail and, under ``exact_prefill``, the fresh token: separate tensors, each with its own
-pointer, strides and token range) and one encoded payload, whose format is fixed at compile time. Each
+pointer and strides) and one encoded payload. The kernel is compiled per (key format, value format): each payload's
+format (:mod:`kvcomp.kernels.formats`) passes its device functions as a compile-time argument and only the tensors
+and strides it reads as a named tuple; a stream's pieces are a tuple of as many as the launch has. Each
 tile lies within one piece of each stream (tiles are cut at piece boundaries and end at multiples of
 ``BLOCK_T`` from the key payload's first token), and a scalar branch per tile and stream picks the
 piece's decoder; a cache with more payloads per stream gets one launch per run of segments that fits
 (:func:`~kvcomp.kernels.decode_plan.plan_decode`: planned once per step, run per layer, in a workspace kept across
-steps). Everything that changes with the cache length (segment bounds, lengths, slot counts) is a
-``do_not_specialize`` argument: a growing cache never recompiles a kernel. Strides are specialised: they stay
-multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned vector loads of the
-full-precision pieces. Every tensor is advanced to the program's sequence and head once, in
+steps). Everything that changes with the cache length (segment bounds, lengths, slot counts, the mask's and the
+position ids' strides) is in the launch's row of bounds, which the plan copies to the device once per step and the
+kernel reads: a growing cache never recompiles a kernel, and no argument of a launch changes with it. Strides are
+specialised: they stay multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned
+vector loads. Every tensor is advanced to the program's sequence and head once, in
 int64, so no offset overflows at a large batch x context. The step's attention mask is read per token
 (one byte per cached token and sequence), so any mask runs in the kernel and nothing about it is checked
 on the host.
@@ -37,14 +40,14 @@ default), with 4 warps and 32-token tiles, 128 for payloads read without a per-g
 Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
 warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys are faster on the register
-path: one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers (:func:`_row_scores`), also 4
+path: one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers (:func:`~kvcomp.kernels.formats.tiles_triton.row_scores`), also 4
 warps and 32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
 ``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
-against the matching query sub-vectors (:func:`_packed_scores`) or, on the register path, weighted into a
-field-major accumulator (:func:`_packed_values`); ``tl.dot`` launches unpack values per tile. Codes of
-3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`_codes`).
+against the matching query sub-vectors (:func:`~kvcomp.kernels.formats.uniform_triton.packed_scores`) or, on the register path, weighted into a
+field-major accumulator (:func:`~kvcomp.kernels.formats.uniform_triton.packed_values`); ``tl.dot`` launches unpack values per tile. Codes of
+3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`~kvcomp.kernels.formats.uniform_triton.codes`).
 
 Each launch shares the tiles of its token range out evenly over its slices (+-1 tile), and the slice count fills
 whole waves of the GPU's multiprocessors where the range is long enough
@@ -62,7 +65,7 @@ import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels import decode_plan
-from kvcomp.kernels.decode_plan import MAX_DENSE, DecodeStep
+from kvcomp.kernels.decode_plan import DecodeStep
 from kvcomp.kernels.formats import (
     OffsetReader,
     PayloadReader,
@@ -75,6 +78,7 @@ from kvcomp.kernels.formats import (
     segment_length,
 )
 from kvcomp.kernels.formats.base import Strided
+from kvcomp.kernels.formats.kernels_triton import KERNEL_FORMATS, kernel_format
 from kvcomp.kernels.formats.tiles_triton import at, row_scores, row_values
 
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -241,7 +245,7 @@ def _split_kernel(
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FORMAT: tl.constexpr, K: tl.constexpr, K_AT: tl.constexpr, PACKED_K: tl.constexpr,
     V_FORMAT: tl.constexpr, V: tl.constexpr, V_AT: tl.constexpr, PACKED_V: tl.constexpr,
-    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, RESIDUAL_FORMAT: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     """One slice of one launch's tokens for one (sequence, KV head). Per stream: its full-precision pieces
     (``*_pieces``), and its payload's arguments (``k`` / ``v``), format (``*_FORMAT``: device functions, ``None``
@@ -249,8 +253,13 @@ def _split_kernel(
     segments (``*_AT``); ``PACKED_*``: the payload read in its stored layout. ``bounds``: the launch's row of token
     bounds (:data:`~kvcomp.kernels.decode_plan.ROW`). ``valid``: ``(mask,)`` or ``()``; ``rope``: ``(positions,
     inv_freq, scaling)`` of pre-RoPE keys (``ROPE``) or of a key offset, or ``()``; ``offset``: ``(query, c)`` of keys
-    stored less a rotated offset, or ``()``; ``residual``: the sign sketch of the keys' residual and ``RESIDUAL``
-    its ``(format, constants)``, or ``()`` and ``None``."""
+    stored less a rotated offset, or ``()``; ``residual``: the sign sketch of the keys' residual, its format and
+    constants (``RESIDUAL_FORMAT``, ``RESIDUAL``), or ``()`` and ``None``.
+
+    Each tile branches at run time on the piece of each stream that holds it, also where a stream in the launch is its
+    payload alone (always the payload): the branch keeps the scheduler from interleaving the key and the value tile,
+    which Triton 3.6 compiles with fewer spills (``scripts/kernel_resources.py``: EDEN-2, 128-token tiles, 136 bytes per
+    thread against 788 straight-line; NVFP4 0 against 404)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -283,8 +292,8 @@ def _split_kernel(
         v = V_FORMAT.advance(v, V, b64, h64, D)
         v_first = tl.load(bounds + V_FIRST)
         v_length = tl.load(bounds + V_LENGTH)
-    if RESIDUAL is not None:  # keys plus the sign sketch of their residual (TurboQuant-prod)
-        residual = RESIDUAL[0].advance(residual, RESIDUAL[1], b64, h64, D)
+    if RESIDUAL_FORMAT is not None:  # keys plus the sign sketch of their residual (TurboQuant-prod)
+        residual = RESIDUAL_FORMAT.advance(residual, RESIDUAL, b64, h64, D)
     if len(rope) > 0:
         positions = rope[0] + b64 * tl.load(bounds + POS_S_B)
     if len(valid) > 0:
@@ -308,7 +317,8 @@ def _split_kernel(
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if PACKED_V:  # field-major: [r, j, i] is channel V_PER_BYTE * i + j
-        V_PER_BYTE: tl.constexpr = 8 // V.BITS
+        V_BITS: tl.constexpr = V.BITS
+        V_PER_BYTE: tl.constexpr = 8 // V_BITS
         acc = tl.zeros((BLOCK_R, V_PER_BYTE, D // V_PER_BYTE), dtype=tl.float32)
     else:
         acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
@@ -316,16 +326,8 @@ def _split_kernel(
     align = k_first % BLOCK_T  # tiles end at multiples of BLOCK_T from the key payload's first token
     g0 = split_lo
     while g0 < split_hi:  # one tile per iteration, within one piece of each stream
-        if K_CUTS_N > 0:
-            k_which, k_stop = _piece(g0, k_cut1, k_cut2, k_cut3, hi, K_AT)
-        else:  # one segment: the payload (3) or a full-precision piece (0)
-            k_which = 3 if K_FORMAT is not None else 0
-            k_stop = hi
-        if V_CUTS_N > 0:
-            v_which, v_stop = _piece(g0, v_cut1, v_cut2, v_cut3, hi, V_AT)
-        else:
-            v_which = 3 if V_FORMAT is not None else 0
-            v_stop = hi
+        k_which, k_stop = _piece(g0, k_cut1, k_cut2, k_cut3, hi, K_AT)
+        v_which, v_stop = _piece(g0, v_cut1, v_cut2, v_cut3, hi, V_AT)
         end = tl.minimum(tl.minimum(split_hi, g0 + BLOCK_T - (g0 + BLOCK_T - align) % BLOCK_T), tl.minimum(k_stop, v_stop))
         g = g0 + tl.arange(0, BLOCK_T)
         g_ok = g < end
@@ -333,7 +335,7 @@ def _split_kernel(
             g_ok = g_ok & (tl.load(valid_ptr + g, mask=g_ok, other=0) != 0)
         if K_FORMAT is None:  # no encoded keys in this launch
             s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
-        elif k_which == 3:  # the encoded payload
+        elif k_which == 3:  # the encoded payload (a run-time branch even in a stream of the payload alone)
             t = g - k_first
             if PACKED_K:  # scored in the stored layout
                 s = K_FORMAT.scores(q_ptr, R, rows, row_ok, qk_scale, k, K, k_length, t, g0 - k_first, g_ok,
@@ -343,16 +345,18 @@ def _split_kernel(
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, rope[1], rope[2], g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
-            if RESIDUAL is not None:  # + sqrt(pi/2)/d ||r|| <S q, sign(S r)>, S q of the model's query
-                s += RESIDUAL[0].scores(q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL[1], k_length, t,
-                                        g0 - k_first, g_ok, D, BLOCK_R, BLOCK_T, DOT)
+            if RESIDUAL_FORMAT is not None:  # + sqrt(pi/2)/d ||r|| <S q, sign(S r)>, S q of the model's query
+                s += RESIDUAL_FORMAT.scores(q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL, k_length, t,
+                                            g0 - k_first, g_ok, D, BLOCK_R, BLOCK_T, DOT)
             if len(offset) > 0:  # + q . R_p c: the offset rotated to each token's position, scored with the model's query
                 o_lo, o_hi = _rotate(tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_lo[None, :],
                                      tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_hi[None, :],
                                      positions, rope[1], rope[2], g, g_ok, c, c_ok, ROUND)
                 s += _scores(q0_lo, q0_hi, o_lo, o_hi, rows, BLOCK_R, BLOCK_T, DOT)
-        else:  # a full-precision piece
+        elif len(k_pieces) > 0:  # a full-precision piece
             s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
+        else:  # never: the stream is its payload alone (see the kernel's docstring)
+            s = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
         s = tl.where(g_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -369,8 +373,10 @@ def _split_kernel(
             else:
                 v_lo, v_hi = V_FORMAT.halves(v, V, v_length, t, g0 - v_first, g_ok, c, c_ok, D, BLOCK_T)
                 acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
+        elif len(v_pieces) == 0:  # never: the stream is its payload alone
+            pass
         elif PACKED_V:  # a full-precision piece, into the field-major accumulator
-            acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V.BITS, BLOCK_R)
+            acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
         else:
             acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d1, v_d2, rows, g, g_ok, c, c_ok,
                                              D, BLOCK_R, HALF_PAD, DOT)
@@ -418,11 +424,11 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, slots, R, D: tl.constexpr, BLOCK_R
 
 
 def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: dict) -> dict:
-    """Kernel arguments of one stream's segments ``indices`` (in token order; at most :data:`MAX_DENSE`
+    """Kernel arguments of one stream's segments ``indices`` (in token order; at most :data:`~kvcomp.kernels.decode_plan.MAX_DENSE`
     full-precision pieces and one encoded payload): ``{prefix}_pieces``, ``{prefix}`` and the compile-time
     ``{PREFIX}_FORMAT``, ``{PREFIX}``, ``{PREFIX}_AT`` (their bounds: the launch's row,
     :meth:`~kvcomp.kernels.decode_plan.DecodePlan.rows`)."""
-    pieces, args, constants, kernel_format, at_ = [], (), None, None, 4  # at_: the payload's position (4: none)
+    pieces, args, constants, functions, at_ = [], (), None, None, 4  # at_: the payload's position (4: none)
     for position, index in enumerate(indices):
         segment = segments[index]
         if isinstance(segment, torch.Tensor):
@@ -432,9 +438,9 @@ def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: 
             continue
         at_ = position
         args, constants = segment.kernel_args(queries)
-        kernel_format = segment.kernel_format()
+        functions = kernel_format(segment)
     upper = prefix.upper()
-    return {f"{prefix}_pieces": tuple(pieces), prefix: args, f"{upper}_FORMAT": kernel_format, upper: constants,
+    return {f"{prefix}_pieces": tuple(pieces), prefix: args, f"{upper}_FORMAT": functions, upper: constants,
             f"{upper}_AT": at_}
 
 
@@ -547,9 +553,12 @@ def decode_launches(
     partial, lse = step.workspace.scratch(device, region, b * h, total, r, d)
     common = {}  # what every launch of the step reads besides its streams
     valid_s_b = pos_s_b = 0
-    if valid is not None:
+    if valid is not None and step.workspace.graphs is not None:  # at the same address each step
+        valid = step.mask(device, valid)
+    elif valid is not None:
         valid = valid.to(device)
         valid = valid.view(torch.uint8) if valid.dtype == torch.bool and valid.stride(-1) == 1 else valid.to(torch.uint8).contiguous()
+    if valid is not None:
         common["valid"], valid_s_b = (valid,), valid.stride(0)
     rotary = key_rope if key_offset is None else key_offset[2]  # encoded keys of pre-RoPE codecs, or their offset
     if rotary is not None:
@@ -559,7 +568,7 @@ def decode_launches(
         pos_s_b = positions.stride(0)
     if key_offset is not None:
         common["offset"] = (key_offset[0].reshape(b, h, r, d).contiguous(), key_offset[1].to(device, torch.float32).contiguous())
-    bounds = step.bounds(plan, device, valid_s_b, pos_s_b)
+    bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b)
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     queries = {"q": q}  # the step's query, and what payloads derive from it (QJL's S q), for all its launches
     launches = []
@@ -575,13 +584,14 @@ def decode_launches(
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
                     PACKED_V=values is not None and values.packed_values(d, dot)
                     and not ((isinstance(keys, SketchReader) or key_residual is not None) and block_r > 4),
-                    ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL=None, num_warps=num_warps, **registers)
+                    ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL_FORMAT=None, RESIDUAL=None, num_warps=num_warps, **registers)
         if keys is not None:  # what only encoded keys read: their rotation or offset, their residual's sketch
             args.update({name: common[name] for name in ("rope", "offset") if name in common})
             args["ROUND"] = ROUNDING.get(rotary.dtype, 0) if rotary is not None else 0
             if key_residual is not None:
                 y, signs = key_residual
                 args["residual"], args["RESIDUAL"] = signs.residual_args(y)
+                args["RESIDUAL_FORMAT"] = KERNEL_FORMATS[SketchReader]  # scored as sketched keys without outliers
         launches.append(Launch(_split_kernel, (b * h, planned.splits), args))
     merge = dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, slots=bounds[0, decode_plan.SLOTS:], R=r, D=d, BLOCK_R=block_r,
                  BLOCK_D=triton.next_power_of_2(d))
@@ -600,7 +610,11 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         return _with_payload_group(query, key_segments, value_segments, scale, valid, **options)
     out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
+    step = options.get("step")
+    graphs = None if step is None or not launches else step.workspace.graphs
     with launch_device(query.device):
+        if graphs is not None:  # captured in a CUDA graph where it reads what it read before
+            return graphs.run(launches, launches[0].args["q_ptr"], out)
         for launch in launches:
             launch()
     return out
@@ -648,7 +662,7 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
                 if group.offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
                     c_v = group.offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
                     partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
-                slices = [(launch.grid, launch.args["unit"], launch.args["bounds"].data_ptr()) for launch in launches[:-1]]
+                slices = [(launch.grid, launch.args["unit"]) for launch in launches[:-1]]  # (a plan's: its token counts)
                 if group.adds:  # the same keys and slices as the previous group: its share of the same softmax
                     if slices != sliced:
                         raise ValueError("decode kernel: a value sketch's launches must slice the payload as its keys'")
@@ -662,7 +676,7 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
         out = torch.empty_like(query)  # the merge writes every row
         partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
         Launch(_merge_kernel, merge.grid, {**merge.args, "part_ptr": partial, "lse_ptr": lse, "out_ptr": out,
-                                           "slots": step.count(query.device, partial.shape[1])})()
+                                           "slots": step.count(query.device, 0, partial.shape[1])})()
     return out
 
 

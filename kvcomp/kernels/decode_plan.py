@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcomp.kernels.decode_graphs import DecodeGraphs
+
 MAX_DENSE = 3  # full-precision pieces per stream in one launch: sinks, tail and the fresh token (exact_prefill)
 ALIGN = 64  # float32 elements (256 bytes, CUDA's allocation alignment) at which a workspace's log-sum-exps start
 # A split launch's row of int32 bounds, read by the kernel from device memory (nothing that grows with the cache is a
@@ -78,16 +80,17 @@ class DecodePlan:
         return rows
 
 
-def _splits(tiles: int, programs: int, wave: int, num_splits: int | None) -> int:
+def _splits(tiles: int, programs: int, wave: int, num_splits: int | None, fixed: bool = False) -> int:
     """Slices of a launch of ``tiles`` tiles run by ``programs`` (batch x KV head) programs each: the
     fewest that fill at least two waves of ``wave`` resident programs in whole waves (a multiple of
     ``wave / gcd(wave, programs)``), or fewer where the launch has too few tiles (then at most two waves);
-    ``num_splits`` forces a count."""
+    ``num_splits`` forces a count. ``fixed``: the whole waves whatever the tiles (a grid that does not change as the
+    cache grows, for CUDA graphs; a slice without tiles writes an empty partial output)."""
     if num_splits:
         return max(1, min(tiles, num_splits))
     step = wave // math.gcd(wave, programs)
     whole = step * -(-2 * wave // (programs * step))
-    return whole if whole <= tiles else max(1, min(tiles, -(-2 * wave // programs)))
+    return whole if whole <= tiles or fixed else max(1, min(tiles, -(-2 * wave // programs)))
 
 
 def _fits(indices: set, encoded: tuple) -> bool:
@@ -98,11 +101,12 @@ def _fits(indices: set, encoded: tuple) -> bool:
 
 
 def plan_decode(key_bounds: tuple, key_encoded: tuple, value_bounds: tuple, value_encoded: tuple, programs: int,
-                wave: int, block_tokens: int, num_splits: int | None) -> DecodePlan:
+                wave: int, block_tokens: int, num_splits: int | None, fixed_grid: bool = False) -> DecodePlan:
     """One launch over the whole cache when each stream is at most one payload and :data:`MAX_DENSE` full-precision
     pieces (sinks, tail, fresh token), else one per run of consecutive segments that is. ``*_bounds``: each stream's
     segment boundaries in cached tokens (``[0, ..., length]``); ``*_encoded``: which segments are payloads;
-    ``programs``: batch x KV heads; ``wave``: resident programs per wave (the GPU's multiprocessors)."""
+    ``programs``: batch x KV heads; ``wave``: resident programs per wave (the GPU's multiprocessors); ``fixed_grid``:
+    slices that do not depend on the tokens (:func:`_splits`)."""
     cuts = sorted(set(key_bounds) | set(value_bounds))
     runs = []  # [lo, hi, key segment indices, value segment indices]
     for lo, hi in zip(cuts, cuts[1:]):
@@ -116,7 +120,7 @@ def plan_decode(key_bounds: tuple, key_encoded: tuple, value_bounds: tuple, valu
     for lo, hi, keys, values in runs:
         tiles = -(-(hi - lo) // block_tokens)
         launches.append(PlannedLaunch(lo, hi, tuple(sorted(keys)), tuple(sorted(values)), tiles,
-                                      _splits(tiles, programs, wave, num_splits)))
+                                      _splits(tiles, programs, wave, num_splits, fixed_grid)))
     return DecodePlan(tuple(launches), key_bounds, key_encoded, value_bounds, value_encoded)
 
 
@@ -125,22 +129,50 @@ class DecodeWorkspace:
     ``[B*H, slots, R]``, one region per launch group of a layer (a rotated or offset payload's groups are merged
     together, so each keeps its own). A region grows to the largest step it has served and never shrinks; every layer
     and step after reuses it in stream order (the merge reads it before the next layer's split launches write it).
-    The attention output is not kept here: it leaves the layer."""
+    The attention output is not kept here: it leaves the layer. Also the steps' rows of bounds (:meth:`bounds`) and
+    masks (:meth:`mask`) at addresses kept from step to step, and ``graphs`` (:class:`DecodeGraphs`, optional): the
+    calls captured in CUDA graphs, whose plans then have grids that do not change with the cache."""
 
-    def __init__(self):
-        self._storage: dict[tuple[torch.device, int], torch.Tensor] = {}
+    def __init__(self, graphs: DecodeGraphs | None = None):
+        self.graphs = graphs
+        self._storage: dict[tuple, torch.Tensor] = {}
 
     def scratch(self, device: torch.device, region: int, programs: int, slots: int, rows: int,
                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(partial, lse)`` views of region ``region`` on ``device``, grown if it is too small (contents undefined)."""
         partial_size, lse_size = programs * slots * rows * head_dim, programs * slots * rows
         lse_at = -(-partial_size // ALIGN) * ALIGN  # as aligned as a fresh allocation (the kernels' pointer specialisation)
-        key = (torch.device(device), region)
-        storage = self._storage.get(key)
-        if storage is None or storage.numel() < lse_at + lse_size:
-            storage = self._storage[key] = torch.empty(lse_at + lse_size, device=device, dtype=torch.float32)
+        storage = self._buffer(("scratch", torch.device(device), region), lse_at + lse_size, torch.float32)
         return (storage[:partial_size].view(programs, slots, rows, head_dim),
                 storage[lse_at: lse_at + lse_size].view(programs, slots, rows))
+
+    def bounds(self, device: torch.device, region: int, slot, rows: list[list[int]]) -> torch.Tensor:
+        """``rows`` copied (queued) into bounds buffer ``slot`` of ``region``: ``[len(rows), ROW]`` int32 at the
+        same address every step while it fits (a captured step reads this step's bounds)."""
+        values = torch.tensor(rows, dtype=torch.int32)
+        buffer = self._buffer(("bounds", torch.device(device), region, slot), values.numel(), torch.int32)
+        view = buffer[: values.numel()].view(values.shape)
+        view.copy_(values, non_blocking=True)
+        return view
+
+    def mask(self, device: torch.device, valid: torch.Tensor) -> torch.Tensor:
+        """The step's attention mask ``[B, L]`` (uint8) copied into a buffer whose row stride grows in powers of two
+        only: the same address and stride step after step (a captured step reads this step's mask)."""
+        b, length = valid.shape
+        width = 1 << max(length - 1, 0).bit_length()
+        buffer = self._buffer(("mask", torch.device(device), b), b * width, torch.uint8).view(-1)
+        if buffer.numel() != b * width:  # a grown buffer is allocated with this width, a kept one has its own
+            width = buffer.numel() // b
+        view = buffer.view(b, width)[:, :length]
+        view.copy_(valid)
+        return view
+
+    def _buffer(self, key: tuple, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer ``key`` with at least ``numel`` elements (grown, never shrunk; contents kept only while it fits)."""
+        buffer = self._storage.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._storage[key] = torch.empty(numel, device=key[1], dtype=dtype)
+        return buffer
 
     @property
     def nbytes(self) -> int:
@@ -159,19 +191,31 @@ class DecodeStep:
     tensors: dict = field(default_factory=dict)
 
     def plan(self, *inputs) -> DecodePlan:
+        """:func:`plan_decode` of ``inputs`` (its arguments but ``fixed_grid``, the workspace's ``graphs``)."""
         if inputs not in self.plans:
-            self.plans[inputs] = plan_decode(*inputs)
+            self.plans[inputs] = plan_decode(*inputs, fixed_grid=self.workspace.graphs is not None)
         return self.plans[inputs]
 
-    def bounds(self, plan: DecodePlan, device: torch.device, valid_s_b: int, pos_s_b: int) -> torch.Tensor:
-        """The plan's rows of bounds (:meth:`DecodePlan.rows`), int32 ``[launches, ROW]`` on ``device``."""
-        return self._int32(plan, device, valid_s_b, pos_s_b, rows=lambda: plan.rows(valid_s_b, pos_s_b))
-
-    def count(self, device: torch.device, value: int) -> torch.Tensor:
-        """``[value]`` int32 on ``device``: a merge's slot count over several plans."""
-        return self._int32("count", device, value, rows=lambda: [value])
-
-    def _int32(self, *key, rows) -> torch.Tensor:
-        if key not in self.tensors:  # a small copy to the device, queued (no host sync)
-            self.tensors[key] = torch.tensor(rows(), dtype=torch.int32).to(key[1], non_blocking=True)
+    def bounds(self, plan: DecodePlan, device: torch.device, region: int, valid_s_b: int, pos_s_b: int) -> torch.Tensor:
+        """The plan's rows of bounds (:meth:`DecodePlan.rows`), int32 ``[launches, ROW]`` on ``device``, copied once
+        per step into the workspace (each plan of a region in a slot of its own, in the order the step meets them)."""
+        key = (plan, torch.device(device), region, valid_s_b, pos_s_b)
+        if key not in self.tensors:
+            slot = sum(k[1:3] == key[1:3] for k in self.tensors if isinstance(k, tuple) and len(k) == 5)
+            self.tensors[key] = self.workspace.bounds(device, region, slot, plan.rows(valid_s_b, pos_s_b))
         return self.tensors[key]
+
+    def count(self, device: torch.device, region: int, value: int) -> torch.Tensor:
+        """``[value]`` int32 on ``device``: a merge's slot count over several plans (a bounds slot of ``region`` of its
+        own per value: calls of one step may merge different counts, e.g. groups of padded rows)."""
+        key = ("count", torch.device(device), region, value)
+        if key not in self.tensors:
+            self.tensors[key] = self.workspace.bounds(device, region, ("count", value), [[value]])[0]
+        return self.tensors[key]
+
+    def mask(self, device: torch.device, valid: torch.Tensor) -> torch.Tensor:
+        """The step's mask in the workspace (:meth:`DecodeWorkspace.mask`), copied once per step."""
+        key = ("mask", id(valid))
+        if key not in self.tensors:
+            self.tensors[key] = (valid, self.workspace.mask(device, valid))  # (valid kept: its id stays its own)
+        return self.tensors[key][1]

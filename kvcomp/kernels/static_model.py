@@ -583,14 +583,24 @@ def record_global_accesses(launch) -> dict:
 
     importlib.import_module("triton.experimental.gluon")  # imported lazily by the interpreter; needs tl.standard jitted
 
+    def interpreted(value):  # launch arguments, their device functions (a format's) interpreted for this run
+        if isinstance(value, JITFunction):
+            interpret(value.fn.__globals__)
+            return Device(value.fn)
+        if isinstance(value, tuple):
+            items = [interpreted(v) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        return value
+
     for scope in (vars(tl), vars(tl.standard), vars(tl.math), launch.kernel.fn.__globals__):
         interpret(scope)
+    args = {name: interpreted(value) for name, value in launch.args.items()}
     files = {fn.fn.__code__.co_filename for _, _, fn in swapped if "triton" not in Path(fn.fn.__code__.co_filename).parts}
     files.add(launch.kernel.fn.__code__.co_filename)
     builder.create_masked_load, builder.create_masked_store = recorded_load, recorded_store
     interpreter._patch_lang_tensor = patched_tensor
     try:
-        interpreter.InterpretedFunction(launch.kernel.fn)[(1, 1, 1)](**launch.args)
+        interpreter.InterpretedFunction(launch.kernel.fn)[(1, 1, 1)](**args)
     finally:
         builder.create_masked_load, builder.create_masked_store = load, store
         interpreter._patch_lang_tensor = patch_tensor

@@ -1,6 +1,7 @@
 """Payload formats, one module each: its reader (torch decoding and the split kernel's arguments) and, beside it in
-``<format>_triton``, its Triton device functions (Triton is optional: a reader imports them only when a kernel asks).
-:mod:`~kvcomp.kernels.formats.base` states the contract; a new format is its two modules plus a line here.
+``<format>_triton``, its Triton device functions (Triton is optional: only the launcher imports them).
+:mod:`~kvcomp.kernels.formats.base` states the contract; a new format is its two modules plus a line in
+:mod:`~kvcomp.kernels.formats.kernels_triton` (and its reader's export here).
 
 The split kernel (:mod:`kvcomp.kernels.decode_attention_triton`) is compiled per (key format, value format): each
 takes only its own arguments, and the kernel calls its device functions (:class:`~.base.KernelFormat`)."""

@@ -5,8 +5,8 @@ A decode step's keys and values are each a list of *segments* in cache order: fu
 ``[B, H, T, D]`` and payload readers. A reader decodes its segment in torch (:meth:`PayloadReader.dequantize`) and
 tells the split kernel how to read it in registers:
 
-- :meth:`PayloadReader.kernel_format`: its device functions (:class:`KernelFormat`, from the format's ``*_triton``
-  module, imported only then: Triton is optional);
+- its device functions (:class:`KernelFormat`) in the format's ``*_triton`` module, which imports the reader and is
+  found by the reader's class (:data:`~kvcomp.kernels.formats.kernels_triton.KERNEL_FORMATS`; Triton is optional);
 - :meth:`PayloadReader.kernel_args`: its runtime arguments (one named tuple: only the tensors and strides the format
   reads) and compile-time constants (another);
 - :meth:`~PayloadReader.tile_limit`, :attr:`~PayloadReader.wide_tile`, :meth:`~PayloadReader.packed_scores` and
@@ -67,6 +67,16 @@ class KernelFormat(NamedTuple):
     scores: object = None
     fields: object = None
 
+    def __repr__(self) -> str:
+        """The name and each function's source hash: Triton keys its on-disk kernel cache on this text for a
+        compile-time argument (not on the functions' sources), so an edited format function recompiles."""
+        keys = [getattr(f, "cache_key", f) for f in self[1:]]  # (Triton's in-memory key passes the hashes themselves)
+        return f"KernelFormat({self.name!r}, {keys})"
+
+    @property
+    def cache_key(self) -> str:
+        return repr(self)
+
 
 def in_place(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int]:
     """Tensors ``[B, H, ...]`` (or ``[B, T]``) of one shape as a kernel reads them, and their shared sequence
@@ -110,9 +120,6 @@ class PayloadReader:
     def kv_heads(self) -> int:
         return self.codes.shape[1]
 
-    def kernel_format(self) -> KernelFormat:
-        """The format's device functions (its ``*_triton`` module's)."""
-        raise NotImplementedError(f"the fused decode kernel cannot read a {type(self).__name__} payload")
 
     def kernel_args(self, queries: dict) -> tuple[NamedTuple, NamedTuple]:
         """The split kernel's arguments for this payload: runtime (its tensors and strides) and compile-time (its

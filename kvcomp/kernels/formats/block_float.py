@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, Strided
+from kvcomp.kernels.formats.base import PayloadReader, Strided
 from kvcomp.stages.packing import unpack_bits
 
 
@@ -37,10 +37,6 @@ class BlockFloatReader(PayloadReader):
     block: int
     wide_tile = True
 
-    def kernel_format(self) -> KernelFormat:
-        from kvcomp.kernels.formats import block_float_triton
-
-        return block_float_triton.BLOCK_FLOAT
 
     def kernel_args(self, queries: dict) -> tuple[BlockFloatArgs, BlockFloatConstants]:
         return (BlockFloatArgs(Strided.of(self.codes), Strided.of(self.scales), self.levels),

@@ -16,10 +16,12 @@ def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
 
 @triton.jit
 def _tile(a, C: tl.constexpr, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    BITS: tl.constexpr = C.BITS
+    BLOCK: tl.constexpr = C.BLOCK
     ok = t_ok[:, None] & c_ok[None, :]
-    ROW_BYTES: tl.constexpr = (D * C.BITS + 7) // 8
-    code = codes(a.data.ptr, t[:, None] * ROW_BYTES, c[None, :], ok, C.BITS, ROW_BYTES)
-    return tl.load(a.levels + code, mask=ok, other=0.0) * params(a.scales.ptr, 0, t, t0, t_ok, c, c0, c_ok, D, C.BLOCK,
+    ROW_BYTES: tl.constexpr = (D * BITS + 7) // 8
+    code = codes(a.data.ptr, t[:, None] * ROW_BYTES, c[None, :], ok, BITS, ROW_BYTES)
+    return tl.load(a.levels + code, mask=ok, other=0.0) * params(a.scales.ptr, 0, t, t0, t_ok, c, c0, c_ok, D, BLOCK,
                                                                   False, BLOCK_T)
 
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, Strided, in_place
+from kvcomp.kernels.formats.base import PayloadReader, Strided, in_place
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.lloyd_max import TINY
 from kvcomp.stages.normalization import affine_denormalize, per_token
@@ -66,10 +66,6 @@ class CodebookReader(PayloadReader):
     def code_bits(self) -> int:
         return CodebookQuantizer(self.layout, self.num_centroids).code_bits
 
-    def kernel_format(self) -> KernelFormat:
-        from kvcomp.kernels.formats import codebook_triton
-
-        return codebook_triton.CODEBOOK
 
     def kernel_args(self, queries: dict) -> tuple[CodebookArgs, CodebookConstants]:
         present = [t for t in (self.token_scale, self.token_center) if t is not None]

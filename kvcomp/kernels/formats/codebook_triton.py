@@ -15,29 +15,41 @@ TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # the least norm a unit-no
 
 @triton.jit
 def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
+    CENTROIDS: tl.constexpr = C.CENTROIDS
+    CL: tl.constexpr = C.CL
+    GC: tl.constexpr = C.GC
+    TL: tl.constexpr = C.TL
+    TOKEN_CENTER: tl.constexpr = C.TOKEN_CENTER
+    TOKEN_SCALE: tl.constexpr = C.TOKEN_SCALE
     scale, center = a.token_scale, a.token_center
-    if C.TOKEN_SCALE:
+    if TOKEN_SCALE:
         scale = at(scale, b, h)
-    if C.TOKEN_CENTER:
+    if TOKEN_CENTER:
         center = at(center, b, h)
-    return CodebookArgs(at(a.data, b, h), a.codebooks + h * (D // C.GC) * C.CENTROIDS * (C.TL * C.CL), a.ch_scale + h * D,
+    return CodebookArgs(at(a.data, b, h), a.codebooks + h * (D // GC) * CENTROIDS * (TL * CL), a.ch_scale + h * D,
                         a.ch_center + h * D, scale, center)
 
 
 @triton.jit
 def _tile(a, C: tl.constexpr, t, t_ok, c, c_ok, D: tl.constexpr, SCALED: tl.constexpr):
     """Payload tokens ``t`` x channels ``c`` as float32 (times the token scale where ``SCALED``)."""
+    CENTROIDS: tl.constexpr = C.CENTROIDS
+    CL: tl.constexpr = C.CL
+    CODE_BITS: tl.constexpr = C.CODE_BITS
+    GC: tl.constexpr = C.GC
+    TL: tl.constexpr = C.TL
+    TOKEN_CENTER: tl.constexpr = C.TOKEN_CENTER
     ok = t_ok[:, None] & c_ok[None, :]
-    ROW_BYTES: tl.constexpr = ((D // C.CL) * C.CODE_BITS + 7) // 8
-    code = codes(a.data.ptr, (t[:, None] // C.TL) * ROW_BYTES, (c // C.CL)[None, :], ok, C.CODE_BITS, ROW_BYTES)
-    entry = (t % C.TL)[:, None] * C.CL + (c % C.CL)[None, :]
-    centroid = (c // C.GC)[None, :] * C.CENTROIDS + code
-    z = tl.load(a.codebooks + centroid * (C.TL * C.CL) + entry, mask=ok, other=0.0).to(tl.float32)
+    ROW_BYTES: tl.constexpr = ((D // CL) * CODE_BITS + 7) // 8
+    code = codes(a.data.ptr, (t[:, None] // TL) * ROW_BYTES, (c // CL)[None, :], ok, CODE_BITS, ROW_BYTES)
+    entry = (t % TL)[:, None] * CL + (c % CL)[None, :]
+    centroid = (c // GC)[None, :] * CENTROIDS + code
+    z = tl.load(a.codebooks + centroid * (TL * CL) + entry, mask=ok, other=0.0).to(tl.float32)
     s = tl.load(a.ch_scale + c, mask=c_ok, other=0.0)[None, :]
     center = tl.load(a.ch_center + c, mask=c_ok, other=0.0)[None, :]
     if SCALED:
         s = s * tl.load(a.token_scale.ptr + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
-    if C.TOKEN_CENTER:
+    if TOKEN_CENTER:
         center = center + tl.load(a.token_center.ptr + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
     return z * s + center
 
@@ -46,10 +58,12 @@ def _tile(a, C: tl.constexpr, t, t_ok, c, c_ok, D: tl.constexpr, SCALED: tl.cons
 def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """``UNIT`` (vLLM's norm correction): each token's decoded vector is rescaled to unit norm over both halves, then
     times its token scale."""
-    SCALED: tl.constexpr = C.TOKEN_SCALE and not C.UNIT
+    TOKEN_SCALE: tl.constexpr = C.TOKEN_SCALE
+    UNIT: tl.constexpr = C.UNIT
+    SCALED: tl.constexpr = TOKEN_SCALE and not UNIT
     lo = _tile(a, C, t, t_ok, c, c_ok, D, SCALED)
     hi = _tile(a, C, t, t_ok, c + D // 2, c_ok, D, SCALED)
-    if C.UNIT:  # channels outside c_ok are 0
+    if UNIT:  # channels outside c_ok are 0
         norm = tl.sqrt(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1))
         factor = tl.load(a.token_scale.ptr + t, mask=t_ok, other=0.0).to(tl.float32) / tl.maximum(norm, TINY)
         lo = lo * factor[:, None]

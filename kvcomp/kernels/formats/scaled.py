@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, Strided
+from kvcomp.kernels.formats.base import PayloadReader, Strided
 
 
 class ScaledArgs(NamedTuple):
@@ -35,10 +35,6 @@ class ScaledReader(PayloadReader):
     def per_token(self) -> bool:
         return self.scale.dim() == 4
 
-    def kernel_format(self) -> KernelFormat:
-        from kvcomp.kernels.formats import scaled_triton
-
-        return scaled_triton.SCALED
 
     def kernel_args(self, queries: dict) -> tuple[ScaledArgs, ScaledConstants]:
         scale = Strided.of(self.scale) if self.per_token else self.scale.float().reshape(1).contiguous()

@@ -10,8 +10,9 @@ from kvcomp.kernels.formats.tiles_triton import at
 
 @triton.jit
 def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
+    TOKEN_SCALE: tl.constexpr = C.TOKEN_SCALE
     scale = a.scale
-    if C.TOKEN_SCALE:
+    if TOKEN_SCALE:
         scale = at(a.scale, b, h)
     return ScaledArgs(at(a.data, b, h), scale)
 
@@ -19,8 +20,9 @@ def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
 @triton.jit
 def _tile(a, C: tl.constexpr, t, t_ok, c, c_ok, D: tl.constexpr):
     """float8 or int8 values (the pointer's element type) times a per-token or per-tensor scale."""
+    TOKEN_SCALE: tl.constexpr = C.TOKEN_SCALE
     x = tl.load(a.data.ptr + t[:, None] * D + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-    if C.TOKEN_SCALE:
+    if TOKEN_SCALE:
         x = x * tl.load(a.scale.ptr + t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
     else:
         x = x * tl.load(a.scale).to(tl.float32)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, Strided
+from kvcomp.kernels.formats.base import PayloadReader, Strided
 from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
 
 
@@ -115,10 +115,6 @@ class SketchReader(PayloadReader):
     def packed_scores(self, head_dim: int, dot: bool) -> bool:
         return True  # always scored from the bits
 
-    def kernel_format(self) -> KernelFormat:
-        from kvcomp.kernels.formats import sketch_triton
-
-        return sketch_triton.SKETCH
 
     def kernel_args(self, queries: dict) -> tuple[SketchArgs, SketchConstants]:
         """The sign bits and norms, the projected queries ``y = S q`` ``[B, H, R, m]`` (kept in ``queries`` for the
@@ -151,26 +147,20 @@ class SignReader(PayloadReader):
     def kv_heads(self) -> int:
         return self.signs.shape[1]
 
-    def kernel_format(self) -> KernelFormat:
-        from kvcomp.kernels.formats import sketch_triton
-
-        return sketch_triton.SIGNS
 
     def kernel_args(self, queries: dict) -> tuple[tuple[Strided, Strided], tuple]:
         """The bits and norms; no constants."""
         return (Strided.of(self.signs), Strided.of(self.norm)), ()
 
-    def residual_args(self, y: torch.Tensor) -> tuple[SketchArgs, tuple[KernelFormat, SketchConstants]]:
+    def residual_args(self, y: torch.Tensor) -> tuple[SketchArgs, SketchConstants]:
         """The kernel's arguments for these bits as the residual sketch of keys (scored against ``y = S q``
-        ``[B, H, R, d]`` of the model's query), a sketch without outliers: runtime, and its format and constants."""
-        from kvcomp.kernels.formats import sketch_triton
-
+        ``[B, H, R, d]`` of the model's query): those of a :class:`SketchReader` without outliers."""
         m = y.shape[-1]
         if m != self.head_dim or m % 8:
             raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} "
                              f"rows for head_dim {self.head_dim}")
         constants = SketchConstants(m, 0, 0, 1, 1 << (m - 1).bit_length())
-        return sketch_args(self.signs, self.norm, y), (sketch_triton.SKETCH, constants)
+        return sketch_args(self.signs, self.norm, y), constants
 
     def dequantize_unrotated(self) -> torch.Tensor:
         return unpack_signs(self.signs, self.head_dim) * self.norm.float()[..., None]

@@ -18,8 +18,9 @@ def signs(packed, row, row_bytes, m, ok):
 
 @triton.jit
 def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
+    N_OUT: tl.constexpr = C.N_OUT
     outliers = a.outliers
-    if C.N_OUT > 0:
+    if N_OUT > 0:
         o = a.outliers
         outliers = Outliers(o.projection, at(o.signs, b, h), at(o.norm, b, h), at(o.channels, b, h), o.scale)
     return SketchArgs(at(a.signs, b, h), at(a.norm, b, h), at(a.y, b, h), a.scale, outliers)
@@ -35,26 +36,30 @@ def scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, 
     end at multiples of ``BLOCK_T`` from the payload's first token). Sketch rows are padded to ``M_PAD``, a
     power of two, and the padding contributes nothing (``y = 0``, ``S = 0``, no sign bits). Scored on the register
     path whatever ``DOT``."""
+    GROUP: tl.constexpr = C.GROUP
     M: tl.constexpr = C.M
-    m = tl.arange(0, C.M_PAD)
+    M_OUT: tl.constexpr = C.M_OUT
+    M_PAD: tl.constexpr = C.M_PAD
+    N_OUT: tl.constexpr = C.N_OUT
+    m = tl.arange(0, M_PAD)
     m_ok = m < M
     ok = t_ok[:, None] & m_ok[None, :]
     sign = signs(a.signs.ptr, t, M // 8, m, ok)  # [BLOCK_T, M_PAD]
     y = tl.load(a.y.ptr + rows[:, None] * M + m[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
-    if C.N_OUT > 0:
+    if N_OUT > 0:
         o = a.outliers
-        group = t0 // C.GROUP
-        u = tl.zeros((BLOCK_R, C.M_PAD), dtype=tl.float32)
-        for i in tl.static_range(C.N_OUT):
-            channel = tl.load(o.channels.ptr + group * C.N_OUT + i).to(tl.int32)
+        group = t0 // GROUP
+        u = tl.zeros((BLOCK_R, M_PAD), dtype=tl.float32)
+        for i in tl.static_range(N_OUT):
+            channel = tl.load(o.channels.ptr + group * N_OUT + i).to(tl.int32)
             q_c = tl.load(q_ptr + rows * D + channel, mask=row_ok, other=0.0).to(tl.float32)
             u += q_c[:, None] * tl.load(o.projection + m * D + channel, mask=m_ok, other=0.0)[None, :]
         y = y - u
     inlier = tl.load(a.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
     s = row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (a.scale * inlier)[None, :]  # padded rows: y = 0
-    if C.N_OUT > 0:
-        first_rows = m < C.M_OUT
-        sign = tl.where(first_rows[None, :], signs(o.signs.ptr, t, C.M_OUT // 8, m, ok & first_rows[None, :]), 0.0)
+    if N_OUT > 0:
+        first_rows = m < M_OUT
+        sign = tl.where(first_rows[None, :], signs(o.signs.ptr, t, M_OUT // 8, m, ok & first_rows[None, :]), 0.0)
         outlier = tl.load(o.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
         s += row_scores(u, sign, rows, BLOCK_R, BLOCK_T) * (o.scale * outlier)[None, :]
     return s * qk_scale

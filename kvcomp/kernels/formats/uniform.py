@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, Strided, in_place
+from kvcomp.kernels.formats.base import PayloadReader, Strided, in_place
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
@@ -58,10 +58,6 @@ class UniformReader(PayloadReader):
 
     wide_tile = True
 
-    def kernel_format(self) -> KernelFormat:
-        from kvcomp.kernels.formats import uniform_triton
-
-        return uniform_triton.UNIFORM
 
     def kernel_args(self, queries: dict) -> tuple[UniformArgs, UniformConstants]:
         (scale, zero), param_s_b, param_s_h = in_place(self.scale, self.zero)

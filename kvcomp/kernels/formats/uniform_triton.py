@@ -55,8 +55,9 @@ def params(ptr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, GROUP: tl.con
 
 @triton.jit
 def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
+    MULTIPLIER: tl.constexpr = C.MULTIPLIER
     multiplier = a.multiplier
-    if C.MULTIPLIER > 0:
+    if MULTIPLIER > 0:
         multiplier = at(a.multiplier, b, h)
     offset = b * a.param_s_b + h * a.param_s_h
     return UniformArgs(at(a.data, b, h), a.scale + offset, a.zero + offset, a.param_s_b, a.param_s_h, multiplier)
@@ -67,13 +68,17 @@ def _tile(a, C: tl.constexpr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr,
     """Payload tokens ``t`` x channels ``c`` (the first ``c0``) as float32; rows outside ``t_ok`` hold anything
     finite. The multiplier (KVarN's normaliser) lies along the other axis than the parameters: per token, or per
     channel every ``C.MULTIPLIER`` tokens."""
+    BITS: tl.constexpr = C.BITS
+    GROUP: tl.constexpr = C.GROUP
+    MULTIPLIER: tl.constexpr = C.MULTIPLIER
+    PER_CHANNEL: tl.constexpr = C.PER_CHANNEL
     ok = t_ok[:, None] & c_ok[None, :]
-    ROW_BYTES: tl.constexpr = (D * C.BITS + 7) // 8
-    code = codes(a.data.ptr, t[:, None] * ROW_BYTES, c[None, :], ok, C.BITS, ROW_BYTES)
-    x = (code.to(tl.float32) * params(a.scale, length, t, t0, t_ok, c, c0, c_ok, D, C.GROUP, C.PER_CHANNEL, BLOCK_T)
-         + params(a.zero, length, t, t0, t_ok, c, c0, c_ok, D, C.GROUP, C.PER_CHANNEL, BLOCK_T))
-    if C.MULTIPLIER > 0:
-        x = x * params(a.multiplier.ptr, length, t, t0, t_ok, c, c0, c_ok, D, C.MULTIPLIER, not C.PER_CHANNEL, BLOCK_T)
+    ROW_BYTES: tl.constexpr = (D * BITS + 7) // 8
+    code = codes(a.data.ptr, t[:, None] * ROW_BYTES, c[None, :], ok, BITS, ROW_BYTES)
+    x = (code.to(tl.float32) * params(a.scale, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
+         + params(a.zero, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T))
+    if MULTIPLIER > 0:
+        x = x * params(a.multiplier.ptr, length, t, t0, t_ok, c, c0, c_ok, D, MULTIPLIER, not PER_CHANNEL, BLOCK_T)
     return x
 
 
@@ -91,6 +96,7 @@ def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, 
     query sub-vector, instead of one byte load per channel."""
     BITS: tl.constexpr = C.BITS
     GROUP: tl.constexpr = C.GROUP
+    PER_CHANNEL: tl.constexpr = C.PER_CHANNEL
     PER_BYTE: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // PER_BYTE
     scale, zero = a.scale, a.zero
@@ -101,7 +107,7 @@ def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, 
     for j in tl.static_range(PER_BYTE):
         channel = i * PER_BYTE + j
         code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        if C.PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see params)
+        if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see params)
             first = t0 // GROUP
             second_ok = tl.zeros_like(i) + first + 1 < length // GROUP
             in_first = (t // GROUP == first)[:, None]
@@ -110,7 +116,7 @@ def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, 
             zc = tl.where(in_first, tl.load(zero + first * D + channel).to(tl.float32)[None, :],
                           tl.load(zero + (first + 1) * D + channel, mask=second_ok, other=0.0).to(tl.float32)[None, :])
         else:
-            if C.PER_CHANNEL:
+            if PER_CHANNEL:
                 param = (t[:, None] // GROUP) * D + channel[None, :]
             else:
                 param = t[:, None] * (D // GROUP) + channel[None, :] // GROUP
@@ -136,12 +142,13 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
     head_dim layout once, at the end. Byte ``i`` lies in per-token group ``i // (GROUP / PER_BYTE)`` for
     every field, so a token's few group scales are loaded once and selected per byte in registers."""
     BITS: tl.constexpr = C.BITS
+    GROUP: tl.constexpr = C.GROUP
     PER_BYTE: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // PER_BYTE
-    GROUPS: tl.constexpr = D // C.GROUP
+    GROUPS: tl.constexpr = D // GROUP
     i = tl.arange(0, W)
     byte = tl.load(a.data.ptr + t[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
-    group_of = (i // (C.GROUP // PER_BYTE))[None, :]
+    group_of = (i // (GROUP // PER_BYTE))[None, :]
     sc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
     zc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
     for k in tl.static_range(GROUPS):
