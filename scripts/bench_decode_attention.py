@@ -318,6 +318,8 @@ def main(argv=None) -> str:
     parser.add_argument("--cuda-graphs", action="store_true", help="also time each codec's call captured in CUDA graphs")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
+    if args.smoke and args.cuda_graphs:
+        parser.error("--cuda-graphs captures CUDA graphs: it needs a GPU, not --smoke")
     if args.smoke:
         device = torch.device("cpu")
         contexts, batches, encode_tokens, timer = [160], [1], 32, Timer(device, 0, 1)

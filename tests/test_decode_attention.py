@@ -814,3 +814,10 @@ def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask():
         outputs.append(out)
     assert len(grids) == 1  # the grid of a graph's plan does not change as the cache grows
     assert len(captured) == 1 and outputs[1] is outputs[2] is outputs[3]  # captured once, replayed into its own output
+
+
+def test_cuda_graphs_need_the_fused_kernels(tiny_llama):
+    from kvcomp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cuda_graphs=True .* needs kernel_backend='triton'"):
+        install(tiny_llama, "torch", cuda_graphs=True)

@@ -550,11 +550,12 @@ def record_global_accesses(launch) -> dict:
     found = {}
     builder = interpreter.interpreter_builder
 
-    def chain():
+    def chain():  # each frame's line as Triton's locations give it: where the running call expression ends
         frames, frame = [], sys._getframe(2)
         while frame is not None:
-            if frame.f_code.co_filename in files:
-                frames.append((Path(frame.f_code.co_filename).name, frame.f_lineno))
+            if frame.f_code.co_filename in files:  # (a call over several lines: its last argument's line)
+                end = list(frame.f_code.co_positions())[frame.f_lasti // 2][1]
+                frames.append((Path(frame.f_code.co_filename).name, end or frame.f_lineno))
             frame = frame.f_back
         return tuple(frames)
 
