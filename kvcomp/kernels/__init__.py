@@ -6,11 +6,14 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
   Triton device functions; the readers are imported by the references and the Triton launchers, importing neither;
 - ``decode_attention`` (reference, dispatch) / ``decode_attention_triton``: decode-step attention
   reading packed uniform/KIVI, codebook, QJL-sketch, float8 / int8 and NVFP4 payloads, split-K + merge;
+- ``decode_plan``: a decode step's launches planned once and run by every layer, in a workspace kept across steps
+  (with each launch's token bounds on the device); ``decode_graphs``: those launches captured in CUDA graphs;
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
   packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
 - ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;
 - ``benchmarking``: timing and L2 rotation shared by the GPU benchmarks in ``scripts/``;
-- ``resources``: registers, spills, shared memory and occupancy of a launch compiled for sm_90 without a GPU.
+- ``resources``: registers, spills, shared memory and occupancy of a launch compiled for sm_90 without a GPU;
+  ``static_model``: a decode step's time on an H100 predicted from the compiled code.
 """
 
 import contextlib

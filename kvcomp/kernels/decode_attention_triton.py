@@ -428,7 +428,7 @@ def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: 
     full-precision pieces and one encoded payload): ``{prefix}_pieces``, ``{prefix}`` and the compile-time
     ``{PREFIX}_FORMAT``, ``{PREFIX}``, ``{PREFIX}_AT`` (their bounds: the launch's row,
     :meth:`~kvcomp.kernels.decode_plan.DecodePlan.rows`)."""
-    pieces, args, constants, functions, at_ = [], (), None, None, 4  # at_: the payload's position (4: none)
+    pieces, args, constants, functions, payload_at = [], (), None, None, 4  # the payload's position (4: none)
     for position, index in enumerate(indices):
         segment = segments[index]
         if isinstance(segment, torch.Tensor):
@@ -436,12 +436,12 @@ def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: 
                      else segment.contiguous())  # tokens head_dim apart
             pieces.append(Strided(piece, *piece.stride()[:2]))
             continue
-        at_ = position
+        payload_at = position
         args, constants = segment.kernel_args(queries)
         functions = kernel_format(segment)
     upper = prefix.upper()
     return {f"{prefix}_pieces": tuple(pieces), prefix: args, f"{upper}_FORMAT": functions, upper: constants,
-            f"{upper}_AT": at_}
+            f"{upper}_AT": payload_at}
 
 
 def _kv_heads(segment: Segment) -> int:
