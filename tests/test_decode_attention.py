@@ -821,3 +821,22 @@ def test_cuda_graphs_need_the_fused_kernels(tiny_llama):
 
     with pytest.raises(ConfigError, match="cuda_graphs=True .* needs kernel_backend='triton'"):
         install(tiny_llama, "torch", cuda_graphs=True)
+
+
+def test_calls_that_never_come_back_do_not_pile_up(monkeypatch):
+    """A call whose tensors change every step (a query projected per step) is never captured: the graphs remember
+    the last KEPT calls only; one met again is captured, then replayed."""
+    from kvcomp.kernels import Launch, decode_graphs
+
+    class Kernel:  # a launchable stand-in: kernel[grid](**args) records the call's tag
+        def __getitem__(self, grid):
+            return lambda **args: runs.append(args["tag"])
+
+    monkeypatch.setattr(decode_graphs, "KEPT", 2)
+    runs, kernel = [], Kernel()
+    graphs = decode_graphs.DecodeGraphs(capture=lambda run: run)
+    query, out = torch.zeros(1), torch.zeros(1)
+    for tag in (0, 1, 2, 3, 3, 3):  # four calls met once, then the last one twice more
+        graphs.run([Launch(kernel, (1,), {"tag": tag, "q_ptr": query})], query, out)
+    assert len(graphs.seen) == 2 and len(graphs.captured) == 1
+    assert runs == [0, 1, 2, 3, 3, 3]  # run, run, run, run, captured (and run), replayed

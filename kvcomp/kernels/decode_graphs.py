@@ -13,9 +13,12 @@ launches again (the same arguments)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+KEPT = 1024  # calls remembered (seen or captured), the least recently used forgotten first: a model's layers, twice
 
 
 def _summary(value):
@@ -47,7 +50,14 @@ class DecodeGraphs:
     (:func:`cuda_capture`; a stand-in in the CPU tests)."""
 
     def __init__(self, capture=cuda_capture):
-        self.capture, self.seen, self.captured = capture, set(), {}
+        self.capture, self.seen, self.captured = capture, OrderedDict(), OrderedDict()
+
+    @staticmethod
+    def _keep(calls: OrderedDict, key, value) -> None:
+        calls[key] = value
+        calls.move_to_end(key)
+        if len(calls) > KEPT:  # calls that never come back (a query projected per step) must not pile up
+            calls.popitem(last=False)
 
     def run(self, launches: list, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Run a call's ``launches`` (split launches reading ``query`` as ``q_ptr``, then the merge writing ``out``):
@@ -56,11 +66,12 @@ class DecodeGraphs:
                                                        if name not in ("q_ptr", "out_ptr"))) for launch in launches)
         found = self.captured.get(key)
         if found is not None:
+            self.captured.move_to_end(key)
             found.query.copy_(query)
             found.replay()
             return found.out
         if key not in self.seen:  # the first time: as it is (it compiles the kernels), remembered
-            self.seen.add(key)
+            self._keep(self.seen, key, None)
             for launch in launches:
                 launch()
             return out
@@ -72,6 +83,7 @@ class DecodeGraphs:
             for launch in launches:
                 launch()
 
-        entry = self.captured[key] = Captured(self.capture(call), static, out)
+        entry = Captured(self.capture(call), static, out)
+        self._keep(self.captured, key, entry)
         entry.replay()  # capturing records the launches without running them
         return out
