@@ -550,12 +550,17 @@ def record_global_accesses(launch) -> dict:
     found = {}
     builder = interpreter.interpreter_builder
 
+    positions = {}  # code object -> its instructions' source positions
+
     def chain():  # each frame's line as Triton's locations give it: where the running call expression ends
         frames, frame = [], sys._getframe(2)
         while frame is not None:
-            if frame.f_code.co_filename in files:  # (a call over several lines: its last argument's line)
-                end = list(frame.f_code.co_positions())[frame.f_lasti // 2][1]
-                frames.append((Path(frame.f_code.co_filename).name, end or frame.f_lineno))
+            code = frame.f_code
+            if code.co_filename in files:  # (a call over several lines: its last argument's line)
+                if code not in positions:
+                    positions[code] = list(code.co_positions())
+                end = positions[code][frame.f_lasti // 2][1]
+                frames.append((Path(code.co_filename).name, end or frame.f_lineno))
             frame = frame.f_back
         return tuple(frames)
 
