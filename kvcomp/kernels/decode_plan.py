@@ -188,7 +188,8 @@ class DecodeStep:
 
     workspace: DecodeWorkspace = field(default_factory=DecodeWorkspace)
     plans: dict = field(default_factory=dict)
-    tensors: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)  # what the step copied to the device, by kind and inputs
+    slots: dict = field(default_factory=dict)  # bounds slots given to the step's plans so far, per (device, region)
 
     def plan(self, *inputs) -> DecodePlan:
         """:func:`plan_decode` of ``inputs`` (its arguments but ``fixed_grid``, the workspace's ``graphs``)."""
@@ -199,9 +200,10 @@ class DecodeStep:
     def bounds(self, plan: DecodePlan, device: torch.device, region: int, valid_s_b: int, pos_s_b: int) -> torch.Tensor:
         """The plan's rows of bounds (:meth:`DecodePlan.rows`), int32 ``[launches, ROW]`` on ``device``, copied once
         per step into the workspace (each plan of a region in a slot of its own, in the order the step meets them)."""
-        key = (plan, torch.device(device), region, valid_s_b, pos_s_b)
+        key = ("bounds", plan, torch.device(device), region, valid_s_b, pos_s_b)
         if key not in self.tensors:
-            slot = sum(k[1:3] == key[1:3] for k in self.tensors if isinstance(k, tuple) and len(k) == 5)
+            slot = self.slots.get(key[2:4], 0)
+            self.slots[key[2:4]] = slot + 1
             self.tensors[key] = self.workspace.bounds(device, region, slot, plan.rows(valid_s_b, pos_s_b))
         return self.tensors[key]
 
