@@ -43,7 +43,8 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
-    SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, step_seconds, tile_instructions)
+    L1_BYTES, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles, record_global_accesses,
+    step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
 SHAPES = [(1, 4096), (16, 32768), (16, 131072)]
@@ -67,13 +68,17 @@ def codec_for(name: str):
     return codec
 
 
-def analysed(launch: Launch, skip: tuple = ()) -> dict:
-    """Resources and tile counts of one compiled launch."""
+def analysed(launch: Launch, skip: tuple = (), whole: Launch | None = None) -> dict:
+    """Resources and tile counts of one compiled launch; ``whole``: the same launch in one slice per head, whose
+    program 0 runs every tile of its head (the loads' reuse between tiles, :func:`load_cycles`)."""
     compiled = compile_launch(launch)
     found = kernel_resources(compiled)
     instructions, looped = tile_instructions(disassemble(compiled.asm["cubin"]), skip)
-    found.update(counts=count(instructions, accesses(launch, compiled)), looped=looped,
-                 resident=round(found["occupancy"] * 64) // found["num_warps"])
+    resident = round(found["occupancy"] * 64) // found["num_warps"]
+    l1_bytes = (L1_BYTES - resident * found["shared"]) / max(1, resident)  # each resident program's share of the L1
+    recorded = record_global_accesses(whole or launch)
+    found.update(counts=count(instructions, accesses(launch, compiled, recorded), load_cycles(recorded, l1_bytes)),
+                 looped=looped, resident=resident)
     return found
 
 
@@ -124,6 +129,7 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
     # sinks or tail beside such a payload)
     query, keys, values, valid, rope, options = today.payload_launch_inputs(query, keys, values, valid, rope, options)
     _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)
+    _, wholes = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **{**options, "num_splits": 1})
     step = DecodeStep()  # one layer's call in a step whose plan and workspace are made (as the benchmark times it)
     with bound_launches(()):  # the benchmark's call, on this CPU: its launcher and Triton's binding of each launch
         host = host_seconds(lambda: decode_attention(model_query, model_keys, model_values, D**-0.5, None, model_rope,
@@ -132,7 +138,7 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
                                                           key_rope=model_rope, step=step, **options))
     block = launches[0].args["unit"]  # the tokens per tile the launch was planned with
     splits, merge = launches[:-1], launches[-1]
-    found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields")) for launch in splits]
+    found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields"), whole) for launch, whole in zip(splits, wholes)]
     merged = analysed(merge)
     out = {}
     for batch, context in shapes:
@@ -196,7 +202,9 @@ def old_step(module, name: str, shapes) -> dict:
     with bound_launches((Recorder,)):
         host = host_seconds(lambda: module.decode_attention_triton(query, keys, values, D**-0.5, starts, lengths, rope))
     splits, merge = launches[:-1], launches[-1]
-    found, merged = [analysed(launch) for launch in splits], analysed(merge)
+    del launches[:]
+    module.decode_attention_triton(query, keys, values, D**-0.5, starts, lengths, rope, num_splits=1)
+    found, merged = [analysed(launch, (), whole) for launch, whole in zip(splits, launches)], analysed(merge)
     out = {}
     for batch, context in shapes:
         key_bounds, _, value_bounds, _ = stream_bounds(codec, context)

@@ -84,16 +84,81 @@ def test_a_kernel_without_a_loop_is_one_tile():
 def test_bounds_arithmetic():
     counts = sm.TileCounts()
     counts.classes.update({"fma": 800, "special": 10, "control": 200})
-    counts.wavefronts, counts.barriers = 400.0, 5
+    counts.wavefronts, counts.latency = 400.0, 150.0
     geometry = sm.Geometry(programs=2 * sm.SMS + 1, num_warps=4, resident=2, tiles=10, bytes=2970e6)
     found = sm.bounds(counts, geometry)
     warp_tiles = 3 * 10 * 4  # the busiest SM runs 3 programs
     assert math.isclose(found["issue"], warp_tiles * 1010 / 4 / sm.CLOCK_HZ)
     assert math.isclose(found["l1"], warp_tiles * 400 / sm.CLOCK_HZ)
     assert math.isclose(found["mufu"], warp_tiles * 10 * 2 / sm.CLOCK_HZ)
-    assert math.isclose(found["barrier"], 2 * 10 * 5 * sm.BARRIER_CYCLES / sm.CLOCK_HZ)  # 2 rounds of 2 resident
+    assert math.isclose(found["latency"], 2 * 10 * 150 / sm.CLOCK_HZ)  # 2 rounds of 2 resident programs
     assert math.isclose(found["dram"], 1e-3)
     assert math.isclose(found["time"], 1e-3 + sm.LAUNCH_S)  # DRAM-bound here
+
+
+def _ins(opcode: str, operands: str, guard: str | None = None, line: int | None = None) -> sm.Instruction:
+    return sm.Instruction(0, opcode, guard is not None, None, line and ("k.py", line), operands, guard)
+
+
+def test_registers_read_and_written():
+    assert sm.registers(_ins("IADD3", "R100, P0, R122, R37, RZ")) == (["R122", "R37"], ["R100", "P0"])
+    assert sm.registers(_ins("ISETP.GE.AND", "P0, PT, R13.reuse, R89, PT")) == (["R13", "R89"], ["P0"])
+    assert sm.registers(_ins("LDG.E.128", "R4, desc[UR6][R8.64]", "P3")) == (["P3", "UR6", "R8", "R9"],
+                                                                           ["R4", "R5", "R6", "R7"])
+    assert sm.registers(_ins("STS.128", "[R2], R12")) == (["R2", "R12", "R13", "R14", "R15"], [])
+    assert sm.registers(_ins("SEL", "R3, R4, R5, P0")) == (["R4", "R5", "P0"], ["R3"])
+    assert sm.registers(_ins("IMAD.WIDE", "R156, R159, 0x2, R152"))[1] == ["R156", "R157"]
+    assert sm.registers(_ins("R2P", "PR, R228, 0x3"))[1] == [f"P{i}" for i in range(7)]
+
+
+def test_tile_cycles_wait_for_operands_in_order():
+    load = _ins("LDG.E", "R4, desc[UR4][R2.64]")
+    use = _ins("FFMA", "R6, R4, R4, R6")
+    independent = [_ins("FADD", f"R{10 + i}, R20, R21") for i in range(8)]
+    assert sm.tile_cycles(independent) == 8  # one issue per cycle
+    assert sm.tile_cycles([load, use]) == sm.DRAM_CYCLES + 1  # the use waits for the load
+    work = independent * 60  # 480 cycles of independent work hide the load's 400
+    assert sm.tile_cycles([load, use, *work]) == sm.DRAM_CYCLES + 1 + len(work)
+    assert sm.tile_cycles([load, *work, use]) == len(work) + 2
+    assert sm.tile_cycles([use, load, *work]) == len(work) + 2  # a load for the next tile, in flight across tiles
+    chain = [_ins("FFMA", "R6, R6, R6, R6")] * 4  # each waits for the one before, across tiles too
+    assert sm.tile_cycles(chain) == 4 * sm.ARITHMETIC_CYCLES
+    assert sm.tile_cycles([_ins("BAR.SYNC.DEFER_BLOCKING", "0x0"), *independent]) == sm.BARRIER_CYCLES + 8
+    assert sm.tile_cycles([load.__class__(**{**vars(load), "source": ("k.py", 7)}), use],
+                          {("k.py", 7): sm.SHARED_CYCLES}) == sm.SHARED_CYCLES + 1  # an L1 hit
+
+
+def test_load_cycles_from_reuse_between_tiles():
+    def recorded(reuse, footprint, load=True):
+        return sm.Recorded(None, None, load, reuse, footprint)
+    found = {(("k.py", 1), ("k.py", 9)): recorded(1.0, 4096), (("k.py", 2),): recorded(0.0, 1 << 20),
+             (("k.py", 3),): recorded(0.5, 4096), (("k.py", 4),): recorded(1.0, 64, load=False)}
+    cycles = sm.load_cycles(found, l1_bytes=16384)
+    assert cycles == {("k.py", 1): sm.SHARED_CYCLES, ("k.py", 2): sm.DRAM_CYCLES,
+                      ("k.py", 3): (sm.SHARED_CYCLES + sm.DRAM_CYCLES) / 2}
+    assert sm.load_cycles(found, l1_bytes=4096)[("k.py", 1)] == sm.L2_CYCLES  # the reused lines do not fit the L1
+
+
+COLD = """
+.L_x_1:
+        /*0000*/                   FFMA R1, R4, R5, R1 ;
+        /*0010*/               @P0 BRA `(.L_x_3) ;
+        /*0020*/                   MOV R2, RZ ;
+.L_x_2:
+        /*0030*/                   LDG.E.CONSTANT R8, desc[UR4][R2.64] ;
+        /*0040*/                   IADD3 R2, R2, 0x4, RZ ;
+        /*0050*/               @P2 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0060*/                   FMUL R1, R1, R8 ;
+        /*0070*/               @P1 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_a_branch_over_an_inner_loop_is_taken():
+    """libdevice's sin/cos reduce a huge argument in a loop over a table, behind a branch the tile takes."""
+    instructions, looped = sm.tile_instructions(COLD)
+    assert looped and [i.address for i in instructions] == [0x00, 0x10, 0x60, 0x70]
 
 
 def test_a_step_waits_for_the_slower_of_host_and_device(monkeypatch):

@@ -24,10 +24,17 @@ the occupancy of the resources table):
   ncu profiles of 9c57ff6 found the split and QJL kernels L1/TEX-bound at 95-99.5 %;
 - **special functions**: MUFU (exp2, sin, cos, reciprocal) at 16 lanes per cycle per SM, 2 cycles per warp
   instruction;
-- **barriers**: a program's warps meet at every ``BAR.SYNC`` of the tile (Triton's cross-warp reductions
-  and layout conversions go through shared memory), each wait at least a shared-memory round trip
-  (``BARRIER_CYCLES``); programs resident together overlap their waits, so this bound counts the busiest
-  multiprocessor's rounds of resident programs (a partial last round costs a full one);
+- **latency**: a program's warps run their tiles side by side, each tile no faster than one warp issuing its
+  instructions in order and waiting for each operand (:func:`tile_cycles`): arithmetic ``ARITHMETIC_CYCLES``,
+  shared memory, shuffles and spills ``SHARED_CYCLES``, MUFU and conversions ``VARIABLE_CYCLES``, ``HMMA``
+  ``TENSOR_CYCLES``, a global load ``DRAM_CYCLES`` except for the share of its lines an earlier tile read, which
+  hits the L1 (``SHARED_CYCLES``) where the reused lines of all loads fit in the program's share of it, else the
+  L2 (``L2_CYCLES``; :func:`load_cycles`, from the addresses program 0 reads over its run); every ``BAR.SYNC``
+  (Triton's cross-warp reductions and layout conversions meet there) holds the warp ``BARRIER_CYCLES``. Programs
+  resident together overlap, so this bound counts the busiest multiprocessor's rounds of resident programs (a
+  partial last round costs a full one). The ncu profile of 9c57ff6's TemporalKV-2 found it latency-bound at
+  2 warps per scheduler (L1 50 % busy, 255 registers). A conditional branch over an inner loop (libdevice's
+  sin/cos reducing huge arguments) is not taken (:func:`_cold_loops`);
 - **DRAM**: the launch's unique payload bytes / the measured copy bandwidth (whole GPU).
 
 Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
@@ -50,8 +57,14 @@ Constants and their sources:
   Profiling Guide, "Memory Tables": a wavefront is the work one cycle of the L1TEX data stage does,
   different cache lines or conflicting banks are serialised into further wavefronts).
 - ``MUFU_CYCLES = 2``: 16 SFU lanes per SM (4 per partition).
-- ``BARRIER_CYCLES = 30``: the shared-memory load latency of Hopper (about 30 cycles, microbenchmarks,
-  Luo et al. 2024, "Benchmarking and dissecting the Nvidia Hopper GPU architecture").
+- ``SHARED_CYCLES = BARRIER_CYCLES = 30``: the shared-memory and L1-hit load latency of Hopper (about 30 cycles,
+  microbenchmarks, Luo et al. 2024, "Benchmarking and dissecting the Nvidia Hopper GPU architecture").
+- ``ARITHMETIC_CYCLES = 4``, ``L2_CYCLES = 200``, ``DRAM_CYCLES = 400``: H100 latencies of arithmetic, L2 hits and
+  global memory as tabulated for Volta, Ampere and Hopper in Ultrasonics Sonochemistry 99 (2023) 106546, table 3
+  (PubMed Central PMC10448217).
+- ``VARIABLE_CYCLES = 20``, ``TENSOR_CYCLES = 32``: assumed, of the order microbenchmarks report for MUFU and
+  conversions (the variable-latency pipe) and for ``mma.sync`` on Ampere and Hopper; not measured here.
+- ``L1_BYTES = 256 KiB``: the L1 / shared-memory array of an H100 SM (less the programs' shared memory).
 - ``LAUNCH_S = 3e-6``: a kernel launch's fixed cost, on the device and in the driver.
 - ``HOST_REPEATS = 200``: calls timed for the host term, the fastest kept (other processes only add time).
 """
@@ -67,10 +80,13 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_PER_S = 132, 4, 1.755e9, 2970e9
-L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, BARRIER_CYCLES, LAUNCH_S = 1.0, 2.0, 30.0, 3e-6
+L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, LAUNCH_S = 1.0, 2.0, 3e-6
+ARITHMETIC_CYCLES, SHARED_CYCLES, VARIABLE_CYCLES, TENSOR_CYCLES, L2_CYCLES, DRAM_CYCLES = 4.0, 30.0, 20.0, 32.0, 200.0, 400.0
+BARRIER_CYCLES, L1_BYTES = SHARED_CYCLES, 256 * 1024
 HOST_REPEATS = 200
 WARP_LANES, WAVEFRONT_BYTES = 32, 128
 
@@ -130,6 +146,8 @@ class Instruction:
     predicated: bool
     target: str | None  # a branch's label
     source: tuple[str, int] | None  # (file, line) of its source line
+    operands: str = ""  # the text after the opcode, e.g. ``R4, R2, 0x10, RZ``
+    guard: str | None = None  # a predicated instruction's predicate, e.g. ``P0``
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -151,7 +169,9 @@ def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
                 labels[label] = address
             pending = []
             target = re.search(r"`\((\.L_x_\d+)\)", m.group(4))
-            instructions.append(Instruction(address, m.group(3), bool(m.group(2)), target and target.group(1), source))
+            guard = m.group(2) and m.group(2).strip().lstrip("@!")
+            instructions.append(Instruction(address, m.group(3), bool(m.group(2)), target and target.group(1), source,
+                                            m.group(4).strip(), guard))
     return instructions, labels
 
 
@@ -195,6 +215,23 @@ def _reachable(start: set[int], edges: dict[int, set[int]], allowed: set[int]) -
     return seen
 
 
+def _cold_loops(blocks: list, successors: dict, back: list, outer: tuple[int, int], body: set[int]) -> set[int]:
+    """Blocks of the tile loop's ``body`` that a conditional forward branch jumps over to skip an inner loop (a slow
+    path: libdevice's sin/cos reduce huge arguments in a loop over a table); the region from the branch to its
+    target runs only where the branch is not taken."""
+    cold = set()
+    for latch, header in back:
+        if (latch, header) == outer or header not in body:
+            continue
+        for i in sorted((i for i in body if i < header), reverse=True):  # the nearest branch over the whole loop
+            last = blocks[i][-1]
+            target = max(successors[i] - {i + 1}, default=-1)
+            if last.predicated and last.opcode.startswith("BRA") and target > latch:
+                cold |= set(range(i + 1, target)) & body
+                break
+    return cold
+
+
 def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instruction], bool]:
     """The instructions one tile runs (see the module docstring) and whether the kernel has a tile loop.
     ``skip``: source functions whose blocks a payload tile does not run."""
@@ -224,6 +261,7 @@ def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instr
             skipped += bool(names) and names[-1] in skip
         if 2 * skipped > len(blocks[i]):  # mostly a skipped function's: the scheduler moves a few instructions
             banned.add(i)
+    banned |= _cold_loops(blocks, successors, back, (latch, header), body)
     allowed = body - banned
     inner = {i: successors[i] - {header} for i in allowed}
     forward = _reachable({header}, inner, allowed)
@@ -240,15 +278,17 @@ class TileCounts:
     widths: Counter = field(default_factory=Counter)  # global loads by bytes per lane
 
     barriers: int = 0
+    latency: float = 0.0  # cycles of one warp's tile alone on its scheduler (:func:`tile_cycles`)
 
     @property
     def issued(self) -> int:
         return sum(self.classes.values())
 
 
-def count(instructions: list[Instruction], found: list | None = None) -> TileCounts:
+def count(instructions: list[Instruction], found: list | None = None, loads: dict | None = None) -> TileCounts:
     """Counts of a tile's instructions; with ``found`` (:func:`accesses`), the L1 wavefronts of each memory
-    instruction come from its lanes' addresses where an access of its source line matches it."""
+    instruction come from its lanes' addresses where an access of its source line matches it; ``loads``: the
+    latency of global loads by source line (:func:`tile_cycles`)."""
     counts = TileCounts()
     cache = {}
     for ins in instructions:
@@ -262,7 +302,115 @@ def count(instructions: list[Instruction], found: list | None = None) -> TileCou
         if width:
             counts.global_bytes += WARP_LANES * width
             counts.widths[width] += 1
+    counts.latency = tile_cycles(instructions, loads)
     return counts
+
+
+# --- Latency: one warp's tile, issued in order, each instruction waiting for its operands -------------------------
+
+_NO_RESULT = ("ST", "STG", "STS", "STL", "STSM", "RED", "BAR", "BRA", "BSSY", "BSYNC", "EXIT", "WARPSYNC", "NOP",
+              "LDGSTS", "LDGDEPBAR", "DEPBAR", "YIELD", "MEMBAR", "FENCE", "CCTL", "ERRBAR")
+_REGISTER = re.compile(r"(?<![\w.])(U?R\d+|U?P\d|PR)(\.64)?(?![\w])")
+
+
+def _register_range(name: str, count: int) -> list[str]:
+    if name == "PR":  # every predicate (R2P writes them, P2R reads them)
+        return [f"P{i}" for i in range(7)]
+    head = name.rstrip("0123456789")
+    first = int(name[len(head):])
+    return [f"{head}{first + i}" for i in range(count)]
+
+
+def _wide(opcode: str) -> int:
+    """32-bit registers of a memory instruction's data, or of a double, wide or matrix operation's result."""
+    base, *mods = opcode.split(".")
+    if base == "LDSM":
+        return int(mods[-1]) if mods and mods[-1] in ("1", "2", "4") else 4
+    if base == "HMMA":
+        return 4 if "F32" in mods else 2
+    if base in ("DMUL", "DADD", "DFMA", "CS2R") or "WIDE" in mods:
+        return 2
+    return max(1, next((_WIDTHS[m] for m in mods if m in _WIDTHS), 4) // 4)
+
+
+def registers(ins: Instruction) -> tuple[list[str], list[str]]:
+    """``(read, written)`` registers and predicates of one instruction, from its operand text (destinations first,
+    then any predicates written beside them, e.g. a carry-out; ``RZ``/``PT`` are constants)."""
+    base = ins.opcode.split(".")[0]
+    read, written = [ins.guard] if ins.guard and ins.guard not in ("PT", "UPT") else [], []
+    operands = [o.strip() for o in ins.operands.split(",")] if ins.operands else []
+    wide = _wide(ins.opcode)
+    for position, operand in enumerate(operands):
+        for m in _REGISTER.finditer(operand):
+            name, pair = m.group(1), m.group(2)
+            is_data = "[" not in operand and base in ("STG", "STS", "STL", "ST", "STSM", "RED")
+            count = 2 if pair else (wide if is_data or base in ("HMMA", "DMUL", "DADD", "DFMA") else 1)
+            target = written if (base not in _NO_RESULT and (position == 0 or (
+                re.fullmatch(r"U?P\d|U?PT", operand) and all(re.fullmatch(r"U?P\d|U?PT", o) for o in operands[1:position])
+                and position <= 2))) else read
+            if target is written and name != "PR":
+                count = wide if base not in ("R2P",) else 1
+            target += _register_range(name, count)
+    return read, written
+
+
+def result_cycles(ins: Instruction, loads: dict | None = None) -> float:
+    """Cycles from an instruction's issue until its result can be read (module docstring, "latency"); ``loads``:
+    ``{source line: cycles}`` of the global loads whose lines' reuse is known (:func:`load_cycles`), others miss."""
+    klass = classify(ins.opcode)[0]
+    base = ins.opcode.split(".")[0]
+    if klass == "global load":
+        line = ins.source and (Path(ins.source[0]).name, ins.source[1])
+        return (loads or {}).get(line, DRAM_CYCLES)
+    if klass in ("shared load", "shuffle", "local"):
+        return SHARED_CYCLES
+    if klass == "special" or base in ("F2F", "F2I", "I2F", "FRND", "I2I"):
+        return VARIABLE_CYCLES
+    if klass == "tensor":
+        return TENSOR_CYCLES
+    return ARITHMETIC_CYCLES
+
+
+def load_cycles(recorded: dict, l1_bytes: float) -> dict:
+    """``{innermost source line: cycles}`` of the global loads :func:`record_global_accesses` found: the share of
+    their lines an earlier tile touched (``reuse``) hits the L1 where the reused lines of all of them fit in
+    ``l1_bytes`` (else the L2), the rest misses to DRAM; a line takes the slowest of its loads."""
+    loads = [(chain[0], r) for chain, r in recorded.items() if r.load]
+    hit = SHARED_CYCLES if sum(r.footprint for _, r in loads if r.reuse) <= l1_bytes else L2_CYCLES
+    out = {}
+    for line, r in loads:
+        out[line] = max(out.get(line, 0.0), r.reuse * hit + (1 - r.reuse) * DRAM_CYCLES)
+    return out
+
+
+def tile_cycles(instructions: list[Instruction], loads: dict | None = None, passes: int = 3) -> float:
+    """Cycles one warp takes per tile when nothing else competes for its scheduler: the tile's instructions issued
+    in order, one per cycle at most, each waiting until the registers and predicates it reads are ready
+    (:func:`result_cycles`); ``BAR.SYNC`` holds the next issue for ``BARRIER_CYCLES``, ``DEPBAR`` until the async
+    copies it waits for land. The tile is run ``passes`` times carrying what is in flight, and the last pass counted
+    (a loop's steady state: a load issued for the next tile overlaps it). ``loads``: the latency of its global loads
+    by source line (:func:`load_cycles`; DRAM's elsewhere)."""
+    parsed = [(ins, *registers(ins), result_cycles(ins, loads)) for ins in instructions]
+    ready, groups, pending, clock = {}, [], [], 0.0
+    duration = 0.0
+    for _ in range(passes):
+        start = clock
+        for ins, read, written, cycles in parsed:
+            base = ins.opcode.split(".")[0]
+            issue = max([clock] + [ready.get(r, 0.0) for r in read])
+            if base == "DEPBAR":  # DEPBAR.LE SB0, n: all but the newest n groups of async copies have landed
+                keep = int(ins.operands.rsplit(",", 1)[-1], 0) if "," in ins.operands else 0
+                issue = max([issue] + (groups[:-keep] if keep else groups))
+            if base == "LDGSTS":
+                pending.append(issue + DRAM_CYCLES)
+            elif base == "LDGDEPBAR":
+                groups.append(max(pending, default=issue))
+                pending = []
+            for r in written:
+                ready[r] = issue + cycles
+            clock = issue + (BARRIER_CYCLES if ins.opcode.startswith("BAR.SYNC") else 1.0)
+        duration = clock - start
+    return duration
 
 
 def disassemble(cubin: bytes) -> str:
@@ -296,7 +444,7 @@ def bounds(counts: TileCounts, geometry: Geometry) -> dict[str, float]:
         "issue": warp_tiles * counts.issued / SCHEDULERS,
         "l1": warp_tiles * counts.wavefronts / L1_WAVEFRONTS_PER_CYCLE,
         "mufu": warp_tiles * counts.classes["special"] * MUFU_CYCLES,
-        "barrier": rounds * geometry.tiles * counts.barriers * BARRIER_CYCLES,
+        "latency": rounds * geometry.tiles * counts.latency,
     }
     out = {name: c / CLOCK_HZ for name, c in cycles.items()}
     out["dram"] = geometry.bytes / COPY_BYTES_PER_S
@@ -520,10 +668,19 @@ def ttgir_memory_ops(ttgir: str) -> list[dict]:
     return out
 
 
+class Recorded(NamedTuple):
+    """A global load or store of one source call chain, as program 0 ran it (:func:`record_global_accesses`)."""
+    offsets: object  # byte offsets of its first run, from the start of each argument tensor's storage
+    mask: object
+    load: bool
+    reuse: float  # the share of the 128-byte lines its later runs (tiles) touched that an earlier run had touched
+    footprint: int  # bytes of the distinct lines it touched over the program's run
+
+
 def record_global_accesses(launch) -> dict:
-    """``{chain: (byte offsets, mask)}`` of the first global load or store at each source call chain of
-    program 0 of ``launch``, run on the CPU by Triton's interpreter (offsets from the start of each argument
-    tensor's storage, which a GPU allocation aligns to 256 bytes; chain: innermost source line first)."""
+    """``{chain: Recorded}`` of each source call chain's global loads and stores in program 0 of ``launch``, run on
+    the CPU by Triton's interpreter (a GPU allocation aligns each storage to 256 bytes; chain: innermost source
+    line first)."""
     import numpy as np
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
@@ -547,7 +704,7 @@ def record_global_accesses(launch) -> dict:
                 scope[name] = Device(value.fn)
                 interpret(value.fn.__globals__)
 
-    found = {}
+    found, lines = {}, {}
     builder = interpreter.interpreter_builder
 
     positions = {}  # code object -> its instructions' source positions
@@ -575,12 +732,22 @@ def record_global_accesses(launch) -> dict:
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    def record(ptrs, mask, load: bool):
+        here, active = chain(), mask.data.astype(bool)
+        if here not in found:
+            found[here] = (offsets(ptrs), active, load)
+        touched = set(np.unique(ptrs.data[active].astype(np.uint64) // LINE_BYTES).tolist())
+        seen, hits, later = lines.setdefault(here, [set(), 0, 0])
+        if seen:  # a later run of this access (the next tile): its lines already read count as hits
+            lines[here][1:] = [hits + len(touched & seen), later + len(touched)]
+        seen |= touched
+
     def recorded_load(ptrs, mask, *rest):
-        found.setdefault(chain(), (offsets(ptrs), mask.data.astype(bool)))
+        record(ptrs, mask, True)
         return load(ptrs, mask, *rest)
 
     def recorded_store(ptrs, value, mask, *rest):
-        found.setdefault(chain(), (offsets(ptrs), mask.data.astype(bool)))
+        record(ptrs, mask, False)
         return store(ptrs, value, mask, *rest)
 
     import importlib
@@ -612,16 +779,17 @@ def record_global_accesses(launch) -> dict:
         interpreter._patch_lang_tensor = patch_tensor
         for scope, name, value in swapped:
             scope[name] = value
-    return found
+    return {here: Recorded(offsets, mask, load, lines[here][1] / lines[here][2] if lines[here][2] else 0.0,
+                           len(lines[here][0]) * LINE_BYTES) for here, (offsets, mask, load) in found.items()}
 
 
-def accesses(launch, compiled) -> list[Access]:
+def accesses(launch, compiled, recorded: dict | None = None) -> list[Access]:
     """The memory accesses of a compiled launch whose lanes' addresses are known: global loads and stores
     of a blocked (or sliced, or linear) layout, addressed as program 0 of ``launch`` addresses them
     (:func:`record_global_accesses`), and shared-memory loads and stores between such a layout and a
     swizzled buffer. MMA and dot-operand layouts and ``convert_layout`` scratch are not modelled."""
     warps = compiled.metadata.num_warps
-    recorded = record_global_accesses(launch)
+    recorded = record_global_accesses(launch) if recorded is None else recorded
     out = []
     for op in ttgir_memory_ops(compiled.asm["ttgir"]):
         bases = _bases(op["layout"], op["shape"], op["aliases"])
@@ -633,7 +801,7 @@ def accesses(launch, compiled) -> list[Access]:
             if offset is not None:
                 out.append(Access(op["kind"], op["chain"][0], op["element"], lanes, offset))
         elif op["chain"] in recorded:
-            offsets, mask = recorded[op["chain"]]
+            offsets, mask = recorded[op["chain"]][:2]
             if offsets.shape == op["shape"]:
                 out.append(Access(op["kind"], op["chain"][0], op["element"], lanes,
                                   lambda c, o=offsets: int(o[c]), lambda c, m=mask: bool(m[c])))
