@@ -64,22 +64,66 @@ def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
 
 
 @triton.jit
-def _tile(a, C: tl.constexpr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Payload tokens ``t`` x channels ``c`` (the first ``c0``) as float32; rows outside ``t_ok`` hold anything
-    finite. The multiplier (KVarN's normaliser) lies along the other axis than the parameters: per token, or per
-    channel every ``C.MULTIPLIER`` tokens."""
-    BITS: tl.constexpr = C.BITS
+def _dequantized(a, C: tl.constexpr, code, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Codes ``[len(t), len(c)]`` of tokens ``t`` x channels ``c`` (of the half starting at ``c0``) as float32. The
+    multiplier (KVarN's normaliser) lies along the other axis than the parameters: per token, or per channel every
+    ``C.MULTIPLIER`` tokens."""
     GROUP: tl.constexpr = C.GROUP
     MULTIPLIER: tl.constexpr = C.MULTIPLIER
     PER_CHANNEL: tl.constexpr = C.PER_CHANNEL
-    ok = t_ok[:, None] & c_ok[None, :]
-    ROW_BYTES: tl.constexpr = (D * BITS + 7) // 8
-    code = codes(a.data.ptr, t[:, None] * ROW_BYTES, c[None, :], ok, BITS, ROW_BYTES)
     x = (code.to(tl.float32) * params(a.scale, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
          + params(a.zero, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T))
     if MULTIPLIER > 0:
         x = x * params(a.multiplier.ptr, length, t, t0, t_ok, c, c0, c_ok, D, MULTIPLIER, not PER_CHANNEL, BLOCK_T)
     return x
+
+
+@triton.jit
+def _field(a, C: tl.constexpr, byte, j: tl.constexpr, length, t, t0, t_ok, i, c0, D: tl.constexpr,
+           BLOCK_T: tl.constexpr):
+    """Field ``j`` of bytes ``i`` of a half's rows (channels ``c0 + PER_BYTE i + j``), dequantised."""
+    BITS: tl.constexpr = C.BITS
+    PER_BYTE: tl.constexpr = 8 // BITS
+    c = c0 + i * PER_BYTE + j
+    return _dequantized(a, C, (byte >> (j * BITS)) & ((1 << BITS) - 1), length, t, t0, t_ok, c, c0, c < D, D, BLOCK_T)
+
+
+@triton.jit
+def _tile(a, C: tl.constexpr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Payload tokens ``t`` x channels ``c`` (the first ``c0``) as float32; rows outside ``t_ok`` hold anything
+    finite. A half of whole bytes (codes of 1, 2, 4 or 8 bits) is loaded contiguously, each row's bytes once, and
+    its fields dequantised apart and interleaved in registers (``tl.join``: channel ``c0 + PER_BYTE i + j`` is
+    field ``j`` of byte ``i``); otherwise one gathered byte (or two) per code (:func:`codes`)."""
+    BITS: tl.constexpr = C.BITS
+    ROW_BYTES: tl.constexpr = (D * BITS + 7) // 8
+    PER_BYTE: tl.constexpr = 8 // BITS
+    HALF: tl.constexpr = c.shape[0]
+    if 8 % BITS == 0 and HALF == D // 2 and HALF % PER_BYTE == 0:
+        i = tl.arange(0, HALF // PER_BYTE)
+        byte = tl.load(a.data.ptr + t[:, None] * ROW_BYTES + c0 // PER_BYTE + i[None, :], mask=t_ok[:, None],
+                       other=0).to(tl.int32)
+        f0 = _field(a, C, byte, 0, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+        if PER_BYTE == 1:
+            return f0
+        # the first join's new axis weighs most: field j = 4 c + 2 b + a sits at [..., c, b, a]
+        f1 = _field(a, C, byte, 1, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+        if PER_BYTE == 2:
+            x = tl.join(f0, f1)
+        else:
+            f2 = _field(a, C, byte, 2, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+            f3 = _field(a, C, byte, 3, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+            if PER_BYTE == 4:
+                x = tl.join(tl.join(f0, f2), tl.join(f1, f3))
+            else:
+                f4 = _field(a, C, byte, 4, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+                f5 = _field(a, C, byte, 5, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+                f6 = _field(a, C, byte, 6, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+                f7 = _field(a, C, byte, 7, length, t, t0, t_ok, i, c0, D, BLOCK_T)
+                x = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
+        return tl.reshape(x, (t.shape[0], HALF))
+    else:
+        code = codes(a.data.ptr, t[:, None] * ROW_BYTES, c[None, :], t_ok[:, None] & c_ok[None, :], BITS, ROW_BYTES)
+        return _dequantized(a, C, code, length, t, t0, t_ok, c, c0, c_ok, D, BLOCK_T)
 
 
 @triton.jit
@@ -107,7 +151,11 @@ def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, 
     for j in tl.static_range(PER_BYTE):
         channel = i * PER_BYTE + j
         code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        if PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see params)
+        if PER_CHANNEL and GROUP % BLOCK_T == 0:  # one row: a key tile lies in one window of BLOCK_T tokens from the
+            row = t0 // GROUP                      # payload's first (the split kernel's tiling), so in one group
+            sc = tl.load(scale + row * D + channel).to(tl.float32)[None, :]
+            zc = tl.load(zero + row * D + channel).to(tl.float32)[None, :]
+        elif PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see params)
             first = t0 // GROUP
             second_ok = tl.zeros_like(i) + first + 1 < length // GROUP
             in_first = (t // GROUP == first)[:, None]
