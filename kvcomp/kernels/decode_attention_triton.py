@@ -314,6 +314,11 @@ def _split_kernel(
         off_lo = tl.load(offset[1] + h * D + c, mask=c_ok, other=0.0)
         off_hi = tl.load(offset[1] + h * D + D // 2 + c, mask=c_ok, other=0.0)
 
+    if PACKED_K:  # what the key format's scores read of the query, once
+        k_query = K_FORMAT.query(q_ptr, R, rows, row_ok, qk_scale, k, K, D, DOT)
+    if RESIDUAL_FORMAT is not None:
+        r_query = RESIDUAL_FORMAT.query(q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL, D, DOT)
+
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if PACKED_V:  # field-major: [r, j, i] is channel V_PER_BYTE * i + j
@@ -338,7 +343,7 @@ def _split_kernel(
         elif k_which == 3:  # the encoded payload (a run-time branch even in a stream of the payload alone)
             t = g - k_first
             if PACKED_K:  # scored in the stored layout
-                s = K_FORMAT.scores(q_ptr, R, rows, row_ok, qk_scale, k, K, k_length, t, g0 - k_first, g_ok,
+                s = K_FORMAT.scores(k_query, q_ptr, R, rows, row_ok, qk_scale, k, K, k_length, t, g0 - k_first, g_ok,
                                     D, BLOCK_R, BLOCK_T, DOT)
             else:
                 k_lo, k_hi = K_FORMAT.halves(k, K, k_length, t, g0 - k_first, g_ok, c, c_ok, D, BLOCK_T)
@@ -346,8 +351,8 @@ def _split_kernel(
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, rope[1], rope[2], g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
             if RESIDUAL_FORMAT is not None:  # + sqrt(pi/2)/d ||r|| <S q, sign(S r)>, S q of the model's query
-                s += RESIDUAL_FORMAT.scores(q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL, k_length, t,
-                                            g0 - k_first, g_ok, D, BLOCK_R, BLOCK_T, DOT)
+                s += RESIDUAL_FORMAT.scores(r_query, q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL, k_length,
+                                            t, g0 - k_first, g_ok, D, BLOCK_R, BLOCK_T, DOT)
             if len(offset) > 0:  # + q . R_p c: the offset rotated to each token's position, scored with the model's query
                 o_lo, o_hi = _rotate(tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_lo[None, :],
                                      tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_hi[None, :],

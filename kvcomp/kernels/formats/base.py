@@ -56,16 +56,20 @@ class KernelFormat(NamedTuple):
     - ``advance(a, C, b, h, D)``: ``a`` with every tensor advanced to sequence ``b`` and KV head ``h`` (int64);
     - ``halves(a, C, length, t, t0, t_ok, c, c_ok, D, BLOCK_T)``: payload tokens ``t`` (the first ``t0``, valid
       ``t_ok``) x channel halves ``c`` and ``c + D/2`` as two float32 tiles (``None``: the format is only scored);
-    - ``scores(q_ptr, R, rows, row_ok, qk_scale, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, DOT)``: logits of keys
-      read in their stored layout (``None``: keys are decoded by ``halves`` and scored);
+    - ``scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, DOT)``: logits
+      of keys read in their stored layout (``None``: keys are decoded by ``halves`` and scored), ``query`` what
+      ``query`` prepared;
     - ``fields(p, rows, a, C, t, t_ok, D, BLOCK_R, BLOCK_T)``: ``P V`` of values in their stored layout, field-major
-      ``[BLOCK_R, 8 / C.BITS, D * C.BITS / 8]`` (``None``: values are decoded by ``halves``)."""
+      ``[BLOCK_R, 8 / C.BITS, D * C.BITS / 8]`` (``None``: values are decoded by ``halves``);
+    - ``query(q_ptr, R, rows, row_ok, qk_scale, a, C, D, DOT)``: what ``scores`` reads of the query, prepared once per
+      program before the tile loop (with ``scores``)."""
 
     name: str
     advance: object
     halves: object = None
     scores: object = None
     fields: object = None
+    query: object = None
 
     def __repr__(self) -> str:
         """The name and each function's source hash: Triton keys its on-disk kernel cache on this text for a

@@ -27,11 +27,20 @@ def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
 
 
 @triton.jit
-def scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
+def query(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+    """``y = S q`` of the program's query rows, ``[BLOCK_R, M_PAD]`` (zero past ``M``), loaded once per program."""
+    M: tl.constexpr = C.M
+    M_PAD: tl.constexpr = C.M_PAD
+    m = tl.arange(0, M_PAD)
+    return tl.load(a.y.ptr + rows[:, None] * M + m[None, :], mask=row_ok[:, None] & (m < M)[None, :], other=0.0)
+
+
+@triton.jit
+def scores(y, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
     """Logits ``[BLOCK_R, BLOCK_T]`` of QJL's sign-sketched keys (:mod:`kvcomp.kernels.qjl_scores`):
     ``sqrt(pi/2)/m ||k_in|| <S q - u_g, sign(S k_in)> + sqrt(pi/2)/m_o ||k_out|| <u_g[:m_o], sign(S_{:m_o} k_out)>``
-    with ``y = S q`` precomputed per query and ``u_g = S[:, O_g] q_{O_g}`` built here from ``N_OUT`` columns
+    with ``y = S q`` precomputed per query (:func:`query`) and ``u_g = S[:, O_g] q_{O_g}`` built here from ``N_OUT`` columns
     of ``S`` for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
     end at multiples of ``BLOCK_T`` from the payload's first token). Sketch rows are padded to ``M_PAD``, a
     power of two, and the padding contributes nothing (``y = 0``, ``S = 0``, no sign bits). Scored on the register
@@ -45,7 +54,6 @@ def scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, 
     m_ok = m < M
     ok = t_ok[:, None] & m_ok[None, :]
     sign = signs(a.signs.ptr, t, M // 8, m, ok)  # [BLOCK_T, M_PAD]
-    y = tl.load(a.y.ptr + rows[:, None] * M + m[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
     if N_OUT > 0:
         o = a.outliers
         group = t0 // GROUP
@@ -82,5 +90,5 @@ def sign_halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexp
     return _sign_tile(a, t, t_ok, c, c_ok, D), _sign_tile(a, t, t_ok, c + D // 2, c_ok, D)
 
 
-SKETCH = KernelFormat("sign sketch", advance, scores=scores)
+SKETCH = KernelFormat("sign sketch", advance, scores=scores, query=query)
 SIGNS = KernelFormat("signs", advance_signs, sign_halves)

@@ -133,7 +133,71 @@ def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BL
 
 
 @triton.jit
-def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
+def _query_field(q_ptr, rows, row_ok, qk_scale, i, j: tl.constexpr, PER_BYTE: tl.constexpr, D: tl.constexpr):
+    return tl.load(q_ptr + rows[:, None] * D + (i * PER_BYTE + j)[None, :], mask=row_ok[:, None],
+                   other=0.0).to(tl.float32) * qk_scale
+
+
+@triton.jit
+def packed_query(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+    """For :func:`packed_scores` on the ``tl.dot`` path, the query's field sub-vectors ``[BLOCK_R, W]`` (field ``j``:
+    channels ``PER_BYTE i + j``) times ``qk_scale``, loaded once per program (a load in the tile loop is not hoisted
+    out of it); ``()`` on the register path, which reads one row at a time."""
+    BITS: tl.constexpr = C.BITS
+    PER_BYTE: tl.constexpr = 8 // BITS
+    i = tl.arange(0, D // PER_BYTE)
+    if not DOT:
+        out = ()
+    elif PER_BYTE == 1:
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),)
+    elif PER_BYTE == 2:
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D))
+    elif PER_BYTE == 4:
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D))
+    else:
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 4, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 5, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 6, PER_BYTE, D),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 7, PER_BYTE, D))
+    return out
+
+
+@triton.jit
+def _row_fields(ptr, i, PER_BYTE: tl.constexpr):
+    """Entries ``PER_BYTE i + j`` of a row as a tuple over ``j`` of ``[len(i)]`` float32: the row loaded contiguously
+    and split in registers (``tl.split``: the inverse of :func:`_tile`'s joins) instead of ``PER_BYTE`` strided loads."""
+    x = tl.load(ptr + i[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]).to(tl.float32)
+    if PER_BYTE == 1:
+        out = (tl.reshape(x, (i.shape[0],)),)
+    elif PER_BYTE == 2:
+        out = tl.split(x)
+    elif PER_BYTE == 4:
+        even, odd = tl.split(tl.reshape(x, (i.shape[0], 2, 2)))
+        f0, f2 = tl.split(even)
+        f1, f3 = tl.split(odd)
+        out = (f0, f1, f2, f3)
+    else:
+        even, odd = tl.split(tl.reshape(x, (i.shape[0], 4, 2)))
+        e0, e2 = tl.split(tl.reshape(even, (i.shape[0], 2, 2)))
+        o0, o2 = tl.split(tl.reshape(odd, (i.shape[0], 2, 2)))
+        f0, f4 = tl.split(e0)
+        f2, f6 = tl.split(e2)
+        f1, f5 = tl.split(o0)
+        f3, f7 = tl.split(o2)
+        out = (f0, f1, f2, f3, f4, f5, f6, f7)
+    return out
+
+
+@triton.jit
+def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
     """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout: each byte of the tile is
     loaded once, and each of its ``8 / BITS`` fields (channels ``PER_BYTE * i + j``) meets the matching
@@ -148,13 +212,17 @@ def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, 
     ok = t_ok[:, None]
     byte = tl.load(a.data.ptr + t[:, None] * W + i[None, :], mask=ok, other=0).to(tl.int32)  # [BLOCK_T, W]
     s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+    ONE_ROW: tl.constexpr = PER_CHANNEL and GROUP % BLOCK_T == 0
+    if ONE_ROW:  # a key tile lies in one window of BLOCK_T tokens from the payload's first (the split kernel's
+        row = t0 // GROUP  # tiling), so in one group: its parameter row, loaded once and split per field
+        scales = _row_fields(scale + row * D, i, PER_BYTE)
+        zeros = _row_fields(zero + row * D, i, PER_BYTE)
     for j in tl.static_range(PER_BYTE):
         channel = i * PER_BYTE + j
         code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        if PER_CHANNEL and GROUP % BLOCK_T == 0:  # one row: a key tile lies in one window of BLOCK_T tokens from the
-            row = t0 // GROUP                      # payload's first (the split kernel's tiling), so in one group
-            sc = tl.load(scale + row * D + channel).to(tl.float32)[None, :]
-            zc = tl.load(zero + row * D + channel).to(tl.float32)[None, :]
+        if ONE_ROW:
+            sc = scales[j][None, :]
+            zc = zeros[j][None, :]
         elif PER_CHANNEL and BLOCK_T <= GROUP:  # one or two rows of per-channel parameters (see params)
             first = t0 // GROUP
             second_ok = tl.zeros_like(i) + first + 1 < length // GROUP
@@ -172,8 +240,7 @@ def packed_scores(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, 
             zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         k = code * sc + zc  # [BLOCK_T, W]
         if DOT:
-            q = tl.load(q_ptr + rows[:, None] * D + channel[None, :], mask=row_ok[:, None], other=0.0)
-            s += tl.dot(q.to(tl.float32) * qk_scale, tl.trans(k))  # q: the field's query sub-vectors [BLOCK_R, W]
+            s += tl.dot(query[j], tl.trans(k))  # the field's query sub-vectors [BLOCK_R, W] (packed_query)
         else:  # one query row at a time, its field sub-vector [W] loaded as is (L1-resident)
             for r in tl.static_range(BLOCK_R):
                 q_r = tl.load(q_ptr + r * D + channel, mask=tl.zeros_like(channel) + r < R, other=0.0)
@@ -210,4 +277,4 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
     return out
 
 
-UNIFORM = KernelFormat("packed ints", advance, halves, packed_scores, packed_values)
+UNIFORM = KernelFormat("packed ints", advance, halves, packed_scores, packed_values, packed_query)
