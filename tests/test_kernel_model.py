@@ -109,6 +109,10 @@ def test_registers_read_and_written():
     assert sm.registers(_ins("SEL", "R3, R4, R5, P0")) == (["R4", "R5", "P0"], ["R3"])
     assert sm.registers(_ins("IMAD.WIDE", "R156, R159, 0x2, R152"))[1] == ["R156", "R157"]
     assert sm.registers(_ins("R2P", "PR, R228, 0x3"))[1] == [f"P{i}" for i in range(7)]
+    assert sm.registers(_ins("SHFL.BFLY", "PT, R5, R0, 0x2, 0x1f")) == (["R0"], ["R5"])
+    assert sm.registers(_ins("PLOP3.LUT", "P2, PT, !P1, !PT, !P0, 0x5f, 0x0")) == (["P1", "P0"], ["P2"])
+    assert sm.registers(_ins("HMMA.16816.F32.BF16", "R8, R4, R12, R8")) == (
+        ["R4", "R5", "R6", "R7", "R12", "R13", "R14", "R15", "R8", "R9", "R10", "R11"], ["R8", "R9", "R10", "R11"])
 
 
 def test_tile_cycles_wait_for_operands_in_order():

@@ -80,8 +80,8 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_PER_S = 132, 4, 1.755e9, 2970e9
 L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, LAUNCH_S = 1.0, 2.0, 3e-6
@@ -311,6 +311,8 @@ def count(instructions: list[Instruction], found: list | None = None, loads: dic
 _NO_RESULT = ("ST", "STG", "STS", "STL", "STSM", "RED", "BAR", "BRA", "BSSY", "BSYNC", "EXIT", "WARPSYNC", "NOP",
               "LDGSTS", "LDGDEPBAR", "DEPBAR", "YIELD", "MEMBAR", "FENCE", "CCTL", "ERRBAR")
 _REGISTER = re.compile(r"(?<![\w.])(U?R\d+|U?P\d|PR)(\.64)?(?![\w])")
+_PREDICATE = re.compile(r"U?P[0-9T]")
+_WIDE_SOURCES = ("ST", "STG", "STS", "STL", "STSM", "RED", "HMMA", "DMUL", "DADD", "DFMA")
 
 
 def _register_range(name: str, count: int) -> list[str]:
@@ -334,23 +336,25 @@ def _wide(opcode: str) -> int:
 
 
 def registers(ins: Instruction) -> tuple[list[str], list[str]]:
-    """``(read, written)`` registers and predicates of one instruction, from its operand text (destinations first,
-    then any predicates written beside them, e.g. a carry-out; ``RZ``/``PT`` are constants)."""
+    """``(read, written)`` registers and predicates of one instruction, from its operand text: the destination comes
+    first, then any predicates written beside it (a carry-out, a second comparison; ``SHFL`` writes a predicate and
+    then a register); ``RZ``/``PT`` are constants."""
     base = ins.opcode.split(".")[0]
-    read, written = [ins.guard] if ins.guard and ins.guard not in ("PT", "UPT") else [], []
     operands = [o.strip() for o in ins.operands.split(",")] if ins.operands else []
+    destinations = 0 if base in _NO_RESULT or not operands else 2 if base == "SHFL" else 1
+    while 0 < destinations < len(operands) and _PREDICATE.fullmatch(operands[destinations]):
+        destinations += 1
     wide = _wide(ins.opcode)
+    read = [ins.guard] if ins.guard not in (None, "PT", "UPT") else []
+    written = []
     for position, operand in enumerate(operands):
         for m in _REGISTER.finditer(operand):
-            name, pair = m.group(1), m.group(2)
-            is_data = "[" not in operand and base in ("STG", "STS", "STL", "ST", "STSM", "RED")
-            count = 2 if pair else (wide if is_data or base in ("HMMA", "DMUL", "DADD", "DFMA") else 1)
-            target = written if (base not in _NO_RESULT and (position == 0 or (
-                re.fullmatch(r"U?P\d|U?PT", operand) and all(re.fullmatch(r"U?P\d|U?PT", o) for o in operands[1:position])
-                and position <= 2))) else read
-            if target is written and name != "PR":
-                count = wide if base not in ("R2P",) else 1
-            target += _register_range(name, count)
+            name, pair = m.groups()
+            if position < destinations:
+                written += _register_range(name, 1 if base == "R2P" or "P" in name else wide)
+            else:  # a stored value, or a matrix or double operand, spans the instruction's width
+                data = "[" not in operand and base in _WIDE_SOURCES
+                read += _register_range(name, 2 if pair else wide if data else 1)
     return read, written
 
 
