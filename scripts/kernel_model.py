@@ -62,6 +62,9 @@ QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
 
 
 def codec_for(name: str):
+    """``name``'s codec (calibrated on synthetic data), with torch's generator reset: the random payload drawn next is
+    the same every run (its codes decide which codebook lines a tile gathers, hence the loads' reuse)."""
+    torch.manual_seed(0)
     codec = build_codec(CODECS[name], ModelInfo("llama31_8b", 1, H, D))
     if needs_calibration(codec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
@@ -227,6 +230,7 @@ def old_step(module, name: str, shapes) -> dict:
 
 def qjl_scores(module, shapes) -> dict:
     """Predicted ms per shape of the QJL score kernel (``module``: 9c57ff6's, or ``None`` for today's)."""
+    torch.manual_seed(0)  # the same random keys every run
     codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, H, D))
     payload = codec.encode(Request(QJL_LAYER, "key", tokens=torch.randn(1, H, SMALL, D)))
     keys = codec.sketched_keys(payload, QJL_LAYER)

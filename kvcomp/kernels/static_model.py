@@ -740,7 +740,9 @@ def record_global_accesses(launch) -> dict:
         here, active = chain(), mask.data.astype(bool)
         if here not in found:
             found[here] = (offsets(ptrs), active, load)
-        touched = set(np.unique(ptrs.data[active].astype(np.uint64) // LINE_BYTES).tolist())
+        data = ptrs.data[active].astype(np.uint64)  # lines as a GPU allocation aligns them: (storage, offset // 128)
+        storage = np.searchsorted(starts, data, side="right") - 1
+        touched = set(zip(storage.tolist(), ((data - starts[storage]) // LINE_BYTES).tolist()))
         seen, hits, later = lines.setdefault(here, [set(), 0, 0])
         if seen:  # a later run of this access (the next tile): its lines already read count as hits
             lines[here][1:] = [hits + len(touched & seen), later + len(touched)]
