@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
-MEMBERS = ["codec=kivi", "codec.bits=2,3,4,8", "benchmark.num_windows=2", "benchmark.seq_len=128"]
+MEMBERS = ["codec=kivi", "codec.bits=2,4,8", "benchmark.num_windows=2", "benchmark.seq_len=128"]
 LAUNCHERS = {
     "local_parallel": ["hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2"],
     "submitit_local": ["hydra/launcher=submitit_local"],
@@ -45,11 +45,11 @@ def test_killed_sweep_resumes_with_nothing_lost(embedded, tmp_path, launcher):
     output, _ = second.communicate(timeout=900)
     assert second.returncode == 0, output[-3000:]
     members = sorted(p.parent.name for p in sweep_dir.rglob("results.json"))
-    assert len(members) == 4 and not list(sweep_dir.rglob("error.json"))
+    assert len(members) == 3 and not list(sweep_dir.rglob("error.json"))
     for name, results in done.items():  # kept, not recomputed (timings would differ)
         assert json.loads((sweep_dir / name / "results.json").read_text()) == results
     summary = (sweep_dir / "summary.md").read_text()
-    assert summary.count("| kivi(bits=") == 4 and summary.count("| fp16() |") == 1
+    assert summary.count("| kivi(bits=") == 3 and summary.count("| fp16() |") == 1
     assert (sweep_dir / "rate_distortion.png").stat().st_size > 10_000 and (sweep_dir / "rate_distortion.svg").is_file()
     if launcher == "local_parallel":
         assert "n_jobs=2" in output  # joblib's own line: members ran two at a time
