@@ -43,6 +43,7 @@ UNIFORM_SHAPES = [
     (1, 1, 1, 128, 4, 4, 32),  # KIVI-4 at Llama's head_dim, one head
     (2, 3, 5, 16, 1, 8, 8),  # odd GQA ratio and head count, 1- and 8-bit codes, head_dim below one tile
     (2, 2, 4, 32, 3, 5, 16),  # codes straddling bytes (3-bit keys, 5-bit values)
+    (1, 1, 4, 128, 1, 2, 32),  # 1-bit keys scored with tl.dot: eight fields per byte (query and parameter rows)
 ]
 
 

@@ -315,9 +315,9 @@ def _split_kernel(
         off_hi = tl.load(offset[1] + h * D + D // 2 + c, mask=c_ok, other=0.0)
 
     if PACKED_K:  # what the key format's scores read of the query, once
-        k_query = K_FORMAT.query(q_ptr, R, rows, row_ok, qk_scale, k, K, D, DOT)
+        k_query = K_FORMAT.query(q_ptr, rows, row_ok, qk_scale, k, K, D, DOT)
     if RESIDUAL_FORMAT is not None:
-        r_query = RESIDUAL_FORMAT.query(q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL, D, DOT)
+        r_query = RESIDUAL_FORMAT.query(q_ptr, rows, row_ok, qk_scale, residual, RESIDUAL, D, DOT)
 
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)

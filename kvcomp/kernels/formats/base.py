@@ -61,7 +61,7 @@ class KernelFormat(NamedTuple):
       ``query`` prepared;
     - ``fields(p, rows, a, C, t, t_ok, D, BLOCK_R, BLOCK_T)``: ``P V`` of values in their stored layout, field-major
       ``[BLOCK_R, 8 / C.BITS, D * C.BITS / 8]`` (``None``: values are decoded by ``halves``);
-    - ``query(q_ptr, R, rows, row_ok, qk_scale, a, C, D, DOT)``: what ``scores`` reads of the query, prepared once per
+    - ``query(q_ptr, rows, row_ok, qk_scale, a, C, D, DOT)``: what ``scores`` reads of the query, prepared once per
       program before the tile loop (with ``scores``)."""
 
     name: str
@@ -123,7 +123,6 @@ class PayloadReader:
     @property
     def kv_heads(self) -> int:
         return self.codes.shape[1]
-
 
     def kernel_args(self, queries: dict) -> tuple[NamedTuple, NamedTuple]:
         """The split kernel's arguments for this payload: runtime (its tensors and strides) and compile-time (its

@@ -139,7 +139,7 @@ def _query_field(q_ptr, rows, row_ok, qk_scale, i, j: tl.constexpr, PER_BYTE: tl
 
 
 @triton.jit
-def packed_query(q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
     """For :func:`packed_scores` on the ``tl.dot`` path, the query's field sub-vectors ``[BLOCK_R, W]`` (field ``j``:
     channels ``PER_BYTE i + j``) times ``qk_scale``, loaded once per program (a load in the tile loop is not hoisted
     out of it); ``()`` on the register path, which reads one row at a time."""
