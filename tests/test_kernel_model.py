@@ -94,6 +94,8 @@ def test_bounds_arithmetic():
     assert math.isclose(found["latency"], 2 * 10 * 150 / sm.CLOCK_HZ)  # 2 rounds of 2 resident programs
     assert math.isclose(found["dram"], 1e-3)
     assert math.isclose(found["time"], 1e-3 + sm.LAUNCH_S)  # DRAM-bound here
+    found = sm.bounds(counts, sm.Geometry(2 * sm.SMS + 1, 4, 2, 10, 0.0))
+    assert math.isclose(found["time"], found["issue"] + found["l1"] + found["latency"] + sm.LAUNCH_S)  # added
 
 
 def _ins(opcode: str, operands: str, guard: str | None = None, line: int | None = None) -> sm.Instruction:
@@ -130,6 +132,37 @@ def test_tile_cycles_wait_for_operands_in_order():
     assert sm.tile_cycles([_ins("BAR.SYNC.DEFER_BLOCKING", "0x0"), *independent]) == sm.BARRIER_CYCLES + 8
     assert sm.tile_cycles([load.__class__(**{**vars(load), "source": ("k.py", 7)}), use],
                           {("k.py", 7): sm.SHARED_CYCLES}) == sm.SHARED_CYCLES + 1  # an L1 hit
+
+
+def test_a_line_read_earlier_in_the_tile_is_ready_with_that_load():
+    def tile(*texts):  # instructions at addresses 0x0, 0x10, ...
+        return [sm.Instruction(16 * i, text.split()[0], False, None, None, text.split(" ", 1)[1]) for i, text in enumerate(texts)]
+
+    both = tile("LDG.E.U8 R4, desc[UR4][R2.64+0x4]", "LDG.E.U8 R5, desc[UR4][R2.64+0x5]", "IADD3 R6, R4, R5, RZ")
+    one_line, two_lines = {0x0: frozenset({"a"}), 0x10: frozenset({"a"})}, {0x0: frozenset({"a"}), 0x10: frozenset({"b"})}
+    assert sm.tile_cycles(both) == sm.tile_cycles(both, lines=two_lines) == sm.DRAM_CYCLES + 2  # in flight together
+    assert sm.tile_cycles(both, lines=one_line) == sm.DRAM_CYCLES + 1  # the second rides on the first's miss
+    chained = tile("LDG.E.U8 R4, desc[UR4][R2.64+0x4]", "IADD3 R8, R4, R8, RZ", "LDG.E.U8 R5, desc[UR4][R8.64+0x5]",
+                   "IADD3 R6, R4, R5, RZ")  # the second load's address waits for the first load: an L1 hit
+    lines = {0x0: frozenset({"a"}), 0x20: frozenset({"a"})}
+    assert sm.tile_cycles(chained, lines=lines) == sm.DRAM_CYCLES + sm.ARITHMETIC_CYCLES + sm.SHARED_CYCLES + 1
+    lines[0x20] = frozenset({"b"})
+    assert sm.tile_cycles(chained, lines=lines) == sm.DRAM_CYCLES + sm.ARITHMETIC_CYCLES + sm.DRAM_CYCLES + 1
+
+
+def test_instruction_lines_follow_the_accesses_registers():
+    """Warp 0 holds 8 bytes of each of 4 token rows of 128 bytes (one code byte per register): its k-th byte load
+    reads the k-th register's row, and rows are lines."""
+    lanes = [[[(t, lane) for t in range(4)] for lane in range(32)]]
+    access = sm.Access("global load", ("k.py", 61), 1, lanes, lambda c: c[0] * 128 + c[1])
+    assert access.warp_lines(1) == [frozenset({t}) for t in range(4)]
+    assert access.warp_lines(2) == [frozenset({0}), frozenset({2})]  # a 2-byte load: two registers of one lane
+    assert access.warp_lines(3) is None
+    sass = '\t//## File "/y/k.py", line 61\n' + "".join(
+        f"        /*{16 * i:04x}*/                   LDG.E.U8 R{i}, desc[UR4][R2.64] ;\n" for i in range(6))
+    instructions, _ = sm.parse_sass(sass)
+    found = sm.instruction_lines(instructions, [access])
+    assert [found[i.address] for i in instructions] == [frozenset({(("k.py", 61), t % 4)}) for t in range(6)]
 
 
 def test_load_cycles_from_reuse_between_tiles():
@@ -276,6 +309,62 @@ def test_measured_sweep_keeps_each_cards_rows_apart(tmp_path):
                         ("H100", 2, "kivi-2", 16, 32768): {"tl.dot, 4 warps, 128 tokens": 2.8, model.FORMER_TILE_DEFAULT: 2.9},
                         ("H100", 3, "kivi-2", 16, 32768): {"tl.dot, 4 warps, 128 tokens": 2.7}}
     assert model.sweep_options(model.FORMER_TILE_DEFAULT, "qjl") == dict(num_warps=4, block_tokens=32)
+
+
+MULTI_LINE_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kernel(x, y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    a = tl.load(
+        x + offs,
+        mask=offs < 5,
+        other=0,
+    ).to(tl.float32)
+    b = tl.load(x +
+                offs * 2, mask=offs < 3)
+    tl.store(y + offs,
+             a + b)
+"""
+
+LOCATE = """
+import torch
+from kvcomp.kernels import Launch
+from kvcomp.kernels import static_model as sm
+from kvcomp.kernels.resources import compile_launch
+from multi import kernel
+
+launch = Launch(kernel, (1,), dict(x=torch.zeros(64), y=torch.zeros(64), N=64))
+print(sorted(sm.record_global_accesses(launch)))
+print(sorted(op["chain"] for op in sm.ttgir_memory_ops(compile_launch(launch).asm["ttgir"])))
+"""
+
+
+@pytest.mark.skipif(not _nvidia_tools(), reason="Triton's CUDA backend tools (ptxas, nvdisasm) are missing")
+def test_recorded_loads_carry_the_lines_triton_locates_them_at(tmp_path):
+    """A load or store over several lines is found where Triton locates it in the TTGIR (hence the SASS): the model
+    matches the two by line (reuse, lanes' addresses). Triton 3.6 takes a load's pointer line, 3.9 its first line."""
+    (tmp_path / "multi.py").write_text(MULTI_LINE_KERNEL)
+    (tmp_path / "locate.py").write_text(LOCATE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    recorded, located = subprocess.run([sys.executable, "locate.py"], env=env, capture_output=True, text=True,
+                                       check=True, cwd=tmp_path).stdout.splitlines()
+    recorded, located = eval(recorded), eval(located)
+    assert len(located) == 3 and set(located) <= set(recorded)
+    # candidates: the call's first and last line and its pointer's line; nothing between
+    assert {chain[0][1] for chain in recorded} == {9, 10, 13, 14, 15, 16, 17}
+
+
+def test_ranking_counts_the_pairs_measured_apart():
+    model = _script()
+    measured = {"a": 1.0, "b": 1.02, "c": 2.0}  # a and b within the benchmark's spread
+    assert model.separated_pairs({"a": 1.1, "b": 1.0, "c": 3.0}, measured) == (2, 2)
+    assert model.separated_pairs({"a": 1.1, "b": 1.0, "c": 0.5}, measured) == (0, 2)
+    assert not model.spearman_agrees({"a": 1.1, "b": 1.0, "c": 3.0}, measured)
 
 
 MODEL_ROTATED = """

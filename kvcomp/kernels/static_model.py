@@ -9,9 +9,10 @@ run; the scheduler hoists a few instructions of the skipped functions into share
 loop (the QJL score kernel: one group of keys per program) is one tile. Its instructions are counted per warp by
 class (:func:`classify`).
 
-The time of a launch is the largest of these per-multiprocessor bounds, each over the programs the
-busiest multiprocessor runs (``ceil(programs / 132)`` x tiles per program; programs resident at once:
-the occupancy of the resources table):
+The time of a launch comes from these per-multiprocessor terms, each over the programs the busiest
+multiprocessor runs (``ceil(programs / 132)`` x tiles per program; programs resident at once: the occupancy of
+the resources table). The issue, L1 and latency terms are added: they do not overlap (see "Combining the terms"
+below); the MUFU and DRAM terms are bounds of their own, and the launch takes the largest of the three:
 
 - **issue**: warp instructions / (4 schedulers x 1 instruction per cycle);
 - **L1 / shared memory**: L1TEX data wavefronts / 1 per cycle. Where the lanes' addresses are known
@@ -27,15 +28,25 @@ the occupancy of the resources table):
 - **latency**: a program's warps run their tiles side by side, each tile no faster than one warp issuing its
   instructions in order and waiting for each operand (:func:`tile_cycles`): arithmetic ``ARITHMETIC_CYCLES``,
   shared memory, shuffles and spills ``SHARED_CYCLES``, MUFU and conversions ``VARIABLE_CYCLES``, ``HMMA``
-  ``TENSOR_CYCLES``, a global load ``DRAM_CYCLES`` except for the share of its lines an earlier tile read, which
-  hits the L1 (``SHARED_CYCLES``) where the reused lines of all loads fit in the program's share of it, else the
-  L2 (``L2_CYCLES``; :func:`load_cycles`, from the addresses program 0 reads over its run); every ``BAR.SYNC``
+  ``TENSOR_CYCLES``, a global load ``DRAM_CYCLES`` except for the share of its lines that an earlier instruction of
+  its access read in the same tile, which is ready with that load's data and no sooner than an L1 hit
+  (``SHARED_CYCLES``; :func:`instruction_lines`: the code bytes of 4 tokens x 32 channels share a line, read by 32
+  instructions of one warp), and the share an earlier tile read,
+  which hits the L1 where the reused lines of all loads fit in the program's share of it, else the L2
+  (``L2_CYCLES``; :func:`load_cycles`, from the addresses program 0 reads over its run); every ``BAR.SYNC``
   (Triton's cross-warp reductions and layout conversions meet there) holds the warp ``BARRIER_CYCLES``. Programs
-  resident together overlap, so this bound counts the busiest multiprocessor's rounds of resident programs (a
+  resident together overlap, so this term counts the busiest multiprocessor's rounds of resident programs (a
   partial last round costs a full one). The ncu profile of 9c57ff6's TemporalKV-2 found it latency-bound at
   2 warps per scheduler (L1 50 % busy, 255 registers). A conditional branch over an inner loop (libdevice's
   sin/cos reducing huge arguments) is not taken (:func:`_cold_loops`);
 - **DRAM**: the launch's unique payload bytes / the measured copy bandwidth (whole GPU).
+
+Combining the terms. Where the issue, L1 and latency terms overlapped fully, a launch would take their largest.
+The kernels of 9c57ff6 do not: each runs 2 warps per scheduler, and its three terms are of one size (TemporalKV-2
+at 16 x 32K: 9.4, 11.3 and 11.0 thousand cycles per tile of each resident pair), yet it took 37 thousand (their
+sum: 32). With few warps, a warp's stall is not hidden by another's issue, and its loads queue behind the other
+warps' wavefronts. Their largest predicted the five codebook and KIVI kernels at 0.19-0.97x of their H100
+times; their sum at 0.68-1.12x at batch 16 (``scripts/kernel_model.py``, BENCHMARKS.md).
 
 Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
 launches'. Launches are asynchronous, so the device waits for the host only where the host is slower: a step takes
@@ -72,6 +83,7 @@ Constants and their sources:
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import re
 import subprocess
@@ -287,8 +299,9 @@ class TileCounts:
 
 def count(instructions: list[Instruction], found: list | None = None, loads: dict | None = None) -> TileCounts:
     """Counts of a tile's instructions; with ``found`` (:func:`accesses`), the L1 wavefronts of each memory
-    instruction come from its lanes' addresses where an access of its source line matches it; ``loads``: the
-    latency of global loads by source line (:func:`tile_cycles`)."""
+    instruction come from its lanes' addresses where an access of its source line matches it, and so do the lines
+    of its global loads (:func:`instruction_lines`); ``loads``: the latency of global loads by source line from
+    their reuse between tiles (:func:`load_cycles`)."""
     counts = TileCounts()
     cache = {}
     for ins in instructions:
@@ -302,7 +315,7 @@ def count(instructions: list[Instruction], found: list | None = None, loads: dic
         if width:
             counts.global_bytes += WARP_LANES * width
             counts.widths[width] += 1
-    counts.latency = tile_cycles(instructions, loads)
+    counts.latency = tile_cycles(instructions, loads, instruction_lines(instructions, found or []))
     return counts
 
 
@@ -380,38 +393,46 @@ def load_cycles(recorded: dict, l1_bytes: float) -> dict:
     their lines an earlier tile touched (``reuse``) hits the L1 where the reused lines of all of them fit in
     ``l1_bytes`` (else the L2), the rest misses to DRAM; a line takes the slowest of its loads."""
     loads = [(chain[0], r) for chain, r in recorded.items() if r.load]
-    hit = SHARED_CYCLES if sum(r.footprint for _, r in loads if r.reuse) <= l1_bytes else L2_CYCLES
+    reused = {id(r): r.footprint for _, r in loads if r.reuse}  # a load found under several lines counted once
+    hit = SHARED_CYCLES if sum(reused.values()) <= l1_bytes else L2_CYCLES
     out = {}
     for line, r in loads:
         out[line] = max(out.get(line, 0.0), r.reuse * hit + (1 - r.reuse) * DRAM_CYCLES)
     return out
 
 
-def tile_cycles(instructions: list[Instruction], loads: dict | None = None, passes: int = 3) -> float:
+def tile_cycles(instructions: list[Instruction], loads: dict | None = None, lines: dict | None = None,
+                passes: int = 3) -> float:
     """Cycles one warp takes per tile when nothing else competes for its scheduler: the tile's instructions issued
     in order, one per cycle at most, each waiting until the registers and predicates it reads are ready
     (:func:`result_cycles`); ``BAR.SYNC`` holds the next issue for ``BARRIER_CYCLES``, ``DEPBAR`` until the async
     copies it waits for land. The tile is run ``passes`` times carrying what is in flight, and the last pass counted
     (a loop's steady state: a load issued for the next tile overlaps it). ``loads``: the latency of its global loads
-    by source line (:func:`load_cycles`; DRAM's elsewhere)."""
-    parsed = [(ins, *registers(ins), result_cycles(ins, loads)) for ins in instructions]
+    by source line (:func:`load_cycles`; DRAM's elsewhere); ``lines``: the lines each global load reads, by address
+    (:func:`instruction_lines`): a line an earlier load of the tile read is ready when that load's data is, and
+    no sooner than an L1 hit."""
+    parsed = [(ins, *registers(ins), result_cycles(ins, loads), (lines or {}).get(ins.address, ()))
+              for ins in instructions]
     ready, groups, pending, clock = {}, [], [], 0.0
     duration = 0.0
     for _ in range(passes):
-        start = clock
-        for ins, read, written, cycles in parsed:
+        start, filled = clock, {}  # line -> when the load that first read it in this tile has its data
+        for ins, read, written, cycles, here in parsed:
             base = ins.opcode.split(".")[0]
             issue = max([clock] + [ready.get(r, 0.0) for r in read])
             if base == "DEPBAR":  # DEPBAR.LE SB0, n: all but the newest n groups of async copies have landed
                 keep = int(ins.operands.rsplit(",", 1)[-1], 0) if "," in ins.operands else 0
                 issue = max([issue] + (groups[:-keep] if keep else groups))
+            done = issue + cycles
+            if here:
+                done = max(max(issue + SHARED_CYCLES, filled.setdefault(line, done)) for line in here)
             if base == "LDGSTS":
-                pending.append(issue + DRAM_CYCLES)
+                pending.append(done)
             elif base == "LDGDEPBAR":
                 groups.append(max(pending, default=issue))
                 pending = []
             for r in written:
-                ready[r] = issue + cycles
+                ready[r] = done
             clock = issue + (BARRIER_CYCLES if ins.opcode.startswith("BAR.SYNC") else 1.0)
         duration = clock - start
     return duration
@@ -440,7 +461,8 @@ class Geometry:
 
 
 def bounds(counts: TileCounts, geometry: Geometry) -> dict[str, float]:
-    """Seconds of each bound of one launch (module docstring) and ``time``: their maximum plus ``LAUNCH_S``."""
+    """Seconds of each term of one launch (module docstring) and ``time``: the issue, L1 and latency terms added, or
+    the MUFU or DRAM bound where larger, plus ``LAUNCH_S``."""
     per_sm = math.ceil(geometry.programs / SMS)
     warp_tiles = per_sm * geometry.tiles * geometry.num_warps
     rounds = math.ceil(per_sm / max(1, geometry.resident))
@@ -452,7 +474,7 @@ def bounds(counts: TileCounts, geometry: Geometry) -> dict[str, float]:
     }
     out = {name: c / CLOCK_HZ for name, c in cycles.items()}
     out["dram"] = geometry.bytes / COPY_BYTES_PER_S
-    out["time"] = max(out.values()) + LAUNCH_S
+    out["time"] = max(out["issue"] + out["l1"] + out["latency"], out["mufu"], out["dram"]) + LAUNCH_S
     return out
 
 
@@ -610,6 +632,16 @@ class Access:
                 wavefronts += (shared_wavefronts if shared else global_wavefronts)(lanes, width)
         return wavefronts / len(self.lanes), instructions // len(self.lanes)
 
+    def warp_lines(self, width: int) -> list[frozenset] | None:
+        """The 128-byte lines each instruction of the first warp reads when each moves ``width`` bytes per lane, in
+        register order (``None`` as :meth:`per_instruction`)."""
+        vec = width // self.element
+        registers = len(self.lanes[0][0])
+        if vec < 1 or registers % vec:
+            return None
+        return [frozenset(self.address(held[r]) // LINE_BYTES for held in self.lanes[0]
+                          if self.active is None or self.active(held[r])) for r in range(0, registers, vec)]
+
 
 _TYPE = re.compile(r"tensor<([\dx]+)x(!tt\.ptr<)?(\w+)>?, (#[^>]*?>|#[\w.]+)>")
 _MEMDESC = re.compile(r"memdesc<([\dx]+)x(\w+), (#[\w.]+)")
@@ -684,7 +716,7 @@ class Recorded(NamedTuple):
 def record_global_accesses(launch) -> dict:
     """``{chain: Recorded}`` of each source call chain's global loads and stores in program 0 of ``launch``, run on
     the CPU by Triton's interpreter (a GPU allocation aligns each storage to 256 bytes; chain: innermost source
-    line first)."""
+    line first; a call over several lines is found under each line Triton may locate it at)."""
     import numpy as np
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
@@ -711,17 +743,26 @@ def record_global_accesses(launch) -> dict:
     found, lines = {}, {}
     builder = interpreter.interpreter_builder
 
-    positions = {}  # code object -> its instructions' source positions
+    positions, pointers = {}, {}  # code object -> its instructions' source positions; file -> its calls' pointer lines
 
-    def chain():  # each frame's line as Triton's locations give it: where the running call expression ends
+    def pointer_line(file: str, position: tuple) -> int | None:  # a call's first argument's first line
+        if file not in pointers:
+            pointers[file] = {(n.lineno, n.end_lineno, n.col_offset, n.end_col_offset): (n.args or [n])[0].lineno
+                              for n in ast.walk(ast.parse(Path(file).read_text())) if isinstance(n, ast.Call)}
+        return pointers[file].get(position)
+
+    def chain():  # each frame's file and the lines of its running call, where Triton may locate what it compiles to
         frames, frame = [], sys._getframe(2)
         while frame is not None:
             code = frame.f_code
-            if code.co_filename in files:  # (a call over several lines: its last argument's line)
+            if code.co_filename in files:
                 if code not in positions:
                     positions[code] = list(code.co_positions())
-                end = positions[code][frame.f_lasti // 2][1]
-                frames.append((Path(code.co_filename).name, end or frame.f_lineno))
+                position = positions[code][frame.f_lasti // 2]
+                # a call over several lines: Triton 3.9 locates it at its first line, 3.6 a load or store at its
+                # pointer argument's first line and a device function's call where its last argument ends
+                lines = {position[0], position[1], pointer_line(code.co_filename, position) if not frames else None}
+                frames.append((Path(code.co_filename).name, tuple(sorted(n for n in lines if n)) or (frame.f_lineno,)))
             frame = frame.f_back
         return tuple(frames)
 
@@ -785,8 +826,13 @@ def record_global_accesses(launch) -> dict:
         interpreter._patch_lang_tensor = patch_tensor
         for scope, name, value in swapped:
             scope[name] = value
-    return {here: Recorded(offsets, mask, load, lines[here][1] / lines[here][2] if lines[here][2] else 0.0,
-                           len(lines[here][0]) * LINE_BYTES) for here, (offsets, mask, load) in found.items()}
+    out = {}
+    for here, (offsets, mask, load) in found.items():
+        recorded = Recorded(offsets, mask, load, lines[here][1] / lines[here][2] if lines[here][2] else 0.0,
+                            len(lines[here][0]) * LINE_BYTES)
+        for located in itertools.product(*[[(name, line) for line in candidates] for name, candidates in here]):
+            out[located] = recorded
+    return out
 
 
 def accesses(launch, compiled, recorded: dict | None = None) -> list[Access]:
@@ -818,18 +864,45 @@ _ACCESS_KIND = {"LDG": "global load", "LDGSTS": "async copy", "STG": "global sto
                 "STS": "shared store"}
 
 
-def access_wavefronts(instruction: Instruction, found: list[Access], cache: dict) -> float | None:
-    """Wavefronts of one SASS memory instruction from the accesses of its source line and kind moving its
-    width per lane (their mean per instruction); ``None`` where no access matches."""
+def _matching(instruction: Instruction, found: list[Access]) -> tuple | None:
+    """``(kind, source line, bytes per lane)`` of a SASS memory instruction and the accesses of that kind and line."""
     base, *mods = instruction.opcode.split(".")
     kind = _ACCESS_KIND.get(base)
     if kind is None or instruction.source is None:
         return None
     width = next((_WIDTHS[m] for m in mods if m in _WIDTHS), 4)
     line = (Path(instruction.source[0]).name, instruction.source[1])
-    key = (kind, line, width)
+    return (kind, line, width), [a for a in found if a.kind == kind and a.line == line]
+
+
+def access_wavefronts(instruction: Instruction, found: list[Access], cache: dict) -> float | None:
+    """Wavefronts of one SASS memory instruction from the accesses of its source line and kind moving its
+    width per lane (their mean per instruction); ``None`` where no access matches."""
+    matched = _matching(instruction, found)
+    if matched is None:
+        return None
+    key, accesses_here = matched
     if key not in cache:
-        found_here = [a.per_instruction(width, kind.startswith("shared")) for a in found if a.kind == kind and a.line == line]
+        found_here = [a.per_instruction(key[2], key[0].startswith("shared")) for a in accesses_here]
         found_here = [f for f in found_here if f is not None and f[1]]
         cache[key] = sum(f[0] for f in found_here) / sum(f[1] for f in found_here) if found_here else None
     return cache[key]
+
+
+def instruction_lines(instructions: list[Instruction], found: list[Access]) -> dict:
+    """``{address: lines}`` of a tile's global loads whose accesses are known: the k-th SASS load of a source line
+    and width reads what the k-th instruction of its accesses does (:meth:`Access.warp_lines`, their first warp;
+    lines named with the source line, so that loads of different tensors never share one)."""
+    sequences, seen, out = {}, {}, {}
+    for ins in instructions:
+        matched = _matching(ins, found) if classify(ins.opcode)[0] == "global load" else None
+        if matched is None:
+            continue
+        key, accesses_here = matched
+        if key not in sequences:
+            sequences[key] = [frozenset((key[1], line) for line in group) for a in accesses_here
+                              for group in (a.warp_lines(key[2]) or [])]
+        k = seen[key] = seen.get(key, -1) + 1
+        if sequences[key]:
+            out[ins.address] = sequences[key][k % len(sequences[key])]
+    return out
