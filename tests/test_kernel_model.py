@@ -76,6 +76,37 @@ def test_a_skipped_functions_instruction_hoisted_into_the_loops_shared_blocks_ke
     assert [i.address for i in instructions] == [0x20, 0x30, 0x60, 0x70, 0x80, 0x90]
 
 
+DENSE_SCORES = """
+.L_x_1:
+	//## File "{0}", line 10
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/              @!P0 BRA `(.L_x_2) ;
+	//## File "{0}", line 20
+        /*0040*/                   LDG.E.64 R8, desc[UR4][R6.64] ;
+	//## File "{0}", line 10
+        /*0050*/                   HMMA.16816.F32.BF16 R12, R8, R4, R12 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R12, R8, R4, R12 ;
+        /*0070*/                   BRA `(.L_x_3) ;
+.L_x_2:
+        /*0080*/                   SHFL.BFLY PT, R9, R8, 0x1, 0x1f ;
+.L_x_3:
+        /*0090*/                   FFMA R1, R4, R5, R1 ;
+        /*00a0*/               @P1 BRA `(.L_x_1) ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_a_block_holding_a_skipped_functions_load_is_left_out(tmp_path):
+    """Today's full-precision branch loads its keys (``_dense``) and scores them with the payload's ``tl.dot``
+    (``_scores``) in one block, most of whose instructions are the dot's: its load marks it."""
+    source = tmp_path / "k.py"
+    source.write_text("\n" * 8 + "def payload():\n    pass\n" + "\n" * 8 + "def dense():\n    pass\n")
+    instructions, _ = sm.tile_instructions(DENSE_SCORES.format(source), skip=("dense",))
+    assert [i.address for i in instructions] == [0x20, 0x30, 0x80, 0x90, 0xa0]
+    instructions, _ = sm.tile_instructions(DENSE_SCORES.format(source))
+    assert [i.address for i in instructions] == [0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0]
+
+
 def test_a_kernel_without_a_loop_is_one_tile():
     instructions, looped = sm.tile_instructions(SASS.replace("@P1 BRA `(.L_x_1)", "NOP"))
     assert not looped and len(instructions) == 12

@@ -3,9 +3,10 @@
 A launch compiled for sm_90a (:mod:`kvcomp.kernels.resources`) is disassembled with Triton's bundled
 ``nvdisasm`` (with source lines). The tile loop is the body of the kernel's outermost backward branch;
 where a tile can take several paths (today's split kernel picks a full-precision piece or the encoded
-payload per tile), the blocks whose instructions come mostly from ``skip`` source functions, and every block
-reachable only through them, are left out: a payload tile runs the rest (the loop's first and last blocks always
-run; the scheduler hoists a few instructions of the skipped functions into shared blocks). A kernel without a
+payload per tile), the blocks whose instructions come mostly from ``skip`` source functions or that hold their
+global loads, and every block reachable only through them, are left out: a payload tile runs the rest (the loop's
+first and last blocks always run; the scheduler hoists a few instructions of the skipped functions into shared
+blocks, never a load across a branch). A kernel without a
 loop (the QJL score kernel: one group of keys per program) is one tile. Its instructions are counted per warp by
 class (:func:`classify`).
 
@@ -262,7 +263,7 @@ def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instr
     functions = {}
     banned = set()
     for i in body - {header, latch}:  # the loop's own blocks run every tile
-        skipped = 0
+        skipped, loads = 0, False
         for ins in blocks[i]:
             if ins.source is None:
                 continue
@@ -270,8 +271,12 @@ def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instr
             if path not in functions:
                 functions[path] = _functions(path) if Path(path).exists() else []
             names = [name for lo, hi, name in functions[path] if lo <= line <= hi]
-            skipped += bool(names) and names[-1] in skip
-        if 2 * skipped > len(blocks[i]):  # mostly a skipped function's: the scheduler moves a few instructions
+            if names and names[-1] in skip:
+                skipped += 1
+                loads |= classify(ins.opcode)[0] == "global load"
+        # mostly a skipped function's (the scheduler moves a few instructions, never a load across a branch), or
+        # holding its loads (a full-precision tile's scores: its loads beside the tl.dot that follows them)
+        if 2 * skipped > len(blocks[i]) or loads:
             banned.add(i)
     banned |= _cold_loops(blocks, successors, back, (latch, header), body)
     allowed = body - banned
