@@ -43,11 +43,13 @@ below); the MUFU and DRAM terms are bounds of their own, and the launch takes th
 - **DRAM**: the launch's unique payload bytes / the measured copy bandwidth (whole GPU).
 
 Combining the terms. Where the issue, L1 and latency terms overlapped fully, a launch would take their largest.
-The kernels of 9c57ff6 do not: each runs 2 warps per scheduler, and its three terms are of one size (TemporalKV-2
-at 16 x 32K: 9.4, 11.3 and 11.0 thousand cycles per tile of each resident pair), yet it took 37 thousand (their
-sum: 32). With few warps, a warp's stall is not hidden by another's issue, and its loads queue behind the other
-warps' wavefronts. Their largest predicted the five codebook and KIVI kernels at 0.19-0.97x of their H100
-times; their sum at 0.68-1.12x at batch 16 (``scripts/kernel_model.py``, BENCHMARKS.md).
+The kernels measured on an H100 do not behave so: the 9c57ff6 kernels run 2 warps per scheduler, and their three
+terms are of one size (TemporalKV-2 at 16 x 32K: 7.1, 13.9 and 11.6 thousand cycles per tile of each resident
+pair), yet it took 37 thousand (their sum: 33). With few warps a warp's stall is not hidden by another's issue, and
+its loads queue behind the other warps' wavefronts. Their largest put the five 9c57ff6 kernels at 0.30-0.97x of
+their measured times at batch 16, their sum at 0.69-1.13x; the sum, chosen on those, puts the 3c3b349 kernels at
+1.03-1.33x of their own H100 times at 16 x 32K and 128K (measured at 0692536; ``scripts/kernel_model.py``,
+BENCHMARKS.md). It over-predicts a kernel that saturates the L1 (9c57ff6's QJL scores, L1 99.5 % busy: 1.3-1.6x).
 
 Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
 launches'. Launches are asynchronous, so the device waits for the host only where the host is slower: a step takes
