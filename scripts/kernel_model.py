@@ -47,7 +47,7 @@ from kvcomp.kernels.static_model import (  # noqa: E402
     step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
-SHAPES = [(1, 4096), (16, 32768), (16, 131072)]
+SHAPES = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (16, 131072)]
 OLD_SHAPES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, 131072)]
 MEASURED = {  # gpu-evidence/bench_decode_attention.txt, ms (9c57ff6, H100), in OLD_SHAPES' order
     name: dict(zip(OLD_SHAPES, times)) for name, times in {
