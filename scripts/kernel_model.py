@@ -102,12 +102,12 @@ def stream_bounds(codec, context: int):
 
 
 def step_time(parts: list[tuple[dict, Geometry]], host: float) -> tuple[float, str]:
-    """A step's predicted seconds (:func:`~kvcomp.kernels.static_model.step_seconds`) and what bounds it: ``host``, or
-    the largest term of its first launch."""
+    """A step's predicted seconds (:func:`~kvcomp.kernels.static_model.step_seconds`) and its largest part: ``host``,
+    or the largest term of its first launch."""
     found = [bounds(a["counts"], g) for a, g in parts]
     seconds = step_seconds(found, host)
     device = sum(f["time"] for f in found)
-    return seconds, "host" if seconds > device else max((v, k) for k, v in found[0].items() if k != "time")[1]
+    return seconds, "host" if host > device else max((v, k) for k, v in found[0].items() if k != "time")[1]
 
 
 def bound_launches(kernels: tuple) -> contextlib.AbstractContextManager:

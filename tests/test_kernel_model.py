@@ -229,12 +229,13 @@ def test_a_branch_over_an_inner_loop_is_taken():
     assert looped and [i.address for i in instructions] == [0x00, 0x10, 0x60, 0x70]
 
 
-def test_a_step_waits_for_the_slower_of_host_and_device(monkeypatch):
-    """Launches are asynchronous: a step takes its launches' device times in sequence, or its host time (plus the
-    driver's launch each) where the host is slower; the host term keeps the fastest of its timed calls."""
+def test_a_timed_step_is_its_host_time_then_its_launches(monkeypatch):
+    """The benchmark's events are recorded on an idle device around one call: the device waits for the call's
+    Python work before the first launch, then runs the launches in sequence; the host term keeps the fastest of its
+    timed calls."""
     launches = [{"time": 2e-5}, {"time": 1e-5}]
-    assert math.isclose(sm.step_seconds(launches, 1e-6), 3e-5)
-    assert math.isclose(sm.step_seconds(launches, 1e-4), 1e-4 + 2 * sm.LAUNCH_S)
+    assert math.isclose(sm.step_seconds(launches, 1e-6), 3.1e-5)
+    assert math.isclose(sm.step_seconds(launches, 1e-4), 1.3e-4)
     monkeypatch.setattr(sm, "HOST_REPEATS", 6)
     calls = iter([0.0] + [0.02] * sm.HOST_REPEATS)  # the first call compiles: untimed
     slept = []
@@ -418,4 +419,5 @@ def test_todays_launch_of_a_rotated_format_is_modelled():
     seconds, bound, host, launches = subprocess.run([sys.executable, "-c", MODEL_ROTATED], env=env, capture_output=True,
                                                     text=True, check=True, cwd=root).stdout.split()
     # one layer at 1 x 4K: a few microseconds on the device, the launcher's Python and Triton's binding on the host
-    assert bound == "host" and math.isclose(float(seconds), float(host) + int(launches) * sm.LAUNCH_S) and float(host) > 0
+    device = float(seconds) - float(host)  # the launches after the host's work
+    assert bound == "host" and float(host) > 0 and int(launches) * sm.LAUNCH_S < device < float(host)

@@ -52,11 +52,13 @@ their measured times at batch 16, their sum at 0.69-1.13x; the sum, chosen on th
 BENCHMARKS.md). It over-predicts a kernel that saturates the L1 (9c57ff6's QJL scores, L1 99.5 % busy: 1.3-1.6x).
 
 Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
-launches'. Launches are asynchronous, so the device waits for the host only where the host is slower: a step takes
-the larger of its device time and its **host** time, the Python work of one call (the launcher building its
-arguments, Triton binding them and finding the compiled kernel) measured on this machine's CPU
-(:func:`host_seconds`), plus ``LAUNCH_S`` per launch for the driver's launch, which needs a GPU. The GPU
-machine's CPU is another one: this term is this CPU's figure, not the H100 host's.
+launches'. A step as ``scripts/bench_decode_attention.py`` times it (its CUDA events recorded on an idle device,
+around one call) takes its **host** time plus its device time: the device waits for the call's Python work (the
+launcher building its arguments, Triton binding them and finding the compiled kernel) before its first launch runs,
+and that work is nearly all before the first launch (the merge's binding overlaps the split kernel). The host term
+is measured on this machine's CPU (:func:`host_seconds`); the GPU machine's CPU is another one, so it is this CPU's
+figure, not the H100 host's. (In a model's decode loop the host runs ahead of the device, and a layer would take
+the larger of the two; the model predicts the benchmark.)
 
 Constants and their sources:
 
@@ -498,9 +500,9 @@ def host_seconds(call) -> float:
 
 
 def step_seconds(launches: list[dict], host: float) -> float:
-    """A step's time: its launches' device times (:func:`bounds`) in sequence, or its ``host`` seconds plus
-    ``LAUNCH_S`` per launch where the host is slower."""
-    return max(sum(found["time"] for found in launches), host + LAUNCH_S * len(launches))
+    """A timed step (module docstring): its ``host`` seconds, then its launches' device times (:func:`bounds`) in
+    sequence."""
+    return host + sum(found["time"] for found in launches)
 
 
 # --- Per-lane addresses: L1 wavefronts of each access from the layouts Triton chose ---------------------------
