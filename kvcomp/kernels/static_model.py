@@ -6,9 +6,8 @@ where a tile can take several paths (today's split kernel picks a full-precision
 payload per tile), the blocks whose instructions come mostly from ``skip`` source functions or that hold their
 global loads, and every block reachable only through them, are left out: a payload tile runs the rest (the loop's
 first and last blocks always run; the scheduler hoists a few instructions of the skipped functions into shared
-blocks, never a load across a branch). A kernel without a
-loop (the QJL score kernel: one group of keys per program) is one tile. Its instructions are counted per warp by
-class (:func:`classify`).
+blocks, never a load across a branch). A kernel without a loop (the QJL score kernel: one group of keys per
+program) is one tile. Its instructions are counted per warp by class (:func:`classify`).
 
 The time of a launch comes from these per-multiprocessor terms, each over the programs the busiest
 multiprocessor runs (``ceil(programs / 132)`` x tiles per program; programs resident at once: the occupancy of
@@ -29,12 +28,12 @@ below); the MUFU and DRAM terms are bounds of their own, and the launch takes th
 - **latency**: a program's warps run their tiles side by side, each tile no faster than one warp issuing its
   instructions in order and waiting for each operand (:func:`tile_cycles`): arithmetic ``ARITHMETIC_CYCLES``,
   shared memory, shuffles and spills ``SHARED_CYCLES``, MUFU and conversions ``VARIABLE_CYCLES``, ``HMMA``
-  ``TENSOR_CYCLES``, a global load ``DRAM_CYCLES`` except for the share of its lines that an earlier instruction of
-  its access read in the same tile, which is ready with that load's data and no sooner than an L1 hit
-  (``SHARED_CYCLES``; :func:`instruction_lines`: the code bytes of 4 tokens x 32 channels share a line, read by 32
-  instructions of one warp), and the share an earlier tile read,
-  which hits the L1 where the reused lines of all loads fit in the program's share of it, else the L2
-  (``L2_CYCLES``; :func:`load_cycles`, from the addresses program 0 reads over its run); every ``BAR.SYNC``
+  ``TENSOR_CYCLES``, a global load ``DRAM_CYCLES`` except for the lines that an earlier load of its access read in
+  the same tile, ready with that load's data and no sooner than an L1 hit (``SHARED_CYCLES``;
+  :func:`instruction_lines`: the code bytes of 4 tokens x 32 channels share a line, read by 32 instructions of one
+  warp), and for the share of its lines an earlier tile read, which hits the L1 where the reused lines of all loads
+  fit in the program's share of it, else the L2 (``L2_CYCLES``; :func:`load_cycles`, from the addresses program 0
+  reads over its run); every ``BAR.SYNC``
   (Triton's cross-warp reductions and layout conversions meet there) holds the warp ``BARRIER_CYCLES``. Programs
   resident together overlap, so this term counts the busiest multiprocessor's rounds of resident programs (a
   partial last round costs a full one). The ncu profile of 9c57ff6's TemporalKV-2 found it latency-bound at
@@ -47,9 +46,10 @@ The kernels measured on an H100 do not behave so: the 9c57ff6 kernels run 2 warp
 terms are of one size (TemporalKV-2 at 16 x 32K: 7.1, 13.9 and 11.6 thousand cycles per tile of each resident
 pair), yet it took 37 thousand (their sum: 33). With few warps a warp's stall is not hidden by another's issue, and
 its loads queue behind the other warps' wavefronts. Their largest put the five 9c57ff6 kernels at 0.30-0.97x of
-their measured times at batch 16, their sum at 0.69-1.13x; the sum, chosen on those, puts the 3c3b349 kernels at
-1.03-1.33x of their own H100 times at 16 x 32K and 128K (measured at 0692536; ``scripts/kernel_model.py``,
-BENCHMARKS.md). It over-predicts a kernel that saturates the L1 (9c57ff6's QJL scores, L1 99.5 % busy: 1.3-1.6x).
+their measured times at batch 16, their sum at 0.80-1.14x; the sum, chosen on those, puts the 3c3b349 kernels at
+0.74-1.35x of their own H100 times at batch 16 (measured at 0692536; ``scripts/kernel_model.py``, BENCHMARKS.md).
+It over-predicts a kernel that saturates the L1 (9c57ff6's QJL scores, L1 99.5 % busy: 1.3-1.6x), and across launch
+configurations of different occupancy it ranks no better than their largest.
 
 Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
 launches'. A step as ``scripts/bench_decode_attention.py`` times it (its CUDA events recorded on an idle device,
