@@ -623,16 +623,22 @@ class Access:
     address: object
     active: object = None
 
+    def _instructions(self, width: int) -> range | None:
+        """The first register of each instruction when each moves ``width`` bytes per lane (``None`` where that width
+        does not split this layout's registers)."""
+        vec = width // self.element
+        registers = len(self.lanes[0][0])
+        return None if vec < 1 or registers % vec else range(0, registers, vec)
+
     def per_instruction(self, width: int, shared: bool) -> tuple[float, int] | None:
         """``(wavefronts, instructions)`` per warp when each instruction moves ``width`` bytes per lane
         (``None`` where that width does not split this layout's registers)."""
-        vec = width // self.element
-        registers = len(self.lanes[0][0])
-        if vec < 1 or registers % vec:
+        starts = self._instructions(width)
+        if starts is None:
             return None
         wavefronts, instructions = 0, 0
         for warp in self.lanes:
-            for r in range(0, registers, vec):
+            for r in starts:
                 lanes = [(lane, self.address(held[r])) for lane, held in enumerate(warp)
                          if self.active is None or self.active(held[r])]
                 if not lanes:
@@ -644,12 +650,11 @@ class Access:
     def warp_lines(self, width: int) -> list[frozenset] | None:
         """The 128-byte lines each instruction of the first warp reads when each moves ``width`` bytes per lane, in
         register order (``None`` as :meth:`per_instruction`)."""
-        vec = width // self.element
-        registers = len(self.lanes[0][0])
-        if vec < 1 or registers % vec:
+        starts = self._instructions(width)
+        if starts is None:
             return None
         return [frozenset(self.address(held[r]) // LINE_BYTES for held in self.lanes[0]
-                          if self.active is None or self.active(held[r])) for r in range(0, registers, vec)]
+                          if self.active is None or self.active(held[r])) for r in starts]
 
 
 _TYPE = re.compile(r"tensor<([\dx]+)x(!tt\.ptr<)?(\w+)>?, (#[^>]*?>|#[\w.]+)>")
