@@ -4,7 +4,7 @@
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
 # Runs the steps named in STEPS (default: attention e2e tiles ncu overhead, whose limits add up to 525 s: one call with
-# timeout_s 590 after the machine's start; also: qjl sweep profile graphs), in that order, each under its own time limit so
+# timeout_s 590 after the machine's start; also: qjl sweep profile graphs calls), in that order, each under its own time limit so
 # that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
 #      --reps 30 --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the
@@ -19,10 +19,12 @@
 #   qjl: scripts/bench_qjl_decode.py --contexts 8192 32768 --write
 #   sweep: scripts/sweep_decode_kernel.py --write (every launch configuration; replaces its BENCHMARKS section)
 #   graphs: scripts/bench_decode_attention.py --cuda-graphs at 1 x 4K for three formats (each layer's call captured in
-#      a CUDA graph against the same call without; never run yet); logged only
+#      a CUDA graph against the same call without; 11 s on an H200); logged only
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
+#   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
+#      on an H200)
 # Wheels in .whl/ (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds
-# can be changed with ATTENTION_S, E2E_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S and PROFILE_S; the attention
+# can be changed with ATTENTION_S, E2E_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S; the attention
 # contexts with ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
 set -u
 out=${1:?usage: gpu_benchmarks.sh OUTDIR [REVISION]}
@@ -67,7 +69,9 @@ run() {  # run STEP: one named benchmark
     overhead) step overhead "${OVERHEAD_S:-45}" python3 scripts/bench_decode_overhead.py --device cuda --repeats "${OVERHEAD_REPEATS:-2}" --write ;;
     sweep) step sweep "${SWEEP_S:-150}" python3 scripts/sweep_decode_kernel.py --write ;;
     profile) step profile "${PROFILE_S:-90}" python3 scripts/profile_decode_step.py ;;
-    *) echo "unknown step $1; steps: attention e2e tiles ncu overhead qjl sweep profile graphs" ;;
+    calls) step calls "${CALLS_S:-60}" python3 scripts/profile_decode_call.py --codecs kivi-2 temporalkv-2 \
+        --shapes 1x4096 16x32768 --calls 30 --cuda-graphs ;;
+    *) echo "unknown step $1; steps: attention e2e tiles ncu overhead qjl sweep profile graphs calls" ;;
     esac
 }
 

@@ -43,8 +43,8 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
-    L1_BYTES, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles, record_global_accesses,
-    step_seconds, tile_instructions)
+    HOST_FACTOR, L1_BYTES, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
+    record_global_accesses, step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (16, 131072)]
@@ -61,6 +61,21 @@ MEASURED = {  # gpu-evidence/bench_decode_attention.txt, ms (9c57ff6, H100), in 
 QJL_MEASURED = {(1, 8192): 0.3391, (1, 32768): 0.9060, (1, 65536): 1.6459, (4, 8192): 0.8973, (4, 32768): 3.0805,
                 (4, 65536): 5.9251}  # gpu-evidence/bench_qjl_decode.txt, authors' general layer, scores only
 QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
+# Today's kernels measured (BENCHMARKS.md, "Fused decode attention" and "QJL decode-step scores": H200, 2026-11-27),
+# compared only while the kernels' sources are those of MEASURED_TODAY_AT (``kernels_as_measured``)
+MEASURED_TODAY_AT, MEASURED_TODAY_CARD = "5df39bb", "H200"
+MEASURED_TODAY = {  # ms in SHAPES' order
+    name: dict(zip(SHAPES, times)) for name, times in {
+        "kivi-2": (0.2748, 0.4048, 0.6712, 1.8777, 6.3903),
+        "kivi-4": (0.2628, 0.3666, 0.6683, 1.7729, 6.5801),
+        "temporalkv-2": (0.2789, 0.5856, 1.2038, 5.3328, 19.6846),
+        "channelkv-2": (0.2716, 0.5535, 1.2568, 5.6982, 21.7450),
+        "kvquant-2": (0.3073, 0.5615, 1.2199, 5.6107, 20.0721),
+    }.items()
+}
+QJL_MEASURED_TODAY = {(1, 8192): 0.3648, (1, 32768): 0.9959, (4, 8192): 0.8983, (4, 32768): 2.9815}
+KERNEL_SOURCES = ("kvcomp/kernels/decode_attention_triton.py", "kvcomp/kernels/formats", "kvcomp/kernels/decode_plan.py",
+                  "kvcomp/kernels/decode_attention.py", "kvcomp/kernels/qjl_scores_triton.py")
 
 
 def codec_for(name: str):
@@ -102,12 +117,12 @@ def stream_bounds(codec, context: int):
 
 
 def step_time(parts: list[tuple[dict, Geometry]], host: float) -> tuple[float, str]:
-    """A step's predicted seconds (:func:`~kvcomp.kernels.static_model.step_seconds`) and its largest part: ``host``,
-    or the largest term of its first launch."""
+    """A step's predicted seconds (:func:`~kvcomp.kernels.static_model.step_seconds`) and its largest part: ``host``
+    (this CPU's ``host`` seconds on the GPU machine's), or the largest term of its first launch."""
     found = [bounds(a["counts"], g) for a, g in parts]
     seconds = step_seconds(found, host)
     device = sum(f["time"] for f in found)
-    return seconds, "host" if host > device else max((v, k) for k, v in found[0].items() if k != "time")[1]
+    return seconds, "host" if HOST_FACTOR * host > device else max((v, k) for k, v in found[0].items() if k != "time")[1]
 
 
 def bound_launches(kernels: tuple) -> contextlib.AbstractContextManager:
@@ -259,6 +274,23 @@ def qjl_scores(module, shapes) -> dict:
     return {"shapes": out, "launches": [a], "host": host}
 
 
+def kernels_as_measured(repo: Path) -> bool:
+    """Whether ``repo``'s kernel sources (``KERNEL_SOURCES``) are those of ``MEASURED_TODAY_AT`` (so its measured
+    times are today's kernels'); ``False`` where git cannot tell (no such commit, not a checkout)."""
+    done = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", MEASURED_TODAY_AT, "--", *KERNEL_SOURCES],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+def ranking_line(shape: tuple, predicted: dict, measured: dict) -> str:
+    """One shape's predicted and measured order of the kernels (fastest first) and how many separated pairs agree."""
+    agree, pairs = separated_pairs(predicted, measured)
+    return (f"- {shape[0]} x {shape[1] // 1024}K: predicted {', '.join(sorted(predicted, key=predicted.get))}; measured "
+            f"{', '.join(sorted(measured, key=measured.get))}: "
+            f"{'same order' if spearman_agrees(predicted, measured) else 'DIFFERENT order'}; {agree} of the "
+            f"{pairs} pairs measured {100 * APART:.0f} % or more apart ordered as measured")
+
+
 def spearman_agrees(predicted: dict, measured: dict) -> bool:
     """Whether the predicted times order the kernels as the measured ones (ties in neither)."""
     return sorted(predicted, key=predicted.get) == sorted(measured, key=measured.get)
@@ -395,13 +427,7 @@ def main(argv=None) -> str:
                 lines.append(f"| {name} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {ms:.3f} | "
                              f"{seconds * 1e3 / ms:.2f} |")
         lines += ["", "Ranking of the measured kernels per shape (fastest first):", ""]
-        for shape, times in predicted.items():
-            measured = {n: MEASURED[n][shape] for n in times}
-            agree, pairs = separated_pairs(times, measured)
-            lines.append(f"- {shape[0]} x {shape[1] // 1024}K: predicted {', '.join(sorted(times, key=times.get))}; measured "
-                         f"{', '.join(sorted(measured, key=measured.get))}: "
-                         f"{'same order' if spearman_agrees(times, measured) else 'DIFFERENT order'}; {agree} of the "
-                         f"{pairs} pairs measured {100 * APART:.0f} % or more apart ordered as measured")
+        lines += [ranking_line(shape, times, {n: MEASURED[n][shape] for n in times}) for shape, times in predicted.items()]
         qjl = qjl_scores(old_module(args.repo, args.commit, "kvcomp/kernels/qjl_scores_triton.py"), QJL_MEASURED)
         tiles += [(f"{args.commit} qjl scores", qjl["launches"][0])]
         hosts.append((f"{args.commit} qjl scores", qjl["host"]))
@@ -410,23 +436,36 @@ def main(argv=None) -> str:
         for shape, (seconds, _) in qjl["shapes"].items():
             lines.append(f"| {args.commit} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {QJL_MEASURED[shape]:.3f} | "
                          f"{seconds * 1e3 / QJL_MEASURED[shape]:.2f} |")
-    lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s:", "",
-              "| codec | batch x context | predicted ms | bound | SDPA memory ms | vs SDPA memory |", "|---|---|---:|---|---:|---:|"]
+    as_measured = kernels_as_measured(args.repo)
+    where = f"{MEASURED_TODAY_CARD}, {MEASURED_TODAY_AT}"
+    lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s; "
+              + (f"measured: the {where} rows of BENCHMARKS.md (ratio = predicted / measured):" if as_measured else
+                 f"not compared: the kernels differ from {MEASURED_TODAY_AT}, where they were measured:"), "",
+              "| codec | batch x context | predicted ms | bound | SDPA memory ms | vs SDPA memory | measured ms | ratio |",
+              "|---|---|---:|---|---:|---:|---:|---:|"]
+
+    def row(name: str, shape: tuple, seconds: float, bound: str, measured: dict) -> str:
+        sdpa = 2 * shape[0] * H * shape[1] * D * 2 / 2970e9 * 1e3
+        ms = measured.get(shape) if as_measured else None
+        return (f"| {name} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {sdpa:.3f} | "
+                f"{sdpa / (seconds * 1e3):.2f}x | {f'{ms:.3f}' if ms else '-'} | {f'{seconds * 1e3 / ms:.2f}' if ms else '-'} |")
+
+    predicted = {}
     for name in args.codecs:
         result = today_step(name, SHAPES)
         tiles += [(f"today {name}", a) for a in result["launches"]]
         hosts.append((f"today {name}", result["host"]))
         for shape, (seconds, bound) in result["shapes"].items():
-            sdpa = 2 * shape[0] * H * shape[1] * D * 2 / 2970e9 * 1e3
-            lines.append(f"| {name} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {sdpa:.3f} | "
-                         f"{sdpa / (seconds * 1e3):.2f}x |")
-    qjl = qjl_scores(None, SHAPES)
+            predicted.setdefault(shape, {})[name] = seconds * 1e3
+            lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name]))
+    qjl = qjl_scores(None, SHAPES + [s for s in QJL_MEASURED_TODAY if s not in SHAPES])
     tiles += [("today qjl scores", qjl["launches"][0])]
     hosts.append(("today qjl scores", qjl["host"]))
     for shape, (seconds, bound) in qjl["shapes"].items():
-        sdpa = 2 * shape[0] * H * shape[1] * D * 2 / 2970e9 * 1e3
-        lines.append(f"| qjl scores | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {sdpa:.3f} | "
-                     f"{sdpa / (seconds * 1e3):.2f}x |")
+        lines.append(row("qjl scores", shape, seconds, bound, QJL_MEASURED_TODAY))
+    if as_measured:
+        lines += ["", f"Ranking of today's kernels per shape (fastest first; measured on the {where}):", ""]
+        lines += [ranking_line(shape, times, {n: MEASURED_TODAY[n][shape] for n in times}) for shape, times in predicted.items()]
     lines += ["", "Host time of one call on this CPU (the launcher's Python and Triton's binding of its launches; the "
               "fastest of several, without the driver's launch):", "", "| kernel | host ms |", "|---|---:|"]
     lines += [f"| {name} | {seconds * 1e3:.3f} |" for name, seconds in hosts]

@@ -639,6 +639,15 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
     assert "| temporalkv-2 |" in table.split("Prefill encode")[1]
 
 
+def test_decode_call_profile_runs_on_the_interpreter():
+    """scripts/profile_decode_call.py --smoke: one call's host time, its Python functions and torch operators."""
+    report = load_script("profile_decode_call").main(["--smoke", "--codecs", "kivi-2", "--top", "5"])
+    host = float(report.split("host ms per call, median of 2: ")[1].split()[0])
+    assert report.startswith("=== kivi-2 at 1 x 160") and host > 0
+    assert "function calls" in report.split("--- torch operators")[0]  # cProfile timed the calls
+    assert "aten::" in report.split("--- torch operators")[1]
+
+
 def test_launch_configuration_sweep_runs_on_the_interpreter():
     """scripts/sweep_decode_kernel.py --smoke: each configuration (here the default tl.dot launch and the register
     path with 8 warps) runs, is timed and is checked against the float64 reference inside the script."""

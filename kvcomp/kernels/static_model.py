@@ -56,8 +56,8 @@ launches'. A step as ``scripts/bench_decode_attention.py`` times it (its CUDA ev
 around one call) takes its **host** time plus its device time: the device waits for the call's Python work (the
 launcher building its arguments, Triton binding them and finding the compiled kernel) before its first launch runs,
 and that work is nearly all before the first launch (the merge's binding overlaps the split kernel). The host term
-is measured on this machine's CPU (:func:`host_seconds`); the GPU machine's CPU is another one, so it is this CPU's
-figure, not the H100 host's. (In a model's decode loop the host runs ahead of the device, and a layer would take
+is measured on this machine's CPU (:func:`host_seconds`) and scaled by ``HOST_FACTOR`` to the GPU machine's CPU,
+which takes about twice as long for the same call (measured: the constant's entry below). (In a model's decode loop the host runs ahead of the device, and a layer would take
 the larger of the two; the model predicts the benchmark.)
 
 Constants and their sources:
@@ -82,6 +82,11 @@ Constants and their sources:
   conversions (the variable-latency pipe) and for ``mma.sync`` on Ampere and Hopper; not measured here.
 - ``L1_BYTES = 256 KiB``: the L1 / shared-memory array of an H100 SM (less the programs' shared memory).
 - ``LAUNCH_S = 3e-6``: a kernel launch's fixed cost, on the device and in the driver.
+- ``HOST_FACTOR = 1.9``: the GPU machine's host time of a call over this CPU's. On the H200 machine of 2026-11-27
+  (revision 5df39bb) the median host ms of one call at 1 x 4K (``scripts/bench_decode_attention.py``'s host column,
+  which includes the driver's launches, about 10 us each by ``torch.profiler``) was 0.239-0.278 for the five seed
+  formats, 1.6-2.1x (mean 1.9) this CPU's fastest of ``HOST_REPEATS`` (0.125-0.151 ms). That CPU varies more than
+  this one: the same KIVI-2 call took 0.26, 0.36 and 0.41 ms in three runs (``scripts/profile_decode_call.py``).
 - ``HOST_REPEATS = 200``: calls timed for the host term, the fastest kept (other processes only add time).
 """
 
@@ -101,7 +106,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_PER_S = 132, 4, 1.755e9, 2970e9
-L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, LAUNCH_S = 1.0, 2.0, 3e-6
+L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, LAUNCH_S, HOST_FACTOR = 1.0, 2.0, 3e-6, 1.9
 ARITHMETIC_CYCLES, SHARED_CYCLES, VARIABLE_CYCLES, TENSOR_CYCLES, L2_CYCLES, DRAM_CYCLES = 4.0, 30.0, 20.0, 32.0, 200.0, 400.0
 BARRIER_CYCLES, L1_BYTES = SHARED_CYCLES, 256 * 1024
 HOST_REPEATS = 200
@@ -500,9 +505,9 @@ def host_seconds(call) -> float:
 
 
 def step_seconds(launches: list[dict], host: float) -> float:
-    """A timed step (module docstring): its ``host`` seconds, then its launches' device times (:func:`bounds`) in
-    sequence."""
-    return host + sum(found["time"] for found in launches)
+    """A timed step (module docstring): its ``host`` seconds (this CPU's, scaled by ``HOST_FACTOR``), then its
+    launches' device times (:func:`bounds`) in sequence."""
+    return HOST_FACTOR * host + sum(found["time"] for found in launches)
 
 
 # --- Per-lane addresses: L1 wavefronts of each access from the layouts Triton chose ---------------------------
