@@ -36,7 +36,8 @@ from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
+from kvcomp.kernels.benchmarking import (LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision,
+                                         script_device)
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
@@ -318,16 +319,12 @@ def main(argv=None) -> str:
     parser.add_argument("--cuda-graphs", action="store_true", help="also time each codec's call captured in CUDA graphs")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
-    if args.smoke and args.cuda_graphs:
-        parser.error("--cuda-graphs captures CUDA graphs: it needs a GPU, not --smoke")
+    device = script_device(parser, args)
     if args.smoke:
-        device = torch.device("cpu")
         contexts, batches, encode_tokens, timer = [160], [1], 32, Timer(device, 0, 1)
         memory_gb = 80.0
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
-        device, contexts, batches, encode_tokens = torch.device("cuda"), args.contexts, args.batches, args.encode_tokens
+        contexts, batches, encode_tokens = args.contexts, args.batches, args.encode_tokens
         timer = Timer(device, args.warmup, args.reps)
         memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
     generator = torch.Generator().manual_seed(0)

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision
+from kvcomp.kernels.benchmarking import (LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision,
+                                         script_device)
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
 
@@ -138,13 +139,11 @@ def main(argv=None) -> str:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
     parser.add_argument("--write", action="store_true", help="replace the QJL section of BENCHMARKS.md")
     args = parser.parse_args(argv)
+    device = script_device(parser, args)
     if args.smoke:
-        device, contexts, batches, timer = torch.device("cpu"), [128], [1], Timer(torch.device("cpu"), 0, 1)
+        contexts, batches, timer = [128], [1], Timer(device, 0, 1)
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
-        device, contexts, batches = torch.device("cuda"), args.contexts, args.batches
-        timer = Timer(device, args.warmup, args.reps)
+        contexts, batches, timer = args.contexts, args.batches, Timer(device, args.warmup, args.reps)
     l2_bytes, name = l2_cache_bytes(device), device_name(device)
     info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
     sections = [

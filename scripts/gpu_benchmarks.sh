@@ -3,15 +3,18 @@
 #
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
-# Runs the steps named in STEPS (default: attention e2e tiles ncu overhead, whose limits add up to 525 s: one call with
+# Runs the steps named in STEPS (default: operands attention e2e tiles ncu overhead, whose limits add up to 525 s: one call with
 # timeout_s 590 after the machine's start; also: qjl sweep profile graphs calls), in that order, each under its own time limit so
 # that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
 #      --reps 30 --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the
 #      largest first, and each row is logged as it is measured, so a step stopped by its limit keeps what it measured;
 #      about 80 s on an H100 for every format)
-#   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 8x16384 --write (16 x 32K and the agreement of
-#      every format took a little more than 210 s on an H100)
+#   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 --write (on an H200, 2026-11-27: 10 speed rows, and
+#      7 rows with 6 agreement rows, each took about 110-130 s; all 15 and 14 need about 200 s)
+#   operands: scripts/sweep_decode_kernel.py --configs 0 12 --shapes 16x32768 1x32768 for the five seed formats: the
+#      default launch against the same with bfloat16 tl.dot operands (the static model's lead for KIVI, 2026-11-27;
+#      each row's error against the float64 reference is the first check of that option's numbers); logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
 #   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
@@ -24,7 +27,7 @@
 #   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
 #      on an H200)
 # Wheels in .whl/ (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds
-# can be changed with ATTENTION_S, E2E_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S; the attention
+# can be changed with OPERANDS_S, ATTENTION_S, E2E_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S; the attention
 # contexts with ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
 set -u
 out=${1:?usage: gpu_benchmarks.sh OUTDIR [REVISION]}
@@ -58,7 +61,9 @@ run() {  # run STEP: one named benchmark
     qjl) step qjl "${QJL_S:-40}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
     graphs) step graphs "${GRAPHS_S:-60}" python3 scripts/bench_decode_attention.py --batches 1 --contexts 4096 \
         --codecs kivi-2 temporalkv-2 eden-2 --encode-tokens 1024 --reps 30 --cuda-graphs ;;
-    e2e) step e2e "${E2E_S:-260}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768 8x16384} --write ;;
+    e2e) step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768} --write ;;
+    operands) step operands "${OPERANDS_S:-60}" python3 scripts/sweep_decode_kernel.py --configs 0 12 \
+        --shapes 16x32768 1x32768 --codecs kivi-2 kivi-4 temporalkv-2 channelkv-2 kvquant-2 ;;
     tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
         --codecs fp8 int8-token-head eden-2-center int4-token-head nvfp4 ;;
     ncu) command -v ncu >/dev/null || echo "=== ncu: not on this machine, step skipped"
@@ -71,9 +76,9 @@ run() {  # run STEP: one named benchmark
     profile) step profile "${PROFILE_S:-90}" python3 scripts/profile_decode_step.py ;;
     calls) step calls "${CALLS_S:-60}" python3 scripts/profile_decode_call.py --codecs kivi-2 temporalkv-2 \
         --shapes 1x4096 16x32768 --calls 30 --cuda-graphs ;;
-    *) echo "unknown step $1; steps: attention e2e tiles ncu overhead qjl sweep profile graphs calls" ;;
+    *) echo "unknown step $1; steps: operands attention e2e tiles ncu overhead qjl sweep profile graphs calls" ;;
     esac
 }
 
-for name in ${STEPS:-attention e2e tiles ncu overhead}; do run "$name"; done
+for name in ${STEPS:-operands attention e2e tiles ncu overhead}; do run "$name"; done
 echo "=== done after $(( $(date +%s) - start ))s"

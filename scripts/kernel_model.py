@@ -11,6 +11,7 @@ run on CPU tensors; its kernels are compiled, never run).
     PYTHONPATH=/tmp/t36 python scripts/kernel_model.py          # Triton 3.6, as on the GPU machine (see
                                                                 # scripts/kernel_resources.py for /tmp/t36)
     python scripts/kernel_model.py --codecs kivi-2 --no-old     # today's KIVI-2 only
+    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --no-old --operands bfloat16   # with bfloat16 tl.dot operands
     PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --sweep BENCHMARKS.md   # every measured launch configuration
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import math
 import os
@@ -43,7 +45,7 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
-    HOST_FACTOR, L1_BYTES, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
+    HOST_FACTOR, L1_BYTES, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles, parse_sass,
     record_global_accesses, step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
@@ -62,8 +64,11 @@ QJL_MEASURED = {(1, 8192): 0.3391, (1, 32768): 0.9060, (1, 65536): 1.6459, (4, 8
                 (4, 65536): 5.9251}  # gpu-evidence/bench_qjl_decode.txt, authors' general layer, scores only
 QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
 # Today's kernels measured (BENCHMARKS.md, "Fused decode attention" and "QJL decode-step scores": H200, 2026-11-27),
-# compared only while the kernels' sources are those of MEASURED_TODAY_AT (``kernels_as_measured``)
+# compared only with a launch whose machine code is the one measured: the SASS fingerprint (:func:`sass_fingerprint`)
+# of its split launch (QJL: its score launch) compiled by Triton 3.6, the GPU machine's, at revision MEASURED_TODAY_AT
 MEASURED_TODAY_AT, MEASURED_TODAY_CARD = "5df39bb", "H200"
+MEASURED_TODAY_SASS = {"kivi-2": "ae13fb3d7946", "kivi-4": "dd58caecc723", "temporalkv-2": "92cddb873b6d",
+                       "channelkv-2": "1d7f3065ce62", "kvquant-2": "b8a0a7b13729", "qjl scores": "f6b4c7faca9c"}
 MEASURED_TODAY = {  # ms in SHAPES' order
     name: dict(zip(SHAPES, times)) for name, times in {
         "kivi-2": (0.2748, 0.4048, 0.6712, 1.8777, 6.3903),
@@ -74,8 +79,6 @@ MEASURED_TODAY = {  # ms in SHAPES' order
     }.items()
 }
 QJL_MEASURED_TODAY = {(1, 8192): 0.3648, (1, 32768): 0.9959, (4, 8192): 0.8983, (4, 32768): 2.9815}
-KERNEL_SOURCES = ("kvcomp/kernels/decode_attention_triton.py", "kvcomp/kernels/formats", "kvcomp/kernels/decode_plan.py",
-                  "kvcomp/kernels/decode_attention.py", "kvcomp/kernels/qjl_scores_triton.py")
 
 
 def codec_for(name: str):
@@ -93,7 +96,9 @@ def analysed(launch: Launch, skip: tuple = (), whole: Launch | None = None) -> d
     program 0 runs every tile of its head (the loads' reuse between tiles, :func:`load_cycles`)."""
     compiled = compile_launch(launch)
     found = kernel_resources(compiled)
-    instructions, looped = tile_instructions(disassemble(compiled.asm["cubin"]), skip)
+    sass = disassemble(compiled.asm["cubin"])
+    instructions, looped = tile_instructions(sass, skip)
+    found["sass"] = sass_fingerprint(sass)
     resident = round(found["occupancy"] * 64) // found["num_warps"]
     l1_bytes = (L1_BYTES - resident * found["shared"]) / max(1, resident)  # each resident program's share of the L1
     recorded = record_global_accesses(whole or launch)
@@ -274,12 +279,11 @@ def qjl_scores(module, shapes) -> dict:
     return {"shapes": out, "launches": [a], "host": host}
 
 
-def kernels_as_measured(repo: Path) -> bool:
-    """Whether ``repo``'s kernel sources (``KERNEL_SOURCES``) are those of ``MEASURED_TODAY_AT`` (so its measured
-    times are today's kernels'); ``False`` where git cannot tell (no such commit, not a checkout)."""
-    done = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", MEASURED_TODAY_AT, "--", *KERNEL_SOURCES],
-                          capture_output=True)
-    return done.returncode == 0
+def sass_fingerprint(sass: str) -> str:
+    """A short hash of a kernel's machine code (every instruction's opcode and operands, not its addresses or source
+    lines): equal where two compilations run the same code."""
+    instructions, _ = parse_sass(sass)
+    return hashlib.sha1(repr([(i.opcode, i.operands) for i in instructions]).encode()).hexdigest()[:12]
 
 
 def ranking_line(shape: tuple, predicted: dict, measured: dict) -> str:
@@ -401,6 +405,8 @@ def main(argv=None) -> str:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent, help="git checkout holding 9c57ff6")
     parser.add_argument("--commit", default="9c57ff6", help="the measured commit")
     parser.add_argument("--no-old", action="store_true", help="only today's kernels")
+    parser.add_argument("--operands", choices=list(today.OPERANDS), default="float32",
+                        help="today's kernels with these tl.dot operands (decode_launches' operands)")
     parser.add_argument("--sweep", type=Path, metavar="BENCHMARKS.md",
                         help="only: predict every launch configuration measured in this file's sweep section")
     args = parser.parse_args(argv)
@@ -436,15 +442,15 @@ def main(argv=None) -> str:
         for shape, (seconds, _) in qjl["shapes"].items():
             lines.append(f"| {args.commit} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {QJL_MEASURED[shape]:.3f} | "
                          f"{seconds * 1e3 / QJL_MEASURED[shape]:.2f} |")
-    as_measured = kernels_as_measured(args.repo)
+    options = {"operands": args.operands} if args.operands != "float32" else None
     where = f"{MEASURED_TODAY_CARD}, {MEASURED_TODAY_AT}"
-    lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s; "
-              + (f"measured: the {where} rows of BENCHMARKS.md (ratio = predicted / measured):" if as_measured else
-                 f"not compared: the kernels differ from {MEASURED_TODAY_AT}, where they were measured:"), "",
+    lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s; measured: the "
+              f"{where} rows of BENCHMARKS.md where a launch's machine code is the one measured (ratio = predicted / "
+              "measured):", "",
               "| codec | batch x context | predicted ms | bound | SDPA memory ms | vs SDPA memory | measured ms | ratio |",
               "|---|---|---:|---|---:|---:|---:|---:|"]
 
-    def row(name: str, shape: tuple, seconds: float, bound: str, measured: dict) -> str:
+    def row(name: str, shape: tuple, seconds: float, bound: str, measured: dict, as_measured: bool) -> str:
         sdpa = 2 * shape[0] * H * shape[1] * D * 2 / 2970e9 * 1e3
         ms = measured.get(shape) if as_measured else None
         return (f"| {name} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {sdpa:.3f} | "
@@ -452,19 +458,22 @@ def main(argv=None) -> str:
 
     predicted = {}
     for name in args.codecs:
-        result = today_step(name, SHAPES)
+        result = today_step(name, SHAPES, options)
         tiles += [(f"today {name}", a) for a in result["launches"]]
         hosts.append((f"today {name}", result["host"]))
+        as_measured = result["launches"][0]["sass"] == MEASURED_TODAY_SASS[name]
         for shape, (seconds, bound) in result["shapes"].items():
-            predicted.setdefault(shape, {})[name] = seconds * 1e3
-            lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name]))
+            if as_measured:
+                predicted.setdefault(shape, {})[name] = seconds * 1e3
+            lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name], as_measured))
     qjl = qjl_scores(None, SHAPES + [s for s in QJL_MEASURED_TODAY if s not in SHAPES])
     tiles += [("today qjl scores", qjl["launches"][0])]
     hosts.append(("today qjl scores", qjl["host"]))
     for shape, (seconds, bound) in qjl["shapes"].items():
-        lines.append(row("qjl scores", shape, seconds, bound, QJL_MEASURED_TODAY))
-    if as_measured:
-        lines += ["", f"Ranking of today's kernels per shape (fastest first; measured on the {where}):", ""]
+        lines.append(row("qjl scores", shape, seconds, bound, QJL_MEASURED_TODAY,
+                         qjl["launches"][0]["sass"] == MEASURED_TODAY_SASS["qjl scores"]))
+    if predicted:
+        lines += ["", f"Ranking of today's kernels per shape (fastest first; those measured on the {where}):", ""]
         lines += [ranking_line(shape, times, {n: MEASURED_TODAY[n][shape] for n in times}) for shape, times in predicted.items()]
     lines += ["", "Host time of one call on this CPU (the launcher's Python and Triton's binding of its launches; the "
               "fastest of several, without the driver's launch):", "", "| kernel | host ms |", "|---|---:|"]

@@ -32,7 +32,7 @@ from bench_decode_attention import CODECS, LLAMA31_8B, cache_state, synthetic_st
 
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import batch_by_context  # noqa: E402
+from kvcomp.kernels.benchmarking import batch_by_context, script_device  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.decode_graphs import DecodeGraphs  # noqa: E402
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace  # noqa: E402
@@ -99,14 +99,8 @@ def main(argv=None) -> str:
     parser.add_argument("--cuda-graphs", action="store_true", help="also profile each call captured in CUDA graphs")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
     args = parser.parse_args(argv)
-    if args.smoke and args.cuda_graphs:
-        parser.error("--cuda-graphs captures CUDA graphs: it needs a GPU, not --smoke")
-    if args.smoke:
-        device, shapes, calls = torch.device("cpu"), [(1, 160)], 2
-    elif not torch.cuda.is_available():
-        raise SystemExit("this diagnosis needs a CUDA GPU (use --smoke for a CPU check of the script)")
-    else:
-        device, shapes, calls = torch.device("cuda"), args.shapes, args.calls
+    device = script_device(parser, args)
+    shapes, calls = ([(1, 160)], 2) if args.smoke else (args.shapes, args.calls)
     reports = []
     for batch, context in shapes:
         for name in args.codecs:

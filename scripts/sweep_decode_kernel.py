@@ -24,7 +24,7 @@ from bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import (  # noqa: E402
-    LLAMA31_8B, Timer, batch_by_context, buffer_sets, device_name, l2_cache_bytes, publish, revision,
+    LLAMA31_8B, Timer, batch_by_context, buffer_sets, device_name, l2_cache_bytes, publish, revision, script_device,
 )
 from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
@@ -46,6 +46,7 @@ CONFIGS = {
     "tl.dot, 4 warps, 64 tokens": dict(dot=True, num_warps=4, block_tokens=64),
     "tl.dot, 4 warps, 128 tokens": dict(dot=True, num_warps=4, block_tokens=128),
     "tl.dot, 8 warps, 128 tokens": dict(dot=True, num_warps=8, block_tokens=128),
+    "tl.dot, 4 warps, bfloat16 operands": dict(dot=True, num_warps=4, operands="bfloat16"),  # default tiles; not measured yet
 }
 
 
@@ -111,14 +112,12 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     configs = {label: options for i, (label, options) in enumerate(CONFIGS.items()) if args.configs is None or i in args.configs}
+    device = script_device(parser, args)
     if args.smoke:
-        device, shapes, timer = torch.device("cpu"), [(1, 160)], Timer(torch.device("cpu"), 0, 1)
+        shapes, timer = [(1, 160)], Timer(device, 0, 1)
         configs = {label: {**options, "block_tokens": 32} for label, options in list(configs.items())[:2]}
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("this benchmark needs a CUDA GPU (use --smoke for a CPU check of the script)")
-        device, timer = torch.device("cuda"), Timer(torch.device("cuda"), args.warmup, args.reps)
-        shapes = args.shapes
+        shapes, timer = args.shapes, Timer(device, args.warmup, args.reps)
     l2_bytes = l2_cache_bytes(device)
     info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
     generator = torch.Generator().manual_seed(0)

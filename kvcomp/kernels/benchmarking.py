@@ -93,6 +93,18 @@ def write_section(path: Path, section: str, body: str) -> None:
     path.write_text(text[:start] + block + (text[end:] if end >= 0 else ""))
 
 
+def script_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The device of a GPU script: the CPU for ``--smoke`` (a tiny run on Triton's interpreter that checks the script),
+    else a CUDA GPU, exiting where there is none; ``--cuda-graphs`` (where the script has it) needs the GPU."""
+    if args.smoke and getattr(args, "cuda_graphs", False):
+        parser.error("--cuda-graphs captures CUDA graphs: it needs a GPU, not --smoke")
+    if args.smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{parser.prog} needs a CUDA GPU (use --smoke for a CPU check of the script)")
+    return torch.device("cuda")
+
+
 def batch_by_context(text: str) -> tuple[int, int]:
     """An argparse type: ``BATCHxCONTEXT`` (e.g. ``16x32768``) as ``(batch, context)``."""
     try:

@@ -36,7 +36,7 @@ on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
 ``P V`` are still ``tl.dot`` products over the query rows padded to 16 (TF32 for float32 operands, Triton's
-default), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`).
+default; bfloat16 operands with ``operands``, :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`).
 Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
 warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys are faster on the register
@@ -91,6 +91,11 @@ LOG2E = 1.4426950408889634
 WARPS = 4
 TILE = 32
 WIDE_TILE = 128
+# ``tl.dot``'s operands for full-precision and decoded tiles (``operands``; accumulation is float32 either way):
+# float32 (TF32, the default) or bfloat16 (as FlashAttention's, half the shared-memory staging; the static model's
+# lead for KIVI, not measured on a GPU yet). Triton's CPU interpreter gets bfloat16 tl.dot wrong (its products come
+# out ~1e9 off in 3.6 and 3.9), so only a GPU can check that option's numbers.
+OPERANDS = {"float32": tl.float32, "bfloat16": tl.bfloat16}
 OWN_LAUNCHES = (RotatedReader, OffsetReader, ResidualSketchReader)  # payloads read in launches of their own
 # where a launch's row of bounds holds what (decode_plan.ROW)
 LO, HI, TILES, SLOT0, SLOTS, VALID_S_B, POS_S_B, K_FIRST, K_LENGTH, V_FIRST, V_LENGTH, K_LOWS, K_CUTS, V_LOWS, V_CUTS = (
@@ -161,21 +166,27 @@ def _piece(g0, cut1, cut2, cut3, hi, ENCODED: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
-    """Logits ``[BLOCK_R, BLOCK_T]`` (log2 units) of key halves: ``tl.dot`` or in registers, one query row at a time."""
+def _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
+            OPERAND: tl.constexpr):
+    """Logits ``[BLOCK_R, BLOCK_T]`` (log2 units) of key halves: ``tl.dot`` on ``OPERAND`` operands (float32
+    accumulation), or in registers, one query row at a time."""
     if DOT:
-        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+        s = (tl.dot(q_lo.to(OPERAND), tl.trans(k_lo.to(OPERAND)))
+             + tl.dot(q_hi.to(OPERAND), tl.trans(k_hi.to(OPERAND))))
     else:
         s = row_scores(q_lo, k_lo, rows, BLOCK_R, BLOCK_T) + row_scores(q_hi, k_hi, rows, BLOCK_R, BLOCK_T)
     return s
 
 
 @triton.jit
-def _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R: tl.constexpr, HALF_PAD: tl.constexpr, DOT: tl.constexpr):
-    """The head_dim-layout accumulator halves rescaled by ``alpha`` plus ``P V``."""
+def _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R: tl.constexpr, HALF_PAD: tl.constexpr, DOT: tl.constexpr,
+              OPERAND: tl.constexpr):
+    """The head_dim-layout accumulator halves rescaled by ``alpha`` plus ``P V`` (``tl.dot`` on ``OPERAND`` operands,
+    float32 accumulation, as FlashAttention's ``P V``)."""
     if DOT:
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+        p = p.to(OPERAND)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(OPERAND))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(OPERAND))
     else:
         acc_lo = acc_lo * alpha[:, None] + row_values(p, v_lo, rows, BLOCK_R, HALF_PAD)
         acc_hi = acc_hi * alpha[:, None] + row_values(p, v_hi, rows, BLOCK_R, HALF_PAD)
@@ -185,23 +196,23 @@ def _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R: tl.constexpr,
 @triton.jit
 def _dense_scores(
     which, d0, d1, d2, q_lo, q_hi, rows, g, g_ok, c, c_ok,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, OPERAND: tl.constexpr,
 ):
     """Logits of a tile of full-precision keys (piece ``which``)."""
     k_lo = _dense_pick(which, d0, d1, d2, g, g_ok, c, c_ok, D)
     k_hi = _dense_pick(which, d0, d1, d2, g, g_ok, c + D // 2, c_ok, D)
-    return _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
+    return _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT, OPERAND)
 
 
 @triton.jit
 def _dense_weighted(
     acc_lo, acc_hi, alpha, p, which, d0, d1, d2, rows, g, g_ok, c, c_ok,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, HALF_PAD: tl.constexpr, DOT: tl.constexpr,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, HALF_PAD: tl.constexpr, DOT: tl.constexpr, OPERAND: tl.constexpr,
 ):
     """:func:`_weighted` of a tile of full-precision values (piece ``which``)."""
     v_lo = _dense_pick(which, d0, d1, d2, g, g_ok, c, c_ok, D)
     v_hi = _dense_pick(which, d0, d1, d2, g, g_ok, c + D // 2, c_ok, D)
-    return _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
+    return _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT, OPERAND)
 
 
 @triton.jit
@@ -245,7 +256,8 @@ def _split_kernel(
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     K_FORMAT: tl.constexpr, K: tl.constexpr, K_AT: tl.constexpr, PACKED_K: tl.constexpr,
     V_FORMAT: tl.constexpr, V: tl.constexpr, V_AT: tl.constexpr, PACKED_V: tl.constexpr,
-    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, RESIDUAL_FORMAT: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr, ROUND: tl.constexpr, DOT: tl.constexpr, OPERAND: tl.constexpr, RESIDUAL_FORMAT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     """One slice of one launch's tokens for one (sequence, KV head). Per stream: its full-precision pieces
     (``*_pieces``), and its payload's arguments (``k`` / ``v``), format (``*_FORMAT``: device functions, ``None``
@@ -339,7 +351,8 @@ def _split_kernel(
         if len(valid) > 0:  # the step's attention mask, one byte per cached token (any pattern: no host check)
             g_ok = g_ok & (tl.load(valid_ptr + g, mask=g_ok, other=0) != 0)
         if K_FORMAT is None:  # no encoded keys in this launch
-            s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
+            s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT,
+                              OPERAND)
         elif k_which == 3:  # the encoded payload (a run-time branch even in a stream of the payload alone)
             t = g - k_first
             if PACKED_K:  # scored in the stored layout
@@ -349,7 +362,7 @@ def _split_kernel(
                 k_lo, k_hi = K_FORMAT.halves(k, K, k_length, t, g0 - k_first, g_ok, c, c_ok, D, BLOCK_T)
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, rope[1], rope[2], g, g_ok, c, c_ok, ROUND)
-                s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT)
+                s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT, OPERAND)
             if RESIDUAL_FORMAT is not None:  # + sqrt(pi/2)/d ||r|| <S q, sign(S r)>, S q of the model's query
                 s += RESIDUAL_FORMAT.scores(r_query, q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL, k_length,
                                             t, g0 - k_first, g_ok, D, BLOCK_R, BLOCK_T, DOT)
@@ -357,9 +370,10 @@ def _split_kernel(
                 o_lo, o_hi = _rotate(tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_lo[None, :],
                                      tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_hi[None, :],
                                      positions, rope[1], rope[2], g, g_ok, c, c_ok, ROUND)
-                s += _scores(q0_lo, q0_hi, o_lo, o_hi, rows, BLOCK_R, BLOCK_T, DOT)
+                s += _scores(q0_lo, q0_hi, o_lo, o_hi, rows, BLOCK_R, BLOCK_T, DOT, OPERAND)
         elif len(k_pieces) > 0:  # a full-precision piece
-            s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT)
+            s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT,
+                              OPERAND)
         else:  # never: the stream is its payload alone (see the kernel's docstring)
             s = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
         s = tl.where(g_ok[None, :], s, float("-inf"))
@@ -370,21 +384,21 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_FORMAT is None:  # no encoded values in this launch
             acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d1, v_d2, rows, g, g_ok, c, c_ok,
-                                             D, BLOCK_R, HALF_PAD, DOT)
+                                             D, BLOCK_R, HALF_PAD, DOT, OPERAND)
         elif v_which == 3:  # the encoded payload
             t = g - v_first
             if PACKED_V:  # weighted in the stored layout
                 acc = acc * alpha[:, None, None] + V_FORMAT.fields(p, rows, v, V, t, g_ok, D, BLOCK_R, BLOCK_T)
             else:
                 v_lo, v_hi = V_FORMAT.halves(v, V, v_length, t, g0 - v_first, g_ok, c, c_ok, D, BLOCK_T)
-                acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT)
+                acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT, OPERAND)
         elif len(v_pieces) == 0:  # never: the stream is its payload alone
             pass
         elif PACKED_V:  # a full-precision piece, into the field-major accumulator
             acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
         else:
             acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d1, v_d2, rows, g, g_ok, c, c_ok,
-                                             D, BLOCK_R, HALF_PAD, DOT)
+                                             D, BLOCK_R, HALF_PAD, DOT, OPERAND)
         m_i = m_new
         g0 = end
 
@@ -499,6 +513,7 @@ def decode_launches(
     block_tokens: int | None = None,
     dot: bool | None = None,
     num_warps: int | None = None,
+    operands: str = "float32",
     key_offset: tuple[torch.Tensor, torch.Tensor, RotaryPositions] | None = None,
     key_residual: tuple[torch.Tensor, SignReader] | None = None,
     step: DecodeStep | None = None,
@@ -511,7 +526,9 @@ def decode_launches(
     scores and ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
     :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
-    register path a program may take the register file's share of its warps). ``key_offset``: ``(query, c, positions)``
+    register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands for
+    full-precision and decoded tiles, a key of :data:`OPERANDS` (packed-int keys scored in their stored layout keep
+    float32). ``key_offset``: ``(query, c, positions)``
     of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
     score ``q . R_p c`` the kernel adds. ``key_residual``: ``(y, signs)`` of encoded keys plus the sign sketch of their
@@ -523,6 +540,8 @@ def decode_launches(
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
+    if operands not in OPERANDS:
+        raise ValueError(f"decode kernel: operands={operands!r}; choose one of {sorted(OPERANDS)}")
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         raise ValueError("decode kernel: a rotated, offset or residual-sketch payload takes its own launches "
                          "(decode_attention_triton)")
@@ -586,6 +605,7 @@ def decode_launches(
                     **_stream_args("k", key_segments, planned.keys, queries),
                     **_stream_args("v", value_segments, planned.values, queries),
                     D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, *encoded, dot=dot), DOT=dot,
+                    OPERAND=OPERANDS[operands],
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
                     PACKED_V=values is not None and values.packed_values(d, dot)
                     and not ((isinstance(keys, SketchReader) or key_residual is not None) and block_r > 4),
@@ -608,7 +628,7 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
                             valid: torch.Tensor | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
-    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``step``): see
+    ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``operands``, ``step``): see
     :func:`decode_launches`.
     A :class:`RotatedReader`, :class:`OffsetReader` or :class:`ResidualSketchReader` payload is read in its own launches
     (:func:`_with_payload_group`; ``key_rope`` then gives the positions of a rotated key offset)."""
