@@ -91,7 +91,7 @@ LOG2E = 1.4426950408889634
 WARPS = 4
 TILE = 32
 WIDE_TILE = 128
-# ``tl.dot``'s operands for full-precision and decoded tiles (``operands``; accumulation is float32 either way):
+# ``tl.dot``'s operands (``operands``; accumulation is float32 either way):
 # float32 (TF32, the default) or bfloat16 (as FlashAttention's, half the shared-memory staging; the static model's
 # lead for KIVI, not measured on a GPU yet). Triton's CPU interpreter gets bfloat16 tl.dot wrong (its products come
 # out ~1e9 off in 3.6 and 3.9), so only a GPU can check that option's numbers.
@@ -327,9 +327,9 @@ def _split_kernel(
         off_hi = tl.load(offset[1] + h * D + D // 2 + c, mask=c_ok, other=0.0)
 
     if PACKED_K:  # what the key format's scores read of the query, once
-        k_query = K_FORMAT.query(q_ptr, rows, row_ok, qk_scale, k, K, D, DOT)
+        k_query = K_FORMAT.query(q_ptr, rows, row_ok, qk_scale, k, K, D, DOT, OPERAND)
     if RESIDUAL_FORMAT is not None:
-        r_query = RESIDUAL_FORMAT.query(q_ptr, rows, row_ok, qk_scale, residual, RESIDUAL, D, DOT)
+        r_query = RESIDUAL_FORMAT.query(q_ptr, rows, row_ok, qk_scale, residual, RESIDUAL, D, DOT, OPERAND)
 
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -526,9 +526,8 @@ def decode_launches(
     scores and ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
     :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
-    register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands for
-    full-precision and decoded tiles, a key of :data:`OPERANDS` (packed-int keys scored in their stored layout keep
-    float32). ``key_offset``: ``(query, c, positions)``
+    register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
+    key of :data:`OPERANDS`. ``key_offset``: ``(query, c, positions)``
     of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
     score ``q . R_p c`` the kernel adds. ``key_residual``: ``(y, signs)`` of encoded keys plus the sign sketch of their

@@ -61,7 +61,8 @@ class KernelFormat(NamedTuple):
       ``query`` prepared;
     - ``fields(p, rows, a, C, t, t_ok, D, BLOCK_R, BLOCK_T)``: ``P V`` of values in their stored layout, field-major
       ``[BLOCK_R, 8 / C.BITS, D * C.BITS / 8]`` (``None``: values are decoded by ``halves``);
-    - ``query(q_ptr, rows, row_ok, qk_scale, a, C, D, DOT)``: what ``scores`` reads of the query, prepared once per
+    - ``query(q_ptr, rows, row_ok, qk_scale, a, C, D, DOT, OPERAND)``: what ``scores`` reads of the query (``tl.dot``
+      operands in ``OPERAND``, the launch's ``operands``), prepared once per
       program before the tile loop (with ``scores``)."""
 
     name: str

@@ -27,7 +27,7 @@ def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
 
 
 @triton.jit
-def query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+def query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, OPERAND: tl.constexpr):
     """``y = S q`` of the program's query rows, ``[BLOCK_R, M_PAD]`` (zero past ``M``), loaded once per program."""
     M: tl.constexpr = C.M
     M_PAD: tl.constexpr = C.M_PAD

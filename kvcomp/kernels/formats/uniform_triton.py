@@ -133,13 +133,15 @@ def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BL
 
 
 @triton.jit
-def _query_field(q_ptr, rows, row_ok, qk_scale, i, j: tl.constexpr, PER_BYTE: tl.constexpr, D: tl.constexpr):
-    return tl.load(q_ptr + rows[:, None] * D + (i * PER_BYTE + j)[None, :], mask=row_ok[:, None],
-                   other=0.0).to(tl.float32) * qk_scale
+def _query_field(q_ptr, rows, row_ok, qk_scale, i, j: tl.constexpr, PER_BYTE: tl.constexpr, D: tl.constexpr,
+                 OPERAND: tl.constexpr):
+    q = tl.load(q_ptr + rows[:, None] * D + (i * PER_BYTE + j)[None, :], mask=row_ok[:, None], other=0.0)
+    return (q.to(tl.float32) * qk_scale).to(OPERAND)
 
 
 @triton.jit
-def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+                 OPERAND: tl.constexpr):
     """For :func:`packed_scores` on the ``tl.dot`` path, the query's field sub-vectors ``[BLOCK_R, W]`` (field ``j``:
     channels ``PER_BYTE i + j``) times ``qk_scale``, loaded once per program (a load in the tile loop is not hoisted
     out of it); ``()`` on the register path, which reads one row at a time."""
@@ -149,24 +151,24 @@ def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.conste
     if not DOT:
         out = ()
     elif PER_BYTE == 1:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),)
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),)
     elif PER_BYTE == 2:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D))
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND))
     elif PER_BYTE == 4:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D))
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D, OPERAND))
     else:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 4, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 5, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 6, PER_BYTE, D),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 7, PER_BYTE, D))
+        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 4, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 5, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 6, PER_BYTE, D, OPERAND),
+               _query_field(q_ptr, rows, row_ok, qk_scale, i, 7, PER_BYTE, D, OPERAND))
     return out
 
 
@@ -240,7 +242,7 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
             zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         k = code * sc + zc  # [BLOCK_T, W]
         if DOT:
-            s += tl.dot(query[j], tl.trans(k))  # the field's query sub-vectors [BLOCK_R, W] (packed_query)
+            s += tl.dot(query[j], tl.trans(k.to(query[j].dtype)))  # the field's query sub-vectors (packed_query)
         else:  # one query row at a time, its field sub-vector [W] loaded as is (L1-resident)
             for r in tl.static_range(BLOCK_R):
                 q_r = tl.load(q_ptr + r * D + channel, mask=tl.zeros_like(channel) + r < R, other=0.0)
