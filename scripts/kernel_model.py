@@ -45,8 +45,8 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
-    HOST_FACTOR, L1_BYTES, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles, parse_sass,
-    record_global_accesses, step_seconds, tile_instructions)
+    HOST_FACTOR, L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
+    local_cycles, parse_sass, record_global_accesses, step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (16, 131072)]
@@ -102,8 +102,8 @@ def analysed(launch: Launch, skip: tuple = (), whole: Launch | None = None) -> d
     resident = round(found["occupancy"] * 64) // found["num_warps"]
     l1_bytes = (L1_BYTES - resident * found["shared"]) / max(1, resident)  # each resident program's share of the L1
     recorded = record_global_accesses(whole or launch)
-    found.update(counts=count(instructions, accesses(launch, compiled, recorded), load_cycles(recorded, l1_bytes)),
-                 looped=looped, resident=resident)
+    loads = {**load_cycles(recorded, l1_bytes), LOCAL: local_cycles(found["stack"], 32 * found["num_warps"], l1_bytes)}
+    found.update(counts=count(instructions, accesses(launch, compiled, recorded), loads), looped=looped, resident=resident)
     return found
 
 
@@ -405,7 +405,7 @@ def main(argv=None) -> str:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent, help="git checkout holding 9c57ff6")
     parser.add_argument("--commit", default="9c57ff6", help="the measured commit")
     parser.add_argument("--no-old", action="store_true", help="only today's kernels")
-    parser.add_argument("--operands", choices=list(today.OPERANDS), default="float32",
+    parser.add_argument("--operands", choices=("float32", "bfloat16"), default="float32",
                         help="today's kernels with these tl.dot operands (decode_launches' operands)")
     parser.add_argument("--sweep", type=Path, metavar="BENCHMARKS.md",
                         help="only: predict every launch configuration measured in this file's sweep section")

@@ -249,6 +249,15 @@ def test_a_branch_over_an_inner_loop_is_taken():
     assert looped and [i.address for i in instructions] == [0x00, 0x10, 0x60, 0x70]
 
 
+def test_a_spill_load_waits_for_the_l2_where_the_frames_overflow_the_l1():
+    """A program's local-memory frames (ptxas' stack frame per thread) that fit in its share of the L1 are read back
+    at an L1 hit's latency, else the L2's: the codebook kernels' 128-token tiles spill 2 KB per thread."""
+    assert sm.local_cycles(16, 128, 100_000) == sm.SHARED_CYCLES
+    assert sm.local_cycles(2112, 128, 100_000) == sm.L2_CYCLES
+    spill = [_ins("LDL", "R2, [R1+0x10]"), _ins("FADD", "R3, R2, R2")]
+    assert sm.tile_cycles(spill, {sm.LOCAL: sm.L2_CYCLES}, passes=1) > sm.tile_cycles(spill, {}, passes=1) + 100
+
+
 def test_a_timed_step_is_its_host_time_then_its_launches(monkeypatch):
     """The benchmark's events are recorded on an idle device around one call: the device waits for the call's
     Python work before the first launch, then runs the launches in sequence; the host term keeps the fastest of its

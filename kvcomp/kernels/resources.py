@@ -72,7 +72,8 @@ def occupancy(registers: int, shared: int, num_warps: int) -> float:
 
 
 def kernel_resources(compiled, capability: int = 90) -> dict:
-    """``registers`` per thread, ``spill_stores``/``spill_loads`` (bytes per thread), ``shared`` (bytes
+    """``registers`` per thread, ``spill_stores``/``spill_loads`` (bytes per thread), ``stack`` (its local-memory
+    frame, bytes per thread), ``shared`` (bytes
     per block), ``num_warps`` and ``occupancy`` of a compiled kernel."""
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -84,6 +85,7 @@ def kernel_resources(compiled, capability: int = 90) -> dict:
                                 capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    stack = re.search(r"(\d+) bytes stack frame", report)
     shared, warps = int(compiled.metadata.shared), int(compiled.metadata.num_warps)
     return dict(registers=registers, spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)), shared=shared,
-                num_warps=warps, occupancy=occupancy(registers, shared, warps))
+                stack=int(stack.group(1)) if stack else 0, num_warps=warps, occupancy=occupancy(registers, shared, warps))

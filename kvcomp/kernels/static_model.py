@@ -29,7 +29,8 @@ are bounds of their own, and the launch takes the largest of the three:
   instruction;
 - **latency**: a program's warps run their tiles side by side, each tile no faster than one warp issuing its
   instructions in order and waiting for each operand (:func:`tile_cycles`): arithmetic ``ARITHMETIC_CYCLES``,
-  shared memory, shuffles and spills ``SHARED_CYCLES``, MUFU and conversions ``VARIABLE_CYCLES``, ``HMMA``
+  shared memory and shuffles ``SHARED_CYCLES``, spills the same where a program's local-memory frames fit in its share
+  of the L1, else ``L2_CYCLES`` (:func:`local_cycles`), MUFU and conversions ``VARIABLE_CYCLES``, ``HMMA``
   ``TENSOR_CYCLES``, a global load ``DRAM_CYCLES`` except for the lines that an earlier load of its access read in
   the same tile, ready with that load's data and no sooner than an L1 hit (``SHARED_CYCLES``;
   :func:`instruction_lines`: the code bytes of 4 tokens x 32 channels share a line, read by 32 instructions of one
@@ -66,8 +67,9 @@ around one call) takes its **host** time plus its device time: the device waits 
 launcher building its arguments, Triton binding them and finding the compiled kernel) before its first launch runs,
 and that work is nearly all before the first launch (the merge's binding overlaps the split kernel). The host term
 is measured on this machine's CPU (:func:`host_seconds`) and scaled by ``HOST_FACTOR`` to the GPU machine's CPU,
-which takes about twice as long for the same call (measured: the constant's entry below). (In a model's decode loop the host runs ahead of the device, and a layer would take
-the larger of the two; the model predicts the benchmark.)
+which takes about twice as long for the same call (measured: the constant's entry below). (In a model's decode
+loop the host runs ahead of the device, and a layer would take the larger of the two; the model predicts the
+benchmark.)
 
 Constants and their sources:
 
@@ -397,19 +399,31 @@ def registers(ins: Instruction) -> tuple[list[str], list[str]]:
 
 def result_cycles(ins: Instruction, loads: dict | None = None) -> float:
     """Cycles from an instruction's issue until its result can be read (module docstring, "latency"); ``loads``:
-    ``{source line: cycles}`` of the global loads whose lines' reuse is known (:func:`load_cycles`), others miss."""
+    ``{source line: cycles}`` of the global loads whose lines' reuse is known (:func:`load_cycles`), others miss, and
+    under :data:`LOCAL` the spill loads' (:func:`local_cycles`; an L1 hit where absent)."""
     klass = classify(ins.opcode)[0]
     base = ins.opcode.split(".")[0]
     if klass == "global load":
         line = ins.source and (Path(ins.source[0]).name, ins.source[1])
         return (loads or {}).get(line, DRAM_CYCLES)
-    if klass in ("shared load", "shuffle", "local"):
+    if klass == "local":
+        return (loads or {}).get(LOCAL, SHARED_CYCLES)
+    if klass in ("shared load", "shuffle"):
         return SHARED_CYCLES
     if klass == "special" or base in ("F2F", "F2I", "I2F", "FRND", "I2I"):
         return VARIABLE_CYCLES
     if klass == "tensor":
         return TENSOR_CYCLES
     return ARITHMETIC_CYCLES
+
+
+LOCAL = "local memory"  # the key of spill loads' latency among load_cycles' lines
+
+
+def local_cycles(stack: int, threads: int, l1_bytes: float) -> float:
+    """Cycles of a spill load (``LDL``): an L1 hit where a program's local-memory frames (``stack`` bytes per thread
+    over its ``threads``) fit in its share of the L1 (``l1_bytes``), else an L2 hit."""
+    return SHARED_CYCLES if stack * threads <= l1_bytes else L2_CYCLES
 
 
 def load_cycles(recorded: dict, l1_bytes: float) -> dict:
