@@ -45,7 +45,7 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
-    HOST_FACTOR, L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
+    L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
     local_cycles, parse_sass, record_global_accesses, step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
@@ -127,7 +127,7 @@ def step_time(parts: list[tuple[dict, Geometry]], host: float) -> tuple[float, s
     found = [bounds(a["counts"], g) for a, g in parts]
     seconds = step_seconds(found, host)
     device = sum(f["time"] for f in found)
-    return seconds, "host" if HOST_FACTOR * host > device else max((v, k) for k, v in found[0].items() if k != "time")[1]
+    return seconds, "host" if seconds - device > device else max((v, k) for k, v in found[0].items() if k != "time")[1]
 
 
 def bound_launches(kernels: tuple) -> contextlib.AbstractContextManager:

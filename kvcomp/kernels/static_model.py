@@ -640,15 +640,20 @@ def _mma_spec(layout: str, aliases: dict) -> dict | None:
     return parent and {"kind": "dot", "op": f["opIdx"], "k_width": f["kWidth"], "parent": parent}
 
 
+def _mma_key(layout: str, shape, aliases: dict) -> tuple | None:
+    """The key of an MMA or dot-operand layout over ``shape`` among the converted ones; ``None`` for another layout."""
+    spec = _mma_spec(layout, aliases)
+    return None if spec is None else (json.dumps(spec, sort_keys=True), tuple(shape))
+
+
 def convert_mma_layouts(requests) -> None:
     """Convert ``(layout, shape, aliases)`` requests of MMA and dot-operand layouts to linear layouts with Triton's own
     ``to_linear_layout`` (its Gluon builder; Triton 3.6 and 3.9), in one subprocess: 3.9's conversion leaves binding
     objects that nanobind reports at the interpreter's exit. Results are kept for :func:`_mma_bases`."""
     pending = []
-    for layout, shape, aliases in requests:
-        spec = _mma_spec(layout, aliases)
-        key = (json.dumps(spec, sort_keys=True), tuple(shape))
-        if spec is not None and key not in _CONVERTED and key not in pending:
+    for request in requests:
+        key = _mma_key(*request)
+        if key is not None and key not in _CONVERTED and key not in pending:
             pending.append(key)
     if not pending:
         return
@@ -660,10 +665,9 @@ def convert_mma_layouts(requests) -> None:
 def _mma_bases(layout: str, shape: tuple, aliases: dict) -> dict | None:
     """Bases of an ``nvidia_mma`` layout or a ``dot_op`` layout of one (:func:`convert_mma_layouts`); ``None`` for
     another parent."""
-    spec = _mma_spec(layout, aliases)
-    if spec is None:
+    key = _mma_key(layout, shape, aliases)
+    if key is None:
         return None
-    key = (json.dumps(spec, sort_keys=True), tuple(shape))
     if key not in _CONVERTED:
         convert_mma_layouts([(layout, shape, aliases)])
     return _CONVERTED[key]
