@@ -13,8 +13,8 @@
 #   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 --write (on an H200, 2026-11-27: 10 speed rows, and
 #      7 rows with 6 agreement rows, each took about 110-130 s; all 15 and 14 need about 200 s)
 #   operands: scripts/sweep_decode_kernel.py --configs 0 12 --shapes 16x32768 1x32768 for the five seed formats: the
-#      default launch against the same with bfloat16 tl.dot operands (the static model's lead for KIVI, 2026-11-27;
-#      each row's error against the float64 reference is the first check of that option's numbers); logged only
+#      default launch (bf16 tl.dot operands for the bf16 query) against the same with float32 (TF32) operands, the
+#      default until 2026-11-27 (KIVI-2 1.62x faster with bf16 on an H200); logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
 #   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)

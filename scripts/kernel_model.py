@@ -11,7 +11,7 @@ run on CPU tensors; its kernels are compiled, never run).
     PYTHONPATH=/tmp/t36 python scripts/kernel_model.py          # Triton 3.6, as on the GPU machine (see
                                                                 # scripts/kernel_resources.py for /tmp/t36)
     python scripts/kernel_model.py --codecs kivi-2 --no-old     # today's KIVI-2 only
-    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --no-old --operands bfloat16   # with bfloat16 tl.dot operands
+    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --no-old --operands float32   # with TF32 tl.dot operands
     PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --sweep BENCHMARKS.md   # every measured launch configuration
 """
 
@@ -405,8 +405,9 @@ def main(argv=None) -> str:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent, help="git checkout holding 9c57ff6")
     parser.add_argument("--commit", default="9c57ff6", help="the measured commit")
     parser.add_argument("--no-old", action="store_true", help="only today's kernels")
-    parser.add_argument("--operands", choices=("float32", "bfloat16"), default="float32",
-                        help="today's kernels with these tl.dot operands (decode_launches' operands)")
+    parser.add_argument("--operands", choices=("float32", "bfloat16"),
+                        help="today's kernels with these tl.dot operands (decode_launches' operands; default: the "
+                             "library's, the query's type: bfloat16 here)")
     parser.add_argument("--sweep", type=Path, metavar="BENCHMARKS.md",
                         help="only: predict every launch configuration measured in this file's sweep section")
     args = parser.parse_args(argv)
@@ -442,7 +443,7 @@ def main(argv=None) -> str:
         for shape, (seconds, _) in qjl["shapes"].items():
             lines.append(f"| {args.commit} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {QJL_MEASURED[shape]:.3f} | "
                          f"{seconds * 1e3 / QJL_MEASURED[shape]:.2f} |")
-    options = {"operands": args.operands} if args.operands != "float32" else None
+    options = {"operands": args.operands} if args.operands else None
     where = f"{MEASURED_TODAY_CARD}, {MEASURED_TODAY_AT}"
     lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s; measured: the "
               f"{where} rows of BENCHMARKS.md where a launch's machine code is the one measured (ratio = predicted / "

@@ -32,7 +32,8 @@ from kvcomp.kernels.decode_plan import DecodeStep  # noqa: E402
 
 SECTION = "## Launch configurations of the fused decode kernel (issue 38)"
 # label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, the register path
-# for QJL's sketched keys since b1ee781; 32-token tiles, 128 for the formats default_tile names since a676511)
+# for QJL's sketched keys since b1ee781; 32-token tiles, 128 for the formats default_tile names since a676511; operands
+# of the query's type, bf16 here, since the bf16 default's commit)
 CONFIGS = {
     "default": {},
     "register, 16 warps, 16 tokens": dict(dot=False, num_warps=16, block_tokens=16),
@@ -46,7 +47,7 @@ CONFIGS = {
     "tl.dot, 4 warps, 64 tokens": dict(dot=True, num_warps=4, block_tokens=64),
     "tl.dot, 4 warps, 128 tokens": dict(dot=True, num_warps=4, block_tokens=128),
     "tl.dot, 8 warps, 128 tokens": dict(dot=True, num_warps=8, block_tokens=128),
-    "tl.dot, 4 warps, bfloat16 operands": dict(dot=True, num_warps=4, operands="bfloat16"),  # default tiles; not measured yet
+    "tl.dot, 4 warps, float32 operands": dict(dot=True, num_warps=4, operands="float32"),  # TF32: the default to 2f80a9b
 }
 
 

@@ -212,6 +212,31 @@ def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_tl_dot_operands_follow_the_query_dtype(dtype):
+    """``tl.dot`` takes operands of the query's type by default (bf16 MMAs for a bf16 model, as FlashAttention's; TF32
+    for float32); packed-int keys and values with a full-precision tail, against the float64 reference. Under the
+    interpreter bf16 operands are multiplied as the float32 numbers they hold (``tiles_triton.dot``: the interpreter's
+    own bf16 ``tl.dot`` is ~1e9 off)."""
+    from kvcomp.kernels.decode_attention_triton import OPERANDS, decode_attention_triton, decode_launches
+
+    b, h, r, d, group = 2, 2, 4, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    key_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_token")
+    tail = torch.randn(b, h, 7, d, generator=gen).to(dtype)
+    keys, values = [key_reader, tail], [value_reader, tail]
+    query = torch.randn(b, h * r, d, generator=gen).to(dtype)
+    _, launches = decode_launches(query, keys, values, d**-0.5)
+    assert launches[0].args["OPERAND"] == OPERANDS[{torch.float32: "float32"}.get(dtype, str(dtype).split(".")[1])]
+    reference = decode_attention_reference(query, keys, values, d**-0.5, None, None, torch.float64)
+    out = decode_attention_triton(query, keys, values, d**-0.5, num_splits=2).double()
+    error = float((out - reference).norm() / reference.norm())
+    assert error < (1e-5 if dtype == torch.float32 else 1.5e-2), error
+    if dtype != torch.float32:  # no worse than the output's own rounding to the query's type
+        assert error < 4 * float((reference.to(dtype).double() - reference).norm() / reference.norm())
+
+
 def test_nothing_that_grows_with_the_cache_specializes_a_kernel():
     """Triton compiles a variant per value class (1, multiple of 16) of every specialised integer: lengths and
     bounds that grow with the cache would recompile the kernels as decoding goes on. The decode kernels read them from

@@ -35,8 +35,8 @@ int64, so no offset overflows at a large batch x context. The step's attention m
 on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
-``P V`` are still ``tl.dot`` products over the query rows padded to 16 (TF32 for float32 operands, Triton's
-default; bfloat16 operands with ``operands``, :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`).
+``P V`` are still ``tl.dot`` products over the query rows padded to 16 (on operands of the query's type, TF32 for
+float32: :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`).
 Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
 warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys are faster on the register
@@ -79,7 +79,7 @@ from kvcomp.kernels.formats import (
 )
 from kvcomp.kernels.formats.base import Strided
 from kvcomp.kernels.formats.kernels_triton import KERNEL_FORMATS, kernel_format
-from kvcomp.kernels.formats.tiles_triton import at, row_scores, row_values
+from kvcomp.kernels.formats.tiles_triton import at, dot, operand, row_scores, row_values
 
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
@@ -91,11 +91,13 @@ LOG2E = 1.4426950408889634
 WARPS = 4
 TILE = 32
 WIDE_TILE = 128
-# ``tl.dot``'s operands (``operands``; accumulation is float32 either way):
-# float32 (TF32, the default) or bfloat16 (as FlashAttention's, half the shared-memory staging; the static model's
-# lead for KIVI, not measured on a GPU yet). Triton's CPU interpreter gets bfloat16 tl.dot wrong (its products come
-# out ~1e9 off in 3.6 and 3.9), so only a GPU can check that option's numbers.
-OPERANDS = {"float32": tl.float32, "bfloat16": tl.bfloat16}
+# ``tl.dot``'s operands (``operands``; accumulation is float32 either way), by default the query's type, as
+# FlashAttention's: bf16 or fp16 MMAs for a bf16 or fp16 model, TF32 for float32. Measured on an H200 (BENCHMARKS.md,
+# "GPU reading of 2026-11-27, second lease"): bf16 operands against TF32 at 16 x 32K, KIVI-2 1.62x and KIVI-4 1.56x
+# faster, the codebook formats 1.05-1.11x, with the same error against the float64 reference; the static model
+# predicted KIVI-2's 1.68x from the halved shared-memory staging of the operands.
+OPERANDS = {"float32": tl.float32, "bfloat16": tl.bfloat16, "float16": tl.float16}
+QUERY_OPERANDS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # the default by query dtype; else float32
 OWN_LAUNCHES = (RotatedReader, OffsetReader, ResidualSketchReader)  # payloads read in launches of their own
 # where a launch's row of bounds holds what (decode_plan.ROW)
 LO, HI, TILES, SLOT0, SLOTS, VALID_S_B, POS_S_B, K_FIRST, K_LENGTH, V_FIRST, V_LENGTH, K_LOWS, K_CUTS, V_LOWS, V_CUTS = (
@@ -171,8 +173,8 @@ def _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R: tl.constexpr, BLOCK_T: tl.con
     """Logits ``[BLOCK_R, BLOCK_T]`` (log2 units) of key halves: ``tl.dot`` on ``OPERAND`` operands (float32
     accumulation), or in registers, one query row at a time."""
     if DOT:
-        s = (tl.dot(q_lo.to(OPERAND), tl.trans(k_lo.to(OPERAND)))
-             + tl.dot(q_hi.to(OPERAND), tl.trans(k_hi.to(OPERAND))))
+        s = (dot(operand(q_lo, OPERAND), tl.trans(operand(k_lo, OPERAND)))
+             + dot(operand(q_hi, OPERAND), tl.trans(operand(k_hi, OPERAND))))
     else:
         s = row_scores(q_lo, k_lo, rows, BLOCK_R, BLOCK_T) + row_scores(q_hi, k_hi, rows, BLOCK_R, BLOCK_T)
     return s
@@ -184,9 +186,9 @@ def _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R: tl.constexpr,
     """The head_dim-layout accumulator halves rescaled by ``alpha`` plus ``P V`` (``tl.dot`` on ``OPERAND`` operands,
     float32 accumulation, as FlashAttention's ``P V``)."""
     if DOT:
-        p = p.to(OPERAND)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(OPERAND))
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(OPERAND))
+        p = operand(p, OPERAND)
+        acc_lo = acc_lo * alpha[:, None] + dot(p, operand(v_lo, OPERAND))
+        acc_hi = acc_hi * alpha[:, None] + dot(p, operand(v_hi, OPERAND))
     else:
         acc_lo = acc_lo * alpha[:, None] + row_values(p, v_lo, rows, BLOCK_R, HALF_PAD)
         acc_hi = acc_hi * alpha[:, None] + row_values(p, v_hi, rows, BLOCK_R, HALF_PAD)
@@ -513,7 +515,7 @@ def decode_launches(
     block_tokens: int | None = None,
     dot: bool | None = None,
     num_warps: int | None = None,
-    operands: str = "float32",
+    operands: str | None = None,
     key_offset: tuple[torch.Tensor, torch.Tensor, RotaryPositions] | None = None,
     key_residual: tuple[torch.Tensor, SignReader] | None = None,
     step: DecodeStep | None = None,
@@ -527,7 +529,7 @@ def decode_launches(
     :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
     register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
-    key of :data:`OPERANDS`. ``key_offset``: ``(query, c, positions)``
+    key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`). ``key_offset``: ``(query, c, positions)``
     of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
     score ``q . R_p c`` the kernel adds. ``key_residual``: ``(y, signs)`` of encoded keys plus the sign sketch of their
@@ -539,6 +541,7 @@ def decode_launches(
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
+    operands = operands or QUERY_OPERANDS.get(query.dtype, "float32")
     if operands not in OPERANDS:
         raise ValueError(f"decode kernel: operands={operands!r}; choose one of {sorted(OPERANDS)}")
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):

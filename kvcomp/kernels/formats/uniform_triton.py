@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels.formats.base import KernelFormat
-from kvcomp.kernels.formats.tiles_triton import at, row_values
+from kvcomp.kernels.formats.tiles_triton import at, dot, operand, row_values
 from kvcomp.kernels.formats.uniform import UniformArgs
 
 
@@ -136,7 +136,7 @@ def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BL
 def _query_field(q_ptr, rows, row_ok, qk_scale, i, j: tl.constexpr, PER_BYTE: tl.constexpr, D: tl.constexpr,
                  OPERAND: tl.constexpr):
     q = tl.load(q_ptr + rows[:, None] * D + (i * PER_BYTE + j)[None, :], mask=row_ok[:, None], other=0.0)
-    return (q.to(tl.float32) * qk_scale).to(OPERAND)
+    return operand(q.to(tl.float32) * qk_scale, OPERAND)
 
 
 @triton.jit
@@ -242,7 +242,7 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
             zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
         k = code * sc + zc  # [BLOCK_T, W]
         if DOT:
-            s += tl.dot(query[j], tl.trans(k.to(query[j].dtype)))  # the field's query sub-vectors (packed_query)
+            s += dot(query[j], tl.trans(operand(k, query[j].dtype)))  # the field's query sub-vectors (packed_query)
         else:  # one query row at a time, its field sub-vector [W] loaded as is (L1-resident)
             for r in tl.static_range(BLOCK_R):
                 q_r = tl.load(q_ptr + r * D + channel, mask=tl.zeros_like(channel) + r < R, other=0.0)
