@@ -142,9 +142,9 @@ def sdpa_step(q, k, v):
     return F.scaled_dot_product_attention(q.view(b, h, hq // h, d), k, v).view(b, hq, d)
 
 
-def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str, float]:
-    """Median ms of the faster of SDPA's flash and memory-efficient kernels (math only if neither runs), its name and
-    its host ms (:attr:`~kvcomp.kernels.benchmarking.Timer.host_ms`)."""
+def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str, float, float]:
+    """Median ms of the faster of SDPA's flash and memory-efficient kernels (math only if neither runs), its name, its
+    host ms and its device ms (:attr:`~kvcomp.kernels.benchmarking.Timer.host_ms`, ``device_ms``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     timings = []
@@ -153,7 +153,7 @@ def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str, float]:
             break
         try:
             with sdpa_kernel([backend]):
-                timings.append((timer(sdpa_step, inputs), backend.name.lower(), timer.host_ms))
+                timings.append((timer(sdpa_step, inputs), backend.name.lower(), timer.host_ms, timer.device_ms))
         except RuntimeError:  # this backend cannot run these inputs on this device
             continue
     return min(timings)
@@ -175,9 +175,9 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
         k, v = dense_sets[next(turn) % len(dense_sets)]
         return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), k, v
 
-    sdpa_ms, sdpa_backend, sdpa_host_ms = fastest_sdpa(timer, dense_inputs)
+    sdpa_ms, sdpa_backend, sdpa_host_ms, sdpa_device_ms = fastest_sdpa(timer, dense_inputs)
     rows = [{"batch": batch, "context": context, "method": f"sdpa bf16 ({sdpa_backend})", "ms": sdpa_ms,
-             "host_ms": sdpa_host_ms, "vs_sdpa": 1.0,
+             "host_ms": sdpa_host_ms, "device_ms": sdpa_device_ms, "vs_sdpa": 1.0,
              "bytes": dense_bytes, "error": 0.0}]
     dense_sets.clear()  # free the bf16 sets before the payloads are built
     for name, codec in codecs.items():
@@ -215,7 +215,7 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         return decode_attention(q, keys, values, d**-0.5, None, rope, "triton", step=planned)
 
     ms = timer(step, inputs)
-    host_ms = timer.host_ms
+    host_ms, device_ms = timer.host_ms, timer.device_ms
     states.clear()
     error = float("nan")
     if context <= 32768:  # a fresh random cache and query against the float64 reference on the device
@@ -225,7 +225,7 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         error = relative_error(step(q, keys, values, rope), reference)
         del keys, values, reference
     return {"batch": batch, "context": context, "method": name + (" (CUDA graphs)" if graphs else ""), "ms": ms,
-            "host_ms": host_ms, "bytes": first[3], "error": error}
+            "host_ms": host_ms, "device_ms": device_ms, "bytes": first[3], "error": error}
 
 
 def copy_bandwidth(timer: Timer, device) -> float:
@@ -285,16 +285,17 @@ def tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, name, mem
         "Decode-step attention (one layer, Llama-3.1-8B heads; error: ||kernel - reference|| / ||reference|| on fresh "
         "random inputs, the torch reference in float64 on the device, the kernel's output in bf16; up to 32K tokens):",
         "",
-        "| batch | context | method | median ms | host ms | speed vs SDPA | MB read | GB/s | % of copy bandwidth | "
-        "relative error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | context | method | median ms | host ms | device ms | speed vs SDPA | MB read | GB/s | "
+        "% of copy bandwidth | relative error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode_rows:
         if "failed" in r:
-            out.append(f"| {r['batch']} | {r['context']} | {r['method']} | failed: {r['failed'][:200]} | | | | | | |")
+            out.append(f"| {r['batch']} | {r['context']} | {r['method']} | failed: {r['failed'][:200]} | | | | | | | |")
             continue
         gbps = r["bytes"] / r["ms"] / 1e6
-        out.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['host_ms']:.4f} | {r['vs_sdpa']:.2f}x | "
+        out.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['ms']:.4f} | {r['host_ms']:.4f} | "
+                   f"{r['device_ms']:.4f} | {r['vs_sdpa']:.2f}x | "
                    f"{r['bytes'] / 1e6:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | {r['error']:.2g} |")
     out += ["", "Prefill encode throughput (one layer's K and V, batch 1, tokens/s):", "",
             "| codec | torch | Triton encoder |", "|---|---|---|"]

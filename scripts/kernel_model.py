@@ -330,7 +330,7 @@ def measured_sweep(path: Path) -> dict:
             run += "sweep_decode_kernel.py" in line
             continue
         cells = [c.strip() for c in line.strip(" |").split(" | ")]
-        if len(cells) == 9 and cells[1][:1].isdigit() and not cells[3].startswith("failed"):
+        if len(cells) in (9, 10) and cells[1][:1].isdigit() and not cells[3].startswith("failed"):  # 10: with device ms
             batch, context = (int(x) for x in cells[1].split(" x "))
             out.setdefault((card, run, cells[0], batch, context), {})[cells[2]] = float(cells[3])
     return out

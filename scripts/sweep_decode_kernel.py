@@ -74,29 +74,32 @@ def sweep(codec, name: str, batch: int, context: int, timer: Timer, device, l2_b
         try:
             error = relative_error(step(q, check[0], check[1], check[2]), reference)
             ms = timer(step, inputs)
+            device_ms = timer.device_ms
         except Exception as failure:  # a configuration that does not compile or run is reported, not fatal
             rows.append({"codec": name, "batch": batch, "context": context, "config": label, "ms": float("nan"),
-                         "bytes": first[3], "error": float("nan"), "failure": f"{type(failure).__name__}: {str(failure)[:80]}"})
+                         "device_ms": float("nan"), "bytes": first[3], "error": float("nan"), "failure": f"{type(failure).__name__}: {str(failure)[:80]}"})
             log(f"[sweep] {name} {batch}x{context} {label}: FAILED {rows[-1]['failure']}")
             continue
-        rows.append({"codec": name, "batch": batch, "context": context, "config": label, "ms": ms, "bytes": first[3],
+        rows.append({"codec": name, "batch": batch, "context": context, "config": label, "ms": ms, "device_ms": device_ms,
+                     "bytes": first[3],
                      "error": error, "failure": ""})
         log(f"[sweep] {name} {batch}x{context} {label}: {ms:.4f} ms, error {error:.2g}")
     return rows
 
 
 def table(rows: list[dict], sdpa: dict, copy_gbps: float) -> str:
-    lines = ["| codec | batch x context | configuration | median ms | vs SDPA | GB/s | % of copy bandwidth | vs default | relative error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| codec | batch x context | configuration | median ms | device ms | vs SDPA | GB/s | % of copy bandwidth | "
+             "vs default | relative error |", "|---|---|---|---|---|---|---|---|---|---|"]
     default = {(r["codec"], r["batch"], r["context"]): r["ms"] for r in rows if r["config"].startswith("default")}
     default = {key: default.get(key, float("nan")) for key in {(r["codec"], r["batch"], r["context"]) for r in rows}}
     for r in rows:
         shape = (r["batch"], r["context"])
         if r["failure"]:
-            lines.append(f"| {r['codec']} | {shape[0]} x {shape[1]} | {r['config']} | failed: {r['failure']} | | | | | |")
+            lines.append(f"| {r['codec']} | {shape[0]} x {shape[1]} | {r['config']} | failed: {r['failure']} | | | | | | |")
             continue
         gbps = r["bytes"] / r["ms"] / 1e6
-        lines.append(f"| {r['codec']} | {shape[0]} x {shape[1]} | {r['config']} | {r['ms']:.4f} | {sdpa[shape] / r['ms']:.2f}x | "
+        lines.append(f"| {r['codec']} | {shape[0]} x {shape[1]} | {r['config']} | {r['ms']:.4f} | {r['device_ms']:.4f} | "
+                     f"{sdpa[shape] / r['ms']:.2f}x | "
                      f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | {default[(r['codec'], *shape)] / r['ms']:.2f}x | {r['error']:.2g} |")
     return "\n".join(lines)
 

@@ -21,16 +21,22 @@ class Timer:
     """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup``: CUDA events on a GPU, wall clock on a CPU.
     ``make_inputs`` runs before each call, outside the timed region (fresh inputs every repetition). ``host_ms``: the
     last call's median host time, the wall clock until ``fn`` returns without waiting for the device (the launches
-    queued; on a CPU the same as the time): where it is near the time, the host bounds the step."""
+    queued; on a CPU the same as the time): where it is near the time, the host bounds the step. The events enclose
+    the call's host work before its first launch, during which the device idles. ``device_ms``: the last call's median
+    with that work hidden, as a model's layers hide it when the host runs ahead of the device: each of ``reps`` more
+    calls is queued behind a spacer kernel (``torch.cuda._sleep``) that outlasts the host, so the events time the
+    device's work alone (a call the spacer did not outlast is dropped and the spacer doubled)."""
+
+    SPACER_CYCLES = 1 << 22  # about 2 ms at an H100's or H200's clocks, several times a call's host time
 
     def __init__(self, device: torch.device, warmup: int, reps: int):
         self.device, self.warmup, self.reps = device, warmup, reps
-        self.host_ms = float("nan")
+        self.host_ms = self.device_ms = float("nan")
 
     def __call__(self, fn, make_inputs) -> float:
         for _ in range(self.warmup):
             fn(*make_inputs())
-        times, hosts = [], []
+        times, hosts, devices, spacer = [], [], [], self.SPACER_CYCLES
         for _ in range(self.reps):
             inputs = make_inputs()
             if self.device.type == "cuda":
@@ -43,13 +49,34 @@ class Timer:
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
+                ms, hidden = self._behind_spacer(fn, make_inputs(), spacer)
+                if hidden:
+                    devices.append(ms)
+                else:
+                    spacer *= 2
             else:
                 begin = time.perf_counter()
                 fn(*inputs)
                 times.append(1e3 * (time.perf_counter() - begin))
                 hosts.append(times[-1])
+                devices.append(times[-1])
         self.host_ms = statistics.median(hosts)
+        self.device_ms = statistics.median(devices) if devices else float("nan")
         return statistics.median(times)
+
+    @staticmethod
+    def _behind_spacer(fn, inputs, cycles: int) -> tuple[float, bool]:
+        """``(ms, hidden)`` of one call queued behind a spacer kernel of ``cycles``; ``hidden``: the spacer was still
+        running when the call returned, so every launch was queued before the timed region began."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn(*inputs)
+        hidden = not start.query()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end), hidden
 
 
 def buffer_sets(bytes_per_set: int, l2_bytes: int) -> int:
