@@ -66,16 +66,17 @@ QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
 # Today's kernels measured (BENCHMARKS.md, "Fused decode attention" and "QJL decode-step scores": H200, 2026-11-27),
 # compared only with a launch whose machine code is the one measured: the SASS fingerprint (:func:`sass_fingerprint`)
 # of its split launch (QJL: its score launch) compiled by Triton 3.6, the GPU machine's, at revision MEASURED_TODAY_AT
-MEASURED_TODAY_AT, MEASURED_TODAY_CARD = "5df39bb", "H200"
-MEASURED_TODAY_SASS = {"kivi-2": "ae13fb3d7946", "kivi-4": "dd58caecc723", "temporalkv-2": "92cddb873b6d",
-                       "channelkv-2": "1d7f3065ce62", "kvquant-2": "b8a0a7b13729", "qjl scores": "f6b4c7faca9c"}
+# (QJL's scores at QJL_MEASURED_TODAY_AT: the second lease did not time them, and their machine code is unchanged)
+MEASURED_TODAY_AT, QJL_MEASURED_TODAY_AT, MEASURED_TODAY_CARD = "a357b2e", "5df39bb", "H200"
+MEASURED_TODAY_SASS = {"kivi-2": "c8c0f66cc456", "kivi-4": "627753deee05", "temporalkv-2": "2c60334ede90",
+                       "channelkv-2": "8adb39c14ce4", "kvquant-2": "4ce2160a84b8", "qjl scores": "f6b4c7faca9c"}
 MEASURED_TODAY = {  # ms in SHAPES' order
     name: dict(zip(SHAPES, times)) for name, times in {
-        "kivi-2": (0.2748, 0.4048, 0.6712, 1.8777, 6.3903),
-        "kivi-4": (0.2628, 0.3666, 0.6683, 1.7729, 6.5801),
-        "temporalkv-2": (0.2789, 0.5856, 1.2038, 5.3328, 19.6846),
-        "channelkv-2": (0.2716, 0.5535, 1.2568, 5.6982, 21.7450),
-        "kvquant-2": (0.3073, 0.5615, 1.2199, 5.6107, 20.0721),
+        "kivi-2": (0.2477, 0.5092, 0.3284, 1.0615, 3.5382),
+        "kivi-4": (0.2338, 0.5093, 0.3283, 1.1501, 3.8009),
+        "temporalkv-2": (0.2556, 0.7200, 0.8997, 4.7452, 17.7159),
+        "channelkv-2": (0.2608, 0.7427, 0.9083, 5.1858, 20.1212),
+        "kvquant-2": (0.2794, 0.7493, 0.9141, 5.0710, 18.4206),
     }.items()
 }
 QJL_MEASURED_TODAY = {(1, 8192): 0.3648, (1, 32768): 0.9959, (4, 8192): 0.8983, (4, 32768): 2.9815}
@@ -444,7 +445,7 @@ def main(argv=None) -> str:
             lines.append(f"| {args.commit} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {QJL_MEASURED[shape]:.3f} | "
                          f"{seconds * 1e3 / QJL_MEASURED[shape]:.2f} |")
     options = {"operands": args.operands} if args.operands else None
-    where = f"{MEASURED_TODAY_CARD}, {MEASURED_TODAY_AT}"
+    where = f"{MEASURED_TODAY_CARD}, {MEASURED_TODAY_AT} (QJL scores: {QJL_MEASURED_TODAY_AT})"
     lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s; measured: the "
               f"{where} rows of BENCHMARKS.md where a launch's machine code is the one measured (ratio = predicted / "
               "measured):", "",
