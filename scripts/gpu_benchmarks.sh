@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
-# Runs the steps named in STEPS (default: operands attention e2e tiles ncu overhead, whose limits add up to 525 s: one call with
+# Runs the steps named in STEPS (default: operands attention e2e tiles ncu overhead, whose limits add up to 545 s: one call with
 # timeout_s 590 after the machine's start; also: qjl sweep profile graphs calls), in that order, each under its own time limit so
 # that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
@@ -12,9 +12,10 @@
 #      about 80 s on an H100 for every format)
 #   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 --write (on an H200, 2026-11-27: 10 speed rows, and
 #      7 rows with 6 agreement rows, each took about 110-130 s; all 15 and 14 need about 200 s)
-#   operands: scripts/sweep_decode_kernel.py --configs 0 12 --shapes 16x32768 1x32768 for the five seed formats: the
-#      default launch (bf16 tl.dot operands for the bf16 query) against the same with float32 (TF32) operands, the
-#      default until 2026-11-27 (KIVI-2 1.62x faster with bf16 on an H200); logged only
+#   operands: scripts/sweep_decode_kernel.py --configs 0 12 --shapes 16x32768 1x32768 for KIVI-2 and -4, TemporalKV-2,
+#      int8 per token-head and fp8: the default launch (bf16 tl.dot operands for the bf16 query) against the same with
+#      float32 (TF32) operands, the default until 2026-11-27 (KIVI-2 1.42-1.62x faster with bf16 on an H200; int8 per
+#      token-head read 0.90x across two leases, never in one run, where the static model predicts 1.09x); logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
 #   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
@@ -62,8 +63,8 @@ run() {  # run STEP: one named benchmark
     graphs) step graphs "${GRAPHS_S:-60}" python3 scripts/bench_decode_attention.py --batches 1 --contexts 4096 \
         --codecs kivi-2 temporalkv-2 eden-2 --encode-tokens 1024 --reps 30 --cuda-graphs ;;
     e2e) step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768} --write ;;
-    operands) step operands "${OPERANDS_S:-60}" python3 scripts/sweep_decode_kernel.py --configs 0 12 \
-        --shapes 16x32768 1x32768 --codecs kivi-2 kivi-4 temporalkv-2 channelkv-2 kvquant-2 ;;
+    operands) step operands "${OPERANDS_S:-80}" python3 scripts/sweep_decode_kernel.py --configs 0 12 \
+        --shapes 16x32768 1x32768 --codecs kivi-2 kivi-4 temporalkv-2 int8-token-head fp8 ;;
     tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
         --codecs fp8 int8-token-head eden-2-center int4-token-head nvfp4 ;;
     ncu) command -v ncu >/dev/null || echo "=== ncu: not on this machine, step skipped"

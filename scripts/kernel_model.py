@@ -45,7 +45,7 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
-    L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
+    HOST_FACTOR, L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
     local_cycles, parse_sass, record_global_accesses, step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
@@ -80,6 +80,10 @@ MEASURED_TODAY = {  # ms in SHAPES' order
     }.items()
 }
 QJL_MEASURED_TODAY = {(1, 8192): 0.3648, (1, 32768): 0.9959, (4, 8192): 0.8983, (4, 32768): 2.9815}
+# device ms of the same kernels (each call queued behind a spacer that hides its host work: Timer.device_ms), measured
+# at 724b898, whose kernels are a357b2e's ("GPU reading of 2026-11-27, second lease", call 7)
+MEASURED_TODAY_DEVICE = {("kivi-2", (16, 32768)): 0.8298, ("kivi-2", (1, 32768)): 0.1025,
+                         ("temporalkv-2", (16, 32768)): 4.4068, ("temporalkv-2", (1, 32768)): 0.3058}
 
 
 def codec_for(name: str):
@@ -449,14 +453,20 @@ def main(argv=None) -> str:
     lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s; measured: the "
               f"{where} rows of BENCHMARKS.md where a launch's machine code is the one measured (ratio = predicted / "
               "measured):", "",
-              "| codec | batch x context | predicted ms | bound | SDPA memory ms | vs SDPA memory | measured ms | ratio |",
-              "|---|---|---:|---|---:|---:|---:|---:|"]
+              "| codec | batch x context | predicted ms | bound | SDPA memory ms | vs SDPA memory | measured ms | ratio | "
+              "device part ms | measured device ms | ratio |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
 
-    def row(name: str, shape: tuple, seconds: float, bound: str, measured: dict, as_measured: bool) -> str:
+    def row(name: str, shape: tuple, seconds: float, bound: str, measured: dict, as_measured: bool, host: float) -> str:
+        """A predicted step beside the measured one; its device part (less the host term) beside the measured device
+        time (:data:`MEASURED_TODAY_DEVICE`)."""
         sdpa = 2 * shape[0] * H * shape[1] * D * 2 / 2970e9 * 1e3
         ms = measured.get(shape) if as_measured else None
+        device = (seconds - HOST_FACTOR * host) * 1e3
+        on_device = MEASURED_TODAY_DEVICE.get((name, shape)) if as_measured else None
         return (f"| {name} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {bound} | {sdpa:.3f} | "
-                f"{sdpa / (seconds * 1e3):.2f}x | {f'{ms:.3f}' if ms else '-'} | {f'{seconds * 1e3 / ms:.2f}' if ms else '-'} |")
+                f"{sdpa / (seconds * 1e3):.2f}x | {f'{ms:.3f}' if ms else '-'} | {f'{seconds * 1e3 / ms:.2f}' if ms else '-'} | "
+                f"{device:.3f} | {f'{on_device:.3f}' if on_device else '-'} | {f'{device / on_device:.2f}' if on_device else '-'} |")
 
     predicted = {}
     for name in args.codecs:
@@ -467,13 +477,13 @@ def main(argv=None) -> str:
         for shape, (seconds, bound) in result["shapes"].items():
             if as_measured:
                 predicted.setdefault(shape, {})[name] = seconds * 1e3
-            lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name], as_measured))
+            lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name], as_measured, result["host"]))
     qjl = qjl_scores(None, SHAPES + [s for s in QJL_MEASURED_TODAY if s not in SHAPES])
     tiles += [("today qjl scores", qjl["launches"][0])]
     hosts.append(("today qjl scores", qjl["host"]))
     for shape, (seconds, bound) in qjl["shapes"].items():
         lines.append(row("qjl scores", shape, seconds, bound, QJL_MEASURED_TODAY,
-                         qjl["launches"][0]["sass"] == MEASURED_TODAY_SASS["qjl scores"]))
+                         qjl["launches"][0]["sass"] == MEASURED_TODAY_SASS["qjl scores"], qjl["host"]))
     if predicted:
         lines += ["", f"Ranking of today's kernels per shape (fastest first; those measured on the {where}):", ""]
         lines += [ranking_line(shape, times, {n: MEASURED_TODAY[n][shape] for n in times}) for shape, times in predicted.items()]
