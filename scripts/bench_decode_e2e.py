@@ -15,12 +15,15 @@ Per row: median ms per decode step (CUDA events around each step), tokens per se
 step, and the synchronising CUDA calls of one more step (``torch.cuda.set_sync_debug_mode``: 0 means the
 host never waits for the device within a step; CUDA-graph capture is not attempted). Compressed caches
 are preallocated (``capacity``: prompt + every step), so decode steps allocate no storage. ``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the
-device, found by real allocations (doubling, then bisection, out-of-memory errors caught), for each
-row. ``--agreement``: teacher-forced decoding through the fused path and through the torch path of
+device, found by real allocations (out-of-memory errors caught) for each row: batches 1 and 2 give the bytes a
+sequence adds, the search starts at the batch that fills the memory and steps out from it (:func:`largest_batch`);
+``--max-batch-gib`` caps the allocator (``torch.cuda.set_per_process_memory_fraction``) so that each try prefills
+fewer sequences: uncapped, a try near the answer prefills 32K tokens for hundreds to thousands of sequences. ``--agreement``: teacher-forced decoding through the fused path and through the torch path of
 the same codec, fed the same tokens: relative error of the logits and greedy agreement.
 
     python scripts/bench_decode_e2e.py --write                       # on a CUDA GPU (about 10 minutes)
     python scripts/bench_decode_e2e.py --max-batch --agreement --write
+    python scripts/bench_decode_e2e.py --shapes 16x32768 --rows DynamicCache kivi-2 --max-batch --max-batch-gib 16
     TRITON_INTERPRET=1 python scripts/bench_decode_e2e.py --smoke    # CPU check of the script itself
 """
 
@@ -186,8 +189,9 @@ def _steps(name: str, models: tuple, ids: torch.Tensor, setting: dict, device: t
     return statistics.median(times), syncs
 
 
-def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.device) -> bool:
-    """Whether a prefill of ``max_batch_context`` tokens and two decode steps fit at ``batch``."""
+def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.device) -> tuple[bool, float]:
+    """Whether a prefill of ``max_batch_context`` tokens and two decode steps fit at ``batch``, and the peak GiB they
+    took (NaN where they did not fit, or on a CPU)."""
     _fresh(device)
     try:
         model, cache = new_cache(name, models, setting["max_batch_context"] + 3)
@@ -198,27 +202,81 @@ def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.dev
             token = forward(model, cache, token).argmax(-1, keepdim=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return True
+        return True, _peak(device)
     except torch.cuda.OutOfMemoryError:
-        return False
+        return False, float("nan")
     finally:
         cache = model = None  # noqa: F841  (release before the next try)
         _fresh(device)
 
 
+def _estimate(peaks: tuple[float, float], capacity_gib: float, limit: int) -> int | None:
+    """The batch that fills ``capacity_gib``, from the peaks of batches 1 and 2 (what a sequence adds, and the rest);
+    ``None`` where the peaks say nothing (a CPU)."""
+    per_sequence = peaks[1] - peaks[0]
+    if not per_sequence > 0:
+        return None
+    return max(2, min(limit, int((capacity_gib - (peaks[0] - per_sequence)) / per_sequence)))
+
+
+def largest_batch(fits, guess: int | None, limit: int) -> int:
+    """The largest batch in ``[2, limit]`` for which ``fits(batch)`` holds, given that 2 does: from ``guess`` (the
+    estimate) in steps of 1 % of it that double until the answer changes, then by bisection; without a guess,
+    doubling from 2. Few tries where the estimate is close: each try at a large batch is a long prefill."""
+    low, high = 2, limit + 1  # fits(low) holds; fits(high) does not, or high is past the limit
+    if guess is None:
+        probe = 4
+        while probe <= limit and fits(probe):
+            low, probe = probe, probe * 2
+        high = min(probe, limit + 1)
+    else:
+        step, probe = max(1, guess // 100), guess
+        if fits(probe):
+            low = probe
+            while low + step <= limit and fits(low + step):
+                low, step = low + step, step * 2
+            high = min(low + step, limit + 1)
+        else:
+            high = probe
+            while high - step > low and not fits(high - step):
+                high, step = high - step, step * 2
+            low = max(low, high - step)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 @torch.inference_mode()
 def max_batch(setting: dict, models: tuple, rows: list[str], device: torch.device, log) -> list[dict]:
+    """Per row, the largest batch whose ``max_batch_context``-token prefill and two decode steps fit in
+    ``max_batch_gib`` (the allocator capped there; default the device's memory), by real allocations. Batches 1 and 2
+    give the bytes a sequence adds; :func:`largest_batch` starts from the batch that fills the capacity."""
     out = []
+    cap = setting.get("max_batch_gib")
+    capacity = float("nan")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total) if cap else 1.0, device)
+        capacity = cap or total
+    limit = setting["max_batch_limit"]
     for name in rows:
-        low, high = 0, 1
-        while high <= setting["max_batch_limit"] and _fits(name, high, setting, models, device):
-            low, high = high, high * 2
-        high = min(high, setting["max_batch_limit"] + 1)
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if _fits(name, middle, setting, models, device) else (low, middle)
-        out.append({"cache": name, "max_batch": low, "capped": low == setting["max_batch_limit"]})
-        log(f"[bench] largest batch at {setting['max_batch_context']} tokens, {name}: {low}")
+        tries = []
+
+        def fits(batch: int, name=name, tries=tries) -> bool:
+            tries.append(batch)
+            return _fits(name, batch, setting, models, device)[0]
+
+        first, second = (_fits(name, b, setting, models, device) for b in (1, 2))
+        if not second[0]:
+            low = 1 if first[0] else 0
+        else:
+            low = largest_batch(fits, _estimate((first[1], second[1]), capacity, limit), limit)
+        out.append({"cache": name, "max_batch": low, "capped": low == limit, "tries": 2 + len(tries)})
+        log(f"[bench] largest batch at {setting['max_batch_context']} tokens, {name}: {low} ({2 + len(tries)} tries: "
+            f"1, 2, {', '.join(map(str, tries))})")
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     base = next(r["max_batch"] for r in out if r["cache"] == BASELINE) if BASELINE in rows else 0
     for row in out:
         row["vs_bf16"] = row["max_batch"] / base if base else float("nan")
@@ -267,9 +325,11 @@ def tables(speed_rows, batch_rows, agree_rows, setting: dict) -> str:
               f"| {r['batch']} | {r['context']} | {r['cache']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | "
               f"{r['ratio']:.2f}x | {r['syncs']:.0f} |" for r in speed_rows]
     if batch_rows:
-        lines += ["", f"Largest batch at {setting['max_batch_context']} tokens (real allocations):", "",
-                  "| cache | largest batch | vs DynamicCache (bf16) |", "|---|---|---|"]
-        lines += [f"| {r['cache']} | {r['max_batch']}{'+' if r['capped'] else ''} | {r['vs_bf16']:.2f}x |" for r in batch_rows]
+        cap = f", the allocator capped at {setting['max_batch_gib']:g} GiB" if setting.get("max_batch_gib") else ""
+        lines += ["", f"Largest batch at {setting['max_batch_context']} tokens (real allocations{cap}):", "",
+                  "| cache | largest batch | vs DynamicCache (bf16) | tries |", "|---|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['max_batch']}{'+' if r['capped'] else ''} | {r['vs_bf16']:.2f}x | {r['tries']} |"
+                  for r in batch_rows]
     if agree_rows:
         batch, context, steps = setting["agreement"]
         lines += ["", f"Fused vs torch path, teacher-forced ({batch} x {context}-token prompt, {steps} steps):", "",
@@ -286,6 +346,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--shapes", nargs="+", type=batch_by_context, metavar="BATCHxCONTEXT",
                         help="speed rows only at these shapes (default: 8 and 16 x 16K and 32K)")
     parser.add_argument("--max-batch", action="store_true", help="also search the largest batch at 32K tokens")
+    parser.add_argument("--max-batch-gib", type=float, metavar="GIB",
+                        help="cap the allocator there for --max-batch (fewer sequences per try: a try fits a lease)")
     parser.add_argument("--agreement", action="store_true", help="also compare the fused and torch paths")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
@@ -298,6 +360,8 @@ def main(argv: list[str] | None = None) -> str:
     setting = SETTINGS[name]
     if args.shapes and not args.smoke:
         setting = {**setting, "shapes": tuple(args.shapes)}
+    if args.max_batch_gib and not args.smoke:
+        setting = {**setting, "max_batch_gib": args.max_batch_gib}
     layers = 2 if args.smoke else args.layers
     models = build_models(setting, layers, device)
     with sdpa_without_cudnn():

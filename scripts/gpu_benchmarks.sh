@@ -4,7 +4,7 @@
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
 # Runs the steps named in STEPS (default: operands attention e2e tiles ncu overhead, whose limits add up to 545 s: one call with
-# timeout_s 590 after the machine's start; also: qjl sweep profile graphs calls), in that order, each under its own time limit so
+# timeout_s 590 after the machine's start; also: maxbatch qjl sweep profile graphs calls), in that order, each under its own time limit so
 # that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
 #      --reps 30 --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the
@@ -12,6 +12,10 @@
 #      about 80 s on an H100 for every format)
 #   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 --write (on an H200, 2026-11-27: 10 speed rows, and
 #      7 rows with 6 agreement rows, each took about 110-130 s; all 15 and 14 need about 200 s)
+#   maxbatch: scripts/bench_decode_e2e.py --max-batch --max-batch-gib 16 for DynamicCache, KIVI-2, TemporalKV-2 and int8 per
+#      token-head (their speed rows at 16 x 32K first): the largest batch at 32K tokens in 16 GiB, by real allocations
+#      (not run yet; estimated 3-5 minutes on an H200: each try near the answer prefills 32K tokens for up to ~150
+#      sequences); logged only (--write would replace the e2e section's earlier runs)
 #   operands: scripts/sweep_decode_kernel.py --configs 0 12 --shapes 16x32768 1x32768 for KIVI-2 and -4, TemporalKV-2,
 #      int8 per token-head and fp8: the default launch (bf16 tl.dot operands for the bf16 query) against the same with
 #      float32 (TF32) operands, the default until 2026-11-27 (KIVI-2 1.42-1.62x faster with bf16 on an H200; int8 per
@@ -28,7 +32,8 @@
 #   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
 #      on an H200)
 # Wheels in .whl/ (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds
-# can be changed with OPERANDS_S, ATTENTION_S, E2E_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S; the attention
+# can be changed with OPERANDS_S, ATTENTION_S, E2E_S, MAXBATCH_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S
+# (MAXBATCH_GIB: the maxbatch step's cap); the attention
 # contexts with ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
 set -u
 out=${1:?usage: gpu_benchmarks.sh OUTDIR [REVISION]}
@@ -63,6 +68,8 @@ run() {  # run STEP: one named benchmark
     graphs) step graphs "${GRAPHS_S:-60}" python3 scripts/bench_decode_attention.py --batches 1 --contexts 4096 \
         --codecs kivi-2 temporalkv-2 eden-2 --encode-tokens 1024 --reps 30 --cuda-graphs ;;
     e2e) step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768} --write ;;
+    maxbatch) step maxbatch "${MAXBATCH_S:-300}" python3 scripts/bench_decode_e2e.py --shapes 16x32768 --rows DynamicCache \
+        kivi-2 temporalkv-2 int8-token-head --max-batch --max-batch-gib "${MAXBATCH_GIB:-16}" ;;
     operands) step operands "${OPERANDS_S:-80}" python3 scripts/sweep_decode_kernel.py --configs 0 12 \
         --shapes 16x32768 1x32768 --codecs kivi-2 kivi-4 temporalkv-2 int8-token-head fp8 ;;
     tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
@@ -77,7 +84,7 @@ run() {  # run STEP: one named benchmark
     profile) step profile "${PROFILE_S:-90}" python3 scripts/profile_decode_step.py ;;
     calls) step calls "${CALLS_S:-60}" python3 scripts/profile_decode_call.py --codecs kivi-2 temporalkv-2 \
         --shapes 1x4096 16x32768 --calls 30 --cuda-graphs ;;
-    *) echo "unknown step $1; steps: operands attention e2e tiles ncu overhead qjl sweep profile graphs calls" ;;
+    *) echo "unknown step $1; steps: operands attention e2e tiles ncu overhead maxbatch qjl sweep profile graphs calls" ;;
     esac
 }
 

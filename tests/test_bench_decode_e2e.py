@@ -19,3 +19,27 @@ def test_end_to_end_benchmark_runs_and_the_fused_path_agrees(monkeypatch):
     assert "| kivi-2 | 2+ |" in batches  # capped at the smoke limit: nothing runs out of memory on a CPU
     row = next(line for line in agreement.splitlines() if line.startswith("| kivi-2 |")).split(" | ")
     assert 0 < float(row[1]) < 1e-4 and float(row[3].rstrip(" |")) == 1.0  # two real paths, equal up to fp32 rounding
+
+
+@pytest.mark.parametrize("guess", [None, 2, 30, 37, 38, 45, 500, 4096])
+def test_the_largest_batch_search_finds_the_boundary_from_any_estimate(guess):
+    """The search returns the largest batch that fits whatever the estimate, in few tries where it is close."""
+    module = load_script("bench_decode_e2e")
+    tries = []
+
+    def fits(batch):
+        tries.append(batch)
+        return batch <= 37
+
+    assert module.largest_batch(fits, guess, 4096) == 37
+    if guess in (37, 38):  # at the boundary: the guess and its neighbour
+        assert len(tries) == 2
+    assert len(tries) <= 24  # a guess 100x off: stepping out by doubling, then bisection
+    assert module.largest_batch(lambda batch: True, guess if guess is None else min(guess, 64), 64) == 64  # the limit
+
+
+def test_the_estimate_fills_the_capacity_from_two_peaks():
+    module = load_script("bench_decode_e2e")
+    assert module._estimate((3.5, 4.0), 16.0, 4096) == 26  # 3 GiB besides 0.5 GiB a sequence: (16 - 3) / 0.5
+    assert module._estimate((3.5, 4.0), 16.0, 20) == 20
+    assert module._estimate((float("nan"), float("nan")), 16.0, 4096) is None  # a CPU: no peaks
