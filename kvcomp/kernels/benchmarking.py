@@ -25,9 +25,12 @@ class Timer:
     the call's host work before its first launch, during which the device idles. ``device_ms``: the last call's median
     with that work hidden, as a model's layers hide it when the host runs ahead of the device: each of ``reps`` more
     calls is queued behind a spacer kernel (``torch.cuda._sleep``) that outlasts the host, so the events time the
-    device's work alone (a call the spacer did not outlast is dropped and the spacer doubled)."""
+    device's work alone (a call the spacer did not outlast is dropped and the spacer doubled, up to
+    ``SPACER_DOUBLINGS`` times: a call that waits for the device itself is never outlasted, and its ``device_ms`` is
+    NaN)."""
 
     SPACER_CYCLES = 1 << 22  # about 2 ms at an H100's or H200's clocks, several times a call's host time
+    SPACER_DOUBLINGS = 5
 
     def __init__(self, device: torch.device, warmup: int, reps: int):
         self.device, self.warmup, self.reps = device, warmup, reps
@@ -49,11 +52,12 @@ class Timer:
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
-                ms, hidden = self._behind_spacer(fn, make_inputs(), spacer)
-                if hidden:
-                    devices.append(ms)
-                else:
-                    spacer *= 2
+                if spacer <= self.SPACER_CYCLES << self.SPACER_DOUBLINGS:
+                    ms, hidden = self._behind_spacer(fn, make_inputs(), spacer)
+                    if hidden:
+                        devices.append(ms)
+                    else:
+                        spacer *= 2
             else:
                 begin = time.perf_counter()
                 fn(*inputs)
