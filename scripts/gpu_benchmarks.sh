@@ -3,13 +3,14 @@
 #
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
-# Runs the steps named in STEPS (default: operands attention e2e tiles ncu overhead, whose limits add up to 545 s: one call with
-# timeout_s 590 after the machine's start; also: maxbatch qjl sweep profile graphs calls), in that order, each under its own time limit so
+# Runs the steps named in STEPS (default: operands attention e2e ncu overhead, whose limits add up to 525 s: one call with
+# timeout_s 590 after the machine's start; also: tiles maxbatch qjl sweep profile graphs calls), in that order, each under its own time limit so
 # that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
 #      --reps 30 --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the
-#      largest first, and each row is logged as it is measured, so a step stopped by its limit keeps what it measured;
-#      about 80 s on an H100 for every format)
+#      largest first, and each row is logged as it is measured with its device ms, so a step stopped by its limit keeps
+#      what it measured; about 80 s on an H100 for every format before the device column, which times each call twice:
+#      about 150 s)
 #   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 --write (on an H200, 2026-11-27: 10 speed rows, and
 #      7 rows with 6 agreement rows, each took about 110-130 s; all 15 and 14 need about 200 s)
 #   maxbatch: scripts/bench_decode_e2e.py --max-batch --max-batch-gib 16 for DynamicCache, KIVI-2, TemporalKV-2 and int8 per
@@ -62,7 +63,7 @@ step() {  # step NAME LIMIT COMMAND...
 
 run() {  # run STEP: one named benchmark
     case $1 in
-    attention) step attention "${ATTENTION_S:-100}" python3 scripts/bench_decode_attention.py --batches 16 1 \
+    attention) step attention "${ATTENTION_S:-170}" python3 scripts/bench_decode_attention.py --batches 16 1 \
         --contexts ${ATTENTION_CONTEXTS:-32768 4096 131072} --encode-tokens 8192 --reps 30 --write ;;
     qjl) step qjl "${QJL_S:-40}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
     graphs) step graphs "${GRAPHS_S:-60}" python3 scripts/bench_decode_attention.py --batches 1 --contexts 4096 \
@@ -88,5 +89,5 @@ run() {  # run STEP: one named benchmark
     esac
 }
 
-for name in ${STEPS:-operands attention e2e tiles ncu overhead}; do run "$name"; done
+for name in ${STEPS:-operands attention e2e ncu overhead}; do run "$name"; done
 echo "=== done after $(( $(date +%s) - start ))s"
