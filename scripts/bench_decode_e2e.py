@@ -14,12 +14,15 @@ Per row: median ms per decode step (CUDA events around each step), tokens per se
 (``max_memory_allocated`` from the prefill on, model weights included), the ratio to DynamicCache's
 step, and the synchronising CUDA calls of one more step (``torch.cuda.set_sync_debug_mode``: 0 means the
 host never waits for the device within a step; CUDA-graph capture is not attempted). Compressed caches
-are preallocated (``capacity``: prompt + every step), so decode steps allocate no storage. ``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the
-device, found by real allocations (out-of-memory errors caught) for each row: batches 1 and 2 give the bytes a
-sequence adds, the search starts at the batch that fills the memory and steps out from it (:func:`largest_batch`);
-``--max-batch-gib`` caps the allocator (``torch.cuda.set_per_process_memory_fraction``) so that each try prefills
-fewer sequences: uncapped, a try near the answer prefills 32K tokens for hundreds to thousands of sequences. ``--agreement``: teacher-forced decoding through the fused path and through the torch path of
-the same codec, fed the same tokens: relative error of the logits and greedy agreement.
+are preallocated (``capacity``: prompt + every step), so decode steps allocate no storage.
+
+``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the device, found by real
+allocations (out-of-memory errors caught) for each row: batches 1 and 2 give the bytes a sequence adds, the search
+starts at the batch that fills the memory and steps out from it (:func:`largest_batch`); ``--max-batch-gib`` caps the
+allocator (``torch.cuda.set_per_process_memory_fraction``) so that each try prefills fewer sequences: uncapped, a try
+near the answer prefills 32K tokens for hundreds to thousands of sequences. ``--agreement``: teacher-forced decoding
+through the fused path and through the torch path of the same codec, fed the same tokens: relative error of the
+logits and greedy agreement.
 
     python scripts/bench_decode_e2e.py --write                       # on a CUDA GPU (about 10 minutes)
     python scripts/bench_decode_e2e.py --max-batch --agreement --write
