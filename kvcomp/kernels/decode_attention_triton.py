@@ -79,7 +79,7 @@ from kvcomp.kernels.formats import (
 )
 from kvcomp.kernels.formats.base import Strided
 from kvcomp.kernels.formats.kernels_triton import KERNEL_FORMATS, kernel_format
-from kvcomp.kernels.formats.tiles_triton import at, dot, operand, row_scores, row_values
+from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, operand, row_scores, row_values
 
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
@@ -242,8 +242,8 @@ def _rotate(lo, hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND: 
     2: float16)."""
     pos = tl.load(positions + g, mask=g_ok, other=0).to(tl.float32)
     angle = pos[:, None] * tl.load(inv_freq + c, mask=c_ok, other=0.0)[None, :]
-    cos = tl.cos(angle) * rope_scaling
-    sin = tl.sin(angle) * rope_scaling
+    cos, sin = cos_sin(angle)
+    cos, sin = cos * rope_scaling, sin * rope_scaling
     if ROUND == 1:
         cos, sin = cos.to(tl.bfloat16).to(tl.float32), sin.to(tl.bfloat16).to(tl.float32)
     elif ROUND == 2:
