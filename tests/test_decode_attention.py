@@ -398,6 +398,26 @@ def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
             torch.testing.assert_close(registers, reference, rtol=tolerance, atol=tolerance)
 
 
+def test_tiles_of_token_chunks_start_at_whole_chunks():
+    """TemporalKV's chunks of 4 tokens are read as one vector each: the split kernel's tiles start at whole chunks of
+    the key payload, so a value payload whose chunks are not whole chunks apart from it, or tiles shorter than a chunk,
+    are refused before any launch, naming the offset or the tile."""
+    from kvcomp.kernels.decode_attention_triton import decode_launches
+
+    b, h, r, d, tokens = 1, 2, 2, 32, 48
+    gen = torch.Generator().manual_seed(3)
+    keys = _codebook_reader(b, h, d, tokens, *LAYOUTS["temporal"], False, gen)
+    values = _codebook_reader(b, h, d, tokens, *LAYOUTS["temporal"], False, gen)
+    query = torch.randn(b, h * r, d, generator=gen)
+    sinks = [torch.randn(b, h, n, d, generator=gen) for n in (3, 4, 5)]
+    _, launches = decode_launches(query, [sinks[0], keys, sinks[1]], [sinks[0], values, sinks[1]], d**-0.5)
+    assert launches
+    with pytest.raises(ValueError, match="starts 1 tokens after the key payload"):
+        decode_launches(query, [sinks[0], keys, sinks[2]], [sinks[1], values, sinks[1]], d**-0.5)
+    with pytest.raises(ValueError, match="2-token tiles"):
+        decode_launches(query, [sinks[0], keys], [sinks[0], values], d**-0.5, dot=False, block_tokens=2)
+
+
 def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):
     """The kernel reads the mask per token: holes, a row with nothing valid, and a batch-broadcast mask (stride
     0) all match the reference, and the torch reference is never called on the triton backend."""

@@ -342,14 +342,19 @@ def _split_kernel(
     else:
         acc_lo = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
         acc_hi = tl.zeros((BLOCK_R, HALF_PAD), dtype=tl.float32)
-    align = k_first % BLOCK_T  # tiles end at multiples of BLOCK_T from the key payload's first token
+    # tiles start at multiples of BLOCK_T from the first payload token (the keys', else the values'): a tile of either
+    # payload starts at a multiple of its chunks (decode_launches checks the values' where both streams have one)
+    align = k_first % BLOCK_T
+    if K_FORMAT is None and V_FORMAT is not None:
+        align = v_first % BLOCK_T
     g0 = split_lo
-    while g0 < split_hi:  # one tile per iteration, within one piece of each stream
+    while g0 < split_hi:  # one tile per iteration, within one piece of each stream: its tokens [g0, end)
         k_which, k_stop = _piece(g0, k_cut1, k_cut2, k_cut3, hi, K_AT)
         v_which, v_stop = _piece(g0, v_cut1, v_cut2, v_cut3, hi, V_AT)
-        end = tl.minimum(tl.minimum(split_hi, g0 + BLOCK_T - (g0 + BLOCK_T - align) % BLOCK_T), tl.minimum(k_stop, v_stop))
-        g = g0 + tl.arange(0, BLOCK_T)
-        g_ok = g < end
+        start = g0 - (g0 + BLOCK_T - align) % BLOCK_T
+        end = tl.minimum(tl.minimum(split_hi, start + BLOCK_T), tl.minimum(k_stop, v_stop))
+        g = start + tl.arange(0, BLOCK_T)
+        g_ok = (g >= g0) & (g < end)
         if len(valid) > 0:  # the step's attention mask, one byte per cached token (any pattern: no host check)
             g_ok = g_ok & (tl.load(valid_ptr + g, mask=g_ok, other=0) != 0)
         if K_FORMAT is None:  # no encoded keys in this launch
@@ -358,16 +363,16 @@ def _split_kernel(
         elif k_which == 3:  # the encoded payload (a run-time branch even in a stream of the payload alone)
             t = g - k_first
             if PACKED_K:  # scored in the stored layout
-                s = K_FORMAT.scores(k_query, q_ptr, R, rows, row_ok, qk_scale, k, K, k_length, t, g0 - k_first, g_ok,
+                s = K_FORMAT.scores(k_query, q_ptr, R, rows, row_ok, qk_scale, k, K, k_length, t, start - k_first, g_ok,
                                     D, BLOCK_R, BLOCK_T, DOT)
             else:
-                k_lo, k_hi = K_FORMAT.halves(k, K, k_length, t, g0 - k_first, g_ok, c, c_ok, D, BLOCK_T)
+                k_lo, k_hi = K_FORMAT.halves(k, K, k_length, t, start - k_first, g_ok, c, c_ok, D, BLOCK_T)
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, positions, rope[1], rope[2], g, g_ok, c, c_ok, ROUND)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, rows, BLOCK_R, BLOCK_T, DOT, OPERAND)
             if RESIDUAL_FORMAT is not None:  # + sqrt(pi/2)/d ||r|| <S q, sign(S r)>, S q of the model's query
                 s += RESIDUAL_FORMAT.scores(r_query, q_ptr, R, rows, row_ok, qk_scale, residual, RESIDUAL, k_length,
-                                            t, g0 - k_first, g_ok, D, BLOCK_R, BLOCK_T, DOT)
+                                            t, start - k_first, g_ok, D, BLOCK_R, BLOCK_T, DOT)
             if len(offset) > 0:  # + q . R_p c: the offset rotated to each token's position, scored with the model's query
                 o_lo, o_hi = _rotate(tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_lo[None, :],
                                      tl.zeros((BLOCK_T, HALF_PAD), tl.float32) + off_hi[None, :],
@@ -392,7 +397,7 @@ def _split_kernel(
             if PACKED_V:  # weighted in the stored layout
                 acc = acc * alpha[:, None, None] + V_FORMAT.fields(p, rows, v, V, t, g_ok, D, BLOCK_R, BLOCK_T)
             else:
-                v_lo, v_hi = V_FORMAT.halves(v, V, v_length, t, g0 - v_first, g_ok, c, c_ok, D, BLOCK_T)
+                v_lo, v_hi = V_FORMAT.halves(v, V, v_length, t, start - v_first, g_ok, c, c_ok, D, BLOCK_T)
                 acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT, OPERAND)
         elif len(v_pieces) == 0:  # never: the stream is its payload alone
             pass
@@ -488,6 +493,20 @@ def _tile_tokens(block_tokens: int, *segments: Segment, dot: bool) -> int:
     for segment in segments:
         block_tokens = segment.tile_limit(block_tokens, dot)
     return block_tokens
+
+
+def _check_chunks(tile: int, keys: PayloadReader | None, key_first: int, values: PayloadReader | None,
+                  value_first: int) -> None:
+    """A launch's tiles start at multiples of ``tile`` tokens from its key payload's first token (else its value
+    payload's): each payload's chunks (:attr:`~kvcomp.kernels.formats.PayloadReader.chunk_tokens`) must divide the
+    tile, and the value payload's its offset from the key payload."""
+    for payload in (keys, values):
+        if payload is not None and tile % payload.chunk_tokens:
+            raise ValueError(f"decode kernel: {tile}-token tiles hold no whole number of a payload's "
+                             f"{payload.chunk_tokens}-token chunks; choose block_tokens a multiple of them")
+    if keys is not None and values is not None and (value_first - key_first) % values.chunk_tokens:
+        raise ValueError(f"decode kernel: the value payload starts {value_first - key_first} tokens after the key "
+                         f"payload, not a multiple of its {values.chunk_tokens}-token chunks")
 
 
 def _boundaries(segments: list[Segment]) -> list[int]:
@@ -602,11 +621,14 @@ def decode_launches(
         keys = next((key_segments[j] for j in planned.keys if key_encoded[j]), None)  # the launch's payloads, if any
         values = next((value_segments[j] for j in planned.values if value_encoded[j]), None)
         encoded = [s for s in (keys, values) if s is not None]
+        tile = _tile_tokens(block_tokens, *encoded, dot=dot)
+        _check_chunks(tile, keys, next((key_bounds[j] for j in planned.keys if key_encoded[j]), 0), values,
+                      next((value_bounds[j] for j in planned.values if value_encoded[j]), 0))
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, bounds=bounds[i], H=h, R=r, unit=block_tokens,
                     qk_scale=scale * LOG2E, valid=common.get("valid", ()), rope=(), offset=(), residual=(),
                     **_stream_args("k", key_segments, planned.keys, queries),
                     **_stream_args("v", value_segments, planned.values, queries),
-                    D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=_tile_tokens(block_tokens, *encoded, dot=dot), DOT=dot,
+                    D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=tile, DOT=dot,
                     OPERAND=OPERANDS[operands],
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
                     PACKED_V=values is not None and values.packed_values(d, dot)

@@ -117,6 +117,7 @@ class PayloadReader:
     num_tokens: int
     head_dim: int
     wide_tile = False  # whether the kernel's wide tiles suit it (read without a per-group table: default_tile)
+    chunk_tokens = 1  # tokens the kernel reads as one unit: a tile of the payload starts at a multiple of them
 
     def dequantize_unrotated(self) -> torch.Tensor:
         raise NotImplementedError

@@ -63,6 +63,11 @@ class CodebookReader(PayloadReader):
         return self.codebooks.shape[1] == 1
 
     @property
+    def chunk_tokens(self) -> int:
+        """A chunk's tokens (TemporalKV's): its centroid is read as one vector (``codebook_triton._chunk_tile``)."""
+        return self.layout.time_len
+
+    @property
     def code_bits(self) -> int:
         return CodebookQuantizer(self.layout, self.num_centroids).code_bits
 

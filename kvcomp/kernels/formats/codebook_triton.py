@@ -31,20 +31,10 @@ def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
 
 
 @triton.jit
-def _tile(a, C: tl.constexpr, t, t_ok, c, c_ok, D: tl.constexpr, SCALED: tl.constexpr):
-    """Payload tokens ``t`` x channels ``c`` as float32 (times the token scale where ``SCALED``)."""
-    CENTROIDS: tl.constexpr = C.CENTROIDS
-    CL: tl.constexpr = C.CL
-    CODE_BITS: tl.constexpr = C.CODE_BITS
-    GC: tl.constexpr = C.GC
-    TL: tl.constexpr = C.TL
+def _denormalized(z, a, C: tl.constexpr, t, t_ok, c, c_ok, SCALED: tl.constexpr):
+    """Codebook values ``z`` (float32, tokens ``t`` x channels ``c``) times the channel (and, where ``SCALED``, the
+    token) scale, plus the channel (and token) center."""
     TOKEN_CENTER: tl.constexpr = C.TOKEN_CENTER
-    ok = t_ok[:, None] & c_ok[None, :]
-    ROW_BYTES: tl.constexpr = ((D // CL) * CODE_BITS + 7) // 8
-    code = codes(a.data.ptr, (t[:, None] // TL) * ROW_BYTES, (c // CL)[None, :], ok, CODE_BITS, ROW_BYTES)
-    entry = (t % TL)[:, None] * CL + (c % CL)[None, :]
-    centroid = (c // GC)[None, :] * CENTROIDS + code
-    z = tl.load(a.codebooks + centroid * (TL * CL) + entry, mask=ok, other=0.0).to(tl.float32)
     s = tl.load(a.ch_scale + c, mask=c_ok, other=0.0)[None, :]
     center = tl.load(a.ch_center + c, mask=c_ok, other=0.0)[None, :]
     if SCALED:
@@ -55,14 +45,64 @@ def _tile(a, C: tl.constexpr, t, t_ok, c, c_ok, D: tl.constexpr, SCALED: tl.cons
 
 
 @triton.jit
+def _tile(a, C: tl.constexpr, t, t_ok, c, c_ok, D: tl.constexpr, SCALED: tl.constexpr):
+    """Payload tokens ``t`` x channels ``c`` as float32 (times the token scale where ``SCALED``), one centroid entry
+    gathered per value (chunks of one value: KVQuant's scalar centroids)."""
+    CENTROIDS: tl.constexpr = C.CENTROIDS
+    CL: tl.constexpr = C.CL
+    CODE_BITS: tl.constexpr = C.CODE_BITS
+    GC: tl.constexpr = C.GC
+    TL: tl.constexpr = C.TL
+    ok = t_ok[:, None] & c_ok[None, :]
+    ROW_BYTES: tl.constexpr = ((D // CL) * CODE_BITS + 7) // 8
+    code = codes(a.data.ptr, (t[:, None] // TL) * ROW_BYTES, (c // CL)[None, :], ok, CODE_BITS, ROW_BYTES)
+    entry = (t % TL)[:, None] * CL + (c % CL)[None, :]
+    centroid = (c // GC)[None, :] * CENTROIDS + code
+    z = tl.load(a.codebooks + centroid * (TL * CL) + entry, mask=ok, other=0.0).to(tl.float32)
+    return _denormalized(z, a, C, t, t_ok, c, c_ok, SCALED)
+
+
+@triton.jit
+def _chunk_tile(a, C: tl.constexpr, length, t, t0, t_ok, c, C0: tl.constexpr, c_ok, D: tl.constexpr,
+                SCALED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """As :func:`_tile`, for chunks of several values (TemporalKV's tokens, ChannelKV's channels): each chunk's
+    centroid read as one vector of ``TL x CL`` values (contiguous in its codebook), then laid out as tokens ``t`` x
+    channels ``c`` (``c - C0`` an ``arange``). ``t0``: the tile's first token, a multiple of ``TL`` (the split kernel's
+    tiles start at multiples of ``BLOCK_T`` from the payload's first token)."""
+    CENTROIDS: tl.constexpr = C.CENTROIDS
+    CL: tl.constexpr = C.CL
+    CODE_BITS: tl.constexpr = C.CODE_BITS
+    GC: tl.constexpr = C.GC
+    TL: tl.constexpr = C.TL
+    CHANNELS: tl.constexpr = c.shape[0]
+    ROW_BYTES: tl.constexpr = ((D // CL) * CODE_BITS + 7) // 8
+    tl.static_assert(C0 % CL == 0, "a half of the channels must hold whole chunks")
+    chunk = t0 // TL + tl.arange(0, BLOCK_T // TL)  # the tile's chunks of tokens x its chunks of channels
+    k = C0 // CL + tl.arange(0, CHANNELS // CL)
+    k_ok = k * CL < C0 + D // 2
+    stored = (chunk * TL < length)[:, None] & k_ok[None, :]
+    code = codes(a.data.ptr, chunk[:, None] * ROW_BYTES, k[None, :], stored, CODE_BITS, ROW_BYTES)
+    centroid = (k * CL // GC)[None, :] * CENTROIDS + code  # (a chunk not stored reads code 0: a centroid that exists)
+    z = tl.load(a.codebooks + (centroid * (TL * CL))[:, :, None] + tl.arange(0, TL * CL)[None, None, :],
+                mask=k_ok[None, :, None], other=0.0)
+    z = tl.permute(tl.reshape(z, (BLOCK_T // TL, CHANNELS // CL, TL, CL)), (0, 2, 1, 3))
+    z = tl.where(t_ok[:, None] & c_ok[None, :], tl.reshape(z, (BLOCK_T, CHANNELS)).to(tl.float32), 0.0)
+    return _denormalized(z, a, C, t, t_ok, c, c_ok, SCALED)
+
+
+@triton.jit
 def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """``UNIT`` (vLLM's norm correction): each token's decoded vector is rescaled to unit norm over both halves, then
     times its token scale."""
     TOKEN_SCALE: tl.constexpr = C.TOKEN_SCALE
     UNIT: tl.constexpr = C.UNIT
     SCALED: tl.constexpr = TOKEN_SCALE and not UNIT
-    lo = _tile(a, C, t, t_ok, c, c_ok, D, SCALED)
-    hi = _tile(a, C, t, t_ok, c + D // 2, c_ok, D, SCALED)
+    if C.TL * C.CL > 1:
+        lo = _chunk_tile(a, C, length, t, t0, t_ok, c, 0, c_ok, D, SCALED, BLOCK_T)
+        hi = _chunk_tile(a, C, length, t, t0, t_ok, c + D // 2, D // 2, c_ok, D, SCALED, BLOCK_T)
+    else:
+        lo = _tile(a, C, t, t_ok, c, c_ok, D, SCALED)
+        hi = _tile(a, C, t, t_ok, c + D // 2, c_ok, D, SCALED)
     if UNIT:  # channels outside c_ok are 0
         norm = tl.sqrt(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1))
         factor = tl.load(a.token_scale.ptr + t, mask=t_ok, other=0.0).to(tl.float32) / tl.maximum(norm, TINY)
