@@ -349,11 +349,13 @@ def _unspecialized(kernel) -> set[str]:
     return {kernel.arg_names[i] if isinstance(i, int) else i for i in listed}
 
 
-LAYOUTS = {  # name -> (layout, centroids): the three codebook codecs' schemes at 2 bits; codes straddling bytes
+LAYOUTS = {  # name -> (layout, centroids): the three codebook codecs' schemes at 2 bits; codes straddling bytes; 4 bits
     "temporal": (ChunkLayout(4, 1, 4), 256),
     "channel": (ChunkLayout(1, 4, 4), 256),
     "scalar": (ChunkLayout(1, 1, 4), 4),
     "pairs-6bit": (ChunkLayout(1, 2, 4), 64),  # HIGGS-3's d = 2 grid: 6-bit codes
+    "temporal-2": (ChunkLayout(2, 1, 8), 256),  # TemporalKV-4's chunks of 2 tokens
+    "scalar-4bit": (ChunkLayout(1, 1, 2), 16),
 }
 
 
@@ -444,8 +446,7 @@ def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):
 def test_fused_encode_kernel_matches_the_torch_encoder(layout):
     """Nearest centroid + packing in one kernel; codes may differ only between equal centroids (the torch
     scalar path sorts), so the decoded values must be identical. (Codes straddling bytes are encoded in torch.)"""
-    extra = {"temporal-2": (ChunkLayout(2, 1, 8), 256), "scalar-4bit": (ChunkLayout(1, 1, 2), 16)}
-    chunk_layout, centroids = {**LAYOUTS, **extra}[layout]
+    chunk_layout, centroids = LAYOUTS[layout]
     from kvcomp.kernels.codebook_encode_triton import encode_codebook_triton
 
     gen = torch.Generator().manual_seed(5)

@@ -63,6 +63,40 @@ def _tile(a, C: tl.constexpr, t, t_ok, c, c_ok, D: tl.constexpr, SCALED: tl.cons
 
 
 @triton.jit
+def _field(a, C: tl.constexpr, byte, j: tl.constexpr, i, c0, D: tl.constexpr):
+    """The centroid entries of field ``j`` of each byte ``i`` (channel ``c0 + PER_BYTE i + j``), as stored."""
+    CENTROIDS: tl.constexpr = C.CENTROIDS
+    CODE_BITS: tl.constexpr = C.CODE_BITS
+    GC: tl.constexpr = C.GC
+    c = c0 + i * (8 // CODE_BITS) + j
+    code = (byte >> (j * CODE_BITS)) & ((1 << CODE_BITS) - 1)
+    return tl.load(a.codebooks + (c // GC)[None, :] * CENTROIDS + code)
+
+
+@triton.jit
+def _scalar_tile(a, C: tl.constexpr, t, t_ok, c, C0: tl.constexpr, c_ok, D: tl.constexpr, SCALED: tl.constexpr):
+    """As :func:`_tile`, for codes of 2 or 4 bits of one value each (KVQuant's scalar centroids) and a half of
+    whole bytes: each row's bytes loaded once, contiguously, their fields gathered apart and interleaved in registers
+    (``tl.join``: channel ``C0 + PER_BYTE i + j`` is field ``j`` of byte ``i``), where one gathered byte per code
+    reads each byte ``PER_BYTE`` times."""
+    CODE_BITS: tl.constexpr = C.CODE_BITS
+    PER_BYTE: tl.constexpr = 8 // CODE_BITS
+    ROW_BYTES: tl.constexpr = (D * CODE_BITS + 7) // 8
+    HALF: tl.constexpr = c.shape[0]
+    i = tl.arange(0, HALF // PER_BYTE)
+    byte = tl.load(a.data.ptr + t[:, None] * ROW_BYTES + C0 // PER_BYTE + i[None, :], mask=t_ok[:, None],
+                   other=0).to(tl.int32)
+    f0 = _field(a, C, byte, 0, i, C0, D)
+    f1 = _field(a, C, byte, 1, i, C0, D)
+    if PER_BYTE == 2:
+        z = tl.join(f0, f1)
+    else:  # the first join's new axis weighs most: field j = 2 b + a sits at [..., b, a]
+        z = tl.join(tl.join(f0, _field(a, C, byte, 2, i, C0, D)), tl.join(f1, _field(a, C, byte, 3, i, C0, D)))
+    z = tl.where(t_ok[:, None], tl.reshape(z, (t.shape[0], HALF)).to(tl.float32), 0.0)
+    return _denormalized(z, a, C, t, t_ok, c, c_ok, SCALED)
+
+
+@triton.jit
 def _chunk_tile(a, C: tl.constexpr, length, t, t0, t_ok, c, C0: tl.constexpr, c_ok, D: tl.constexpr,
                 SCALED: tl.constexpr, BLOCK_T: tl.constexpr):
     """As :func:`_tile`, for chunks of several values (TemporalKV's tokens, ChannelKV's channels): each chunk's
@@ -100,6 +134,9 @@ def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BL
     if C.TL * C.CL > 1:
         lo = _chunk_tile(a, C, length, t, t0, t_ok, c, 0, c_ok, D, SCALED, BLOCK_T)
         hi = _chunk_tile(a, C, length, t, t0, t_ok, c + D // 2, D // 2, c_ok, D, SCALED, BLOCK_T)
+    elif (C.CODE_BITS == 2 or C.CODE_BITS == 4) and c.shape[0] == D // 2 and (D // 2) % (8 // C.CODE_BITS) == 0:
+        lo = _scalar_tile(a, C, t, t_ok, c, 0, c_ok, D, SCALED)
+        hi = _scalar_tile(a, C, t, t_ok, c + D // 2, D // 2, c_ok, D, SCALED)
     else:
         lo = _tile(a, C, t, t_ok, c, c_ok, D, SCALED)
         hi = _tile(a, C, t, t_ok, c + D // 2, c_ok, D, SCALED)
