@@ -33,7 +33,8 @@ from kvcomp.kernels.decode_plan import DecodeStep  # noqa: E402
 SECTION = "## Launch configurations of the fused decode kernel (issue 38)"
 # label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, the register path
 # for QJL's sketched keys since b1ee781; 32-token tiles, 128 for the formats default_tile names since a676511; operands
-# of the query's type, bf16 here, since the bf16 default's commit)
+# of the query's type, bf16 here, since the bf16 default's commit; 128 registers per thread for packed ints in 32-token
+# tiles since the register cap's commit)
 CONFIGS = {
     "default": {},
     "register, 16 warps, 16 tokens": dict(dot=False, num_warps=16, block_tokens=16),
@@ -48,6 +49,10 @@ CONFIGS = {
     "tl.dot, 4 warps, 128 tokens": dict(dot=True, num_warps=4, block_tokens=128),
     "tl.dot, 8 warps, 128 tokens": dict(dot=True, num_warps=8, block_tokens=128),
     "tl.dot, 4 warps, float32 operands": dict(dot=True, num_warps=4, operands="float32"),  # TF32: the default to 2f80a9b
+    # registers per thread on the tl.dot path: the compiler's choice (KIVI's default before its payloads' cap), and 128,
+    # four programs per multiprocessor, for every format (the codebook kernels then spill 8-260 bytes per thread)
+    "tl.dot, 4 warps, no register cap": dict(dot=True, num_warps=4, registers=0),
+    "tl.dot, 4 warps, 128 registers": dict(dot=True, num_warps=4, registers=128),
 }
 
 

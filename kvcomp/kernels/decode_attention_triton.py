@@ -509,6 +509,14 @@ def _check_chunks(tile: int, keys: PayloadReader | None, key_first: int, values:
                          f"payload, not a multiple of its {values.chunk_tokens}-token chunks")
 
 
+def _register_cap(payloads: list[PayloadReader], tile: int, num_warps: int) -> int:
+    """The registers per thread a ``tl.dot`` launch of these payloads is capped at: the least of their own caps
+    (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`), 0 (none) where one has none or the launch reads
+    no payload."""
+    caps = [payload.register_cap(tile <= TILE, num_warps) for payload in payloads]
+    return min(caps) if caps and all(caps) else 0
+
+
 def _boundaries(segments: list[Segment]) -> list[int]:
     bounds = [0]
     for segment in segments:
@@ -539,6 +547,7 @@ def decode_launches(
     key_residual: tuple[torch.Tensor, SignReader] | None = None,
     step: DecodeStep | None = None,
     region: int = 0,
+    registers: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
@@ -548,7 +557,9 @@ def decode_launches(
     :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
     register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
-    key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`). ``key_offset``: ``(query, c, positions)``
+    key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`); ``registers``: a cap per thread on the
+    ``tl.dot`` path (default: the payloads' own, :meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`; 0: none).
+    ``key_offset``: ``(query, c, positions)``
     of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
     model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
     score ``q . R_p c`` the kernel adds. ``key_residual``: ``(y, signs)`` of encoded keys plus the sign sketch of their
@@ -581,8 +592,6 @@ def decode_launches(
     block_tokens = block_tokens or default_tile(key_segments + value_segments,
                                                 key_rope is not None or key_offset is not None or key_residual is not None)
     num_warps = num_warps or WARPS
-    # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
-    registers = {} if dot else {"maxnreg": min(255, 65536 // (32 * num_warps))}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     if key_bounds[-1] != value_bounds[-1]:
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
@@ -622,6 +631,10 @@ def decode_launches(
         values = next((value_segments[j] for j in planned.values if value_encoded[j]), None)
         encoded = [s for s in (keys, values) if s is not None]
         tile = _tile_tokens(block_tokens, *encoded, dot=dot)
+        if not dot:  # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
+            cap = min(255, 65536 // (32 * num_warps))
+        else:
+            cap = registers if registers is not None else _register_cap(encoded, tile, num_warps)
         _check_chunks(tile, keys, next((key_bounds[j] for j in planned.keys if key_encoded[j]), 0), values,
                       next((value_bounds[j] for j in planned.values if value_encoded[j]), 0))
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, bounds=bounds[i], H=h, R=r, unit=block_tokens,
@@ -633,7 +646,7 @@ def decode_launches(
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
                     PACKED_V=values is not None and values.packed_values(d, dot)
                     and not ((isinstance(keys, SketchReader) or key_residual is not None) and block_r > 4),
-                    ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL_FORMAT=None, RESIDUAL=None, num_warps=num_warps, **registers)
+                    ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL_FORMAT=None, RESIDUAL=None, num_warps=num_warps, **({"maxnreg": cap} if cap else {}))
         if keys is not None:  # what only encoded keys read: their rotation or offset, their residual's sketch
             args.update({name: common[name] for name in ("rope", "offset") if name in common})
             args["ROUND"] = ROUNDING.get(rotary.dtype, 0) if rotary is not None else 0

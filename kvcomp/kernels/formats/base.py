@@ -136,6 +136,12 @@ class PayloadReader:
         """Tokens per tile this payload allows, at most ``block_tokens`` (``dot``: a ``tl.dot`` launch)."""
         return block_tokens
 
+    def register_cap(self, narrow: bool, num_warps: int) -> int:
+        """Registers per thread that a ``tl.dot`` launch of ``num_warps`` warps reading this payload is capped at, so
+        that more programs share a multiprocessor (0: the compiler's choice); ``narrow``: its tiles are at most the
+        launcher's narrow tile (``decode_attention_triton.TILE`` tokens)."""
+        return 0
+
     def packed_scores(self, head_dim: int, dot: bool) -> bool:
         """Whether keys of this format are scored in their stored layout (:attr:`KernelFormat.scores`)."""
         return False

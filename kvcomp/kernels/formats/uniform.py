@@ -58,6 +58,13 @@ class UniformReader(PayloadReader):
 
     wide_tile = True
 
+    def register_cap(self, narrow: bool, num_warps: int) -> int:
+        """Four programs per multiprocessor in ``narrow`` tiles: KIVI-2's launch (keys scored
+        in their stored layout, bf16 operands) then compiles to 118-123 registers without spilling, where the compiler
+        takes 136-138 and three programs fit (``scripts/kernel_resources.py``, Triton 3.6 and 3.9); in wide tiles the cap
+        spills (vLLM's int4: 860 bytes per thread)."""
+        return 65536 // (4 * 32 * num_warps) if narrow else 0
+
 
     def kernel_args(self, queries: dict) -> tuple[UniformArgs, UniformConstants]:
         (scale, zero), param_s_b, param_s_h = in_place(self.scale, self.zero)
