@@ -21,8 +21,9 @@ pieces (sinks, tail and, under ``exact_prefill``, the fresh token: separate tens
 pointer and strides) and one encoded payload. The kernel is compiled per (key format, value format): each payload's
 format (:mod:`kvcomp.kernels.formats`) passes its device functions as a compile-time argument and only the tensors
 and strides it reads as a named tuple; a stream's pieces are a tuple of as many as the launch has. Each
-tile lies within one piece of each stream (tiles are cut at piece boundaries and end at multiples of
-``BLOCK_T`` from the key payload's first token), and a scalar branch per tile and stream picks the
+tile lies within one piece of each stream (tiles lie on a grid of ``BLOCK_T`` tokens from the first payload token,
+cut at piece and slice boundaries, so that a payload's tile starts at a whole number of its chunks), and a scalar
+branch per tile and stream picks the
 piece's decoder; a cache with more payloads per stream gets one launch per run of segments that fits
 (:func:`~kvcomp.kernels.decode_plan.plan_decode`: planned once per step, run per layer, in a workspace kept across
 steps). Everything that changes with the cache length (segment bounds, lengths, slot counts, the mask's and the
@@ -36,18 +37,22 @@ on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
 ``P V`` are still ``tl.dot`` products over the query rows padded to 16 (on operands of the query's type, TF32 for
-float32: :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`).
+float32: :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`),
+and registers per thread as the payloads cap them (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`).
 Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
 warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys are faster on the register
 path: one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers (:func:`~kvcomp.kernels.formats.tiles_triton.row_scores`), also 4
 warps and 32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
-``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin``.
+``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin`` (both from one
+argument reduction: :func:`~kvcomp.kernels.formats.tiles_triton.cos_sin`).
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
 against the matching query sub-vectors (:func:`~kvcomp.kernels.formats.uniform_triton.packed_scores`) or, on the register path, weighted into a
 field-major accumulator (:func:`~kvcomp.kernels.formats.uniform_triton.packed_values`); ``tl.dot`` launches unpack values per tile. Codes of
 3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`~kvcomp.kernels.formats.uniform_triton.codes`).
+Codebook codes of 2 or 4 bits are read by whole bytes the same way, and a codebook chunk of several values (TemporalKV's
+tokens, ChannelKV's channels) is gathered as one vector (:mod:`kvcomp.kernels.formats.codebook_triton`).
 
 Each launch shares the tiles of its token range out evenly over its slices (+-1 tile), and the slice count fills
 whole waves of the GPU's multiprocessors where the range is long enough
