@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
-# Runs the steps named in STEPS (default: registers attention e2e ncu overhead, whose limits add up to 535 s: one call with
+# Runs the steps named in STEPS (default: registers attention e2e ncu overhead, whose limits add up to 555 s: one call with
 # timeout_s 590 after the machine's start; also: operands tiles maxbatch qjl sweep profile graphs calls), in that order, each under its own time limit so
 # that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
@@ -17,10 +17,10 @@
 #      token-head (their speed rows at 16 x 32K first): the largest batch at 32K tokens in 16 GiB, by real allocations
 #      (not run yet; estimated 3-5 minutes on an H200: each try near the answer prefills 32K tokens for up to ~150
 #      sequences); logged only (--write would replace the e2e section's earlier runs)
-#   registers: scripts/sweep_decode_kernel.py --configs 0 13 14 --shapes 16x32768 for KIVI-2 and -4 and the three
-#      codebook codecs: the default launch against no register cap and a cap of 128 per thread for every format (the
-#      static model predicts KIVI-2 20 % faster with its cap, the codebook kernels 12-24 % with 128 despite spilling);
-#      logged only
+#   registers: scripts/sweep_decode_kernel.py --configs 0 13 14 15 --shapes 16x32768 for KIVI-2 and -4 and the three
+#      codebook codecs: the default launch against no register cap and caps of 128 and 168 per thread for every format
+#      (the static model predicts KIVI-2 20 % faster with its cap, the codebook kernels 12-24 % with 128 despite
+#      spilling, TemporalKV-2 18 % with 168); logged only
 #   operands: scripts/sweep_decode_kernel.py --configs 0 12 --shapes 16x32768 1x32768 for KIVI-2 and -4, TemporalKV-2,
 #      int8 per token-head and fp8: the default launch (bf16 tl.dot operands for the bf16 query) against the same with
 #      float32 (TF32) operands, the default until 2026-11-27 (KIVI-2 1.42-1.62x faster with bf16 on an H200; int8 per
@@ -77,7 +77,7 @@ run() {  # run STEP: one named benchmark
         kivi-2 temporalkv-2 int8-token-head --max-batch --max-batch-gib "${MAXBATCH_GIB:-16}" ;;
     operands) step operands "${OPERANDS_S:-80}" python3 scripts/sweep_decode_kernel.py --configs 0 12 \
         --shapes 16x32768 1x32768 --codecs kivi-2 kivi-4 temporalkv-2 int8-token-head fp8 ;;
-    registers) step registers "${REGISTERS_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 13 14 \
+    registers) step registers "${REGISTERS_S:-110}" python3 scripts/sweep_decode_kernel.py --configs 0 13 14 15 \
         --shapes 16x32768 --codecs kivi-2 kivi-4 temporalkv-2 channelkv-2 kvquant-2 ;;
     tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
         --codecs fp8 int8-token-head eden-2-center int4-token-head nvfp4 ;;

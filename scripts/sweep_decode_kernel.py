@@ -49,10 +49,12 @@ CONFIGS = {
     "tl.dot, 4 warps, 128 tokens": dict(dot=True, num_warps=4, block_tokens=128),
     "tl.dot, 8 warps, 128 tokens": dict(dot=True, num_warps=8, block_tokens=128),
     "tl.dot, 4 warps, float32 operands": dict(dot=True, num_warps=4, operands="float32"),  # TF32: the default to 2f80a9b
-    # registers per thread on the tl.dot path: the compiler's choice (KIVI's default before its payloads' cap), and 128,
-    # four programs per multiprocessor, for every format (the codebook kernels then spill 8-260 bytes per thread)
+    # registers per thread on the tl.dot path: the compiler's choice (KIVI's default before its payloads' cap), 128 (four
+    # programs per multiprocessor; the codebook kernels then spill 8-260 bytes per thread) and 168 (three; TemporalKV-2
+    # spills 24 bytes under Triton 3.6, ChannelKV-2 and KVQuant-2 compile to 168 or fewer without the cap)
     "tl.dot, 4 warps, no register cap": dict(dot=True, num_warps=4, registers=0),
     "tl.dot, 4 warps, 128 registers": dict(dot=True, num_warps=4, registers=128),
+    "tl.dot, 4 warps, 168 registers": dict(dot=True, num_warps=4, registers=168),
 }
 
 
