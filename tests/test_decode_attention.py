@@ -892,17 +892,22 @@ def test_the_kernel_reads_a_cache_payload_in_place(tiny_llama, name, monkeypatch
     torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.25, key_rope=rope), rtol=1e-4, atol=1e-4)
 
 
-def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask():
+def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask(monkeypatch):
     """With CUDA graphs (here a stand-in whose replay runs the captured launches again, with the arguments they were
-    captured with): a call runs, the same call the next step is captured, later ones replay. Every output equals the
-    reference although the payload grew in place and the query and the mask are new tensors each step: the bounds
-    and the mask are read from the workspace's buffers, the grid does not change, the query is copied in."""
+    captured with): a call runs, the same call the next step is captured, later ones replay without building their
+    launches (found by their inputs: the launches read only the segments' tensors and the workspace's). Every output
+    equals the reference although the payload grew in place and the query and the mask are new tensors each step: the
+    bounds and the mask are read from the workspace's buffers, the grid does not change, the query is copied in."""
     from dataclasses import replace
 
+    from kvcomp.kernels import decode_attention_triton as kernels
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton, decode_launches
     from kvcomp.kernels.decode_graphs import DecodeGraphs
     from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 
+    built = []
+    setup_launches = kernels.setup_launches
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args: built.append(1) or setup_launches(*args))
     captured = []
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: captured.append(run) or run))
     b, h, r, d, group, capacity = 2, 2, 2, 32, 16, 128
@@ -910,18 +915,45 @@ def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask():
     full_keys, _ = _uniform(torch.randn(b, h, capacity, d, generator=gen), 4, group, "per_token")
     full_values, _ = _uniform(torch.randn(b, h, capacity, d, generator=gen), 2, group, "per_token")
     fresh = torch.randn(b, h, 4, d, generator=gen)  # a buffer with spare capacity: the fresh token is its first row
-    outputs, grids = [], set()
+    outputs, grids, builds = [], set(), []
     for tokens in (64, 80, 96, 112):
         keys, values = ([replace(full, num_tokens=tokens, codes=full.codes[:, :, :tokens], scale=full.scale[:, :, :tokens],
                                  zero=full.zero[:, :, :tokens]), fresh[:, :, :1]] for full in (full_keys, full_values))
         query, valid = torch.randn(b, h * r, d, generator=gen), _mask(b, tokens + 1, gen)
         step = DecodeStep(workspace)
         grids.add(tuple(launch.grid for launch in decode_launches(query, keys, values, 0.2, valid, step=DecodeStep(DecodeWorkspace(DecodeGraphs())))[1]))
+        before = len(built)
         out = decode_attention_triton(query, keys, values, 0.2, valid, step=step)
         torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.2, valid), rtol=1e-5, atol=1e-5)
         outputs.append(out)
+        builds.append(len(built) - before)
     assert len(grids) == 1  # the grid of a graph's plan does not change as the cache grows
     assert len(captured) == 1 and outputs[1] is outputs[2] is outputs[3]  # captured once, replayed into its own output
+    assert builds == [1, 1, 0, 0]  # the launches of the first two calls only
+
+
+def test_a_call_reading_what_it_made_is_replayed_only_by_its_launches(monkeypatch):
+    """A captured call whose launches read a tensor made during the call (here the keys' scales converted to float32
+    by their reader each call) is never replayed by its inputs alone: its launches are built every step (and matched
+    by their arguments), so the replay reads this step's tensor."""
+    from kvcomp.kernels import decode_attention_triton as kernels
+    from kvcomp.kernels.decode_graphs import DecodeGraphs
+    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+
+    built = []
+    setup_launches = kernels.setup_launches
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args: built.append(1) or setup_launches(*args))
+    workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
+    b, h, r, d, tokens = 1, 2, 2, 32, 64
+    gen = torch.Generator().manual_seed(6)
+    keys = _codebook_reader(b, h, d, tokens, *LAYOUTS["scalar"], False, gen)
+    keys.channel_scale = keys.channel_scale.double()  # CodebookReader.kernel_args converts it per call
+    values = torch.randn(b, h, tokens, d, generator=gen)
+    for _ in range(4):
+        query = torch.randn(b, h * r, d, generator=gen)
+        out = kernels.decode_attention_triton(query, [keys], [values], 0.2, step=DecodeStep(workspace))
+        torch.testing.assert_close(out, decode_attention_reference(query, [keys], [values], 0.2), rtol=1e-5, atol=1e-5)
+    assert len(built) == 4 and not workspace.graphs.by_inputs
 
 
 def test_cuda_graphs_need_the_fused_kernels(tiny_llama):

@@ -70,6 +70,7 @@ import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels import decode_plan
+from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep
 from kvcomp.kernels.formats import (
     OffsetReader,
@@ -536,6 +537,96 @@ def _multiprocessors(device: torch.device) -> int:
     return 4  # the CPU interpreter: a few slices, so that tests exercise the merge
 
 
+@dataclass
+class CallSetup:
+    """What one call fixes before its launches' arguments (:func:`call_setup`): its shapes and launch options, its plan,
+    the workspace's scratch for it and the step's rows of bounds (copied once per step), and ``common``: what every
+    launch reads besides its streams (the step's mask, the rotation's positions, a key offset)."""
+
+    b: int
+    hq: int
+    d: int
+    h: int
+    r: int
+    q: torch.Tensor  # the query as [B, H, R, D]
+    dot: bool
+    block_r: int
+    block_tokens: int
+    num_warps: int
+    operands: str
+    key_bounds: list
+    key_encoded: tuple
+    value_bounds: list
+    value_encoded: tuple
+    plan: decode_plan.DecodePlan
+    partial: torch.Tensor | None  # None where the plan has no launch
+    lse: torch.Tensor | None
+    bounds: torch.Tensor | None
+    common: dict
+    rotary: RotaryPositions | None
+
+
+def call_setup(query, key_segments, value_segments, valid, key_rope, num_splits, block_tokens, dot, num_warps, operands,
+               key_offset, key_residual, step: DecodeStep, region: int) -> CallSetup:
+    """The part of :func:`decode_launches` done per call whether or not its launches are built: checks, launch options,
+    the step's plan (made once per step), the scratch and the step's bounds and mask on the device."""
+    b, hq, d = query.shape
+    if d % 2:
+        raise ValueError(f"decode kernel: head_dim={d} must be even")
+    operands = operands or QUERY_OPERANDS.get(query.dtype, "float32")
+    if operands not in OPERANDS:
+        raise ValueError(f"decode kernel: operands={operands!r}; choose one of {sorted(OPERANDS)}")
+    if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
+        raise ValueError("decode kernel: a rotated, offset or residual-sketch payload takes its own launches "
+                         "(decode_attention_triton)")
+    if key_rope is not None and key_offset is not None:
+        raise ValueError("decode kernel: keys are pre-RoPE (key_rope) or carry a rotated offset (key_offset), not both")
+    h = _kv_heads(key_segments[0])
+    r = hq // h
+    q = query.reshape(b, h, r, d).contiguous()
+    device = query.device
+    sketched = key_residual is not None or any(isinstance(segment, SketchReader) for segment in key_segments)
+    if any(isinstance(segment, SignReader) for segment in key_segments):
+        raise ValueError("decode kernel: sign bits are read as values, or as a key payload's residual (key_residual)")
+    if dot is None:
+        dot = r > 8 or not sketched
+    block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
+    block_tokens = block_tokens or default_tile(key_segments + value_segments,
+                                                key_rope is not None or key_offset is not None or key_residual is not None)
+    num_warps = num_warps or WARPS
+    key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
+    if key_bounds[-1] != value_bounds[-1]:
+        raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
+    key_encoded = tuple(not isinstance(s, torch.Tensor) for s in key_segments)
+    value_encoded = tuple(not isinstance(s, torch.Tensor) for s in value_segments)
+    plan = step.plan(tuple(key_bounds), key_encoded, tuple(value_bounds), value_encoded, b * h, _multiprocessors(device),
+                     block_tokens, num_splits)
+    if plan.slots == 0:  # nothing cached: no launch (the caller's output is zeros)
+        return CallSetup(b, hq, d, h, r, q, dot, block_r, block_tokens, num_warps, operands, key_bounds, key_encoded,
+                         value_bounds, value_encoded, plan, None, None, None, {}, None)
+    partial, lse = step.workspace.scratch(device, region, b * h, plan.slots, r, d)
+    common = {}  # what every launch of the step reads besides its streams
+    valid_s_b = pos_s_b = 0
+    if valid is not None and step.workspace.graphs is not None:  # at the same address each step
+        valid = step.mask(device, valid)
+    elif valid is not None:
+        valid = valid.to(device)
+        valid = valid.view(torch.uint8) if valid.dtype == torch.bool and valid.stride(-1) == 1 else valid.to(torch.uint8).contiguous()
+    if valid is not None:
+        common["valid"], valid_s_b = (valid,), valid.stride(0)
+    rotary = key_rope if key_offset is None else key_offset[2]  # encoded keys of pre-RoPE codecs, or their offset
+    if rotary is not None:
+        positions = rotary.positions.to(device, torch.int32)  # the cache's position ids, read in place
+        positions = positions if positions.stride(-1) == 1 else positions.contiguous()
+        common["rope"] = (positions, rotary.inv_freq.to(device, torch.float32).contiguous(), float(rotary.scaling))
+        pos_s_b = positions.stride(0)
+    if key_offset is not None:
+        common["offset"] = (key_offset[0].reshape(b, h, r, d).contiguous(), key_offset[1].to(device, torch.float32).contiguous())
+    bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b)
+    return CallSetup(b, hq, d, h, r, q, dot, block_r, block_tokens, num_warps, operands, key_bounds, key_encoded,
+                     value_bounds, value_encoded, plan, partial, lse, bounds, common, rotary)
+
+
 def decode_launches(
     query: torch.Tensor,
     key_segments: list[Segment],
@@ -573,61 +664,23 @@ def decode_launches(
     and its workspace, whose scratch region ``region`` takes the partial outputs; default: a step of its own).
     Only the slice counts depend on
     the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
-    b, hq, d = query.shape
-    if d % 2:
-        raise ValueError(f"decode kernel: head_dim={d} must be even")
-    operands = operands or QUERY_OPERANDS.get(query.dtype, "float32")
-    if operands not in OPERANDS:
-        raise ValueError(f"decode kernel: operands={operands!r}; choose one of {sorted(OPERANDS)}")
-    if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
-        raise ValueError("decode kernel: a rotated, offset or residual-sketch payload takes its own launches "
-                         "(decode_attention_triton)")
-    if key_rope is not None and key_offset is not None:
-        raise ValueError("decode kernel: keys are pre-RoPE (key_rope) or carry a rotated offset (key_offset), not both")
-    h = _kv_heads(key_segments[0])
-    r = hq // h
-    q = query.reshape(b, h, r, d).contiguous()
-    device = query.device
-    sketched = key_residual is not None or any(isinstance(segment, SketchReader) for segment in key_segments)
-    if any(isinstance(segment, SignReader) for segment in key_segments):
-        raise ValueError("decode kernel: sign bits are read as values, or as a key payload's residual (key_residual)")
-    if dot is None:
-        dot = r > 8 or not sketched
-    block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
-    block_tokens = block_tokens or default_tile(key_segments + value_segments,
-                                                key_rope is not None or key_offset is not None or key_residual is not None)
-    num_warps = num_warps or WARPS
-    key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
-    if key_bounds[-1] != value_bounds[-1]:
-        raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
-    key_encoded = tuple(not isinstance(s, torch.Tensor) for s in key_segments)
-    value_encoded = tuple(not isinstance(s, torch.Tensor) for s in value_segments)
     step = step or DecodeStep()
-    plan = step.plan(tuple(key_bounds), key_encoded, tuple(value_bounds), value_encoded, b * h, _multiprocessors(device),
-                     block_tokens, num_splits)
-    total = plan.slots
-    if total == 0:
-        return torch.zeros(b, hq, d, device=device, dtype=query.dtype), []
-    out = torch.empty(b, hq, d, device=device, dtype=query.dtype)  # the merge writes every row
-    partial, lse = step.workspace.scratch(device, region, b * h, total, r, d)
-    common = {}  # what every launch of the step reads besides its streams
-    valid_s_b = pos_s_b = 0
-    if valid is not None and step.workspace.graphs is not None:  # at the same address each step
-        valid = step.mask(device, valid)
-    elif valid is not None:
-        valid = valid.to(device)
-        valid = valid.view(torch.uint8) if valid.dtype == torch.bool and valid.stride(-1) == 1 else valid.to(torch.uint8).contiguous()
-    if valid is not None:
-        common["valid"], valid_s_b = (valid,), valid.stride(0)
-    rotary = key_rope if key_offset is None else key_offset[2]  # encoded keys of pre-RoPE codecs, or their offset
-    if rotary is not None:
-        positions = rotary.positions.to(device, torch.int32)  # the cache's position ids, read in place
-        positions = positions if positions.stride(-1) == 1 else positions.contiguous()
-        common["rope"] = (positions, rotary.inv_freq.to(device, torch.float32).contiguous(), float(rotary.scaling))
-        pos_s_b = positions.stride(0)
-    if key_offset is not None:
-        common["offset"] = (key_offset[0].reshape(b, h, r, d).contiguous(), key_offset[1].to(device, torch.float32).contiguous())
-    bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b)
+    setup = call_setup(query, key_segments, value_segments, valid, key_rope, num_splits, block_tokens, dot, num_warps,
+                       operands, key_offset, key_residual, step, region)
+    if setup.plan.slots == 0:
+        return torch.zeros_like(query), []
+    return setup_launches(setup, query.dtype, key_segments, value_segments, scale, key_rope, key_residual, registers)
+
+
+def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_segments, scale: float, key_rope,
+                   key_residual, registers: int | None) -> tuple[torch.Tensor, list[Launch]]:
+    """The output buffer and the launches of a call (:func:`decode_launches`) from its :class:`CallSetup`."""
+    b, hq, d, h, r, q, dot, block_r = setup.b, setup.hq, setup.d, setup.h, setup.r, setup.q, setup.dot, setup.block_r
+    block_tokens, num_warps, operands, plan = setup.block_tokens, setup.num_warps, setup.operands, setup.plan
+    key_bounds, key_encoded, value_bounds, value_encoded = (setup.key_bounds, setup.key_encoded, setup.value_bounds,
+                                                            setup.value_encoded)
+    partial, lse, bounds, common, rotary = setup.partial, setup.lse, setup.bounds, setup.common, setup.rotary
+    out = torch.empty(b, hq, d, device=q.device, dtype=dtype)  # the merge writes every row
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     queries = {"q": q}  # the step's query, and what payloads derive from it (QJL's S q), for all its launches
     launches = []
@@ -676,15 +729,35 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     (:func:`_with_payload_group`; ``key_rope`` then gives the positions of a rotated key offset)."""
     if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         return _with_payload_group(query, key_segments, value_segments, scale, valid, **options)
-    out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     step = options.get("step")
-    graphs = None if step is None or not launches else step.workspace.graphs
+    if step is not None and step.workspace.graphs is not None:
+        return _graphed(step.workspace.graphs, query, key_segments, value_segments, scale, valid, **options)
+    out, launches = decode_launches(query, key_segments, value_segments, scale, valid, **options)
     with launch_device(query.device):
-        if graphs is not None:  # captured in a CUDA graph where it reads what it read before
-            return graphs.run(launches, launches[0].args["q_ptr"], out)
         for launch in launches:
             launch()
     return out
+
+
+def _graphed(graphs: DecodeGraphs, query, key_segments, value_segments, scale, valid, key_rope=None, num_splits=None,
+             block_tokens=None, dot=None, num_warps=None, operands=None, key_offset=None, key_residual=None, step=None,
+             region=0, registers=None) -> torch.Tensor:
+    """A call under CUDA graphs (:mod:`~kvcomp.kernels.decode_graphs`): its setup always (the step's plan, bounds and
+    mask on the device), its launches' arguments only where no graph of the same inputs replays."""
+    setup = call_setup(query, key_segments, value_segments, valid, key_rope, num_splits, block_tokens, dot, num_warps,
+                       operands, key_offset, key_residual, step, region)
+    if setup.plan.slots == 0:
+        return torch.zeros_like(query)
+    inputs = (key_segments, value_segments, scale, key_rope, key_offset, key_residual, num_splits, block_tokens, dot,
+              num_warps, operands, registers, region, setup.partial, setup.lse, setup.bounds, setup.common)
+    with launch_device(query.device):
+        key = graphs.inputs_key(setup.q, inputs)
+        replayed = graphs.replay(key, setup.q)
+        if replayed is not None:
+            return replayed
+        out, launches = setup_launches(setup, query.dtype, key_segments, value_segments, scale, key_rope, key_residual,
+                                       registers)
+        return graphs.run(launches, setup.q, out, key, inputs)
 
 
 @dataclass

@@ -8,11 +8,17 @@ cache grows (``fixed_grid``), the token bounds are read from the workspace's slo
 step's mask from the workspace's, and the payloads in place from buffers with spare capacity. The query is copied
 into the graph's own before a replay; the output is the graph's own (one per captured call, so layers do not share
 it). Calls whose tensors change every step (a query projected per step, a cache without spare capacity) are never
-captured and run as they are. Verified only where a GPU is available; the CPU tests replay by running the captured
-launches again (the same arguments)."""
+captured and run as they are.
+
+A captured call whose launches read only tensors of its inputs (the segments and the call's options, the workspace's
+buffers: :meth:`DecodeGraphs.inputs_key`) is also found by those inputs, before its launches are built: the next calls
+with the same inputs replay it without building any argument (:meth:`DecodeGraphs.replay`). One whose launches read a
+tensor made during the call (a payload's arguments converted, QJL's ``S q``) is found by its launches only. Verified
+only where a GPU is available; the CPU tests replay by running the captured launches again (the same arguments)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,12 +28,37 @@ KEPT = 1024  # calls remembered (seen or captured), the least recently used forg
 
 
 def _summary(value):
-    """What a launch argument's value is to a graph: a tensor's address, strides and dtype; anything else itself."""
+    """What a value (a launch argument, a call's input) is to a graph: a tensor's address, strides and dtype; the
+    summaries of a tuple's, list's or dict's items and of a dataclass's fields (a payload reader's, but its token count,
+    which the step's bounds carry); anything else itself."""
+    if type(value) in _PLAIN:
+        return value
     if isinstance(value, torch.Tensor):
         return ("tensor", value.data_ptr(), value.stride(), value.dtype)
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return tuple(_summary(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _summary(v)) for k, v in value.items())
+    if dataclasses.is_dataclass(value):
+        return (type(value),) + tuple(_summary(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                      if f.name != "num_tokens")
     return value
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype)  # values that are their own summary
+
+
+def _storages(value) -> set[int]:
+    """The storages (their addresses) of every tensor in ``value``, walked as :func:`_summary` walks it."""
+    if isinstance(value, torch.Tensor):
+        return {value.untyped_storage().data_ptr()}
+    if isinstance(value, dict):
+        value = tuple(value.values())
+    elif dataclasses.is_dataclass(value):
+        value = tuple(getattr(value, f.name) for f in dataclasses.fields(value))
+    if isinstance(value, (tuple, list)):
+        return set().union(*(_storages(v) for v in value))
+    return set()
 
 
 def cuda_capture(run) -> object:
@@ -50,7 +81,7 @@ class DecodeGraphs:
     (:func:`cuda_capture`; a stand-in in the CPU tests)."""
 
     def __init__(self, capture=cuda_capture):
-        self.capture, self.seen, self.captured = capture, OrderedDict(), OrderedDict()
+        self.capture, self.seen, self.captured, self.by_inputs = capture, OrderedDict(), OrderedDict(), OrderedDict()
 
     @staticmethod
     def _keep(calls: OrderedDict, key, value) -> None:
@@ -59,9 +90,29 @@ class DecodeGraphs:
         if len(calls) > KEPT:  # calls that never come back (a query projected per step) must not pile up
             calls.popitem(last=False)
 
-    def run(self, launches: list, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def inputs_key(query: torch.Tensor, inputs: tuple) -> tuple:
+        """What a call's launches are built from (:func:`_summary`), ``inputs`` less the query, which only its shape
+        and type enter (it is copied into a graph's own)."""
+        return query.shape, query.dtype, query.device, _summary(inputs)
+
+    def replay(self, key: tuple, query: torch.Tensor) -> torch.Tensor | None:
+        """The output of the call captured with inputs ``key`` (:meth:`inputs_key`), replayed with ``query``; ``None``
+        where none is (its launches must be built and :meth:`run`)."""
+        found = self.by_inputs.get(key)
+        if found is None:
+            return None
+        self.by_inputs.move_to_end(key)
+        found.query.copy_(query)
+        found.replay()
+        return found.out
+
+    def run(self, launches: list, query: torch.Tensor, out: torch.Tensor, inputs_key: tuple | None = None,
+            inputs: tuple = ()) -> torch.Tensor:
         """Run a call's ``launches`` (split launches reading ``query`` as ``q_ptr``, then the merge writing ``out``):
-        replayed where captured, captured where met before, else run; returns the output it wrote."""
+        replayed where captured, captured where met before, else run; returns the output it wrote. A call captured
+        here is also found by ``inputs_key`` (:meth:`replay`) where its launches read no tensor but ``inputs``',
+        the query and the output."""
         key = tuple((launch.kernel, launch.grid, tuple((name, _summary(value)) for name, value in launch.args.items()
                                                        if name not in ("q_ptr", "out_ptr"))) for launch in launches)
         found = self.captured.get(key)
@@ -85,5 +136,8 @@ class DecodeGraphs:
 
         entry = Captured(self.capture(call), static, out)
         self._keep(self.captured, key, entry)
+        read = set().union(*(_storages(launch.args) for launch in launches))
+        if inputs_key is not None and read <= _storages(inputs) | _storages((static, out)):
+            self._keep(self.by_inputs, inputs_key, entry)
         entry.replay()  # capturing records the launches without running them
         return out
