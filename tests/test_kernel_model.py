@@ -500,3 +500,22 @@ def test_todays_launch_of_a_rotated_format_is_modelled():
     host = sm.HOST_FACTOR * float(host)  # on the GPU machine's CPU
     device = float(seconds) - host  # the launches after the host's work
     assert bound == "host" and host > 0 and int(launches) * sm.LAUNCH_S < device < host
+
+
+def test_the_host_time_under_cuda_graphs_is_that_of_a_call_replayed_by_its_inputs():
+    """``kernel_model.graphed_host_seconds``: a call met, captured, then replayed by its inputs (no launch is built:
+    :mod:`kvcomp.kernels.decode_graphs`), timed on the host; less than building and binding the same call's launches."""
+    import torch
+
+    from kvcomp.kernels.decode_attention import decode_attention
+    from kvcomp.kernels.decode_plan import DecodeStep
+    from tests.conftest import load_script
+
+    model = load_script("kernel_model")
+    kv = [torch.randn(1, 2, 64, 32)]
+    query = torch.randn(1, 4, 32)
+    graphed = model.graphed_host_seconds(query, kv, kv, None)
+    step = DecodeStep()
+    with model.bound_launches(()):
+        built = sm.host_seconds(lambda: decode_attention(query, kv, kv, 32**-0.5, None, None, "triton", step=step))
+    assert 0 < graphed < built
