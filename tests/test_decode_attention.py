@@ -956,6 +956,35 @@ def test_a_call_reading_what_it_made_is_replayed_only_by_its_launches(monkeypatc
     assert len(built) == 4 and not workspace.graphs.by_inputs
 
 
+@pytest.mark.parametrize("name", ["kivi", "temporalkv"])
+@torch.no_grad()
+def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name):
+    """``install(model, "triton", cuda_graphs=True)`` with a stand-in capture (its replay runs the captured launches
+    again): every generated token's logits equal the torch path's (left padding; pre-RoPE keys rotated from the cached
+    position ids). No call is captured here: the full-precision tail's view starts a token later in its buffer each
+    step (its pointer is a launch argument), so no call reads what it read the step before (BENCHMARKS.md, static
+    model section, eighth entry)."""
+    codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) if name == "kivi" \
+        else fitted(tiny_llama, name, sinks=4)
+    ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    logits = {}
+    for backend, graphs in (("torch", False), ("triton", True)):
+        installation = install(tiny_llama, kernel_backend=backend, cuda_graphs=graphs)
+        if graphs:
+            installation.workspace.graphs.capture = lambda run: run
+        try:
+            out = tiny_llama.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                      past_key_values=CompressedCache(codec, "streaming", capacity=64),
+                                      output_logits=True, return_dict_in_generate=True)
+        finally:
+            install(tiny_llama, kernel_backend="torch")
+        logits[backend] = torch.stack(out.logits, dim=1)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+    assert installation.workspace.graphs.seen and not installation.workspace.graphs.captured
+
+
 def test_cuda_graphs_need_the_fused_kernels(tiny_llama):
     from kvcomp.errors import ConfigError
 
