@@ -455,17 +455,31 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, slots, R, D: tl.constexpr, BLOCK_R
     tl.store(out_ptr + (bh * R + rows[:, None]) * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: dict) -> dict:
+def _buffer_view(piece: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A full-precision piece ``[B, H, T, D]`` as the kernel reads it, and the tokens it starts after: where the piece
+    is a view that starts ``shift`` tokens into its buffer (a tail moving along its buffer as tokens leave it), the
+    view from the buffer's first token, so that its address does not change from step to step (the plan's row of
+    bounds carries the shift: :meth:`~kvcomp.kernels.decode_plan.DecodePlan.rows`); tokens ``D`` apart."""
+    if piece.stride(-1) != 1 or not (piece.shape[2] == 1 or piece.stride(2) == piece.shape[3]):
+        return piece.contiguous(), 0
+    offset, token = piece.storage_offset(), piece.stride(2)
+    if token != piece.shape[3] or offset >= piece.stride(1) or offset % token:  # not along sequence 0, head 0's tokens
+        return piece, 0
+    shift = offset // token
+    return piece.as_strided(piece.shape, piece.stride(), offset - shift * token), shift
+
+
+def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: dict, pieces_of: dict) -> dict:
     """Kernel arguments of one stream's segments ``indices`` (in token order; at most :data:`~kvcomp.kernels.decode_plan.MAX_DENSE`
     full-precision pieces and one encoded payload): ``{prefix}_pieces``, ``{prefix}`` and the compile-time
     ``{PREFIX}_FORMAT``, ``{PREFIX}``, ``{PREFIX}_AT`` (their bounds: the launch's row,
-    :meth:`~kvcomp.kernels.decode_plan.DecodePlan.rows`)."""
+    :meth:`~kvcomp.kernels.decode_plan.DecodePlan.rows`); ``pieces_of``: the stream's full-precision pieces as the
+    kernel reads them, by segment index (:func:`_buffer_view`)."""
     pieces, args, constants, functions, payload_at = [], (), None, None, 4  # the payload's position (4: none)
     for position, index in enumerate(indices):
         segment = segments[index]
         if isinstance(segment, torch.Tensor):
-            piece = (segment if segment.stride(-1) == 1 and (segment.shape[2] == 1 or segment.stride(2) == segment.shape[3])
-                     else segment.contiguous())  # tokens head_dim apart
+            piece = pieces_of[index]  # (_buffer_view)
             pieces.append(Strided(piece, *piece.stride()[:2]))
             continue
         payload_at = position
@@ -564,6 +578,7 @@ class CallSetup:
     bounds: torch.Tensor | None
     common: dict
     rotary: RotaryPositions | None
+    pieces: tuple = ({}, {})  # per stream, its full-precision pieces as the kernel reads them, by index (_buffer_view)
 
 
 def call_setup(query, key_segments, value_segments, valid, key_rope, num_splits, block_tokens, dot, num_warps, operands,
@@ -622,9 +637,14 @@ def call_setup(query, key_segments, value_segments, valid, key_rope, num_splits,
         pos_s_b = positions.stride(0)
     if key_offset is not None:
         common["offset"] = (key_offset[0].reshape(b, h, r, d).contiguous(), key_offset[1].to(device, torch.float32).contiguous())
-    bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b)
+    views = [{i: _buffer_view(s) for i, s in enumerate(segments) if isinstance(s, torch.Tensor)}
+             for segments in (key_segments, value_segments)]
+    shifts = tuple(tuple(stream[i][1] if i in stream else 0 for i in range(len(segments)))
+                   for stream, segments in zip(views, (key_segments, value_segments)))
+    bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b, shifts if any(map(any, shifts)) else ((), ()))
     return CallSetup(b, hq, d, h, r, q, dot, block_r, block_tokens, num_warps, operands, key_bounds, key_encoded,
-                     value_bounds, value_encoded, plan, partial, lse, bounds, common, rotary)
+                     value_bounds, value_encoded, plan, partial, lse, bounds, common, rotary,
+                     tuple({i: view for i, (view, _) in stream.items()} for stream in views))
 
 
 def decode_launches(
@@ -697,8 +717,8 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                       next((value_bounds[j] for j in planned.values if value_encoded[j]), 0))
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, bounds=bounds[i], H=h, R=r, unit=block_tokens,
                     qk_scale=scale * LOG2E, valid=common.get("valid", ()), rope=(), offset=(), residual=(),
-                    **_stream_args("k", key_segments, planned.keys, queries),
-                    **_stream_args("v", value_segments, planned.values, queries),
+                    **_stream_args("k", key_segments, planned.keys, queries, setup.pieces[0]),
+                    **_stream_args("v", value_segments, planned.values, queries, setup.pieces[1]),
                     D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=tile, DOT=dot,
                     OPERAND=OPERANDS[operands],
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
@@ -748,7 +768,8 @@ def _graphed(graphs: DecodeGraphs, query, key_segments, value_segments, scale, v
                        operands, key_offset, key_residual, step, region)
     if setup.plan.slots == 0:
         return torch.zeros_like(query)
-    inputs = (key_segments, value_segments, scale, key_rope, key_offset, key_residual, num_splits, block_tokens, dot,
+    encoded = [s for s in key_segments + value_segments if not isinstance(s, torch.Tensor)]  # (pieces: setup.pieces)
+    inputs = (encoded, setup.pieces, scale, key_rope, key_offset, key_residual, num_splits, block_tokens, dot,
               num_warps, operands, registers, region, setup.partial, setup.lse, setup.bounds, setup.common)
     with launch_device(query.device):
         key = graphs.inputs_key(setup.q, inputs)

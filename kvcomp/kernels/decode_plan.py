@@ -60,16 +60,18 @@ class DecodePlan:
     def slots(self) -> int:
         return sum(launch.splits for launch in self.launches)
 
-    def rows(self, valid_s_b: int, pos_s_b: int) -> list[list[int]]:
-        """Each launch's row of bounds (:data:`ROW` ints, laid out as :data:`LO` ... :data:`V_CUTS` say)."""
+    def rows(self, valid_s_b: int, pos_s_b: int, shifts: tuple = ((), ())) -> list[list[int]]:
+        """Each launch's row of bounds (:data:`ROW` ints, laid out as :data:`LO` ... :data:`V_CUTS` say). ``shifts``: per
+        stream, the tokens before each full-precision piece in the buffer the kernel is given for it (its first
+        cached token less these is where the buffer's first row lies; none: 0)."""
         rows, slot = [], 0
         for launch in self.launches:
             row = [0] * ROW
             row[LO: POS_S_B + 1] = [launch.lo, launch.hi, launch.tiles, slot, self.slots, valid_s_b, pos_s_b]
-            streams = ((launch.keys, self.key_bounds, self.key_encoded, K_FIRST, K_LOWS, K_CUTS),
-                       (launch.values, self.value_bounds, self.value_encoded, V_FIRST, V_LOWS, V_CUTS))
-            for indices, bounds, encoded, first, lows, cuts in streams:
-                dense = [bounds[i] for i in indices if not encoded[i]]
+            streams = ((launch.keys, self.key_bounds, self.key_encoded, K_FIRST, K_LOWS, K_CUTS, shifts[0]),
+                       (launch.values, self.value_bounds, self.value_encoded, V_FIRST, V_LOWS, V_CUTS, shifts[1]))
+            for indices, bounds, encoded, first, lows, cuts, shift in streams:
+                dense = [bounds[i] - (shift[i] if shift else 0) for i in indices if not encoded[i]]
                 row[lows: lows + len(dense)] = dense
                 row[cuts: cuts + len(indices) - 1] = [bounds[i + 1] for i in indices[:-1]]
                 for i in indices:
@@ -197,14 +199,16 @@ class DecodeStep:
             self.plans[inputs] = plan_decode(*inputs, fixed_grid=self.workspace.graphs is not None)
         return self.plans[inputs]
 
-    def bounds(self, plan: DecodePlan, device: torch.device, region: int, valid_s_b: int, pos_s_b: int) -> torch.Tensor:
+    def bounds(self, plan: DecodePlan, device: torch.device, region: int, valid_s_b: int, pos_s_b: int,
+               shifts: tuple = ((), ())) -> torch.Tensor:
         """The plan's rows of bounds (:meth:`DecodePlan.rows`), int32 ``[launches, ROW]`` on ``device``, copied once
-        per step into the workspace (each plan of a region in a slot of its own, in the order the step meets them)."""
-        key = ("bounds", plan, torch.device(device), region, valid_s_b, pos_s_b)
+        per step into the workspace (each plan of a region, and each ``shifts`` of its pieces, in a slot of its own,
+        in the order the step meets them)."""
+        key = ("bounds", plan, torch.device(device), region, valid_s_b, pos_s_b, shifts)
         if key not in self.tensors:
             slot = self.slots.get(key[2:4], 0)
             self.slots[key[2:4]] = slot + 1
-            self.tensors[key] = self.workspace.bounds(device, region, slot, plan.rows(valid_s_b, pos_s_b))
+            self.tensors[key] = self.workspace.bounds(device, region, slot, plan.rows(valid_s_b, pos_s_b, shifts))
         return self.tensors[key]
 
     def count(self, device: torch.device, region: int, value: int) -> torch.Tensor:
