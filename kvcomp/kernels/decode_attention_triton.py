@@ -578,13 +578,15 @@ class CallSetup:
     bounds: torch.Tensor | None
     common: dict
     rotary: RotaryPositions | None
-    pieces: tuple = ({}, {})  # per stream, its full-precision pieces as the kernel reads them, by index (_buffer_view)
+    pieces: tuple  # per stream, its full-precision pieces as the kernel reads them, by segment index (_buffer_view)
 
 
-def call_setup(query, key_segments, value_segments, valid, key_rope, num_splits, block_tokens, dot, num_warps, operands,
-               key_offset, key_residual, step: DecodeStep, region: int) -> CallSetup:
-    """The part of :func:`decode_launches` done per call whether or not its launches are built: checks, launch options,
-    the step's plan (made once per step), the scratch and the step's bounds and mask on the device."""
+def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, region: int = 0, key_rope=None,
+               num_splits=None, block_tokens=None, dot=None, num_warps=None, operands=None, key_offset=None,
+               key_residual=None) -> CallSetup:
+    """The part of :func:`decode_launches` done per call whether or not its launches are built (its options as
+    there): checks, launch options, the step's plan (made once per step), the scratch and the step's bounds and mask on
+    the device."""
     b, hq, d = query.shape
     if d % 2:
         raise ValueError(f"decode kernel: head_dim={d} must be even")
@@ -618,7 +620,7 @@ def call_setup(query, key_segments, value_segments, valid, key_rope, num_splits,
                      block_tokens, num_splits)
     if plan.slots == 0:  # nothing cached: no launch (the caller's output is zeros)
         return CallSetup(b, hq, d, h, r, q, dot, block_r, block_tokens, num_warps, operands, key_bounds, key_encoded,
-                         value_bounds, value_encoded, plan, None, None, None, {}, None)
+                         value_bounds, value_encoded, plan, None, None, None, {}, None, ({}, {}))
     partial, lse = step.workspace.scratch(device, region, b * h, plan.slots, r, d)
     common = {}  # what every launch of the step reads besides its streams
     valid_s_b = pos_s_b = 0
@@ -685,8 +687,8 @@ def decode_launches(
     Only the slice counts depend on
     the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     step = step or DecodeStep()
-    setup = call_setup(query, key_segments, value_segments, valid, key_rope, num_splits, block_tokens, dot, num_warps,
-                       operands, key_offset, key_residual, step, region)
+    setup = call_setup(query, key_segments, value_segments, valid, step, region, key_rope, num_splits, block_tokens, dot,
+                       num_warps, operands, key_offset, key_residual)
     if setup.plan.slots == 0:
         return torch.zeros_like(query), []
     return setup_launches(setup, query.dtype, key_segments, value_segments, scale, key_rope, key_residual, registers)
@@ -759,25 +761,24 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     return out
 
 
-def _graphed(graphs: DecodeGraphs, query, key_segments, value_segments, scale, valid, key_rope=None, num_splits=None,
-             block_tokens=None, dot=None, num_warps=None, operands=None, key_offset=None, key_residual=None, step=None,
-             region=0, registers=None) -> torch.Tensor:
-    """A call under CUDA graphs (:mod:`~kvcomp.kernels.decode_graphs`): its setup always (the step's plan, bounds and
-    mask on the device), its launches' arguments only where no graph of the same inputs replays."""
-    setup = call_setup(query, key_segments, value_segments, valid, key_rope, num_splits, block_tokens, dot, num_warps,
-                       operands, key_offset, key_residual, step, region)
+def _graphed(graphs: DecodeGraphs, query, key_segments, value_segments, scale, valid, step, region=0, registers=None,
+             **options) -> torch.Tensor:
+    """A call under CUDA graphs (:mod:`~kvcomp.kernels.decode_graphs`; ``options`` of :func:`decode_launches`): its
+    setup always (the step's plan, bounds and mask on the device), its launches' arguments only where no graph of the
+    same inputs replays."""
+    setup = call_setup(query, key_segments, value_segments, valid, step, region, **options)
     if setup.plan.slots == 0:
         return torch.zeros_like(query)
     encoded = [s for s in key_segments + value_segments if not isinstance(s, torch.Tensor)]  # (pieces: setup.pieces)
-    inputs = (encoded, setup.pieces, scale, key_rope, key_offset, key_residual, num_splits, block_tokens, dot,
-              num_warps, operands, registers, region, setup.partial, setup.lse, setup.bounds, setup.common)
+    inputs = (encoded, setup.pieces, scale, options, registers, region, setup.partial, setup.lse, setup.bounds,
+              setup.common)
     with launch_device(query.device):
         key = graphs.inputs_key(setup.q, inputs)
         replayed = graphs.replay(key, setup.q)
         if replayed is not None:
             return replayed
-        out, launches = setup_launches(setup, query.dtype, key_segments, value_segments, scale, key_rope, key_residual,
-                                       registers)
+        out, launches = setup_launches(setup, query.dtype, key_segments, value_segments, scale, options.get("key_rope"),
+                                       options.get("key_residual"), registers)
         return graphs.run(launches, setup.q, out, key, inputs)
 
 
