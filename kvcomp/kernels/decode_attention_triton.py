@@ -460,13 +460,21 @@ def _buffer_view(piece: torch.Tensor) -> tuple[torch.Tensor, int]:
     is a view that starts ``shift`` tokens into its buffer (a tail moving along its buffer as tokens leave it), the
     view from the buffer's first token, so that its address does not change from step to step (the plan's row of
     bounds carries the shift: :meth:`~kvcomp.kernels.decode_plan.DecodePlan.rows`); tokens ``D`` apart."""
-    if piece.stride(-1) != 1 or not (piece.shape[2] == 1 or piece.stride(2) == piece.shape[3]):
+    stride, shape = piece.stride(), piece.shape
+    if stride[3] != 1 or not (shape[2] == 1 or stride[2] == shape[3]):
         return piece.contiguous(), 0
-    offset, token = piece.storage_offset(), piece.stride(2)
-    if token != piece.shape[3] or offset >= piece.stride(1) or offset % token:  # not along sequence 0, head 0's tokens
-        return piece, 0
-    shift = offset // token
-    return piece.as_strided(piece.shape, piece.stride(), offset - shift * token), shift
+    offset = piece.storage_offset()
+    if not offset or stride[2] != shape[3] or offset >= stride[1] or offset % stride[2]:  # at the buffer's start, or
+        return piece, 0  # not along sequence 0, head 0's tokens
+    shift = offset // stride[2]
+    return piece.as_strided(shape, stride, offset - shift * stride[2]), shift
+
+
+def _pieces(segments: list[Segment]) -> tuple[dict, tuple]:
+    """A stream's full-precision pieces as the kernel reads them (:func:`_buffer_view`), by segment index, and each
+    segment's shift (0 for a payload)."""
+    views = {i: _buffer_view(s) for i, s in enumerate(segments) if isinstance(s, torch.Tensor)}
+    return {i: view for i, (view, _) in views.items()}, tuple(views[i][1] if i in views else 0 for i in range(len(segments)))
 
 
 def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: dict, pieces_of: dict) -> dict:
@@ -639,14 +647,11 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
         pos_s_b = positions.stride(0)
     if key_offset is not None:
         common["offset"] = (key_offset[0].reshape(b, h, r, d).contiguous(), key_offset[1].to(device, torch.float32).contiguous())
-    views = [{i: _buffer_view(s) for i, s in enumerate(segments) if isinstance(s, torch.Tensor)}
-             for segments in (key_segments, value_segments)]
-    shifts = tuple(tuple(stream[i][1] if i in stream else 0 for i in range(len(segments)))
-                   for stream, segments in zip(views, (key_segments, value_segments)))
-    bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b, shifts if any(map(any, shifts)) else ((), ()))
+    (key_pieces, key_shifts), (value_pieces, value_shifts) = _pieces(key_segments), _pieces(value_segments)
+    shifts = (key_shifts, value_shifts) if any(key_shifts) or any(value_shifts) else ((), ())
+    bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b, shifts)
     return CallSetup(b, hq, d, h, r, q, dot, block_r, block_tokens, num_warps, operands, key_bounds, key_encoded,
-                     value_bounds, value_encoded, plan, partial, lse, bounds, common, rotary,
-                     tuple({i: view for i, (view, _) in stream.items()} for stream in views))
+                     value_bounds, value_encoded, plan, partial, lse, bounds, common, rotary, (key_pieces, value_pieces))
 
 
 def decode_launches(
