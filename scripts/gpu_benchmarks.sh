@@ -33,7 +33,7 @@
 #   sweep: scripts/sweep_decode_kernel.py --write (every launch configuration; replaces its BENCHMARKS section)
 #   graphs: scripts/bench_decode_attention.py --cuda-graphs at 1 x 4K for three formats (each layer's call captured in
 #      a CUDA graph against the same call without; 11 s on an H200; since 0a14028 a captured call is replayed by its
-#      inputs without building its launches: 0.034 against 0.107 ms of host time for KIVI-2 on the CPU here); logged only
+#      inputs without building its launches: 0.044 against 0.116 ms of host time for KIVI-2 on the CPU here); logged only
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
 #   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
 #      on an H200)
