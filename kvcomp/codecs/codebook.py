@@ -123,7 +123,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         self.chosen: dict[tuple[int, str], str] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.stats: dict[tuple[int, str], ChannelStats] = {}  # built once from the loaded state
-        self.device_state: dict[tuple[int, str, str], tuple[ChannelStats, torch.Tensor]] = {}
+        self.device_state: dict[tuple[int, str, str], tuple[ChannelStats, torch.Tensor, tuple]] = {}
 
     def scheme(self, kind: str, layer_idx: int) -> Scheme:
         candidates = self.schemes(kind, layer_idx)
@@ -138,19 +138,23 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
 
     # ----------------------------------------------------------------- coding
     def _stats(self, layer_idx: int, kind: str, device) -> ChannelStats:
-        if (layer_idx, kind) not in self.stats:
-            raise ConfigError(f"{self.name}: no calibration state loaded (layer {layer_idx} {kind}s)")
         return self._on_device(layer_idx, kind, device)[0]
 
     def _codebooks(self, layer_idx: int, kind: str, device) -> torch.Tensor:
         return self._on_device(layer_idx, kind, device)[1]
 
-    def _on_device(self, layer_idx: int, kind: str, device) -> tuple[ChannelStats, torch.Tensor]:
-        """The stream's statistics and codebooks on ``device`` (one copy per device, not a transfer per call)."""
+    def _on_device(self, layer_idx: int, kind: str, device) -> tuple[ChannelStats, torch.Tensor, tuple]:
+        """The stream's statistics, codebooks and per-channel inverse normalisation
+        (:meth:`~kvcomp.stages.normalization.Normalizer.channel_affine`, float32) on ``device``: one copy per device,
+        not a transfer per call, and the same tensors at every call (what a captured decode step reads again)."""
         key = (layer_idx, kind, str(device))
+        if (layer_idx, kind) not in self.stats:
+            raise ConfigError(f"{self.name}: no calibration state loaded (layer {layer_idx} {kind}s)")
         if key not in self.device_state:
             codebooks = self.tensors[f"layer{layer_idx}.{kind}.codebooks"]
-            self.device_state[key] = (self.stats[(layer_idx, kind)].to(device), codebooks.to(device))
+            stats = self.stats[(layer_idx, kind)].to(device)
+            channel = tuple(t.float().contiguous() for t in self.scheme(kind, layer_idx).normalizer.channel_affine(stats))
+            self.device_state[key] = (stats, codebooks.to(device), channel)
         return self.device_state[key]
 
     def calibration_key(self) -> dict:
@@ -208,11 +212,9 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> CodebookReader:
         scheme, stored = self.scheme(kind, layer_idx), payload.tensors
         device = stored["codes"].device
-        affine = scheme.normalizer.affine(self._stats(layer_idx, kind, device), stored)
-        return CodebookReader(
-            payload.num_tokens, self.model.head_dim, stored["codes"], self._codebooks(layer_idx, kind, device),
-            scheme.layout, *affine,
-        )
+        _, codebooks, channel = self._on_device(layer_idx, kind, device)
+        return CodebookReader(payload.num_tokens, self.model.head_dim, stored["codes"], codebooks, scheme.layout,
+                              *channel, *scheme.normalizer.token_affine(stored))
 
     # ----------------------------------------------------------------- bit accounting
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:

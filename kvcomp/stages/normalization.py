@@ -147,18 +147,25 @@ class Normalizer:
 
     def affine(self, stats: ChannelStats, stored: dict) -> tuple:
         """The inverse as ``x = z * channel_scale * token_scale + channel_center + token_center``:
-        ``channel_*`` float32 ``[H, D]``, ``token_*`` ``[B, T]`` or ``None`` (what decode kernels read)."""
-        ones, zeros = torch.ones_like(stats.mean), torch.zeros_like(stats.mean)
-        token_scale = stored["token_scale"].squeeze(1) if self.mode in ("token_zscore", "token_range") else None
+        ``channel_*`` float32 ``[H, D]`` (:meth:`channel_affine`), ``token_*`` ``[B, T]`` or ``None``
+        (:meth:`token_affine`): what decode kernels read."""
+        return *self.channel_affine(stats), *self.token_affine(stored)
+
+    def channel_affine(self, stats: ChannelStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse's per-channel ``(scale, center)``, from the calibration statistics alone (a decoder may keep
+        them: they do not change from call to call)."""
         if self.mode == "channel_zscore":
-            return stats.std.clamp_min(TINY), stats.mean, None, None
+            return stats.std.clamp_min(TINY), stats.mean
         if self.mode == "channel_range":
-            return stats.half_range, stats.mean, None, None
-        if self.mode == "token_zscore":
-            return ones, zeros, token_scale, stored["token_center"].squeeze(1)
-        if self.mode == "token_range":
-            return ones, stats.mean, token_scale, None
-        return ones, zeros, None, None
+            return stats.half_range, stats.mean
+        center = stats.mean if self.mode == "token_range" else torch.zeros_like(stats.mean)
+        return torch.ones_like(stats.mean), center
+
+    def token_affine(self, stored: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The inverse's per-token ``(scale, center)``, views of the stored parameters, or ``None``."""
+        scale = stored["token_scale"].squeeze(1) if self.mode in ("token_zscore", "token_range") else None
+        center = stored["token_center"].squeeze(1) if self.mode == "token_zscore" else None
+        return scale, center
 
     def _token_params(self, stats: ChannelStats, stored: dict) -> tuple[torch.Tensor, torch.Tensor]:
         scale = stored["token_scale"].float().unsqueeze(-1)  # [B, 1, T, 1]
