@@ -203,8 +203,7 @@ def test_unit_norm_codebooks_and_codes_straddling_bytes():
     (4, True, 64, 8, "per_channel"), (4, False, 64, 16, "per_token"),
 ], ids=["r16-default", "r4-dot", "r16-registers", "gathered-parameters", "per-token-keys"])
 def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
-    """Scores and P V as register reductions (the default for QJL's sketched keys) or as tl.dot (the default
-    otherwise); keys
+    """Scores and P V as register reductions (``dot=False``) or as tl.dot (the default); keys
     scored in their packed layout or per channel; scales and zeros read as one or two rows / columns per
     tile, or (groups too small for the tile) gathered."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton

@@ -44,6 +44,7 @@ from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels.formats import SketchedKeys, SketchReader, UniformReader, reconstruct_keys
+from kvcomp.kernels.formats.sketch import columns_of
 from kvcomp.kernels.qjl_scores import qjl_scores
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
 from kvcomp.stages.jl_sketch import (
@@ -87,13 +88,21 @@ class LayerSketch:
     sketch_dim: int
     outlier_sketch_dim: int
     projection: torch.Tensor  # [m, D] float32, CPU
-    device_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    device_copies: dict[torch.device, tuple] = field(default_factory=dict, repr=False)
 
     def on(self, device: torch.device) -> torch.Tensor:
         """The projection on ``device`` (no copy on every encode or decode step)."""
+        return self._copies(device)[0]
+
+    def columns_on(self, device: torch.device) -> tuple:
+        """Its transpose on ``device`` as the score kernels read it (:func:`~kvcomp.kernels.formats.sketch.columns_of`)."""
+        return self._copies(device)[1]
+
+    def _copies(self, device) -> tuple:
         device = torch.device(device)
         if device not in self.device_copies:
-            self.device_copies[device] = self.projection.to(device)
+            projection = self.projection.to(device)
+            self.device_copies[device] = (projection, columns_of(projection))
         return self.device_copies[device]
 
 
@@ -213,6 +222,7 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
             outlier_signs=p.get("outlier_signs"),
             outlier_norm=p.get("outlier_norm"),
             outlier_channels=p.get("outlier_channels"),
+            projection_columns=sketch.columns_on(p["signs"].device),
         )
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:

@@ -41,9 +41,11 @@ float32: :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads re
 and registers per thread as the payloads cap them (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`).
 Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
-warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys are faster on the register
-path: one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers (:func:`~kvcomp.kernels.formats.tiles_triton.row_scores`), also 4
-warps and 32-token tiles, with up to 255 registers per thread. Channels are processed as two halves ``[0, D/2)`` and
+warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys were faster on the register
+path (one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers:
+:func:`~kvcomp.kernels.formats.tiles_triton.row_scores`) until their ``tl.dot`` path took the signs as exact bfloat16
+operands against two-part ``y`` (:func:`~kvcomp.kernels.formats.sketch_triton._dot_scores`; predicted 4.8 against
+10.9 ms at 16 x 32K by ``scripts/kernel_model.py``, not yet measured). Channels are processed as two halves ``[0, D/2)`` and
 ``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin`` (both from one
 argument reduction: :func:`~kvcomp.kernels.formats.tiles_triton.cos_sin`).
 
@@ -90,8 +92,8 @@ from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, operand, row_s
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 and an H100 (BENCHMARKS.md, "Launch configurations of the fused decode
-# kernel", scripts/sweep_decode_kernel.py): 4 warps per split program; ``tl.dot`` for scores and P V except over
-# QJL's sketched keys, which are fastest on the register path; 32-token tiles, or 128 where every payload is read
+# kernel", scripts/sweep_decode_kernel.py): 4 warps per split program; ``tl.dot`` for scores and P V (QJL's sketched
+# keys too since 2026-11-28: predicted, see the module docstring); 32-token tiles, or 128 where every payload is read
 # without a per-group table (:func:`default_tile`). The former defaults (16 warps, 16-token tiles, register path)
 # were 3-10x slower: their per-tile reductions crossed 16 warps.
 WARPS = 4
@@ -610,11 +612,10 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
     device = query.device
-    sketched = key_residual is not None or any(isinstance(segment, SketchReader) for segment in key_segments)
     if any(isinstance(segment, SignReader) for segment in key_segments):
         raise ValueError("decode kernel: sign bits are read as values, or as a key payload's residual (key_residual)")
     if dot is None:
-        dot = r > 8 or not sketched
+        dot = True
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
     block_tokens = block_tokens or default_tile(key_segments + value_segments,
                                                 key_rope is not None or key_offset is not None or key_residual is not None)
@@ -676,8 +677,7 @@ def decode_launches(
     (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`~kvcomp.kernels.decode_plan._splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for
-    scores and ``P V`` (default: unless the keys are QJL sketches and at most 8 query heads share a KV head, see
-    :data:`WARPS`); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
+    scores and ``P V`` (default; ``False``: the register path, one query row at a time); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
     register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
     key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`); ``registers``: a cap per thread on the

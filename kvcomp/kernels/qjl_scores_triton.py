@@ -26,28 +26,16 @@ import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels.formats import SketchedKeys
-from kvcomp.kernels.formats.tiles_triton import dot, operand
+from kvcomp.kernels.formats.sketch_triton import sign_bits
+from kvcomp.kernels.formats.tiles_triton import bf16_parts, dot
 from kvcomp.stages.jl_sketch import estimator_scale
 
 
 @triton.jit
-def _signs(packed, row, row_bytes, ok, BLOCK_M: tl.constexpr, m0):
-    """``+-1`` bfloat16 ``[rows, BLOCK_M]`` of sketch rows ``m0 ..`` from sign bits packed 8 per byte (bit ``m % 8`` of
-    byte ``m // 8``; past the row's ``row_bytes``, -1): each byte loaded once and its bits spread in registers."""
-    i = m0 // 8 + tl.arange(0, BLOCK_M // 8)
-    byte = tl.load(packed + row[:, None] * row_bytes + i[None, :], mask=ok[:, None] & (i < row_bytes)[None, :],
-                   other=0).to(tl.int32)
-    bit = (byte[:, :, None] << (15 - tl.arange(0, 8))[None, None, :]) & 0x8000  # bit m % 8 as bfloat16's sign bit
-    sign = (bit ^ 0xBF80).to(tl.int16).to(tl.bfloat16, bitcast=True)  # -1.0 (0xBF80), turned +1.0 by a set bit
-    return tl.reshape(sign, (row.shape[0], BLOCK_M))
-
-
-@triton.jit
 def _signed_sums(sign, x):
-    """``sign [rows, BLOCK_M] @ x [BLOCK_M, n]`` on bfloat16 tensor cores at about float32 accuracy: ``x`` as the sum of
-    two bfloat16 parts (``x - hi`` is exact in float32; products with ``+-1`` are exact), float32 accumulation."""
-    hi = operand(x, tl.bfloat16)
-    lo = operand(x - hi.to(tl.float32), tl.bfloat16)
+    """``sign [rows, BLOCK_M] @ x [BLOCK_M, n]`` on bfloat16 tensor cores at about float32 accuracy (``x`` in its two
+    :func:`~kvcomp.kernels.formats.tiles_triton.bf16_parts`; products with ``+-1`` are exact), float32 accumulation."""
+    hi, lo = bf16_parts(x)
     return dot(sign, hi) + dot(sign, lo)
 
 
@@ -75,7 +63,7 @@ def _qjl_scores_kernel(
     for m0 in tl.range(0, M, BLOCK_M):
         cols = m0 + tl.arange(0, BLOCK_M)
         col_ok = cols < M  # y and S are zero past the sketch's M rows: their signs count for nothing
-        sign = _signs(signs_ptr, keys, M // 8, token_ok, BLOCK_M, m0)  # [BLOCK_G, BLOCK_M]
+        sign = sign_bits(signs_ptr, keys, M // 8, token_ok, BLOCK_M, m0)  # [BLOCK_G, BLOCK_M]
         y = tl.load(y_ptr + (bh * R + rows[None, :]) * M + cols[:, None], mask=col_ok[:, None] & row_ok[None, :],
                     other=0.0)  # (S q)^T [BLOCK_M, BLOCK_R]
         inner += _signed_sums(sign, y)
@@ -84,7 +72,7 @@ def _qjl_scores_kernel(
                               other=0.0)
             w_in += _signed_sums(sign, columns)
             if m0 < M_OUT:
-                out_sign = _signs(outlier_signs_ptr, keys, M_OUT // 8, token_ok, BLOCK_M, m0)
+                out_sign = sign_bits(outlier_signs_ptr, keys, M_OUT // 8, token_ok, BLOCK_M, m0)
                 w_out += _signed_sums(out_sign, tl.where((cols < M_OUT)[:, None], columns, 0.0))
 
     inlier_norm = tl.load(inlier_norm_ptr + keys, mask=token_ok, other=0.0).to(tl.float32)
@@ -122,9 +110,8 @@ def qjl_score_launch(query: torch.Tensor, keys: SketchedKeys) -> tuple[torch.Ten
     if t % group:
         raise ValueError(f"qjl kernel: {t} keys is not a multiple of group_size={group}")
     q = query.float().contiguous()
-    projection = keys.projection.to(device=q.device, dtype=torch.float32)
-    y = (q @ projection.T).contiguous()
-    s_t = projection.T.contiguous()  # S^T [D, m]: a column of S is a contiguous row
+    s_t = keys.columns(q.device)[0]  # S^T [D, m]: a column of S is a contiguous row
+    y = (q @ s_t).contiguous()
     out = torch.empty(b, h, r, t, device=q.device, dtype=torch.float32)
     if t == 0:
         return out, None

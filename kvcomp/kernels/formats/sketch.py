@@ -29,6 +29,13 @@ class SketchedKeys:
     outlier_signs: torch.Tensor | None = None
     outlier_norm: torch.Tensor | None = None
     outlier_channels: torch.Tensor | None = None
+    projection_columns: tuple | None = None  # columns_of(projection), kept by the codec; else made per call
+
+    def columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`columns_of` the projection, on ``device``."""
+        if self.projection_columns is not None:
+            return self.projection_columns
+        return columns_of(self.projection.to(device))
 
     @property
     def sketch_dim(self) -> int:
@@ -41,6 +48,20 @@ class SketchedKeys:
     @property
     def num_outliers(self) -> int:
         return 0 if self.outlier_channels is None else self.outlier_channels.shape[-1]
+
+
+def bf16_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x`` as two bfloat16 tensors ``hi + lo`` (each rounded to nearest even), the kernels' ``tl.dot`` operands
+    (:func:`~kvcomp.kernels.formats.tiles_triton.bf16_parts`: about float32 accuracy against exact ``+-1`` signs)."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x - hi.float()).to(torch.bfloat16)
+
+
+def columns_of(projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``S^T`` ``[D, m]`` of a projection ``S [m, D]``, contiguous, in float32 and as its two :func:`bf16_parts`:
+    column ``c`` of ``S`` (what channel ``c`` adds to ``S q``) as one contiguous row for the kernels."""
+    columns = projection.float().T.contiguous()
+    return (columns, *bf16_parts(columns))
 
 
 def reconstruct_keys(keys: SketchedKeys, head_dim: int) -> torch.Tensor:
@@ -59,10 +80,13 @@ def reconstruct_keys(keys: SketchedKeys, head_dim: int) -> torch.Tensor:
 
 
 class Outliers(NamedTuple):
-    """QJL's outlier channels: the projection (whose columns build ``u_g``), their sketch's signs and norms, their
-    channel ids per group, and their estimator scale."""
+    """QJL's outlier channels: the projection ``S`` (whose columns build ``u_g`` on the register path) and its columns as
+    rows (``S^T`` as two bfloat16 parts, :func:`columns_of`: the ``tl.dot`` path's), their sketch's signs and norms,
+    their channel ids per group, and their estimator scale."""
 
     projection: torch.Tensor
+    columns_hi: torch.Tensor
+    columns_lo: torch.Tensor
     signs: Strided
     norm: Strided
     channels: Strided
@@ -70,12 +94,15 @@ class Outliers(NamedTuple):
 
 
 class SketchArgs(NamedTuple):
-    """Sign bits and norms per token, the step's projected queries ``y = S q`` ``[B, H, R, m]`` and the estimator's
-    scale ``sqrt(pi/2)/m`` (Eq. 4); ``outliers``: :class:`Outliers`, or ``()``."""
+    """Sign bits and norms per token, the step's projected queries ``y = S q`` ``[B, H, R, m]`` (float32, and its two
+    bfloat16 parts, contiguous alike) and the estimator's scale ``sqrt(pi/2)/m`` (Eq. 4); ``outliers``:
+    :class:`Outliers`, or ``()``."""
 
     signs: Strided
     norm: Strided
     y: Strided
+    y_hi: torch.Tensor
+    y_lo: torch.Tensor
     scale: float
     outliers: tuple
 
@@ -86,11 +113,19 @@ class SketchConstants(NamedTuple):
     N_OUT: int  # outlier channels per group
     GROUP: int  # tokens per outlier group
     M_PAD: int  # M as a power of two
+    O_PAD: int  # N_OUT as a power of two, at least 16 (a tl.dot dimension)
+
+
+def _padded(n: int) -> int:
+    """``n`` as a power of two of at least 16."""
+    return max(16, 1 << max(0, n - 1).bit_length())
 
 
 def sketch_args(signs: torch.Tensor, norm: torch.Tensor, y: torch.Tensor, outliers=()) -> SketchArgs:
-    """:class:`SketchArgs` of sign bits ``[B, H, T, m/8]``, norms ``[B, H, T]`` and projected queries ``y``."""
-    return SketchArgs(Strided.of(signs), Strided.of(norm), Strided.of(y), estimator_scale(y.shape[-1]), outliers)
+    """:class:`SketchArgs` of sign bits ``[B, H, T, m/8]``, norms ``[B, H, T]`` and projected queries ``y``
+    (contiguous)."""
+    return SketchArgs(Strided.of(signs), Strided.of(norm), Strided.of(y), *bf16_parts(y), estimator_scale(y.shape[-1]),
+                      outliers)
 
 
 @dataclass
@@ -121,16 +156,17 @@ class SketchReader(PayloadReader):
         step's other launches), the outliers' signs, norms and channels, and the sketch sizes."""
         keys = self.keys
         q = queries["q"]
-        projection = keys.projection.to(q.device, torch.float32).contiguous()
+        columns = keys.columns(q.device)
         if id(self) not in queries:
-            queries[id(self)] = (q.float() @ projection.T).contiguous()
+            queries[id(self)] = (q.float() @ columns[0]).contiguous()
         m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
         outliers = ()
         if n_out:
-            outliers = Outliers(projection, Strided.of(keys.outlier_signs), Strided.of(keys.outlier_norm),
+            outliers = Outliers(keys.projection.to(q.device, torch.float32).contiguous(), *columns[1:],
+                                Strided.of(keys.outlier_signs), Strided.of(keys.outlier_norm),
                                 Strided.of(keys.outlier_channels), estimator_scale(m_out))
         return (sketch_args(keys.signs, keys.inlier_norm, queries[id(self)], outliers),
-                SketchConstants(m, m_out, n_out, keys.group_size, 1 << (m - 1).bit_length()))
+                SketchConstants(m, m_out, n_out, keys.group_size, 1 << (m - 1).bit_length(), _padded(n_out)))
 
 
 @dataclass
@@ -159,7 +195,7 @@ class SignReader(PayloadReader):
         if m != self.head_dim or m % 8:
             raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} "
                              f"rows for head_dim {self.head_dim}")
-        constants = SketchConstants(m, 0, 0, 1, 1 << (m - 1).bit_length())
+        constants = SketchConstants(m, 0, 0, 1, 1 << (m - 1).bit_length(), _padded(0))
         return sketch_args(self.signs, self.norm, y), constants
 
     def dequantize_unrotated(self) -> torch.Tensor:

@@ -6,7 +6,7 @@ import triton.language as tl
 
 from kvcomp.kernels.formats.base import KernelFormat
 from kvcomp.kernels.formats.sketch import Outliers, SketchArgs
-from kvcomp.kernels.formats.tiles_triton import at, row_scores
+from kvcomp.kernels.formats.tiles_triton import at, dot, row_scores
 
 
 @triton.jit
@@ -17,22 +17,97 @@ def signs(packed, row, row_bytes, m, ok):
 
 
 @triton.jit
+def sign_bits(packed, row, row_bytes, ok, BLOCK_M: tl.constexpr, m0):
+    """``+-1`` bfloat16 ``[rows, BLOCK_M]`` of sketch rows ``m0 ..`` from sign bits packed 8 per byte (bit ``m % 8`` of
+    byte ``m // 8``; past the row's ``row_bytes``, -1), a ``tl.dot`` operand: each byte loaded once and its bits spread
+    in registers, each to bfloat16's sign bit."""
+    i = m0 // 8 + tl.arange(0, BLOCK_M // 8)
+    byte = tl.load(packed + row[:, None] * row_bytes + i[None, :], mask=ok[:, None] & (i < row_bytes)[None, :],
+                   other=0).to(tl.int32)
+    bit = (byte[:, :, None] << (15 - tl.arange(0, 8))[None, None, :]) & 0x8000
+    sign = (bit ^ 0xBF80).to(tl.int16).to(tl.bfloat16, bitcast=True)  # -1.0 (0xBF80), turned +1.0 by a set bit
+    return tl.reshape(sign, (row.shape[0], BLOCK_M))
+
+
+@triton.jit
 def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
     N_OUT: tl.constexpr = C.N_OUT
     outliers = a.outliers
     if N_OUT > 0:
         o = a.outliers
-        outliers = Outliers(o.projection, at(o.signs, b, h), at(o.norm, b, h), at(o.channels, b, h), o.scale)
-    return SketchArgs(at(a.signs, b, h), at(a.norm, b, h), at(a.y, b, h), a.scale, outliers)
+        outliers = Outliers(o.projection, o.columns_hi, o.columns_lo, at(o.signs, b, h), at(o.norm, b, h),
+                            at(o.channels, b, h), o.scale)
+    y_at = b * a.y.s_b + h * a.y.s_h  # y's parts are laid out as y
+    return SketchArgs(at(a.signs, b, h), at(a.norm, b, h), at(a.y, b, h), a.y_hi + y_at, a.y_lo + y_at, a.scale,
+                      outliers)
 
 
 @triton.jit
 def query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, OPERAND: tl.constexpr):
-    """``y = S q`` of the program's query rows, ``[BLOCK_R, M_PAD]`` (zero past ``M``), loaded once per program."""
+    """``y = S q`` of the program's query rows, ``[BLOCK_R, M_PAD]`` (zero past ``M``), loaded once per program on the
+    register path; ``()`` on the ``tl.dot`` path, which reads its bfloat16 parts per tile (:func:`scores`)."""
     M: tl.constexpr = C.M
     M_PAD: tl.constexpr = C.M_PAD
     m = tl.arange(0, M_PAD)
-    return tl.load(a.y.ptr + rows[:, None] * M + m[None, :], mask=row_ok[:, None] & (m < M)[None, :], other=0.0)
+    if DOT:
+        y = ()
+    else:
+        y = tl.load(a.y.ptr + rows[:, None] * M + m[None, :], mask=row_ok[:, None] & (m < M)[None, :], other=0.0)
+    return y
+
+
+@triton.jit
+def _split_dot(hi_ptr, lo_ptr, at, ok, b):
+    """``(hi + lo) @ b`` of two bfloat16 parts (:func:`~kvcomp.kernels.formats.sketch.bf16_parts`) loaded at ``at`` and an
+    exact bfloat16 ``b``, float32 accumulation."""
+    hi = tl.load(hi_ptr + at, mask=ok, other=0.0)
+    lo = tl.load(lo_ptr + at, mask=ok, other=0.0)
+    return dot(hi, b) + dot(lo, b)
+
+
+@triton.jit
+def _dot_scores(q_ptr, rows, row_ok, a, C: tl.constexpr, t, t0, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """:func:`scores` on tensor cores, before ``qk_scale``: chunks of ``CHUNK`` sketch rows, each chunk's signs an exact
+    bfloat16 operand against the bfloat16 parts of ``y`` and of the group's outlier columns of ``S`` (read per tile from
+    L1: an operand held for the program would take a warp's registers). ``u_g`` enters by associativity,
+    ``<u_g, sign> = q_{O_g} . <S[:, O_g], sign>``, as in :mod:`kvcomp.kernels.qjl_scores_triton`."""
+    GROUP: tl.constexpr = C.GROUP
+    M: tl.constexpr = C.M
+    M_OUT: tl.constexpr = C.M_OUT
+    M_PAD: tl.constexpr = C.M_PAD
+    N_OUT: tl.constexpr = C.N_OUT
+    O_PAD: tl.constexpr = C.O_PAD
+    CHUNK: tl.constexpr = 128 if M_PAD > 128 else M_PAD
+    s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)  # <y, sign(S k_in)>
+    if N_OUT > 0:
+        o = a.outliers
+        i = tl.arange(0, O_PAD)
+        i_ok = i < N_OUT
+        channel = tl.load(o.channels.ptr + (t0 // GROUP) * N_OUT + i, mask=i_ok, other=0).to(tl.int32)
+        w_in = tl.zeros((O_PAD, BLOCK_T), dtype=tl.float32)  # <S[:, O_g], sign(S k_in)>
+        w_out = tl.zeros((O_PAD, BLOCK_T), dtype=tl.float32)  # <S[:m_o, O_g], sign(S_{:m_o} k_out)>
+    for c in tl.static_range(M_PAD // CHUNK):
+        m = c * CHUNK + tl.arange(0, CHUNK)
+        m_ok = m < M  # y and S are zero past M: the signs there count for nothing
+        sign = tl.trans(sign_bits(a.signs.ptr, t, M // 8, t_ok, CHUNK, c * CHUNK))  # [CHUNK, BLOCK_T]
+        s += _split_dot(a.y_hi, a.y_lo, rows[:, None] * M + m[None, :], row_ok[:, None] & m_ok[None, :], sign)
+        if N_OUT > 0:  # rows of S^T: the group's outlier columns of S, [O_PAD, CHUNK]
+            at = channel[:, None] * M + m[None, :]
+            w_in += _split_dot(o.columns_hi, o.columns_lo, at, i_ok[:, None] & m_ok[None, :], sign)
+            if c * CHUNK < M_OUT:
+                out_sign = tl.trans(sign_bits(o.signs.ptr, t, M_OUT // 8, t_ok, CHUNK, c * CHUNK))
+                w_out += _split_dot(o.columns_hi, o.columns_lo, at, i_ok[:, None] & (m < M_OUT)[None, :], out_sign)
+    inlier = tl.load(a.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+    if N_OUT > 0:
+        q_out = tl.load(q_ptr + rows[:, None] * D + channel[None, :], mask=row_ok[:, None] & i_ok[None, :],
+                        other=0.0).to(tl.float32)  # q_{O_g}, [BLOCK_R, O_PAD]
+        outlier = tl.load(o.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        s = ((s - tl.dot(q_out, w_in, input_precision="ieee")) * (a.scale * inlier)[None, :]
+             + tl.dot(q_out, w_out, input_precision="ieee") * (o.scale * outlier)[None, :])
+    else:
+        s = s * (a.scale * inlier)[None, :]
+    return s
 
 
 @triton.jit
@@ -40,36 +115,40 @@ def scores(y, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t
            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
     """Logits ``[BLOCK_R, BLOCK_T]`` of QJL's sign-sketched keys (:mod:`kvcomp.kernels.qjl_scores`):
     ``sqrt(pi/2)/m ||k_in|| <S q - u_g, sign(S k_in)> + sqrt(pi/2)/m_o ||k_out|| <u_g[:m_o], sign(S_{:m_o} k_out)>``
-    with ``y = S q`` precomputed per query (:func:`query`) and ``u_g = S[:, O_g] q_{O_g}`` built here from ``N_OUT`` columns
-    of ``S`` for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
+    with ``y = S q`` precomputed per query (:func:`query`) and ``u_g = S[:, O_g] q_{O_g}`` from ``N_OUT`` columns of ``S``
+    (rows of ``S^T``) for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
     end at multiples of ``BLOCK_T`` from the payload's first token). Sketch rows are padded to ``M_PAD``, a
-    power of two, and the padding contributes nothing (``y = 0``, ``S = 0``, no sign bits). Scored on the register
-    path whatever ``DOT``."""
+    power of two, and the padding contributes nothing (``y = 0``, ``S = 0``). On the ``tl.dot`` path:
+    :func:`_dot_scores`; on the register path ``u_g`` is built per tile and each query row scored in turn."""
     GROUP: tl.constexpr = C.GROUP
     M: tl.constexpr = C.M
     M_OUT: tl.constexpr = C.M_OUT
     M_PAD: tl.constexpr = C.M_PAD
     N_OUT: tl.constexpr = C.N_OUT
-    m = tl.arange(0, M_PAD)
-    m_ok = m < M
-    ok = t_ok[:, None] & m_ok[None, :]
-    sign = signs(a.signs.ptr, t, M // 8, m, ok)  # [BLOCK_T, M_PAD]
-    if N_OUT > 0:
-        o = a.outliers
-        group = t0 // GROUP
-        u = tl.zeros((BLOCK_R, M_PAD), dtype=tl.float32)
-        for i in tl.static_range(N_OUT):
-            channel = tl.load(o.channels.ptr + group * N_OUT + i).to(tl.int32)
-            q_c = tl.load(q_ptr + rows * D + channel, mask=row_ok, other=0.0).to(tl.float32)
-            u += q_c[:, None] * tl.load(o.projection + m * D + channel, mask=m_ok, other=0.0)[None, :]
-        y = y - u
-    inlier = tl.load(a.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
-    s = row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (a.scale * inlier)[None, :]  # padded rows: y = 0
-    if N_OUT > 0:
-        first_rows = m < M_OUT
-        sign = tl.where(first_rows[None, :], signs(o.signs.ptr, t, M_OUT // 8, m, ok & first_rows[None, :]), 0.0)
-        outlier = tl.load(o.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
-        s += row_scores(u, sign, rows, BLOCK_R, BLOCK_T) * (o.scale * outlier)[None, :]
+    O_PAD: tl.constexpr = C.O_PAD
+    if DOT:
+        s = _dot_scores(q_ptr, rows, row_ok, a, C, t, t0, t_ok, D, BLOCK_R, BLOCK_T)
+    else:
+        m = tl.arange(0, M_PAD)
+        m_ok = m < M
+        inlier = tl.load(a.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        ok = t_ok[:, None] & m_ok[None, :]
+        sign = signs(a.signs.ptr, t, M // 8, m, ok)  # [BLOCK_T, M_PAD]
+        if N_OUT > 0:
+            o = a.outliers
+            group = t0 // GROUP
+            u = tl.zeros((BLOCK_R, M_PAD), dtype=tl.float32)
+            for i in tl.static_range(N_OUT):
+                channel = tl.load(o.channels.ptr + group * N_OUT + i).to(tl.int32)
+                q_c = tl.load(q_ptr + rows * D + channel, mask=row_ok, other=0.0).to(tl.float32)
+                u += q_c[:, None] * tl.load(o.projection + m * D + channel, mask=m_ok, other=0.0)[None, :]
+            y = y - u
+        s = row_scores(y, sign, rows, BLOCK_R, BLOCK_T) * (a.scale * inlier)[None, :]  # padded rows: y = 0
+        if N_OUT > 0:
+            first_rows = m < M_OUT
+            sign = tl.where(first_rows[None, :], signs(o.signs.ptr, t, M_OUT // 8, m, ok & first_rows[None, :]), 0.0)
+            outlier = tl.load(o.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+            s += row_scores(u, sign, rows, BLOCK_R, BLOCK_T) * (o.scale * outlier)[None, :]
     return s * qk_scale
 
 
