@@ -495,6 +495,11 @@ def main(argv=None) -> str:
             if as_measured:
                 predicted.setdefault(shape, {})[name] = seconds * 1e3
             lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name], as_measured, result["host"]))
+    fused = today_step("qjl", SHAPES, options)  # QJL's step in the fused kernel (sketched keys, packed values)
+    tiles += [("today qjl step", a) for a in fused["launches"]]
+    hosts.append(("today qjl step", fused["host"], fused["graphed"]))
+    for shape, (seconds, bound) in fused["shapes"].items():
+        lines.append(row("qjl step", shape, seconds, bound, {}, False, fused["host"]))
     qjl = qjl_scores(None, SHAPES + [s for s in QJL_MEASURED_TODAY if s not in SHAPES])
     tiles += [("today qjl scores", qjl["launches"][0])]
     hosts.append(("today qjl scores", qjl["host"], None))
