@@ -1,6 +1,6 @@
 """Memory truth: what a compressed cache reports equals what it holds.
 
-After a left-padded prefill and 300 greedy decode steps (60 when decoding per step), every tensor reachable from the cache is
+After a left-padded prefill and 160 greedy decode steps (60 when decoding per step), every tensor reachable from the cache is
 collected (unique storages, so views count once) and its bytes must equal the cache's reported storage
 (:attr:`nbytes`) + bookkeeping (position ids) + working memory (the torch path's decoded copy, spare
 capacity of growing buffers, a preallocated cache's reservation: the ``capacity`` path) within 1 %. Model-level tensors (the codec and its fitted state, the
@@ -8,7 +8,7 @@ model's weights and RoPE buffers) are not the cache's and are left out.
 
 The fused path runs with the kernels' torch references (``backend="torch"`` inside the attention
 function): what the cache keeps does not depend on which backend computes the step, and the Triton
-interpreter would make 300 steps slow; the kernels themselves are tested against the references in
+interpreter would make 160 steps slow; the kernels themselves are tested against the references in
 ``test_decode_attention.py`` / ``test_qjl_kernel.py``.
 """
 
@@ -26,7 +26,7 @@ from kvcomp.codecs import Codec, reads_fused, scores_from_payload
 from tests.codec_matrix import MATRIX, make_codec
 from tests.conftest import TINY, encode_with_torch
 
-STEPS = 300
+STEPS = 160
 STEPS_DECODING_PER_STEP = 60  # decode_per_step decodes every block at every step: quadratic, so fewer
 PATHS = ("torch", "fused", "decode_per_step", "capacity")  # capacity: the torch path, storage preallocated
 
