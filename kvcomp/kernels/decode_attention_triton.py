@@ -44,7 +44,7 @@ codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran
 warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys were faster on the register
 path (one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers:
 :func:`~kvcomp.kernels.formats.tiles_triton.row_scores`) until their ``tl.dot`` path took the signs as exact bfloat16
-operands against two-part ``y`` (:func:`~kvcomp.kernels.formats.sketch_triton._dot_scores`; predicted 4.8 against
+operands against two-part ``y`` (:func:`~kvcomp.kernels.formats.sketch_triton.dot_scores`; predicted 4.8 against
 10.9 ms at 16 x 32K by ``scripts/kernel_model.py``, not yet measured). Channels are processed as two halves ``[0, D/2)`` and
 ``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin`` (both from one
 argument reduction: :func:`~kvcomp.kernels.formats.tiles_triton.cos_sin`).

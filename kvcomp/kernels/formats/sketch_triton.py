@@ -66,7 +66,7 @@ def _split_dot(hi_ptr, lo_ptr, at, ok, b):
 
 
 @triton.jit
-def _dot_scores(q_ptr, rows, row_ok, a, C: tl.constexpr, t, t0, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr,
+def dot_scores(q_ptr, rows, row_ok, a, C: tl.constexpr, t, t0, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_T: tl.constexpr):
     """:func:`scores` on tensor cores, before ``qk_scale``: chunks of ``CHUNK`` sketch rows, each chunk's signs an exact
     bfloat16 operand against the bfloat16 parts of ``y`` and of the group's outlier columns of ``S`` (read per tile from
@@ -119,7 +119,7 @@ def scores(y, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t
     (rows of ``S^T``) for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
     end at multiples of ``BLOCK_T`` from the payload's first token). Sketch rows are padded to ``M_PAD``, a
     power of two, and the padding contributes nothing (``y = 0``, ``S = 0``). On the ``tl.dot`` path:
-    :func:`_dot_scores`; on the register path ``u_g`` is built per tile and each query row scored in turn."""
+    :func:`dot_scores`; on the register path ``u_g`` is built per tile and each query row scored in turn."""
     GROUP: tl.constexpr = C.GROUP
     M: tl.constexpr = C.M
     M_OUT: tl.constexpr = C.M_OUT
@@ -127,7 +127,7 @@ def scores(y, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t
     N_OUT: tl.constexpr = C.N_OUT
     O_PAD: tl.constexpr = C.O_PAD
     if DOT:
-        s = _dot_scores(q_ptr, rows, row_ok, a, C, t, t0, t_ok, D, BLOCK_R, BLOCK_T)
+        s = dot_scores(q_ptr, rows, row_ok, a, C, t, t0, t_ok, D, BLOCK_R, BLOCK_T)
     else:
         m = tl.arange(0, M_PAD)
         m_ok = m < M
