@@ -51,8 +51,9 @@ class SketchedKeys:
 
 
 def bf16_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``x`` as two bfloat16 tensors ``hi + lo`` (each rounded to nearest even), the kernels' ``tl.dot`` operands
-    (:func:`~kvcomp.kernels.formats.tiles_triton.bf16_parts`: about float32 accuracy against exact ``+-1`` signs)."""
+    """float32 ``x`` as two bfloat16 tensors ``hi + lo`` (each rounded to nearest even, ``x - hi`` exact in float32): the
+    kernels' ``tl.dot`` operands against exact ``+-1`` signs, ``hi . sign + lo . sign`` on tensor cores at about float32
+    accuracy (:func:`~kvcomp.kernels.formats.sketch_triton.dot_scores`)."""
     hi = x.to(torch.bfloat16)
     return hi, (x - hi.float()).to(torch.bfloat16)
 

@@ -71,7 +71,8 @@ def dot_scores(q_ptr, rows, row_ok, a, C: tl.constexpr, t, t0, t_ok, D: tl.const
     """:func:`scores` on tensor cores, before ``qk_scale``: chunks of ``CHUNK`` sketch rows, each chunk's signs an exact
     bfloat16 operand against the bfloat16 parts of ``y`` and of the group's outlier columns of ``S`` (read per tile from
     L1: an operand held for the program would take a warp's registers). ``u_g`` enters by associativity,
-    ``<u_g, sign> = q_{O_g} . <S[:, O_g], sign>``, as in :mod:`kvcomp.kernels.qjl_scores_triton`."""
+    ``<u_g, sign> = q_{O_g} . <S[:, O_g], sign>``, so that every product over the sketch's rows has the signs on one
+    side. Also the score kernel's (:mod:`kvcomp.kernels.qjl_scores_triton`)."""
     GROUP: tl.constexpr = C.GROUP
     M: tl.constexpr = C.M
     M_OUT: tl.constexpr = C.M_OUT
@@ -125,7 +126,6 @@ def scores(y, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t
     M_OUT: tl.constexpr = C.M_OUT
     M_PAD: tl.constexpr = C.M_PAD
     N_OUT: tl.constexpr = C.N_OUT
-    O_PAD: tl.constexpr = C.O_PAD
     if DOT:
         s = dot_scores(q_ptr, rows, row_ok, a, C, t, t0, t_ok, D, BLOCK_R, BLOCK_T)
     else:

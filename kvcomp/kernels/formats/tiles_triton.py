@@ -40,15 +40,6 @@ def dot(a, b):
 
 
 @triton.jit
-def bf16_parts(x):
-    """float32 ``x`` as two bfloat16 :func:`operand` parts, ``x ~ hi + lo`` to about 2^-17 relative (``x - hi`` is exact
-    in float32): a product with an exact bfloat16 operand (e.g. signs ``+-1``) on tensor cores, ``dot(hi, b) + dot(lo,
-    b)``, keeps about float32 accuracy."""
-    hi = operand(x, tl.bfloat16)
-    return hi, operand(x - hi.to(tl.float32), tl.bfloat16)
-
-
-@triton.jit
 def fma(a, b, c):
     """``a * b + c`` rounded once, as a GPU's ``FFMA`` (Triton's CPU interpreter rounds the float32 product first; there
     it is formed in float64, where a product of two float32 numbers is exact)."""
