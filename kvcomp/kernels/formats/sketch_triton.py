@@ -117,7 +117,7 @@ def scores(y, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t
     """Logits ``[BLOCK_R, BLOCK_T]`` of QJL's sign-sketched keys (:mod:`kvcomp.kernels.qjl_scores`):
     ``sqrt(pi/2)/m ||k_in|| <S q - u_g, sign(S k_in)> + sqrt(pi/2)/m_o ||k_out|| <u_g[:m_o], sign(S_{:m_o} k_out)>``
     with ``y = S q`` precomputed per query (:func:`query`) and ``u_g = S[:, O_g] q_{O_g}`` from ``N_OUT`` columns of ``S``
-    (rows of ``S^T``) for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
+    for the tile's group (tiles never straddle a group: ``BLOCK_T`` divides ``GROUP`` and tiles
     end at multiples of ``BLOCK_T`` from the payload's first token). Sketch rows are padded to ``M_PAD``, a
     power of two, and the padding contributes nothing (``y = 0``, ``S = 0``). On the ``tl.dot`` path:
     :func:`dot_scores`; on the register path ``u_g`` is built per tile and each query row scored in turn."""
