@@ -122,11 +122,17 @@ def _padded(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
-def sketch_args(signs: torch.Tensor, norm: torch.Tensor, y: torch.Tensor, outliers=()) -> SketchArgs:
-    """:class:`SketchArgs` of sign bits ``[B, H, T, m/8]``, norms ``[B, H, T]`` and projected queries ``y``
-    (contiguous)."""
-    return SketchArgs(Strided.of(signs), Strided.of(norm), Strided.of(y), *bf16_parts(y), estimator_scale(y.shape[-1]),
+def sketch_args(signs: torch.Tensor, norm: torch.Tensor, y: tuple, outliers=()) -> SketchArgs:
+    """:class:`SketchArgs` of sign bits ``[B, H, T, m/8]``, norms ``[B, H, T]`` and projected queries ``y``: the
+    contiguous float32 tensor and its two :func:`bf16_parts` (:func:`projected`)."""
+    return SketchArgs(Strided.of(signs), Strided.of(norm), Strided.of(y[0]), *y[1:], estimator_scale(y[0].shape[-1]),
                       outliers)
+
+
+def projected(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projected queries ``y = S q`` as the kernels read them: contiguous float32 and its two :func:`bf16_parts`."""
+    y = y.float().contiguous()
+    return (y, *bf16_parts(y))
 
 
 @dataclass
@@ -159,7 +165,7 @@ class SketchReader(PayloadReader):
         q = queries["q"]
         columns = keys.columns(q.device)
         if id(self) not in queries:
-            queries[id(self)] = (q.float() @ columns[0]).contiguous()
+            queries[id(self)] = projected(q.float() @ columns[0])
         m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
         outliers = ()
         if n_out:
@@ -197,7 +203,7 @@ class SignReader(PayloadReader):
             raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} "
                              f"rows for head_dim {self.head_dim}")
         constants = SketchConstants(m, 0, 0, 1, 1 << (m - 1).bit_length(), _padded(0))
-        return sketch_args(self.signs, self.norm, y), constants
+        return sketch_args(self.signs, self.norm, projected(y)), constants
 
     def dequantize_unrotated(self) -> torch.Tensor:
         return unpack_signs(self.signs, self.head_dim) * self.norm.float()[..., None]
