@@ -291,11 +291,9 @@ def qjl_scores(module, shapes) -> dict:
     a = analysed(launch)
     per_token = keys.signs[0, 0, 0].numel() + keys.outlier_signs[0, 0, 0].numel() + 4  # sign bytes + two fp16 norms
     group = keys.group_size
-    # one program per group of keys; a loop over the sketch's rows runs M / BLOCK_M tiles (else the kernel is one tile)
-    tiles = launch.args["M"] // launch.args["BLOCK_M"] if a["looped"] else 1
     out = {}
     for batch, context in shapes:
-        geometry = Geometry(batch * H * (context // group) * launch.grid[2], a["num_warps"], a["resident"], tiles,
+        geometry = Geometry(batch * H * (context // group) * launch.grid[2], a["num_warps"], a["resident"], 1,
                             batch * H * context * per_token)
         out[(batch, context)] = step_time([(a, geometry)], host)
     return {"shapes": out, "launches": [a], "host": host}

@@ -31,8 +31,8 @@ from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # no
 from kvcomp.kernels.decode_plan import DecodeStep  # noqa: E402
 
 SECTION = "## Launch configurations of the fused decode kernel (issue 38)"
-# label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, the register path
-# for QJL's sketched keys since b1ee781; 32-token tiles, 128 for the formats default_tile names since a676511; operands
+# label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps; the register path
+# for QJL's sketched keys from b1ee781 to 831d87e; 32-token tiles, 128 for the formats default_tile names since a676511; operands
 # of the query's type, bf16 here, since the bf16 default's commit; 128 registers per thread for packed ints in 32-token
 # tiles since the register cap's commit)
 CONFIGS = {
