@@ -36,8 +36,8 @@ from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import (LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision,
-                                         script_device)
+from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, device_name, l2_cache_bytes,
+                                         publish, revision, script_device)
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
@@ -160,9 +160,10 @@ def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str, float, float]:
 
 
 def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l2_bytes: int,
-                 graphs: tuple = (False,)) -> list[dict]:
-    """SDPA's row and each codec's (once per entry of ``graphs``: without, or with CUDA graphs)."""
-    h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+                 graphs: tuple = (False,), shape: dict = LLAMA31_8B) -> list[dict]:
+    """SDPA's row and each codec's (once per entry of ``graphs``: without, or with CUDA graphs), at the attention
+    ``shape`` the codecs were built for."""
+    h, hq, d = shape["kv_heads"], shape["query_heads"], shape["head_dim"]
     dense_bytes = 2 * batch * h * context * d * 2
     dense_sets = [
         (torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16),
@@ -183,7 +184,7 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
     for name, codec in codecs.items():
         for captured in graphs:
             try:
-                row = _bench_codec(name, codec, batch, context, timer, device, l2_bytes, turn, captured)
+                row = _bench_codec(name, codec, batch, context, timer, device, l2_bytes, turn, captured, hq)
             except Exception as failure:  # one format that fails on this device must not cost the others' rows
                 row = {"batch": batch, "context": context, "method": name, "failed": f"{type(failure).__name__}: {failure}"}
                 if device.type == "cuda":
@@ -198,10 +199,11 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
 
 
 def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, device, l2_bytes: int, turn,
-                 graphs: bool = False) -> dict:
+                 graphs: bool, hq: int) -> dict:
     """One codec's row: median ms of the fused step over rotated caches, and its error on a fresh one. ``graphs``: the
-    calls captured in CUDA graphs (:mod:`kvcomp.kernels.decode_graphs`; each rotated cache is captured once)."""
-    hq, d = LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    calls captured in CUDA graphs (:mod:`kvcomp.kernels.decode_graphs`; each rotated cache is captured once); ``hq``:
+    query heads."""
+    d = codec.model.head_dim
     first = cache_state(codec, batch, context, device)
     states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
 
@@ -240,11 +242,11 @@ def copy_bandwidth(timer: Timer, device) -> float:
 def bench_encode(codecs: dict, tokens: int, timer: Timer, device) -> list[dict]:
     """Tokens/s encoding one layer's K and V (batch 1) with the torch path and, where it exists, the Triton encoder;
     ``tokens`` rounded down to whole blocks of the codec (at least one)."""
-    h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
     rows = []
     for name, codec in codecs.items():
         block = max(codec.policy(kind, 0).block_size for kind in ("key", "value"))
         n = max(block, tokens // block * block)
+        h, d = codec.model.num_kv_heads, codec.model.head_dim
         x = {kind: torch.randn(1, h, n, d, device=device, dtype=torch.bfloat16) for kind in ("key", "value")}
 
         def encode(backend):
@@ -317,20 +319,22 @@ def main(argv=None) -> str:
     parser.add_argument("--encode-tokens", type=at_least(1), default=32768)
     parser.add_argument("--warmup", type=at_least(0), default=10)
     parser.add_argument("--reps", type=at_least(1), default=50)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script")
     parser.add_argument("--cuda-graphs", action="store_true", help="also time each codec's call captured in CUDA graphs")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     device = script_device(parser, args)
+    shape = LLAMA31_8B
     if args.smoke:
         contexts, batches, encode_tokens, timer = [160], [1], 32, Timer(device, 0, 1)
-        memory_gb = 80.0
+        memory_gb, shape = 80.0, SMOKE_SHAPE
     else:
         contexts, batches, encode_tokens = args.contexts, args.batches, args.encode_tokens
         timer = Timer(device, args.warmup, args.reps)
         memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
     generator = torch.Generator().manual_seed(0)
-    info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    info = ModelInfo("llama31_8b", 1, shape["kv_heads"], shape["head_dim"])
     codecs = {}
     for name in args.codecs:
         codec = build_codec(CODECS[name], info)
@@ -343,7 +347,7 @@ def main(argv=None) -> str:
     for batch in batches:
         for context in contexts:
             decode_rows += bench_decode(codecs, batch, context, timer, device, l2_cache_bytes(device),
-                                        (False, True) if args.cuda_graphs else (False,))
+                                        (False, True) if args.cuda_graphs else (False,), shape)
             print(f"[bench] batch {batch} context {context} done", flush=True)
     encode_rows = bench_encode(codecs, encode_tokens, throughput, device)
     context_mem = max(contexts)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import (LLAMA31_8B, Timer, buffer_sets, device_name, l2_cache_bytes, publish, revision,
-                                         script_device)
+from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, device_name, l2_cache_bytes,
+                                         publish, revision, script_device)
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
 
@@ -44,8 +44,9 @@ SETTINGS = {  # name -> codec config (head_dim 128)
 }
 
 
-def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.device, l2_bytes: int) -> list[dict]:
-    h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.device, l2_bytes: int,
+                shape: dict = LLAMA31_8B) -> list[dict]:
+    h, hq, d = shape["kv_heads"], shape["query_heads"], shape["head_dim"]
     kv_bytes = 2 * batch * h * context * d * 2
     sets = []
     for _ in range(buffer_sets(kv_bytes, l2_bytes)):
@@ -80,7 +81,7 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
         probs = torch.softmax(logits, dim=-1).to(torch.bfloat16)
         return probs.view(batch, h, hq // h, context) @ decoded_values[id(value_payload)]
 
-    errors = check(codec, batch, context, device, fused)
+    errors = check(codec, batch, context, device, fused, hq)
     key_bytes = sets[0][2].nbytes / (batch * h * context)
     value_bytes = sets[0][3].nbytes / (batch * h * context) if fused else d * 2
     rows = []
@@ -98,10 +99,11 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
     return rows
 
 
-def check(codec, batch: int, context: int, device: torch.device, fused: bool) -> dict:
+def check(codec, batch: int, context: int, device: torch.device, fused: bool, hq: int) -> dict:
     """Relative errors ``||out - ref|| / ||ref||`` of the score kernel and the step on fresh random inputs,
-    against the float64 torch references on the device (keys: the estimator; step: attention over k_hat)."""
-    h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    against the float64 torch references on the device (keys: the estimator; step: attention over k_hat); ``hq``:
+    query heads."""
+    h, d = codec.model.num_kv_heads, codec.model.head_dim
     keys = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
     values = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
     key_payload, value_payload = codec.encode(Request(0, "key", tokens=keys)), codec.encode(Request(0, "value", tokens=values))
@@ -136,16 +138,17 @@ def main(argv=None) -> str:
     parser.add_argument("--batches", type=at_least(1), nargs="+", default=[1, 4])
     parser.add_argument("--warmup", type=at_least(0), default=10)
     parser.add_argument("--reps", type=at_least(1), default=50)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script")
     parser.add_argument("--write", action="store_true", help="replace the QJL section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     device = script_device(parser, args)
     if args.smoke:
-        contexts, batches, timer = [128], [1], Timer(device, 0, 1)
+        contexts, batches, timer, shape = [128], [1], Timer(device, 0, 1), SMOKE_SHAPE
     else:
-        contexts, batches, timer = args.contexts, args.batches, Timer(device, args.warmup, args.reps)
+        contexts, batches, timer, shape = args.contexts, args.batches, Timer(device, args.warmup, args.reps), LLAMA31_8B
     l2_bytes, name = l2_cache_bytes(device), device_name(device)
-    info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    info = ModelInfo("llama31_8b", 1, shape["kv_heads"], shape["head_dim"])
     sections = [
         f"Command: `{' '.join(['python scripts/bench_qjl_decode.py', *(argv if argv is not None else sys.argv[1:])])}` "
         f"at revision {revision()} (CUDA events, median of "
@@ -153,7 +156,8 @@ def main(argv=None) -> str:
     ]
     for setting, config in SETTINGS.items():
         codec = build_codec(config, info)
-        rows = [row for batch in batches for context in contexts for row in bench_shape(codec, batch, context, timer, device, l2_bytes)]
+        rows = [row for batch in batches for context in contexts
+                for row in bench_shape(codec, batch, context, timer, device, l2_bytes, shape)]
         sections.append(markdown(rows, name, setting))
     body = "\n\n".join(sections)
     return publish(SECTION, body, args.write and not args.smoke)

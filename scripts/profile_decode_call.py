@@ -32,7 +32,7 @@ from bench_decode_attention import CODECS, LLAMA31_8B, cache_state, synthetic_st
 
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import batch_by_context, script_device  # noqa: E402
+from kvcomp.kernels.benchmarking import SMOKE_SHAPE, batch_by_context, script_device  # noqa: E402
 from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
 from kvcomp.kernels.decode_graphs import DecodeGraphs  # noqa: E402
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace  # noqa: E402
@@ -43,13 +43,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def profile_call(name: str, batch: int, context: int, device: torch.device, calls: int, graphs: bool, top: int) -> str:
-    """The report of one codec's call at ``batch x context`` (module docstring)."""
-    codec = build_codec(CODECS[name], ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]))
+def profile_call(name: str, batch: int, context: int, device: torch.device, calls: int, graphs: bool, top: int,
+                 shape: dict = LLAMA31_8B) -> str:
+    """The report of one codec's call at ``batch x context`` and the attention ``shape`` (module docstring)."""
+    codec = build_codec(CODECS[name], ModelInfo("llama31_8b", 1, shape["kv_heads"], shape["head_dim"]))
     if needs_calibration(codec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
     keys, values, rope, _ = cache_state(codec, batch, context, device)
-    hq, d = LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+    hq, d = shape["query_heads"], shape["head_dim"]
     planned = DecodeStep(DecodeWorkspace(DecodeGraphs() if graphs else None))
     queries = itertools.cycle([torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16) for _ in range(4)])
 
@@ -97,15 +98,16 @@ def main(argv=None) -> str:
     parser.add_argument("--calls", type=at_least(1), default=50)
     parser.add_argument("--top", type=at_least(1), default=15)
     parser.add_argument("--cuda-graphs", action="store_true", help="also profile each call captured in CUDA graphs")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script")
     args = parser.parse_args(argv)
     device = script_device(parser, args)
-    shapes, calls = ([(1, 160)], 2) if args.smoke else (args.shapes, args.calls)
+    shapes, calls, shape = ([(1, 160)], 2, SMOKE_SHAPE) if args.smoke else (args.shapes, args.calls, LLAMA31_8B)
     reports = []
     for batch, context in shapes:
         for name in args.codecs:
             for graphs in (False, True) if args.cuda_graphs else (False,):
-                reports.append(profile_call(name, batch, context, device, calls, graphs, args.top))
+                reports.append(profile_call(name, batch, context, device, calls, graphs, args.top, shape))
                 print(reports[-1], flush=True)
     return "\n".join(reports)
 

@@ -24,7 +24,8 @@ from bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import (  # noqa: E402
-    LLAMA31_8B, Timer, batch_by_context, buffer_sets, device_name, l2_cache_bytes, publish, revision, script_device,
+    LLAMA31_8B, SMOKE_SHAPE, Timer, batch_by_context, buffer_sets, device_name, l2_cache_bytes, publish, revision,
+    script_device,
 )
 from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
@@ -58,8 +59,9 @@ CONFIGS = {
 }
 
 
-def sweep(codec, name: str, batch: int, context: int, timer: Timer, device, l2_bytes: int, configs: dict, log) -> list[dict]:
-    hq, d = LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+def sweep(codec, name: str, batch: int, context: int, timer: Timer, device, l2_bytes: int, configs: dict, log,
+          hq: int) -> list[dict]:
+    d = codec.model.head_dim
     first = cache_state(codec, batch, context, device)
     states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
     turn = iter(range(10**9))
@@ -118,24 +120,25 @@ def main(argv=None) -> str:
     parser.add_argument("--configs", nargs="+", type=int, help="indices into CONFIGS (default: all)")
     parser.add_argument("--warmup", type=at_least(0), default=5)
     parser.add_argument("--reps", type=at_least(1), default=20)
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     configs = {label: options for i, (label, options) in enumerate(CONFIGS.items()) if args.configs is None or i in args.configs}
     device = script_device(parser, args)
     if args.smoke:
-        shapes, timer = [(1, 160)], Timer(device, 0, 1)
+        shapes, timer, shape = [(1, 160)], Timer(device, 0, 1), SMOKE_SHAPE
         configs = {label: {**options, "block_tokens": 32} for label, options in list(configs.items())[:2]}
     else:
-        shapes, timer = args.shapes, Timer(device, args.warmup, args.reps)
+        shapes, timer, shape = args.shapes, Timer(device, args.warmup, args.reps), LLAMA31_8B
     l2_bytes = l2_cache_bytes(device)
-    info = ModelInfo("llama31_8b", 1, LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"])
+    info = ModelInfo("llama31_8b", 1, shape["kv_heads"], shape["head_dim"])
     generator = torch.Generator().manual_seed(0)
     copy_gbps = copy_bandwidth(Timer(device, timer.warmup, timer.reps, device_time=False), device)
     rows, sdpa = [], {}
     for batch, context in shapes:
-        h, hq, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["query_heads"], LLAMA31_8B["head_dim"]
+        h, hq, d = shape["kv_heads"], shape["query_heads"], shape["head_dim"]
         dense = [(torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16),
                   torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16))
                  for _ in range(buffer_sets(4 * batch * h * context * d, l2_bytes))]
@@ -150,7 +153,7 @@ def main(argv=None) -> str:
             codec = build_codec(CODECS[name], info)
             if needs_calibration(codec):
                 synthetic_state(codec, generator)
-            rows += sweep(codec, name, batch, context, timer, device, l2_bytes, configs, log)
+            rows += sweep(codec, name, batch, context, timer, device, l2_bytes, configs, log, hq)
     body = "\n".join([
         f"Command: `{' '.join(['python scripts/sweep_decode_kernel.py', *(argv if argv is not None else sys.argv[1:])])}` "
         f"at revision {revision()}. Device: {device_name(device)}; measured copy bandwidth {copy_gbps:.0f} GB/s. "
