@@ -14,6 +14,7 @@ from kvcomp.kernels.formats import CodebookReader, RotaryPositions, UniformReade
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.packing import packed_length
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
+from tests.codec_matrix import QJL_TINY
 from tests.conftest import info_of, load_script
 from tests.test_codebook_codecs import fitted
 
@@ -955,17 +956,48 @@ def test_a_call_reading_what_it_made_is_replayed_only_by_its_launches(monkeypatc
     assert len(built) == 4 and not workspace.graphs.by_inputs
 
 
-@pytest.mark.parametrize("name", ["kivi", "temporalkv"])
+def test_a_replayed_call_remakes_what_it_derives_from_the_query():
+    """QJL's launches read the projected query ``y = S q`` (and its bf16 parts), made from each call's query. The
+    captured call remakes them from the graph's own copy of the query before its launches (``CallQuery.refresh``), so
+    it is captured although each call makes new ones, replayed by its inputs, and every replay with a new query equals
+    the reference (a stand-in capture whose replay runs the captured work again)."""
+    from kvcomp.kernels import decode_attention_triton as kernels
+    from kvcomp.kernels.decode_graphs import DecodeGraphs
+    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+
+    b, h, r, d = 1, 2, 2, 32
+    config = {"name": "qjl", "initial_layers": 0, "sketch_dim": 32, "outlier_sketch_dim": 16, "group_size": 16,
+              "outlier_channels": 2, "key_buffer": 16, "value_window": 16}
+    codec = build_codec(config, ModelInfo("tiny", 1, h, d))
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(b, h, 48, d, generator=g), torch.randn(b, h, 48, d, generator=g)
+    keys = [codec.payload_reader(codec.encode(Request(0, "key", tokens=k[:, :, :32])), "key", 0), k[:, :, 32:]]
+    values = [codec.payload_reader(codec.encode(Request(0, "value", tokens=v[:, :, :32])), "value", 0), v[:, :, 32:]]
+    workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
+    outputs = []
+    for _ in range(4):
+        query = torch.randn(b, h * r, d, generator=g)
+        out = kernels.decode_attention_triton(query, keys, values, 0.2, step=DecodeStep(workspace))
+        assert ((out - decode_attention_reference(query, keys, values, 0.2)).norm() / out.norm()) < 1e-5
+        outputs.append(out)
+    assert workspace.graphs.by_inputs and outputs[1] is outputs[2] is outputs[3]  # captured, then replayed
+
+
+@pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl"])
 @torch.no_grad()
 def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name):
-    """``install(model, "triton", cuda_graphs=True)`` with a stand-in capture (its replay runs the captured launches
+    """``install(model, "triton", cuda_graphs=True)`` with a stand-in capture (its replay runs the captured work
     again): every generated token's logits equal the torch path's (left padding; pre-RoPE keys rotated from the cached
-    position ids). Both codecs' calls are captured and then replayed by their inputs. KIVI's full-precision tail moves
+    position ids). Every codec's calls are captured and then replayed by their inputs. KIVI's full-precision tail moves
     along its buffer as tokens leave it, and the kernel is given the buffer from its first row and the plan's row of
     bounds the tail's start, so a call reads the same tensors step after step. TemporalKV's reader is given the same
-    float32 channel statistics at every call (kept per device by the codec)."""
-    codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) if name == "kivi" \
-        else fitted(tiny_llama, name, sinks=4)
+    float32 channel statistics at every call (kept per device by the codec). QJL's projected query ``y = S q``, made
+    from each call's query, is remade by the graph from its own copy of the query (``CallQuery.refresh``)."""
+    if name == "qjl":  # sketch sizes the fused kernel reads (tests/test_qjl_kernel.py)
+        codec = build_codec({**QJL_TINY, "initial_sketch_dim": 64, "group_size": 16, "key_buffer": 16}, info_of(tiny_llama))
+    else:
+        codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) \
+            if name == "kivi" else fitted(tiny_llama, name, sinks=4)
     ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
@@ -993,9 +1025,10 @@ def test_cuda_graphs_need_the_fused_kernels(tiny_llama):
 
 
 def test_calls_that_never_come_back_do_not_pile_up(monkeypatch):
-    """A call whose tensors change every step (a query projected per step) is never captured: the graphs remember
+    """A call whose tensors change every step (a cache without spare capacity) is never captured: the graphs remember
     the last KEPT calls only; one met again is captured, then replayed."""
     from kvcomp.kernels import Launch, decode_graphs
+    from kvcomp.kernels.formats import CallQuery
 
     class Kernel:  # a launchable stand-in: kernel[grid](**args) records the call's tag
         def __getitem__(self, grid):
@@ -1006,6 +1039,6 @@ def test_calls_that_never_come_back_do_not_pile_up(monkeypatch):
     graphs = decode_graphs.DecodeGraphs(capture=lambda run: run)
     query, out = torch.zeros(1), torch.zeros(1)
     for tag in (0, 1, 2, 3, 3, 3):  # four calls met once, then the last one twice more
-        graphs.run([Launch(kernel, (1,), {"tag": tag, "q_ptr": query})], query, out)
+        graphs.run([Launch(kernel, (1,), {"tag": tag, "q_ptr": query})], CallQuery(query), out)
     assert len(graphs.seen) == 2 and len(graphs.captured) == 1
     assert runs == [0, 1, 2, 3, 3, 3]  # run, run, run, run, captured (and run), replayed

@@ -75,6 +75,7 @@ from kvcomp.kernels import decode_plan
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep
 from kvcomp.kernels.formats import (
+    CallQuery,
     OffsetReader,
     PayloadReader,
     ResidualSketchReader,
@@ -479,7 +480,7 @@ def _pieces(segments: list[Segment]) -> tuple[dict, tuple]:
     return {i: view for i, (view, _) in views.items()}, tuple(views[i][1] if i in views else 0 for i in range(len(segments)))
 
 
-def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: dict, pieces_of: dict) -> dict:
+def _stream_args(prefix: str, segments: list[Segment], indices: tuple, query: CallQuery, pieces_of: dict) -> dict:
     """Kernel arguments of one stream's segments ``indices`` (in token order; at most :data:`~kvcomp.kernels.decode_plan.MAX_DENSE`
     full-precision pieces and one encoded payload): ``{prefix}_pieces``, ``{prefix}`` and the compile-time
     ``{PREFIX}_FORMAT``, ``{PREFIX}``, ``{PREFIX}_AT`` (their bounds: the launch's row,
@@ -493,7 +494,7 @@ def _stream_args(prefix: str, segments: list[Segment], indices: tuple, queries: 
             pieces.append(Strided(piece, *piece.stride()[:2]))
             continue
         payload_at = position
-        args, constants = segment.kernel_args(queries)
+        args, constants = segment.kernel_args(query)
         functions = kernel_format(segment)
     upper = prefix.upper()
     return {f"{prefix}_pieces": tuple(pieces), prefix: args, f"{upper}_FORMAT": functions, upper: constants,
@@ -696,12 +697,15 @@ def decode_launches(
                        num_warps, operands, key_offset, key_residual)
     if setup.plan.slots == 0:
         return torch.zeros_like(query), []
-    return setup_launches(setup, query.dtype, key_segments, value_segments, scale, key_rope, key_residual, registers)
+    out, launches, _ = setup_launches(setup, query.dtype, key_segments, value_segments, scale, key_rope, key_residual,
+                                      registers)
+    return out, launches
 
 
 def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_segments, scale: float, key_rope,
-                   key_residual, registers: int | None) -> tuple[torch.Tensor, list[Launch]]:
-    """The output buffer and the launches of a call (:func:`decode_launches`) from its :class:`CallSetup`."""
+                   key_residual, registers: int | None) -> tuple[torch.Tensor, list[Launch], CallQuery]:
+    """The output buffer and the launches of a call (:func:`decode_launches`) from its :class:`CallSetup`, and the
+    call's query with what its payloads derived from it."""
     b, hq, d, h, r, q, dot, block_r = setup.b, setup.hq, setup.d, setup.h, setup.r, setup.q, setup.dot, setup.block_r
     block_tokens, num_warps, operands, plan = setup.block_tokens, setup.num_warps, setup.operands, setup.plan
     key_bounds, key_encoded, value_bounds, value_encoded = (setup.key_bounds, setup.key_encoded, setup.value_bounds,
@@ -709,7 +713,7 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
     partial, lse, bounds, common, rotary = setup.partial, setup.lse, setup.bounds, setup.common, setup.rotary
     out = torch.empty(b, hq, d, device=q.device, dtype=dtype)  # the merge writes every row
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
-    queries = {"q": q}  # the step's query, and what payloads derive from it (QJL's S q), for all its launches
+    call_query = CallQuery(q)  # the call's query, and what payloads derive from it (QJL's S q), for all its launches
     launches = []
     for i, planned in enumerate(plan.launches):
         keys = next((key_segments[j] for j in planned.keys if key_encoded[j]), None)  # the launch's payloads, if any
@@ -724,8 +728,8 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                       next((value_bounds[j] for j in planned.values if value_encoded[j]), 0))
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, bounds=bounds[i], H=h, R=r, unit=block_tokens,
                     qk_scale=scale * LOG2E, valid=common.get("valid", ()), rope=(), offset=(), residual=(),
-                    **_stream_args("k", key_segments, planned.keys, queries, setup.pieces[0]),
-                    **_stream_args("v", value_segments, planned.values, queries, setup.pieces[1]),
+                    **_stream_args("k", key_segments, planned.keys, call_query, setup.pieces[0]),
+                    **_stream_args("v", value_segments, planned.values, call_query, setup.pieces[1]),
                     D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=tile, DOT=dot,
                     OPERAND=OPERANDS[operands],
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
@@ -743,7 +747,7 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
     merge = dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, slots=bounds[0, decode_plan.SLOTS:], R=r, D=d, BLOCK_R=block_r,
                  BLOCK_D=triton.next_power_of_2(d))
     launches.append(Launch(_merge_kernel, (b * h,), merge))
-    return out, launches
+    return out, launches, call_query
 
 
 def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], value_segments: list[Segment], scale: float,
@@ -782,9 +786,9 @@ def _graphed(graphs: DecodeGraphs, query, key_segments, value_segments, scale, v
         replayed = graphs.replay(key, setup.q)
         if replayed is not None:
             return replayed
-        out, launches = setup_launches(setup, query.dtype, key_segments, value_segments, scale, options.get("key_rope"),
-                                       options.get("key_residual"), registers)
-        return graphs.run(launches, setup.q, out, key, inputs)
+        out, launches, call_query = setup_launches(setup, query.dtype, key_segments, value_segments, scale,
+                                                   options.get("key_rope"), options.get("key_residual"), registers)
+        return graphs.run(launches, call_query, out, key, inputs)
 
 
 @dataclass

@@ -7,14 +7,18 @@ every other argument, but the query's and the output's) and replayed after: the 
 cache grows (``fixed_grid``), the token bounds are read from the workspace's slots (copied there once per step), the
 step's mask from the workspace's, and the payloads in place from buffers with spare capacity. The query is copied
 into the graph's own before a replay; the output is the graph's own (one per captured call, so layers do not share
-it). Calls whose tensors change every step (a query projected per step, a cache without spare capacity) are never
-captured and run as they are.
+it). Calls whose tensors change every step (a cache without spare capacity) are never captured and run as they are.
+
+What the call derives from its query (QJL's ``y = S q``: :class:`~kvcomp.kernels.formats.CallQuery`) is remade in
+place from the graph's query by the graph itself, before its launches: those tensors are the graph's own, and a call
+is matched whatever their addresses.
 
 A captured call whose launches read only tensors of its inputs (the segments and the call's options, the workspace's
-buffers: :meth:`DecodeGraphs.inputs_key`) is also found by those inputs, before its launches are built: the next calls
-with the same inputs replay it without building any argument (:meth:`DecodeGraphs.replay`). One whose launches read a
-tensor made during the call (a payload's arguments converted, QJL's ``S q``) is found by its launches only. Verified
-only where a GPU is available; the CPU tests replay by running the captured launches again (the same arguments)."""
+buffers: :meth:`DecodeGraphs.inputs_key`), its query and what that derives is also found by those inputs, before its
+launches are built: the next calls with the same inputs replay it without building any argument
+(:meth:`DecodeGraphs.replay`). One whose launches read another tensor made during the call (a payload's arguments
+converted) is found by its launches only. Verified only where a GPU is available; the CPU tests replay by running the
+captured work again (the same arguments)."""
 
 from __future__ import annotations
 
@@ -24,23 +28,28 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcomp.kernels.formats import CallQuery
+
 KEPT = 1024  # calls remembered (seen or captured), the least recently used forgotten first: a model's layers, twice
 
 
-def _summary(value):
-    """What a value (a launch argument, a call's input) is to a graph: a tensor's address, strides and dtype; the
-    summaries of a tuple's, list's or dict's items and of a dataclass's fields (a payload reader's, but its token count,
-    which the step's bounds carry); anything else itself."""
+def _summary(value, derived: frozenset = frozenset()):
+    """What a value (a launch argument, a call's input) is to a graph: a tensor's address, strides and dtype (a tensor
+    of a storage in ``derived``, which a graph remakes itself: its shape, strides and dtype); the summaries of a
+    tuple's, list's or dict's items and of a dataclass's fields (a payload reader's, but its token count, which the
+    step's bounds carry); anything else itself."""
     if type(value) in _PLAIN:
         return value
     if isinstance(value, torch.Tensor):
+        if value.untyped_storage().data_ptr() in derived:
+            return ("derived", value.shape, value.stride(), value.dtype)
         return ("tensor", value.data_ptr(), value.stride(), value.dtype)
     if isinstance(value, (tuple, list)):
-        return tuple(_summary(v) for v in value)
+        return tuple(_summary(v, derived) for v in value)
     if isinstance(value, dict):
-        return tuple((k, _summary(v)) for k, v in value.items())
+        return tuple((k, _summary(v, derived)) for k, v in value.items())
     if dataclasses.is_dataclass(value):
-        return (type(value),) + tuple(_summary(getattr(value, f.name)) for f in dataclasses.fields(value)
+        return (type(value),) + tuple(_summary(getattr(value, f.name), derived) for f in dataclasses.fields(value)
                                       if f.name != "num_tokens")
     return value
 
@@ -87,7 +96,7 @@ class DecodeGraphs:
     def _keep(calls: OrderedDict, key, value) -> None:
         calls[key] = value
         calls.move_to_end(key)
-        if len(calls) > KEPT:  # calls that never come back (a query projected per step) must not pile up
+        if len(calls) > KEPT:  # calls that never come back (a cache without spare capacity) must not pile up
             calls.popitem(last=False)
 
     @staticmethod
@@ -107,18 +116,20 @@ class DecodeGraphs:
         found.replay()
         return found.out
 
-    def run(self, launches: list, query: torch.Tensor, out: torch.Tensor, inputs_key: tuple | None = None,
+    def run(self, launches: list, query: CallQuery, out: torch.Tensor, inputs_key: tuple | None = None,
             inputs: tuple = ()) -> torch.Tensor:
-        """Run a call's ``launches`` (split launches reading ``query`` as ``q_ptr``, then the merge writing ``out``):
-        replayed where captured, captured where met before, else run; returns the output it wrote. A call captured
-        here is also found by ``inputs_key`` (:meth:`replay`) where its launches read no tensor but ``inputs``',
-        the query and the output."""
-        key = tuple((launch.kernel, launch.grid, tuple((name, _summary(value)) for name, value in launch.args.items()
+        """Run a call's ``launches`` (split launches reading ``query.q`` as ``q_ptr`` and what it derives, then the
+        merge writing ``out``): replayed where captured, captured where met before, else run; returns the output it
+        wrote. A call captured here is also found by ``inputs_key`` (:meth:`replay`) where its launches read no tensor
+        but ``inputs``', the query's, what it derives and the output."""
+        derived = frozenset(_storages(query.tensors))
+        key = tuple((launch.kernel, launch.grid, tuple((name, _summary(value, derived))
+                                                       for name, value in launch.args.items()
                                                        if name not in ("q_ptr", "out_ptr"))) for launch in launches)
         found = self.captured.get(key)
         if found is not None:
             self.captured.move_to_end(key)
-            found.query.copy_(query)
+            found.query.copy_(query.q)
             found.replay()
             return found.out
         if key not in self.seen:  # the first time: as it is (it compiles the kernels), remembered
@@ -126,18 +137,19 @@ class DecodeGraphs:
             for launch in launches:
                 launch()
             return out
-        static = query.clone()
+        static = query.q.clone()
         for launch in launches:
             launch.args.update({"q_ptr": static} if "q_ptr" in launch.args else {})
 
         def call():
+            query.refresh(static)  # what the launches read of the query, from the graph's copy of it
             for launch in launches:
                 launch()
 
         entry = Captured(self.capture(call), static, out)
         self._keep(self.captured, key, entry)
         read = set().union(*(_storages(launch.args) for launch in launches))
-        if inputs_key is not None and read <= _storages(inputs) | _storages((static, out)):
+        if inputs_key is not None and read <= _storages(inputs) | _storages((static, out)) | derived:
             self._keep(self.by_inputs, inputs_key, entry)
         entry.replay()  # capturing records the launches without running them
         return out

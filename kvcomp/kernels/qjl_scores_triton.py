@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
-from kvcomp.kernels.formats import SketchedKeys, SketchReader
+from kvcomp.kernels.formats import CallQuery, SketchedKeys, SketchReader
 from kvcomp.kernels.formats.sketch_triton import advance, dot_scores
 
 
@@ -66,7 +66,7 @@ def qjl_score_launch(query: torch.Tensor, keys: SketchedKeys) -> tuple[torch.Ten
     out = torch.empty(b, h, r, t, device=q.device, dtype=torch.float32)
     if t == 0:
         return out, None
-    sketch, constants = SketchReader(t, d, keys).kernel_args({"q": q})
+    sketch, constants = SketchReader(t, d, keys).kernel_args(CallQuery(q))
     block_r = _tile(r)
     grid = (b * h, t // group, triton.cdiv(r, block_r))
     args = dict(q_ptr=q, a=sketch, out_ptr=out, H=h, R=r, T=t, C=constants, D=d, BLOCK_R=block_r,

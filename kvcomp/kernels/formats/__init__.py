@@ -6,7 +6,8 @@
 The split kernel (:mod:`kvcomp.kernels.decode_attention_triton`) is compiled per (key format, value format): each
 takes only its own arguments, and the kernel calls its device functions (:class:`~.base.KernelFormat`)."""
 
-from kvcomp.kernels.formats.base import KernelFormat, PayloadReader, RotaryPositions, Segment, in_place, segment_length
+from kvcomp.kernels.formats.base import (CallQuery, KernelFormat, PayloadReader, RotaryPositions, Segment, in_place,
+                                         segment_length)
 from kvcomp.kernels.formats.block_float import BlockFloatReader
 from kvcomp.kernels.formats.codebook import CodebookReader, fused_encode_supported
 from kvcomp.kernels.formats.scaled import ScaledReader

@@ -110,6 +110,34 @@ class Strided(NamedTuple):
         return cls(tensor, s_b, s_h)
 
 
+class CallQuery:
+    """One call's query as the kernels read it (``q``: ``[B, H, R, D]``) and the tensors formats derive from it (QJL's
+    ``y = S q``): each made once per call (:meth:`derived`) and shared by the call's launches. A call captured in a CUDA
+    graph remakes them in place from the graph's own copy of the query at every replay (:meth:`refresh`;
+    :mod:`kvcomp.kernels.decode_graphs`), so that a replay with another query reads what that query derives."""
+
+    def __init__(self, q: torch.Tensor):
+        self.q = q
+        self._made = {}  # key -> (make, its tensors)
+
+    def derived(self, key, make) -> tuple[torch.Tensor, ...]:
+        """``make(q)``, a tuple of tensors, made the first time this call asks for ``key``."""
+        if key not in self._made:
+            self._made[key] = (make, tuple(make(self.q)))
+        return self._made[key][1]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor derived so far."""
+        return [tensor for _, made in self._made.values() for tensor in made]
+
+    def refresh(self, q: torch.Tensor) -> None:
+        """Every derived tensor remade from ``q`` into its own storage."""
+        for make, made in self._made.values():
+            for tensor, new in zip(made, make(q)):
+                tensor.copy_(new)
+
+
 @dataclass
 class PayloadReader:
     """What a kernel needs to read one encoded segment; subclasses define the format."""
@@ -126,10 +154,10 @@ class PayloadReader:
     def kv_heads(self) -> int:
         return self.codes.shape[1]
 
-    def kernel_args(self, queries: dict) -> tuple[NamedTuple, NamedTuple]:
+    def kernel_args(self, query: CallQuery) -> tuple[NamedTuple, NamedTuple]:
         """The split kernel's arguments for this payload: runtime (its tensors and strides) and compile-time (its
-        format constants), each a named tuple of this format's. ``queries``: the step's query and what formats derive
-        from it (``"q"``: ``[B, H, R, D]``), shared by the step's launches."""
+        format constants), each a named tuple of this format's. ``query``: the call's query and what formats derive
+        from it, shared by the call's launches."""
         raise NotImplementedError(f"the fused decode kernel cannot read a {type(self).__name__} payload")
 
     def tile_limit(self, block_tokens: int, dot: bool) -> int:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import PayloadReader, Strided
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided
 from kvcomp.stages.packing import unpack_bits
 
 
@@ -38,7 +38,7 @@ class BlockFloatReader(PayloadReader):
     wide_tile = True
 
 
-    def kernel_args(self, queries: dict) -> tuple[BlockFloatArgs, BlockFloatConstants]:
+    def kernel_args(self, query: CallQuery) -> tuple[BlockFloatArgs, BlockFloatConstants]:
         return (BlockFloatArgs(Strided.of(self.codes), Strided.of(self.scales), self.levels),
                 BlockFloatConstants(self.bits, self.block))
 

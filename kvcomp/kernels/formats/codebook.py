@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import PayloadReader, Strided, in_place
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, in_place
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.lloyd_max import TINY
 from kvcomp.stages.normalization import affine_denormalize, per_token
@@ -72,7 +72,7 @@ class CodebookReader(PayloadReader):
         return CodebookQuantizer(self.layout, self.num_centroids).code_bits
 
 
-    def kernel_args(self, queries: dict) -> tuple[CodebookArgs, CodebookConstants]:
+    def kernel_args(self, query: CallQuery) -> tuple[CodebookArgs, CodebookConstants]:
         present = [t for t in (self.token_scale, self.token_center) if t is not None]
         tokens, s_b, s_h = in_place(*present) if present else ([], 0, 0)  # [B, T], or [B, H, T]
         read = iter(Strided(t, s_b, s_h) for t in tokens)

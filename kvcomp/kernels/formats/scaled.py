@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import PayloadReader, Strided
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided
 
 
 class ScaledArgs(NamedTuple):
@@ -36,7 +36,7 @@ class ScaledReader(PayloadReader):
         return self.scale.dim() == 4
 
 
-    def kernel_args(self, queries: dict) -> tuple[ScaledArgs, ScaledConstants]:
+    def kernel_args(self, query: CallQuery) -> tuple[ScaledArgs, ScaledConstants]:
         scale = Strided.of(self.scale) if self.per_token else self.scale.float().reshape(1).contiguous()
         return ScaledArgs(Strided.of(self.codes.view(self.dtype)), scale), ScaledConstants(self.per_token)
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import PayloadReader, Strided
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided
 from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
 
 
@@ -158,21 +158,20 @@ class SketchReader(PayloadReader):
         return True  # always scored from the bits
 
 
-    def kernel_args(self, queries: dict) -> tuple[SketchArgs, SketchConstants]:
-        """The sign bits and norms, the projected queries ``y = S q`` ``[B, H, R, m]`` (kept in ``queries`` for the
-        step's other launches), the outliers' signs, norms and channels, and the sketch sizes."""
+    def kernel_args(self, query: CallQuery) -> tuple[SketchArgs, SketchConstants]:
+        """The sign bits and norms, the projected queries ``y = S q`` ``[B, H, R, m]`` (derived from the call's query
+        once, for all its launches), the outliers' signs, norms and channels, and the sketch sizes."""
         keys = self.keys
-        q = queries["q"]
+        q = query.q
         columns = keys.columns(q.device)
-        if id(self) not in queries:
-            queries[id(self)] = projected(q.float() @ columns[0])
+        y = query.derived(("y = S q", id(self)), lambda q, s_t=columns[0]: projected(q.float() @ s_t))
         m, m_out, n_out = keys.sketch_dim, keys.outlier_sketch_dim, keys.num_outliers
         outliers = ()
         if n_out:
             outliers = Outliers(keys.projection.to(q.device, torch.float32).contiguous(), *columns[1:],
                                 Strided.of(keys.outlier_signs), Strided.of(keys.outlier_norm),
                                 Strided.of(keys.outlier_channels), estimator_scale(m_out))
-        return (sketch_args(keys.signs, keys.inlier_norm, queries[id(self)], outliers),
+        return (sketch_args(keys.signs, keys.inlier_norm, y, outliers),
                 SketchConstants(m, m_out, n_out, keys.group_size, 1 << (m - 1).bit_length(), _padded(n_out)))
 
 
@@ -191,7 +190,7 @@ class SignReader(PayloadReader):
         return self.signs.shape[1]
 
 
-    def kernel_args(self, queries: dict) -> tuple[tuple[Strided, Strided], tuple]:
+    def kernel_args(self, query: CallQuery) -> tuple[tuple[Strided, Strided], tuple]:
         """The bits and norms; no constants."""
         return (Strided.of(self.signs), Strided.of(self.norm)), ()
 

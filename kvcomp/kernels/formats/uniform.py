@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import PayloadReader, Strided, in_place
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, in_place
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
@@ -66,7 +66,7 @@ class UniformReader(PayloadReader):
         return 65536 // (4 * 32 * num_warps) if narrow else 0
 
 
-    def kernel_args(self, queries: dict) -> tuple[UniformArgs, UniformConstants]:
+    def kernel_args(self, query: CallQuery) -> tuple[UniformArgs, UniformConstants]:
         (scale, zero), param_s_b, param_s_h = in_place(self.scale, self.zero)
         multiplier, group = (), 0
         if self.multiplier is not None:  # per token (per-channel payloads) or per channel every few tokens
