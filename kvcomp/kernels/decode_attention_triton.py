@@ -734,7 +734,7 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                     OPERAND=OPERANDS[operands],
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
                     PACKED_V=values is not None and values.packed_values(d, dot)
-                    and not ((isinstance(keys, SketchReader) or key_residual is not None) and block_r > 4),
+                    and not ((keys is not None and keys.sign_scores or key_residual is not None) and block_r > 4),
                     ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL_FORMAT=None, RESIDUAL=None, num_warps=num_warps, **({"maxnreg": cap} if cap else {}))
         if keys is not None:  # what only encoded keys read: their rotation or offset, their residual's sketch
             args.update({name: common[name] for name in ("rope", "offset") if name in common})

@@ -9,8 +9,10 @@ tells the split kernel how to read it in registers:
   found by the reader's class (:data:`~kvcomp.kernels.formats.kernels_triton.KERNEL_FORMATS`; Triton is optional);
 - :meth:`PayloadReader.kernel_args`: its runtime arguments (one named tuple: only the tensors and strides the format
   reads) and compile-time constants (another);
-- :meth:`~PayloadReader.tile_limit`, :attr:`~PayloadReader.wide_tile`, :meth:`~PayloadReader.packed_scores` and
-  :meth:`~PayloadReader.packed_values`: its tile sizes and whether it is read in its stored layout.
+- :meth:`~PayloadReader.tile_limit`, :attr:`~PayloadReader.wide_tile`, :meth:`~PayloadReader.packed_scores`,
+  :meth:`~PayloadReader.packed_values` and :attr:`~PayloadReader.sign_scores`: its tile sizes, whether it is read in
+  its stored layout, and whether its keys are scored from sign bits (values then stay off the field-major path above 4
+  query rows).
 
 The launcher (:mod:`kvcomp.kernels.decode_attention_triton`) asks, and never tests a format's type.
 """
@@ -146,6 +148,7 @@ class PayloadReader:
     head_dim: int
     wide_tile = False  # whether the kernel's wide tiles suit it (read without a per-group table: default_tile)
     chunk_tokens = 1  # tokens the kernel reads as one unit: a tile of the payload starts at a multiple of them
+    sign_scores = False  # keys scored from sign bits, a [tokens, sketch rows] tile in registers (QJL's sketch)
 
     def dequantize_unrotated(self) -> torch.Tensor:
         raise NotImplementedError

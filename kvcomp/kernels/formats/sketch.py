@@ -142,6 +142,7 @@ class SketchReader(PayloadReader):
     (:func:`reconstruct_keys`), whose logits are the same."""
 
     keys: SketchedKeys
+    sign_scores = True
 
     def dequantize_unrotated(self) -> torch.Tensor:
         return reconstruct_keys(self.keys, self.head_dim)
