@@ -31,9 +31,10 @@
 #   overhead: scripts/bench_decode_overhead.py --device cuda --write
 #   qjl: scripts/bench_qjl_decode.py --contexts 8192 32768 --write
 #   sweep: scripts/sweep_decode_kernel.py --write (every launch configuration; replaces its BENCHMARKS section)
-#   graphs: scripts/bench_decode_attention.py --cuda-graphs at 1 x 4K for three formats (each layer's call captured in
-#      a CUDA graph against the same call without; 11 s on an H200; since 0a14028 a captured call is replayed by its
-#      inputs without building its launches: 0.044 against 0.116 ms of host time for KIVI-2 on the CPU here); logged only
+#   graphs: scripts/bench_decode_attention.py --cuda-graphs at 1 x 4K for four formats (each layer's call captured in
+#      a CUDA graph against the same call without; 11 s on an H200 for three; since 0a14028 a captured call is replayed
+#      by its inputs without building its launches: 0.044 against 0.116 ms of host time for KIVI-2 on the CPU here; QJL's
+#      since a37f46b: 0.052 against 0.184; EDEN-2's rotated payload runs outside the graphs); logged only
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
 #   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
 #      on an H200)
@@ -72,7 +73,7 @@ run() {  # run STEP: one named benchmark
         --contexts ${ATTENTION_CONTEXTS:-32768 4096 131072} --encode-tokens 8192 --reps 30 --write ;;
     qjl) step qjl "${QJL_S:-40}" python3 scripts/bench_qjl_decode.py --contexts 8192 32768 --write ;;
     graphs) step graphs "${GRAPHS_S:-30}" python3 scripts/bench_decode_attention.py --batches 1 --contexts 4096 \
-        --codecs kivi-2 temporalkv-2 eden-2 --encode-tokens 1024 --reps 30 --cuda-graphs ;;
+        --codecs kivi-2 temporalkv-2 qjl eden-2 --encode-tokens 1024 --reps 30 --cuda-graphs ;;
     e2e) step e2e "${E2E_S:-200}" python3 scripts/bench_decode_e2e.py --agreement --shapes ${E2E_SHAPES:-16x32768} --write ;;
     maxbatch) step maxbatch "${MAXBATCH_S:-300}" python3 scripts/bench_decode_e2e.py --shapes 16x32768 --rows DynamicCache \
         kivi-2 temporalkv-2 int8-token-head --max-batch --max-batch-gib "${MAXBATCH_GIB:-16}" ;;
