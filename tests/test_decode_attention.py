@@ -14,9 +14,9 @@ from kvcomp.kernels.formats import CodebookReader, RotaryPositions, UniformReade
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.packing import packed_length
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
-from tests.codec_matrix import QJL_TINY
 from tests.conftest import info_of, load_script
 from tests.test_codebook_codecs import fitted
+from tests.test_qjl_kernel import QJL_FUSED
 
 pytestmark = pytest.mark.usefixtures("session_cache")
 
@@ -993,8 +993,8 @@ def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name):
     bounds the tail's start, so a call reads the same tensors step after step. TemporalKV's reader is given the same
     float32 channel statistics at every call (kept per device by the codec). QJL's projected query ``y = S q``, made
     from each call's query, is remade by the graph from its own copy of the query (``CallQuery.refresh``)."""
-    if name == "qjl":  # sketch sizes the fused kernel reads (tests/test_qjl_kernel.py)
-        codec = build_codec({**QJL_TINY, "initial_sketch_dim": 64, "group_size": 16, "key_buffer": 16}, info_of(tiny_llama))
+    if name == "qjl":  # sketch sizes the fused kernel reads
+        codec = build_codec(QJL_FUSED, info_of(tiny_llama))
     else:
         codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) \
             if name == "kivi" else fitted(tiny_llama, name, sinks=4)
