@@ -190,8 +190,9 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
 def graphed_host_seconds(query, keys, values, rope) -> float | None:
     """Host seconds of a layer's call under CUDA graphs that is replayed by its inputs (:mod:`kvcomp.kernels.decode_graphs`):
     the call's setup, the lookup and the query's copy into the graph, in a step whose plan and bounds exist, without the
-    graph's replay (a stand-in that does nothing: there is no GPU here). ``None`` where the call is not replayed by its
-    inputs (a rotated payload's groups run outside the graphs; launches that read what the call made)."""
+    graph's replay (a stand-in that does nothing: there is no GPU here); a rotated payload's call replays its launch
+    groups' split launches and runs their rotations and its merge as they are. ``None`` where no launch of the call is
+    replayed by its inputs (launches that read what the call made)."""
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: lambda: None))
     step = DecodeStep(workspace)
     with mock.patch.object(Launch, "__call__", lambda self: None):

@@ -983,7 +983,38 @@ def test_a_replayed_call_remakes_what_it_derives_from_the_query():
     assert workspace.graphs.by_inputs and outputs[1] is outputs[2] is outputs[3]  # captured, then replayed
 
 
-@pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl"])
+def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch):
+    """A rotated payload's own launches (:func:`launch_groups`: the payload's, with the query rotated, then the sinks'
+    and tail's) under CUDA graphs: each group's split launches are captured and replayed by their inputs, the rotations
+    and the one merge run as they are, and every step's output with a new query and mask equals the reference (a
+    stand-in capture whose replay runs the captured launches again)."""
+    from kvcomp.kernels import decode_attention_triton as kernels
+    from kvcomp.kernels.decode_graphs import DecodeGraphs
+    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+    from kvcomp.kernels.formats import RotatedReader
+
+    built = []
+    setup_launches = kernels.setup_launches
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args: built.append(1) or setup_launches(*args))
+    gen = torch.Generator().manual_seed(10)
+    b, h, r, d, n = 2, 2, 2, 32, 32
+    readers = [RotatedReader(n, d, _uniform(torch.randn(b, h, n, d, generator=gen), 4, d, "per_token")[0],
+                             torch.linalg.qr(torch.randn(d, d, generator=gen))[0]) for _ in range(2)]
+    sinks, tail = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 5, d, generator=gen)
+    keys, values = [sinks, readers[0], tail], [sinks, readers[1], tail]
+    workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
+    builds = []
+    for _ in range(4):
+        query, valid = torch.randn(b, h * r, d, generator=gen), _mask(b, 3 + n + 5, gen)
+        before = len(built)
+        out = kernels.decode_attention_triton(query, keys, values, 0.2, valid, step=DecodeStep(workspace))
+        torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.2, valid), rtol=1e-5, atol=1e-5)
+        builds.append(len(built) - before)
+    assert builds == [2, 2, 0, 0]  # two groups, their launches built twice (met, captured), then replayed
+    assert len(workspace.graphs.by_inputs) == 2
+
+
+@pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl", "eden"])
 @torch.no_grad()
 def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name):
     """``install(model, "triton", cuda_graphs=True)`` with a stand-in capture (its replay runs the captured work
@@ -992,9 +1023,13 @@ def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name):
     along its buffer as tokens leave it, and the kernel is given the buffer from its first row and the plan's row of
     bounds the tail's start, so a call reads the same tensors step after step. TemporalKV's reader is given the same
     float32 channel statistics at every call (kept per device by the codec). QJL's projected query ``y = S q``, made
-    from each call's query, is remade by the graph from its own copy of the query (``CallQuery.refresh``)."""
+    from each call's query, is remade by the graph from its own copy of the query (``CallQuery.refresh``). EDEN's
+    rotated payload runs in launch groups of its own, whose split launches are captured (the rotations run as they
+    are)."""
     if name == "qjl":  # sketch sizes the fused kernel reads
         codec = build_codec(QJL_FUSED, info_of(tiny_llama))
+    elif name == "eden":
+        codec = build_codec({"name": "eden", "key_bits": 2, "value_bits": 2}, info_of(tiny_llama))
     else:
         codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) \
             if name == "kivi" else fitted(tiny_llama, name, sinks=4)

@@ -778,17 +778,25 @@ def _graphed(graphs: DecodeGraphs, query, key_segments, value_segments, scale, v
     setup = call_setup(query, key_segments, value_segments, valid, step, region, **options)
     if setup.plan.slots == 0:
         return torch.zeros_like(query)
+    return _graphed_launches(graphs, setup, key_segments, value_segments, scale, options, registers, region, merge=True)
+
+
+def _graphed_launches(graphs: DecodeGraphs, setup: CallSetup, key_segments, value_segments, scale, options, registers,
+                      region, merge: bool) -> torch.Tensor | None:
+    """The launches of a call's ``setup`` under CUDA graphs: replayed by the call's inputs where a graph of them was
+    captured, else built and run (captured the second time they read the same tensors); with the merge and its output
+    (``merge``), or the split launches alone, whose partial outputs stay in the setup's scratch (a launch group's)."""
     encoded = [s for s in key_segments + value_segments if not isinstance(s, torch.Tensor)]  # (pieces: setup.pieces)
     inputs = (encoded, setup.pieces, scale, options, registers, region, setup.partial, setup.lse, setup.bounds,
               setup.common)
-    with launch_device(query.device):
+    with launch_device(setup.q.device):
         key = graphs.inputs_key(setup.q, inputs)
         replayed = graphs.replay(key, setup.q)
         if replayed is not None:
-            return replayed
-        out, launches, call_query = setup_launches(setup, query.dtype, key_segments, value_segments, scale,
+            return replayed.out
+        out, launches, call_query = setup_launches(setup, setup.q.dtype, key_segments, value_segments, scale,
                                                    options.get("key_rope"), options.get("key_residual"), registers)
-        return graphs.run(launches, call_query, out, key, inputs)
+        return graphs.run(launches if merge else launches[:-1], call_query, out if merge else None, key, inputs)
 
 
 @dataclass
@@ -813,42 +821,62 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
     (:func:`launch_groups`): the payload's partial outputs are un-rotated (``@ rotation_v``) where its values are and get
     a value offset's ``c_v`` (each a softmax average), and a values' sketch group's outputs, taken back to the values'
     basis, are added to them slice by slice; one merge combines all slices (their log-sum-exps do not depend on the
-    basis)."""
+    basis). Under CUDA graphs (the step's workspace) each group's split launches are captured and replayed as a call's
+    are (:func:`_graphed_launches`); the rotations, offsets and the merge run as they are."""
     b, hq, d = query.shape
-    partials, lses, merge, sliced = [], [], None, None
+    partials, lses, merged, sliced = [], [], None, None
     with launch_device(query.device):
         step = step or DecodeStep()
         for region, group in enumerate(launch_groups(query, key_segments, value_segments, valid, key_rope, options)):
-            _, launches = decode_launches(group.query, group.keys, group.values, scale, group.valid, step=step,
-                                          region=region, **group.options)
-            for launch in launches[:-1]:
-                launch()
-            if launches:
-                merge = launches[-1]
-                partial = merge.args["part_ptr"]
-                h = partial.shape[0] // b
-                if group.rotation is not None:  # [B*H, slots, R, D] by each KV head's rotation ([D, D] or [1 or H, D, D])
-                    rotation = group.rotation.float().reshape(-1, 1, d, d)
-                    partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
-                if group.offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
-                    c_v = group.offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
-                    partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
-                slices = [(launch.grid, launch.args["unit"]) for launch in launches[:-1]]  # (a plan's: its token counts)
-                if group.adds:  # the same keys and slices as the previous group: its share of the same softmax
-                    if slices != sliced:
-                        raise ValueError("decode kernel: a value sketch's launches must slice the payload as its keys'")
-                    partials[-1] = partials[-1] + partial
-                    continue
-                partials.append(partial)
-                sliced = slices
-                lses.append(merge.args["lse_ptr"])
-        if merge is None:  # nothing cached
+            setup = _group_partials(group, scale, step, region)
+            if setup is None:  # nothing of this group cached
+                continue
+            merged = setup
+            partial = setup.partial
+            h = partial.shape[0] // b
+            if group.rotation is not None:  # [B*H, slots, R, D] by each KV head's rotation ([D, D] or [1 or H, D, D])
+                rotation = group.rotation.float().reshape(-1, 1, d, d)
+                partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
+            if group.offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
+                c_v = group.offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
+                partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
+            slices = [(planned.splits, setup.block_tokens) for planned in setup.plan.launches]  # (the token counts)
+            if group.adds:  # the same keys and slices as the previous group: its share of the same softmax
+                if slices != sliced:
+                    raise ValueError("decode kernel: a value sketch's launches must slice the payload as its keys'")
+                partials[-1] = partials[-1] + partial
+                continue
+            partials.append(partial)
+            sliced = slices
+            lses.append(setup.lse)
+        if merged is None:  # nothing cached
             return torch.zeros_like(query)
         out = torch.empty_like(query)  # the merge writes every row
         partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
-        Launch(_merge_kernel, merge.grid, {**merge.args, "part_ptr": partial, "lse_ptr": lse, "out_ptr": out,
-                                           "slots": step.count(query.device, 0, partial.shape[1])})()
+        Launch(_merge_kernel, (b * merged.h,), dict(part_ptr=partial, lse_ptr=lse, out_ptr=out,
+                                                    slots=step.count(query.device, 0, partial.shape[1]), R=merged.r,
+                                                    D=d, BLOCK_R=merged.block_r, BLOCK_D=triton.next_power_of_2(d)))()
     return out
+
+
+def _group_partials(group: LaunchGroup, scale: float, step: DecodeStep, region: int) -> CallSetup | None:
+    """Run a launch group's split launches into the step's scratch region ``region`` (replayed from a CUDA graph where
+    the step's workspace captures them); returns the group's setup (its partial outputs, log-sum-exps and plan), or
+    ``None`` where the group has nothing cached."""
+    options = dict(group.options)
+    registers = options.pop("registers", None)
+    setup = call_setup(group.query, group.keys, group.values, group.valid, step, region, **options)
+    if setup.plan.slots == 0:
+        return None
+    if step.workspace.graphs is not None:
+        _graphed_launches(step.workspace.graphs, setup, group.keys, group.values, scale, options, registers, region,
+                          merge=False)
+    else:
+        _, launches, _ = setup_launches(setup, setup.q.dtype, group.keys, group.values, scale, options.get("key_rope"),
+                                        options.get("key_residual"), registers)
+        for launch in launches[:-1]:
+            launch()
+    return setup
 
 
 def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None, options=None) -> list[LaunchGroup]:

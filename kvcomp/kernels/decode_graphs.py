@@ -82,7 +82,7 @@ def cuda_capture(run) -> object:
 class Captured:
     replay: object
     query: torch.Tensor  # the graph's own copy of the query the split launches read
-    out: torch.Tensor  # the merge's output
+    out: torch.Tensor | None  # the merge's output (None: split launches alone)
 
 
 class DecodeGraphs:
@@ -105,21 +105,22 @@ class DecodeGraphs:
         and type enter (it is copied into a graph's own)."""
         return query.shape, query.dtype, query.device, _summary(inputs)
 
-    def replay(self, key: tuple, query: torch.Tensor) -> torch.Tensor | None:
-        """The output of the call captured with inputs ``key`` (:meth:`inputs_key`), replayed with ``query``; ``None``
-        where none is (its launches must be built and :meth:`run`)."""
+    def replay(self, key: tuple, query: torch.Tensor) -> Captured | None:
+        """The call captured with inputs ``key`` (:meth:`inputs_key`), replayed with ``query`` (its output: ``.out``);
+        ``None`` where none is (its launches must be built and :meth:`run`)."""
         found = self.by_inputs.get(key)
         if found is None:
             return None
         self.by_inputs.move_to_end(key)
         found.query.copy_(query)
         found.replay()
-        return found.out
+        return found
 
-    def run(self, launches: list, query: CallQuery, out: torch.Tensor, inputs_key: tuple | None = None,
-            inputs: tuple = ()) -> torch.Tensor:
+    def run(self, launches: list, query: CallQuery, out: torch.Tensor | None, inputs_key: tuple | None = None,
+            inputs: tuple = ()) -> torch.Tensor | None:
         """Run a call's ``launches`` (split launches reading ``query.q`` as ``q_ptr`` and what it derives, then the
-        merge writing ``out``): replayed where captured, captured where met before, else run; returns the output it
+        merge writing ``out``; or split launches alone, ``out`` None, their partial outputs in the scratch they were
+        given: a launch group's): replayed where captured, captured where met before, else run; returns the output it
         wrote. A call captured here is also found by ``inputs_key`` (:meth:`replay`) where its launches read no tensor
         but ``inputs``', the query's, what it derives and the output."""
         derived = frozenset(_storages(query.tensors))
