@@ -34,7 +34,8 @@
 #   graphs: scripts/bench_decode_attention.py --cuda-graphs at 1 x 4K for four formats (each layer's call captured in
 #      a CUDA graph against the same call without; 11 s on an H200 for three; since 0a14028 a captured call is replayed
 #      by its inputs without building its launches: 0.044 against 0.116 ms of host time for KIVI-2 on the CPU here; QJL's
-#      since a37f46b: 0.052 against 0.184; EDEN-2's rotated payload runs outside the graphs); logged only
+#      since a37f46b: 0.052 against 0.184; EDEN-2's launch groups' split launches since a83ffb8: 0.116 against 0.192,
+#      its rotations and merge uncaptured); logged only
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
 #   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
 #      on an H200)
