@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 LLAMA31_8B = dict(query_heads=32, kv_heads=8, head_dim=128)  # attention shapes of Llama-3.1-8B
-SMOKE_SHAPE = dict(LLAMA31_8B, query_heads=8, kv_heads=2)  # --smoke runs: two of its KV heads (the interpreter
-# runs one program at a time)
+# the GPU benchmark scripts' --smoke runs: two of Llama's KV heads (the interpreter runs one program at a time)
+SMOKE_SHAPE = dict(LLAMA31_8B, query_heads=8, kv_heads=2)
 SDPA_BACKENDS = "flash, memory-efficient or math (cuDNN excluded)"
 
 
