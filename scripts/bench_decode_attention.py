@@ -217,6 +217,10 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
     def step(q, keys, values, rope):
         return decode_attention(q, keys, values, d**-0.5, None, rope, "triton", step=planned)
 
+    if graphs:  # each rotated cache met twice before the timing (run, then captured): the timed calls are replays
+        for _ in range(2):
+            for keys, values, rope, _ in states:
+                step(torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope)
     ms = timer(step, inputs)
     host_ms, device_ms = timer.host_ms, timer.device_ms
     states.clear()

@@ -16,13 +16,12 @@ step, and the synchronising CUDA calls of one more step (``torch.cuda.set_sync_d
 host never waits for the device within a step; CUDA-graph capture is not attempted). Compressed caches
 are preallocated (``capacity``: prompt + every step), so decode steps allocate no storage.
 
-``--max-batch``: the largest batch that completes a 32K prefill and two decode steps on the device, found by real
-allocations (out-of-memory errors caught) for each row: batches 1 and 2 give the bytes a sequence adds, the search
-starts at the batch that fills the memory and steps out from it (:func:`largest_batch`); ``--max-batch-gib`` caps the
-allocator (``torch.cuda.set_per_process_memory_fraction``) so that each try prefills fewer sequences: uncapped, a try
-near the answer prefills 32K tokens for hundreds to thousands of sequences. ``--agreement``: teacher-forced decoding
-through the fused path and through the torch path of the same codec, fed the same tokens: relative error of the
-logits and greedy agreement.
+``--max-batch``: the largest batch whose 32K-token caches (one prefill, copied into every row: :func:`_fits`) and two
+decode steps fit on the device, found by real allocations (out-of-memory errors caught) for each row: batches 1 and 2
+give the bytes a sequence adds, the search starts at the batch that fills the memory and steps out from it
+(:func:`largest_batch`); ``--max-batch-gib`` caps the allocator (``torch.cuda.set_per_process_memory_fraction``) so that
+each try decodes fewer sequences. ``--agreement``: teacher-forced decoding through the fused path and through the torch
+path of the same codec, fed the same tokens: relative error of the logits and greedy agreement.
 
     python scripts/bench_decode_e2e.py --write                       # on a CUDA GPU (about 10 minutes)
     python scripts/bench_decode_e2e.py --max-batch --agreement --write
@@ -193,14 +192,19 @@ def _steps(name: str, models: tuple, ids: torch.Tensor, setting: dict, device: t
 
 
 def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.device) -> tuple[bool, float]:
-    """Whether a prefill of ``max_batch_context`` tokens and two decode steps fit at ``batch``, and the peak GiB they
-    took (NaN where they did not fit, or on a CPU)."""
+    """Whether ``batch`` sequences of ``max_batch_context`` tokens and two decode steps fit, and the peak GiB they took
+    (NaN where they did not fit, or on a CPU). One sequence is prefilled and its cache copied into every row
+    (``batch_repeat_interleave``), as a server prefills each request on its own: a batched prefill's attention
+    temporaries (keys and values repeated for every query head, a compressed cache's decoded history) grow with
+    batch x context and, at 32K tokens, outweigh the cache itself (16 GiB on an H200, 2026-11-28: DynamicCache 8
+    sequences, KIVI-2 and TemporalKV-2 7, int8 per token-head 6)."""
     _fresh(device)
     try:
         model, cache = new_cache(name, models, setting["max_batch_context"] + 3)
-        ids = torch.randint(0, models[0].config.vocab_size, (batch, setting["max_batch_context"]), device=device)
-        chunk = max(16, min(setting["chunk"], (1 << 15) // batch))  # activations of a forward stay small
-        token = prefill(model, cache, ids, chunk)
+        ids = torch.randint(0, models[0].config.vocab_size, (1, setting["max_batch_context"]), device=device)
+        token = prefill(model, cache, ids, setting["chunk"])
+        cache.batch_repeat_interleave(batch)  # the one sequence's cache copied into every row
+        token = token.repeat_interleave(batch, 0)
         for _ in range(2):
             token = forward(model, cache, token).argmax(-1, keepdim=True)
         if device.type == "cuda":
@@ -252,7 +256,7 @@ def largest_batch(fits, guess: int | None, limit: int) -> int:
 
 @torch.inference_mode()
 def max_batch(setting: dict, models: tuple, rows: list[str], device: torch.device, log) -> list[dict]:
-    """Per row, the largest batch whose ``max_batch_context``-token prefill and two decode steps fit in
+    """Per row, the largest batch whose ``max_batch_context``-token caches and two decode steps (:func:`_fits`) fit in
     ``max_batch_gib`` (the allocator capped there; default the device's memory), by real allocations. Batches 1 and 2
     give the bytes a sequence adds; :func:`largest_batch` starts from the batch that fills the capacity."""
     out = []
@@ -260,7 +264,7 @@ def max_batch(setting: dict, models: tuple, rows: list[str], device: torch.devic
     capacity = float("nan")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total) if cap else 1.0, device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total) if cap else 1.0, device.index)
         capacity = cap or total
     limit = setting["max_batch_limit"]
     for name in rows:
@@ -280,7 +284,7 @@ def max_batch(setting: dict, models: tuple, rows: list[str], device: torch.devic
         log(f"[bench] largest batch at {setting['max_batch_context']} tokens, {name}: {low} ({2 + len(tries)} tries: "
             f"1, 2, {', '.join(map(str, tries))})")
     if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, device.index)
     base = next(r["max_batch"] for r in out if r["cache"] == BASELINE) if BASELINE in rows else 0
     for row in out:
         row["vs_bf16"] = row["max_batch"] / base if base else float("nan")

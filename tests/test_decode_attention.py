@@ -420,17 +420,19 @@ def test_tiles_of_token_chunks_start_at_whole_chunks():
         decode_launches(query, [sinks[0], keys], [sinks[0], values], d**-0.5, dot=False, block_tokens=2)
 
 
-def test_packed_ints_cap_the_registers_of_narrow_tl_dot_launches():
-    """Packed ints in 32-token tiles cap a ``tl.dot`` launch at four programs per multiprocessor (128 registers per
-    thread at 4 warps, 64 at 8); wide tiles, a codebook payload beside them, the register path and ``registers=0`` leave
-    the compiler its choice; ``registers`` sets any cap."""
+def test_packed_ints_and_grouped_codebooks_cap_the_registers_of_narrow_tl_dot_launches():
+    """Packed ints and per-group codebooks in 32-token tiles cap a ``tl.dot`` launch at four programs per
+    multiprocessor (128 registers per thread at 4 warps, 64 at 8); wide tiles, one codebook for every channel (EDEN's,
+    TurboQuant's) beside them, the register path and ``registers=0`` leave the compiler its choice; ``registers`` sets
+    any cap."""
     from kvcomp.kernels.decode_attention_triton import decode_launches
 
     b, h, r, d, group = 1, 2, 4, 32, 32
     gen = torch.Generator().manual_seed(9)
     keys, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_channel")
     values, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_token")
-    codebook = _codebook_reader(b, h, d, 4 * group, *LAYOUTS["scalar"], False, gen)
+    codebook = _codebook_reader(b, h, d, 4 * group, *LAYOUTS["scalar"], False, gen)  # a codebook per 4 channels
+    one_codebook = _codebook_reader(b, h, d, 4 * group, ChunkLayout(1, 1, d), 4, False, gen)
     query = torch.randn(b, h * r, d, generator=gen)
 
     def cap(key, value, **options):
@@ -438,8 +440,9 @@ def test_packed_ints_cap_the_registers_of_narrow_tl_dot_launches():
 
     assert cap(keys, values) == 128 and cap(keys, values, num_warps=8) == 64
     assert cap(values, values, block_tokens=128) is None  # wide tiles (per-channel keys' groups allow 32 tokens)
-    assert cap(keys, codebook) is None and cap(keys, values, registers=0) is None
-    assert cap(keys, codebook, registers=96) == 96
+    assert cap(keys, codebook) == 128 and cap(codebook, codebook, num_warps=8) == 64
+    assert cap(keys, one_codebook) is None and cap(keys, values, registers=0) is None
+    assert cap(keys, one_codebook, registers=96) == 96
     assert cap(keys, values, dot=False) == 255  # the register path: the register file's share of a program
 
 

@@ -140,6 +140,11 @@ class CallQuery:
                 tensor.copy_(new)
 
 
+def four_programs(num_warps: int) -> int:
+    """Registers per thread at which four programs of ``num_warps`` warps share a multiprocessor's 65,536."""
+    return 65536 // (4 * 32 * num_warps)
+
+
 @dataclass
 class PayloadReader:
     """What a kernel needs to read one encoded segment; subclasses define the format."""
@@ -169,8 +174,8 @@ class PayloadReader:
 
     def register_cap(self, narrow: bool, num_warps: int) -> int:
         """Registers per thread that a ``tl.dot`` launch of ``num_warps`` warps reading this payload is capped at, so
-        that more programs share a multiprocessor (0: the compiler's choice); ``narrow``: its tiles are at most the
-        launcher's narrow tile (``decode_attention_triton.TILE`` tokens)."""
+        that more programs share a multiprocessor (0: the compiler's choice; :func:`four_programs`); ``narrow``: its
+        tiles are at most the launcher's narrow tile (``decode_attention_triton.TILE`` tokens)."""
         return 0
 
     def packed_scores(self, head_dim: int, dot: bool) -> bool:

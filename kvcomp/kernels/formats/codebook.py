@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, in_place
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, four_programs, in_place
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.lloyd_max import TINY
 from kvcomp.stages.normalization import affine_denormalize, per_token
@@ -61,6 +61,12 @@ class CodebookReader(PayloadReader):
     def wide_tile(self) -> bool:
         """One codebook for every channel group (TurboQuant, EDEN); per-group codebooks need narrow tiles."""
         return self.codebooks.shape[1] == 1
+
+    def register_cap(self, narrow: bool, num_warps: int) -> int:
+        """Four programs per multiprocessor where the codebooks are per channel group (TemporalKV, ChannelKV,
+        KVQuant: narrow tiles): they then spill, and still run 1.13-1.33x faster than at the compiler's 150-170
+        registers (H200, 16 x 32K, device time: BENCHMARKS.md, GPU reading of 2026-11-28)."""
+        return 0 if self.wide_tile or not narrow else four_programs(num_warps)
 
     @property
     def chunk_tokens(self) -> int:

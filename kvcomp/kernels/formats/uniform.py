@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, in_place
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, four_programs, in_place
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
@@ -63,7 +63,7 @@ class UniformReader(PayloadReader):
         in their stored layout, bf16 operands) then compiles to 118-123 registers without spilling, where the compiler
         takes 136-138 and three programs fit (``scripts/kernel_resources.py``, Triton 3.6 and 3.9); in wide tiles the cap
         spills (vLLM's int4: 860 bytes per thread)."""
-        return 65536 // (4 * 32 * num_warps) if narrow else 0
+        return four_programs(num_warps) if narrow else 0
 
 
     def kernel_args(self, query: CallQuery) -> tuple[UniformArgs, UniformConstants]:
