@@ -537,6 +537,35 @@ def test_kivi_decode_steps_read_the_payloads(tiny_model):
     assert layer.key_stream.num_encoded >= 16 and layer.key_stream.decoded.length == 0 and layer.value_stream.decoded.length == 0
 
 
+@torch.no_grad()
+def test_a_chunked_prefills_decoded_copy_is_freed_by_the_first_fused_step(tiny_llama):
+    """A prompt prefilled in two forwards decodes the first one's blocks for the second's attention (the torch path's
+    copy); the first decode step read from the payloads frees it (what the cache holds drops by that copy), its
+    logits those of the torch path, and a later multi-token forward decodes the blocks again, equal to the torch path."""
+    codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama))
+    ids = torch.randint(1, 96, (2, 48), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for backend in ("torch", "triton"):
+        install(tiny_llama, kernel_backend=backend)
+        try:
+            cache = CompressedCache(codec, "exact_prefill")
+            run = lambda part: tiny_llama(part, **with_cache(tiny_llama, cache), use_cache=True).logits[:, -1]  # noqa: E731
+            run(ids[:, :24])
+            run(ids[:, 24:40])
+            stream = cache.layers[1].key_stream
+            decoded, copy, working = stream.decoded.length, stream.decoded.nbytes, cache.working_nbytes
+            logits[backend] = [run(ids[:, 40:41])]
+            if backend == "triton":
+                assert decoded > 0 and stream.decoded.length == 0
+                assert cache.working_nbytes <= working - copy  # this stream's copy (and every other's)
+            logits[backend].append(run(ids[:, 41:44]))
+        finally:
+            install(tiny_llama, kernel_backend="torch")
+    for fused, reference in zip(logits["triton"], logits["torch"]):
+        torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    assert stream.decoded.length == stream.num_encoded  # the three-token forward decoded every block again
+
+
 @pytest.mark.parametrize("name", ["temporalkv", "kvquant", "channelkv"])
 @torch.no_grad()
 def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):

@@ -261,6 +261,9 @@ class CompressedLayer(StepLayer):
         fused = self.fused_decode(part, step) if n == 1 else None
         key_view = KVStream.segments if fused in ("attention", "scores") else KVStream.parts
         value_view = KVStream.segments if fused in ("attention", "values") else KVStream.parts
+        for stream, view in ((key_stream, key_view), (value_stream, value_view)):
+            if view is KVStream.segments:  # a chunked prefill's decoded copy, otherwise kept for the whole generation
+                stream.forget_decoded()
         history = self.protocol == "exact_prefill" and part.schedule.encodes_in_update and any(
             s.ready_after(n) for s in part.streams)  # this forward sees its own tokens uncompressed
         if history:

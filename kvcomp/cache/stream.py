@@ -367,6 +367,12 @@ class KVStream:
             self.decoded, self.pending = GrowingTensor(2, self.capacity), list(self.blocks)
         self.num_encoded = self.length = count
 
+    def forget_decoded(self) -> None:
+        """Free the torch path's decoded copy (a stream read from its payload needs none); its blocks are decoded
+        again when that path reads them (every block is pending while nothing is decoded)."""
+        if self.decoded.buffer is not None:
+            self.decoded, self.pending = GrowingTensor(2, self.capacity), list(self.blocks)
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam reorder, batch select / repeat) of everything held."""
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
