@@ -192,8 +192,8 @@ def _steps(name: str, models: tuple, ids: torch.Tensor, setting: dict, device: t
 
 
 def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.device) -> tuple[bool, float]:
-    """Whether ``batch`` sequences of ``max_batch_context`` tokens and two decode steps fit, and the peak GiB they took
-    (NaN where they did not fit, or on a CPU). One sequence is prefilled and its cache copied into every row
+    """Whether ``batch`` sequences of ``max_batch_context`` tokens and two decode steps fit, and the GiB then allocated
+    (the weights and the caches; NaN where they did not fit, or on a CPU). One sequence is prefilled and its cache copied into every row
     (``batch_repeat_interleave``), as a server prefills each request on its own: a batched prefill's attention
     temporaries (keys and values repeated for every query head, a compressed cache's decoded history) grow with
     batch x context and, at 32K tokens, outweigh the cache itself (16 GiB on an H200, 2026-11-28: DynamicCache 8
@@ -209,7 +209,7 @@ def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.dev
             token = forward(model, cache, token).argmax(-1, keepdim=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return True, _peak(device)
+        return True, torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     except torch.cuda.OutOfMemoryError:
         return False, float("nan")
     finally:
@@ -217,13 +217,13 @@ def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.dev
         _fresh(device)
 
 
-def _estimate(peaks: tuple[float, float], capacity_gib: float, limit: int) -> int | None:
-    """The batch that fills ``capacity_gib``, from the peaks of batches 1 and 2 (what a sequence adds, and the rest);
-    ``None`` where the peaks say nothing (a CPU)."""
-    per_sequence = peaks[1] - peaks[0]
+def _estimate(held: tuple[float, float], capacity_gib: float, limit: int) -> int | None:
+    """The batch that fills ``capacity_gib``, from the GiB held at batches 1 and 2 (what a sequence adds, and the
+    rest: the peaks would be the one prefill's, the same for both); ``None`` where they say nothing (a CPU)."""
+    per_sequence = held[1] - held[0]
     if not per_sequence > 0:
         return None
-    return max(2, min(limit, int((capacity_gib - (peaks[0] - per_sequence)) / per_sequence)))
+    return max(2, min(limit, int((capacity_gib - (held[0] - per_sequence)) / per_sequence)))
 
 
 def largest_batch(fits, guess: int | None, limit: int) -> int:

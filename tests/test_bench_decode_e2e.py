@@ -38,8 +38,8 @@ def test_the_largest_batch_search_finds_the_boundary_from_any_estimate(guess):
     assert module.largest_batch(lambda batch: True, guess if guess is None else min(guess, 64), 64) == 64  # the limit
 
 
-def test_the_estimate_fills_the_capacity_from_two_peaks():
+def test_the_estimate_fills_the_capacity_from_what_two_batches_hold():
     module = load_script("bench_decode_e2e")
     assert module._estimate((3.5, 4.0), 16.0, 4096) == 26  # 3 GiB besides 0.5 GiB a sequence: (16 - 3) / 0.5
     assert module._estimate((3.5, 4.0), 16.0, 20) == 20
-    assert module._estimate((float("nan"), float("nan")), 16.0, 4096) is None  # a CPU: no peaks
+    assert module._estimate((float("nan"), float("nan")), 16.0, 4096) is None  # a CPU: nothing measured
