@@ -41,9 +41,11 @@ def test_splits_fill_whole_waves_where_the_interval_is_long_enough():
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's ptxas is not available")
-def test_every_decode_launch_compiles_for_sm90_without_spills():
+def test_every_decode_launch_compiles_for_sm90_within_its_register_cap():
     """The default launches (tl.dot, 4 warps, 32-token tiles: the fastest measured on an H200, BENCHMARKS.md)
-    compile for sm_90a without spilling."""
+    compile for sm_90a at four programs per multiprocessor (128 registers per thread): packed ints without spilling,
+    per-group codebooks spilling a few hundred bytes per thread at most (1.13-1.33x faster all the same on the H200,
+    "GPU reading of 2026-11-28": 136-260 bytes for TemporalKV-2 under Triton 3.6 and 3.9)."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite interprets kernels
     table = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--codecs", "kivi-2", "temporalkv-2",
@@ -55,9 +57,11 @@ def test_every_decode_launch_compiles_for_sm90_without_spills():
     for row in rows:
         tile, warps, spill_stores, spill_loads = int(row[2]), int(row[3]), int(row[5]), int(row[6])
         assert (tile, warps) == (32, 4), row
-        assert spill_stores == 0 and spill_loads == 0, row
-        if row[0] == "kivi-2":  # packed ints' register cap: four programs per multiprocessor
-            assert int(row[4]) <= 128, row
+        assert int(row[4]) <= 128, row  # the formats' register cap: four programs per multiprocessor
+        if row[0] == "kivi-2":
+            assert spill_stores == 0 and spill_loads == 0, row
+        else:
+            assert 0 < spill_stores <= 320 and spill_loads <= 320, row  # capped below the compiler's 150-170
         assert row[8].rstrip(" |") != "0%", row
 
 
