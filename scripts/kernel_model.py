@@ -64,27 +64,33 @@ MEASURED = {  # gpu-evidence/bench_decode_attention.txt, ms (9c57ff6, H100), in 
 QJL_MEASURED = {(1, 8192): 0.3391, (1, 32768): 0.9060, (1, 65536): 1.6459, (4, 8192): 0.8973, (4, 32768): 3.0805,
                 (4, 65536): 5.9251}  # gpu-evidence/bench_qjl_decode.txt, authors' general layer, scores only
 QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
-# Today's kernels measured (BENCHMARKS.md, "Fused decode attention" and "QJL decode-step scores": H200, 2026-11-27),
-# compared only with a launch whose machine code is the one measured: the SASS fingerprint (:func:`sass_fingerprint`)
-# of its split launch (QJL: its score launch) compiled by Triton 3.6, the GPU machine's, at revision MEASURED_TODAY_AT
-# (QJL's scores at QJL_MEASURED_TODAY_AT: the second lease did not time them, and their machine code is unchanged)
-MEASURED_TODAY_AT, QJL_MEASURED_TODAY_AT, MEASURED_TODAY_CARD = "a357b2e", "5df39bb", "H200"
-MEASURED_TODAY_SASS = {"kivi-2": "c8c0f66cc456", "kivi-4": "627753deee05", "temporalkv-2": "2c60334ede90",
-                       "channelkv-2": "8adb39c14ce4", "kvquant-2": "4ce2160a84b8", "qjl scores": "f6b4c7faca9c"}
-MEASURED_TODAY = {  # ms in SHAPES' order
-    name: dict(zip(SHAPES, times)) for name, times in {
-        "kivi-2": (0.2477, 0.5092, 0.3284, 1.0615, 3.5382),
-        "kivi-4": (0.2338, 0.5093, 0.3283, 1.1501, 3.8009),
-        "temporalkv-2": (0.2556, 0.7200, 0.8997, 4.7452, 17.7159),
-        "channelkv-2": (0.2608, 0.7427, 0.9083, 5.1858, 20.1212),
-        "kvquant-2": (0.2794, 0.7493, 0.9141, 5.0710, 18.4206),
-    }.items()
+# Today's kernels measured on an H200 (BENCHMARKS.md, "GPU reading of 2026-11-28"): KIVI's and QJL's at 323c1c0 (the
+# "Fused decode attention" and "QJL decode-step scores" tables), the codebook kernels with their register cap at c2b5460
+# (that reading's sweep, two shapes). A row is compared only with a launch whose machine code is the one measured: the
+# SASS fingerprint (:func:`sass_fingerprint`) of its split launch (QJL's scores: its score launch) compiled by Triton
+# 3.6, the GPU machine's
+MEASURED_TODAY_AT, MEASURED_TODAY_CARD = "323c1c0 (KIVI, QJL) and c2b5460 (codebooks)", "H200"
+MEASURED_TODAY_SASS = {"kivi-2": "facea9ef37db", "kivi-4": "2585749c7b4c", "temporalkv-2": "e5c14b239474",
+                       "channelkv-2": "cc1e39d557f4", "kvquant-2": "483469242378", "qjl step": "a0cee09413eb",
+                       "qjl scores": "1bc20fe8cb29"}
+MEASURED_TODAY = {  # ms
+    "kivi-2": dict(zip(SHAPES, (0.5392, 0.6624, 0.6341, 1.3410, 3.7411))),
+    "kivi-4": dict(zip(SHAPES, (0.4967, 0.6621, 0.6586, 1.4214, 4.0984))),
+    "temporalkv-2": {(1, 32768): 0.6260, (16, 32768): 2.1630},
+    "channelkv-2": {(1, 32768): 0.6187, (16, 32768): 2.2482},
+    "kvquant-2": {(1, 32768): 0.6477, (16, 32768): 2.0069},
+    "qjl step": dict(zip(SHAPES, (0.5310, 1.0207, 1.2547, 3.8061, 14.1240))),
 }
-QJL_MEASURED_TODAY = {(1, 8192): 0.3648, (1, 32768): 0.9959, (4, 8192): 0.8983, (4, 32768): 2.9815}
-# device ms of the same kernels (each call queued behind a spacer that hides its host work: Timer.device_ms), measured
-# at 724b898, whose kernels are a357b2e's ("GPU reading of 2026-11-27, second lease", call 7)
-MEASURED_TODAY_DEVICE = {("kivi-2", (16, 32768)): 0.8298, ("kivi-2", (1, 32768)): 0.1025,
-                         ("temporalkv-2", (16, 32768)): 4.4068, ("temporalkv-2", (1, 32768)): 0.3058}
+QJL_MEASURED_TODAY = {(1, 8192): 0.5640, (1, 32768): 0.3747, (4, 8192): 0.6447, (4, 32768): 0.8693}
+# device ms of the same launches (each call queued behind a spacer that hides its host work: Timer.device_ms)
+MEASURED_TODAY_DEVICE = {
+    **{("kivi-2", shape): ms for shape, ms in zip(SHAPES, (0.0289, 0.1018, 0.1352, 0.8286, 3.1896))},
+    **{("kivi-4", shape): ms for shape, ms in zip(SHAPES, (0.0294, 0.1134, 0.1505, 0.9203, 3.5345))},
+    **{("qjl step", shape): ms for shape, ms in zip(SHAPES, (0.0647, 0.2425, 0.4675, 3.2794, 12.9094))},
+    ("temporalkv-2", (1, 32768)): 0.2091, ("temporalkv-2", (16, 32768)): 1.8696,
+    ("channelkv-2", (1, 32768)): 0.1956, ("channelkv-2", (16, 32768)): 1.8660,
+    ("kvquant-2", (1, 32768)): 0.1851, ("kvquant-2", (16, 32768)): 1.6747,
+}
 
 
 def codec_for(name: str):
@@ -465,7 +471,7 @@ def main(argv=None) -> str:
             lines.append(f"| {args.commit} | {shape[0]} x {shape[1] // 1024}K | {seconds * 1e3:.3f} | {QJL_MEASURED[shape]:.3f} | "
                          f"{seconds * 1e3 / QJL_MEASURED[shape]:.2f} |")
     options = {"operands": args.operands} if args.operands else None
-    where = f"{MEASURED_TODAY_CARD}, {MEASURED_TODAY_AT} (QJL scores: {QJL_MEASURED_TODAY_AT})"
+    where = f"{MEASURED_TODAY_CARD}, {MEASURED_TODAY_AT}"
     lines += ["", "Today's kernels, predicted (static model); SDPA bf16 memory time = K/V bytes / 2970 GB/s; measured: the "
               f"{where} rows of BENCHMARKS.md where a launch's machine code is the one measured (ratio = predicted / "
               "measured):", "",
@@ -484,30 +490,35 @@ def main(argv=None) -> str:
                 f"{sdpa / (seconds * 1e3):.2f}x | {f'{ms:.3f}' if ms else '-'} | {f'{seconds * 1e3 / ms:.2f}' if ms else '-'} | "
                 f"{device:.3f} | {f'{on_device:.3f}' if on_device else '-'} | {f'{device / on_device:.2f}' if on_device else '-'} |")
 
-    predicted = {}
+    device_parts = {}  # shape -> name -> predicted device part, where the device time was measured
+
+    def step_rows(name: str, result: dict) -> None:
+        as_measured = result["launches"][0]["sass"] == MEASURED_TODAY_SASS[name]
+        for shape, (seconds, bound) in result["shapes"].items():
+            if as_measured and (name, shape) in MEASURED_TODAY_DEVICE:
+                device_parts.setdefault(shape, {})[name] = (seconds - HOST_FACTOR * result["host"]) * 1e3
+            lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name], as_measured, result["host"]))
+
     for name in args.codecs:
         result = today_step(name, SHAPES, options)
         tiles += [(f"today {name}", a) for a in result["launches"]]
         hosts.append((f"today {name}", result["host"], result["graphed"]))
-        as_measured = result["launches"][0]["sass"] == MEASURED_TODAY_SASS[name]
-        for shape, (seconds, bound) in result["shapes"].items():
-            if as_measured:
-                predicted.setdefault(shape, {})[name] = seconds * 1e3
-            lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name], as_measured, result["host"]))
+        step_rows(name, result)
     fused = today_step("qjl", SHAPES, options)  # QJL's step in the fused kernel (sketched keys, packed values)
     tiles += [("today qjl step", a) for a in fused["launches"]]
     hosts.append(("today qjl step", fused["host"], fused["graphed"]))
-    for shape, (seconds, bound) in fused["shapes"].items():
-        lines.append(row("qjl step", shape, seconds, bound, {}, False, fused["host"]))
+    step_rows("qjl step", fused)
     qjl = qjl_scores(None, SHAPES + [s for s in QJL_MEASURED_TODAY if s not in SHAPES])
     tiles += [("today qjl scores", qjl["launches"][0])]
     hosts.append(("today qjl scores", qjl["host"], None))
     for shape, (seconds, bound) in qjl["shapes"].items():
         lines.append(row("qjl scores", shape, seconds, bound, QJL_MEASURED_TODAY,
                          qjl["launches"][0]["sass"] == MEASURED_TODAY_SASS["qjl scores"], qjl["host"]))
-    if predicted:
-        lines += ["", f"Ranking of today's kernels per shape (fastest first; those measured on the {where}):", ""]
-        lines += [ranking_line(shape, times, {n: MEASURED_TODAY[n][shape] for n in times}) for shape, times in predicted.items()]
+    if device_parts:  # device time: the host term is this CPU's, not the GPU machine's
+        lines += ["", f"Ranking of today's kernels per shape by device time (fastest first; those measured on the {where}):",
+                  ""]
+        lines += [ranking_line(shape, parts, {n: MEASURED_TODAY_DEVICE[n, shape] for n in parts})
+                  for shape, parts in sorted(device_parts.items())]
     lines += ["", "Host time of one call on this CPU (the launcher's Python and Triton's binding of its launches; the "
               "fastest of several, without the driver's launch; with CUDA graphs: a call replayed by its inputs, "
               "without the replay itself):", "", "| kernel | host ms | host ms with CUDA graphs |", "|---|---:|---:|"]
