@@ -64,7 +64,7 @@ class CodebookReader(PayloadReader):
 
     def register_cap(self, narrow: bool, num_warps: int) -> int:
         """Four programs per multiprocessor where the codebooks are per channel group (TemporalKV, ChannelKV,
-        KVQuant: narrow tiles): they then spill, and still run 1.13-1.33x faster than at the compiler's 150-170
+        KVQuant: narrow tiles): they then spill, and still run 1.13-1.33x faster than at the compiler's 168-255
         registers (H200, 16 x 32K, device time: BENCHMARKS.md, GPU reading of 2026-11-28)."""
         return 0 if self.wide_tile or not narrow else four_programs(num_warps)
 
