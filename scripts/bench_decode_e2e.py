@@ -193,11 +193,11 @@ def _steps(name: str, models: tuple, ids: torch.Tensor, setting: dict, device: t
 
 def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.device) -> tuple[bool, float]:
     """Whether ``batch`` sequences of ``max_batch_context`` tokens and two decode steps fit, and the GiB then allocated
-    (the weights and the caches; NaN where they did not fit, or on a CPU). One sequence is prefilled and its cache copied into every row
-    (``batch_repeat_interleave``), as a server prefills each request on its own: a batched prefill's attention
-    temporaries (keys and values repeated for every query head, a compressed cache's decoded history) grow with
-    batch x context and, at 32K tokens, outweigh the cache itself (16 GiB on an H200, 2026-11-28: DynamicCache 8
-    sequences, KIVI-2 and TemporalKV-2 7, int8 per token-head 6)."""
+    (the weights and the caches; NaN where they did not fit, or on a CPU). One sequence is prefilled and its cache
+    copied into every row (``batch_repeat_interleave``), as a server prefills each request on its own: a batched
+    prefill's attention temporaries (keys and values repeated for every query head, a compressed cache's decoded
+    history) grow with batch x context and, at 32K tokens, outweigh the cache itself (16 GiB on an H200, 2026-11-28:
+    DynamicCache 8 sequences, KIVI-2 and TemporalKV-2 7, int8 per token-head 6)."""
     _fresh(device)
     try:
         model, cache = new_cache(name, models, setting["max_batch_context"] + 3)

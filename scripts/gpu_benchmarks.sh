@@ -15,8 +15,9 @@
 #      7 rows with 6 agreement rows, each took about 110-130 s; all 15 and 14 need about 200 s)
 #   maxbatch: scripts/bench_decode_e2e.py --max-batch --max-batch-gib 16 for DynamicCache, KIVI-2, TemporalKV-2 and int8 per
 #      token-head (their speed rows at 16 x 32K first): the largest batch at 32K tokens in 16 GiB, by real allocations
-#      (not run yet; estimated 3-5 minutes on an H200: each try near the answer prefills 32K tokens for up to ~150
-#      sequences); logged only (--write would replace the e2e section's earlier runs)
+#      (each try prefills one sequence and copies its cache into every row; on an H200 on 2026-11-28, before the decoded
+#      copy was freed: 110 s for DynamicCache and KIVI-2, the step stopped there); logged only (--write would replace
+#      the e2e section's earlier runs)
 #   registers: scripts/sweep_decode_kernel.py --configs 0 13 14 15 --shapes 16x32768 for KIVI-2 and -4 and the three
 #      codebook codecs: the default launch against no register cap and caps of 128 and 168 per thread for every format
 #      (the static model predicts KIVI-2 20 % faster with its cap, the codebook kernels 12-24 % with 128 despite
@@ -32,7 +33,8 @@
 #   qjl: scripts/bench_qjl_decode.py --contexts 8192 32768 --write
 #   sweep: scripts/sweep_decode_kernel.py --write (every launch configuration; replaces its BENCHMARKS section)
 #   graphs: scripts/bench_decode_attention.py --cuda-graphs at 1 x 4K for four formats (each layer's call captured in
-#      a CUDA graph against the same call without; 11 s on an H200 for three; since 0a14028 a captured call is replayed
+#      a CUDA graph against the same call without, each rotated cache met twice before the timing; 11 s on an H200 for
+#      three; since 0a14028 a captured call is replayed
 #      by its inputs without building its launches: 0.044 against 0.116 ms of host time for KIVI-2 on the CPU here; QJL's
 #      since a37f46b: 0.052 against 0.184; EDEN-2's launch groups' split launches since a83ffb8: 0.116 against 0.192,
 #      its rotations and merge uncaptured); logged only
