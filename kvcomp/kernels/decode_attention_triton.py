@@ -744,10 +744,17 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                 args["residual"], args["RESIDUAL"] = signs.residual_args(y)
                 args["RESIDUAL_FORMAT"] = KERNEL_FORMATS[SketchReader]  # scored as sketched keys without outliers
         launches.append(Launch(_split_kernel, (b * h, planned.splits), args))
-    merge = dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, slots=bounds[0, decode_plan.SLOTS:], R=r, D=d, BLOCK_R=block_r,
-                 BLOCK_D=triton.next_power_of_2(d))
-    launches.append(Launch(_merge_kernel, (b * h,), merge))
+    launches.append(_merge_launch(partial, lse, out, bounds[0, decode_plan.SLOTS:], r, block_r))
     return out, launches, call_query
+
+
+def _merge_launch(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, r: int,
+                  block_r: int) -> Launch:
+    """The merge of a call's slices: ``partial`` ``[B*H, slots, R, D]`` and ``lse`` into ``out``, ``slots`` the
+    device-side count of slots used (one program per KV head of each sequence)."""
+    d = partial.shape[-1]
+    return Launch(_merge_kernel, (partial.shape[0],), dict(part_ptr=partial, lse_ptr=lse, out_ptr=out, slots=slots, R=r,
+                                                          D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d)))
 
 
 def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], value_segments: list[Segment], scale: float,
@@ -853,9 +860,7 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
             return torch.zeros_like(query)
         out = torch.empty_like(query)  # the merge writes every row
         partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
-        Launch(_merge_kernel, (b * merged.h,), dict(part_ptr=partial, lse_ptr=lse, out_ptr=out,
-                                                    slots=step.count(query.device, 0, partial.shape[1]), R=merged.r,
-                                                    D=d, BLOCK_R=merged.block_r, BLOCK_D=triton.next_power_of_2(d)))()
+        _merge_launch(partial, lse, out, step.count(query.device, 0, partial.shape[1]), merged.r, merged.block_r)()
     return out
 
 
