@@ -939,7 +939,7 @@ def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask(monkeypat
 
     built = []
     setup_launches = kernels.setup_launches
-    monkeypatch.setattr(kernels, "setup_launches", lambda *args: built.append(1) or setup_launches(*args))
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args, **kw: built.append(1) or setup_launches(*args, **kw))
     captured = []
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: captured.append(run) or run))
     b, h, r, d, group, capacity = 2, 2, 2, 32, 16, 128
@@ -974,7 +974,7 @@ def test_a_call_reading_what_it_made_is_replayed_only_by_its_launches(monkeypatc
 
     built = []
     setup_launches = kernels.setup_launches
-    monkeypatch.setattr(kernels, "setup_launches", lambda *args: built.append(1) or setup_launches(*args))
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args, **kw: built.append(1) or setup_launches(*args, **kw))
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
     b, h, r, d, tokens = 1, 2, 2, 32, 64
     gen = torch.Generator().manual_seed(6)
@@ -1027,7 +1027,7 @@ def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch)
 
     built = []
     setup_launches = kernels.setup_launches
-    monkeypatch.setattr(kernels, "setup_launches", lambda *args: built.append(1) or setup_launches(*args))
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args, **kw: built.append(1) or setup_launches(*args, **kw))
     gen = torch.Generator().manual_seed(10)
     b, h, r, d, n = 2, 2, 2, 32, 32
     readers = [RotatedReader(n, d, _uniform(torch.randn(b, h, n, d, generator=gen), 4, d, "per_token")[0],

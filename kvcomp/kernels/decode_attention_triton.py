@@ -698,20 +698,20 @@ def decode_launches(
     if setup.plan.slots == 0:
         return torch.zeros_like(query), []
     out, launches, _ = setup_launches(setup, query.dtype, key_segments, value_segments, scale, key_rope, key_residual,
-                                      registers)
+                                      registers, merge=True)
     return out, launches
 
 
 def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_segments, scale: float, key_rope,
-                   key_residual, registers: int | None) -> tuple[torch.Tensor, list[Launch], CallQuery]:
+                   key_residual, registers: int | None, merge: bool) -> tuple[torch.Tensor | None, list[Launch], CallQuery]:
     """The output buffer and the launches of a call (:func:`decode_launches`) from its :class:`CallSetup`, and the
-    call's query with what its payloads derived from it."""
+    call's query with what its payloads derived from it; without ``merge``, the split launches alone and no output
+    (a launch group's, whose partial outputs are merged with the other groups')."""
     b, hq, d, h, r, q, dot, block_r = setup.b, setup.hq, setup.d, setup.h, setup.r, setup.q, setup.dot, setup.block_r
     block_tokens, num_warps, operands, plan = setup.block_tokens, setup.num_warps, setup.operands, setup.plan
     key_bounds, key_encoded, value_bounds, value_encoded = (setup.key_bounds, setup.key_encoded, setup.value_bounds,
                                                             setup.value_encoded)
     partial, lse, bounds, common, rotary = setup.partial, setup.lse, setup.bounds, setup.common, setup.rotary
-    out = torch.empty(b, hq, d, device=q.device, dtype=dtype)  # the merge writes every row
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     call_query = CallQuery(q)  # the call's query, and what payloads derive from it (QJL's S q), for all its launches
     launches = []
@@ -744,6 +744,9 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                 args["residual"], args["RESIDUAL"] = signs.residual_args(y)
                 args["RESIDUAL_FORMAT"] = KERNEL_FORMATS[SketchReader]  # scored as sketched keys without outliers
         launches.append(Launch(_split_kernel, (b * h, planned.splits), args))
+    if not merge:
+        return None, launches, call_query
+    out = torch.empty(b, hq, d, device=q.device, dtype=dtype)  # the merge writes every row
     launches.append(_merge_launch(partial, lse, out, bounds[0, decode_plan.SLOTS:], r, block_r))
     return out, launches, call_query
 
@@ -802,8 +805,8 @@ def _graphed_launches(graphs: DecodeGraphs, setup: CallSetup, key_segments, valu
         if replayed is not None:
             return replayed.out
         out, launches, call_query = setup_launches(setup, setup.q.dtype, key_segments, value_segments, scale,
-                                                   options.get("key_rope"), options.get("key_residual"), registers)
-        return graphs.run(launches if merge else launches[:-1], call_query, out if merge else None, key, inputs)
+                                                   options.get("key_rope"), options.get("key_residual"), registers, merge)
+        return graphs.run(launches, call_query, out, key, inputs)
 
 
 @dataclass
@@ -878,8 +881,8 @@ def _group_partials(group: LaunchGroup, scale: float, step: DecodeStep, region: 
                           merge=False)
     else:
         _, launches, _ = setup_launches(setup, setup.q.dtype, group.keys, group.values, scale, options.get("key_rope"),
-                                        options.get("key_residual"), registers)
-        for launch in launches[:-1]:
+                                        options.get("key_residual"), registers, merge=False)
+        for launch in launches:
             launch()
     return setup
 

@@ -36,7 +36,7 @@ def _qjl_scores_kernel(q_ptr, a, out_ptr, H, R, T, C: tl.constexpr, D: tl.conste
     t = first + tl.arange(0, BLOCK_G)
     t_ok = tl.arange(0, BLOCK_G) < GROUP
     a = advance(a, C, bh // H, bh % H, D)
-    s = dot_scores(q_ptr + bh * R * D, rows, row_ok, a, C, t, first, t_ok, D, BLOCK_R, BLOCK_G)
+    s = dot_scores(q_ptr + bh * R * D, tl.program_id(2) * BLOCK_R, R, a, C, t, first, t_ok, D, BLOCK_R, BLOCK_G)
     tl.store(out_ptr + (bh * R + rows[:, None]) * T + t[None, :], s, mask=row_ok[:, None] & t_ok[None, :])
 
 
@@ -66,8 +66,9 @@ def qjl_score_launch(query: torch.Tensor, keys: SketchedKeys) -> tuple[torch.Ten
     out = torch.empty(b, h, r, t, device=q.device, dtype=torch.float32)
     if t == 0:
         return out, None
-    sketch, constants = SketchReader(t, d, keys).kernel_args(CallQuery(q))
     block_r = _tile(r)
+    sketch, constants = SketchReader(t, d, keys).kernel_args(CallQuery(q))
+    constants = constants.stacking(min(r, block_r))  # a program's query rows
     grid = (b * h, t // group, triton.cdiv(r, block_r))
     args = dict(q_ptr=q, a=sketch, out_ptr=out, H=h, R=r, T=t, C=constants, D=d, BLOCK_R=block_r,
                 BLOCK_G=max(16, triton.next_power_of_2(group)))

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, four_programs
 from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
 
 
@@ -114,12 +114,28 @@ class SketchConstants(NamedTuple):
     N_OUT: int  # outlier channels per group
     GROUP: int  # tokens per outlier group
     M_PAD: int  # M as a power of two
-    O_PAD: int  # N_OUT as a power of two, at least 16 (a tl.dot dimension)
+    ROWS: int  # query rows a program stacks (a power of two; sketch_triton.dot_scores)
+    IN_PAD: int  # rows of the operand stacked against the inlier signs: y's two parts, then the outlier columns'
+    OUT_PAD: int  # rows of the one against the outlier signs: the outlier columns' two parts
+
+    @staticmethod
+    def of(m: int, m_out: int, n_out: int, group: int, rows: int) -> SketchConstants:
+        """The constants of a sketch of ``m`` + ``m_out`` rows and ``n_out`` outlier channels per ``group`` tokens,
+        read by programs of ``rows`` query rows."""
+        return SketchConstants(m, m_out, n_out, group, _power_of_two(m), 0, 0, _padded(2 * n_out)).stacking(rows)
+
+    def stacking(self, rows: int) -> SketchConstants:
+        """These constants for programs of ``rows`` query rows."""
+        return self._replace(ROWS=_power_of_two(rows), IN_PAD=_padded(2 * _power_of_two(rows) + 2 * self.N_OUT))
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _padded(n: int) -> int:
-    """``n`` as a power of two of at least 16."""
-    return max(16, 1 << max(0, n - 1).bit_length())
+    """``n`` as a power of two of at least 16 (a ``tl.dot`` dimension)."""
+    return max(16, _power_of_two(n))
 
 
 def sketch_args(signs: torch.Tensor, norm: torch.Tensor, y: tuple, outliers=()) -> SketchArgs:
@@ -158,6 +174,12 @@ class SketchReader(PayloadReader):
     def packed_scores(self, head_dim: int, dot: bool) -> bool:
         return True  # always scored from the bits
 
+    def register_cap(self, narrow: bool, num_warps: int) -> int:
+        """Four programs per multiprocessor in ``narrow`` tiles: the fused step with KIVI-2 values then spills 24 bytes
+        per thread where the compiler takes 168 registers, and is predicted 8 % faster at 16 x 32K (static model, as it
+        predicted the codebook kernels' cap; not measured)."""
+        return four_programs(num_warps) if narrow else 0
+
 
     def kernel_args(self, query: CallQuery) -> tuple[SketchArgs, SketchConstants]:
         """The sign bits and norms, the projected queries ``y = S q`` ``[B, H, R, m]`` (derived from the call's query
@@ -173,7 +195,7 @@ class SketchReader(PayloadReader):
                                 Strided.of(keys.outlier_signs), Strided.of(keys.outlier_norm),
                                 Strided.of(keys.outlier_channels), estimator_scale(m_out))
         return (sketch_args(keys.signs, keys.inlier_norm, y, outliers),
-                SketchConstants(m, m_out, n_out, keys.group_size, 1 << (m - 1).bit_length(), _padded(n_out)))
+                SketchConstants.of(m, m_out, n_out, keys.group_size, q.shape[2]))
 
 
 @dataclass
@@ -202,7 +224,7 @@ class SignReader(PayloadReader):
         if m != self.head_dim or m % 8:
             raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} "
                              f"rows for head_dim {self.head_dim}")
-        constants = SketchConstants(m, 0, 0, 1, 1 << (m - 1).bit_length(), _padded(0))
+        constants = SketchConstants.of(m, 0, 0, 1, y.shape[2])
         return sketch_args(self.signs, self.norm, projected(y)), constants
 
     def dequantize_unrotated(self) -> torch.Tensor:

@@ -66,48 +66,93 @@ def _split_dot(hi_ptr, lo_ptr, at, ok, b):
 
 
 @triton.jit
-def dot_scores(q_ptr, rows, row_ok, a, C: tl.constexpr, t, t0, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_T: tl.constexpr):
-    """:func:`scores` on tensor cores, before ``qk_scale``: chunks of ``CHUNK`` sketch rows, each chunk's signs an exact
-    bfloat16 operand against the bfloat16 parts of ``y`` and of the group's outlier columns of ``S`` (read per tile from
-    L1: an operand held for the program would take a warp's registers). ``u_g`` enters by associativity,
-    ``<u_g, sign> = q_{O_g} . <S[:, O_g], sign>``, so that every product over the sketch's rows has the signs on one
-    side. Also the score kernel's (:mod:`kvcomp.kernels.qjl_scores_triton`)."""
+def _stack(a, C: tl.constexpr, row0, R, channel_ptr, k, FIRST: tl.constexpr):
+    """Where row ``k`` of a stacked ``tl.dot`` operand reads its bfloat16 parts (:func:`dot_scores`), and whether it
+    reads any: below ``FIRST``, query rows ``row0 ..`` of ``y``'s high part, then of its low part (``C.ROWS`` each);
+    from ``FIRST``, the group's outlier columns of ``S`` (rows of ``S^T``; their channels at ``channel_ptr``), high then
+    low (``N_OUT`` each). Also each row's outlier channel, -1 for a row of ``y``."""
+    ROWS: tl.constexpr = C.ROWS
+    M: tl.constexpr = C.M
+    N_OUT: tl.constexpr = C.N_OUT
+    o = a.outliers
+    j = k - FIRST  # rows of S^T from here
+    in_y = k < FIRST
+    column_ok = (j >= 0) & (j < 2 * N_OUT)
+    channel = tl.where(column_ok, tl.load(channel_ptr + j % N_OUT, mask=column_ok, other=0).to(tl.int32), -1)
+    row = row0 + k % ROWS
+    at = tl.where(in_y, row * M, channel.to(tl.int64) * M)
+    low = tl.where(in_y, k >= ROWS, j >= N_OUT)
+    parts = tl.where(low, tl.where(in_y, a.y_lo, o.columns_lo), tl.where(in_y, a.y_hi, o.columns_hi)) + at
+    return parts, in_y & (row < R) | column_ok, channel
+
+
+@triton.jit
+def _coefficients(q_ptr, row0, R, k, channel, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
+                  D: tl.constexpr, SIGN: tl.constexpr):
+    """``[BLOCK_R, len(k)]`` float32 weights of a stacked operand's rows (:func:`_stack`) in each query row's logit: 1 for
+    that row's two parts of ``y``, ``SIGN q_c`` for both parts of outlier channel ``c``'s column of ``S``."""
+    r = tl.arange(0, BLOCK_R)
+    row_ok = (r < ROWS) & (row0 + r < R)
+    kk = k[None, :]
+    own = ((kk == r[:, None]) | (kk == r[:, None] + ROWS)) & (kk < FIRST) & row_ok[:, None]
+    q = tl.load(q_ptr + (row0 + r)[:, None] * D + channel[None, :], mask=row_ok[:, None] & (channel >= 0)[None, :],
+                other=0.0).to(tl.float32)
+    return tl.where(own, 1.0, SIGN * q)
+
+
+@triton.jit
+def dot_scores(q_ptr, row0, R, a, C: tl.constexpr, t, t0, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_T: tl.constexpr):
+    """:func:`scores` on tensor cores, before ``qk_scale``, for query rows ``row0 .. row0 + BLOCK_R`` (of ``R``): chunks
+    of ``CHUNK`` sketch rows, each chunk's signs an exact bfloat16 operand against bfloat16 parts
+    (:func:`~kvcomp.kernels.formats.sketch.bf16_parts`) of ``y = S q`` and of the group's outlier columns of ``S`` (rows
+    of ``S^T``), read per tile from L1 (an operand held for the program would take a warp's registers). ``u_g`` enters
+    by associativity, ``<u_g, sign> = q_{O_g} . <S[:, O_g], sign>``, so that every product over the sketch's rows has
+    the signs on one side. With outliers the parts are stacked in one operand per sketch (:func:`_stack`: ``y``'s two
+    parts for the program's ``C.ROWS`` query rows, then the columns' two parts), filling the tensor cores' 16-row tiles
+    that 4 query rows (Llama-3's) alone would mostly pad, and a float32 product with each row's weights
+    (:func:`_coefficients`) adds them into the logits. Also the score kernel's (:mod:`kvcomp.kernels.qjl_scores_triton`)."""
     GROUP: tl.constexpr = C.GROUP
     M: tl.constexpr = C.M
     M_OUT: tl.constexpr = C.M_OUT
     M_PAD: tl.constexpr = C.M_PAD
     N_OUT: tl.constexpr = C.N_OUT
-    O_PAD: tl.constexpr = C.O_PAD
+    ROWS: tl.constexpr = C.ROWS
+    IN_PAD: tl.constexpr = C.IN_PAD
+    OUT_PAD: tl.constexpr = C.OUT_PAD
     CHUNK: tl.constexpr = 128 if M_PAD > 128 else M_PAD
-    s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)  # <y, sign(S k_in)>
-    if N_OUT > 0:
-        o = a.outliers
-        i = tl.arange(0, O_PAD)
-        i_ok = i < N_OUT
-        channel = tl.load(o.channels.ptr + (t0 // GROUP) * N_OUT + i, mask=i_ok, other=0).to(tl.int32)
-        w_in = tl.zeros((O_PAD, BLOCK_T), dtype=tl.float32)  # <S[:, O_g], sign(S k_in)>
-        w_out = tl.zeros((O_PAD, BLOCK_T), dtype=tl.float32)  # <S[:m_o, O_g], sign(S_{:m_o} k_out)>
-    for c in tl.static_range(M_PAD // CHUNK):
-        m = c * CHUNK + tl.arange(0, CHUNK)
-        m_ok = m < M  # y and S are zero past M: the signs there count for nothing
-        sign = tl.trans(sign_bits(a.signs.ptr, t, M // 8, t_ok, CHUNK, c * CHUNK))  # [CHUNK, BLOCK_T]
-        s += _split_dot(a.y_hi, a.y_lo, rows[:, None] * M + m[None, :], row_ok[:, None] & m_ok[None, :], sign)
-        if N_OUT > 0:  # rows of S^T: the group's outlier columns of S, [O_PAD, CHUNK]
-            at = channel[:, None] * M + m[None, :]
-            w_in += _split_dot(o.columns_hi, o.columns_lo, at, i_ok[:, None] & m_ok[None, :], sign)
-            if c * CHUNK < M_OUT:
-                out_sign = tl.trans(sign_bits(o.signs.ptr, t, M_OUT // 8, t_ok, CHUNK, c * CHUNK))
-                w_out += _split_dot(o.columns_hi, o.columns_lo, at, i_ok[:, None] & (m < M_OUT)[None, :], out_sign)
     inlier = tl.load(a.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
-    if N_OUT > 0:
-        q_out = tl.load(q_ptr + rows[:, None] * D + channel[None, :], mask=row_ok[:, None] & i_ok[None, :],
-                        other=0.0).to(tl.float32)  # q_{O_g}, [BLOCK_R, O_PAD]
-        outlier = tl.load(o.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
-        s = ((s - tl.dot(q_out, w_in, input_precision="ieee")) * (a.scale * inlier)[None, :]
-             + tl.dot(q_out, w_out, input_precision="ieee") * (o.scale * outlier)[None, :])
-    else:
+    if N_OUT == 0:  # y's two parts against the signs
+        rows = row0 + tl.arange(0, BLOCK_R)
+        s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        for c in tl.static_range(M_PAD // CHUNK):
+            m = c * CHUNK + tl.arange(0, CHUNK)
+            sign = tl.trans(sign_bits(a.signs.ptr, t, M // 8, t_ok, CHUNK, c * CHUNK))  # [CHUNK, BLOCK_T]
+            s += _split_dot(a.y_hi, a.y_lo, rows[:, None] * M + m[None, :], (rows < R)[:, None] & (m < M)[None, :], sign)
         s = s * (a.scale * inlier)[None, :]
+    else:
+        o = a.outliers
+        channels = o.channels.ptr + (t0 // GROUP) * N_OUT
+        k_in = tl.arange(0, IN_PAD)
+        k_out = tl.arange(0, OUT_PAD)
+        in_at, in_ok, in_channel = _stack(a, C, row0, R, channels, k_in, 2 * ROWS)
+        out_at, out_ok, out_channel = _stack(a, C, row0, R, channels, k_out, 0)
+        acc_in = tl.zeros((IN_PAD, BLOCK_T), dtype=tl.float32)  # each stacked row . sign(S k_in)
+        acc_out = tl.zeros((OUT_PAD, BLOCK_T), dtype=tl.float32)  # each stacked column . sign(S_{:m_o} k_out)
+        for c in tl.static_range(M_PAD // CHUNK):
+            m = c * CHUNK + tl.arange(0, CHUNK)
+            sign = tl.trans(sign_bits(a.signs.ptr, t, M // 8, t_ok, CHUNK, c * CHUNK))
+            parts = tl.load(in_at[:, None] + m[None, :], mask=in_ok[:, None] & (m < M)[None, :], other=0.0)
+            acc_in += dot(parts, sign)
+            if c * CHUNK < M_OUT:
+                sign = tl.trans(sign_bits(o.signs.ptr, t, M_OUT // 8, t_ok, CHUNK, c * CHUNK))
+                parts = tl.load(out_at[:, None] + m[None, :], mask=out_ok[:, None] & (m < M_OUT)[None, :], other=0.0)
+                acc_out += dot(parts, sign)
+        outlier = tl.load(o.norm.ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        weights = _coefficients(q_ptr, row0, R, k_in, in_channel, BLOCK_R, ROWS, 2 * ROWS, D, -1.0)
+        s = tl.dot(weights, acc_in, input_precision="ieee") * (a.scale * inlier)[None, :]
+        weights = _coefficients(q_ptr, row0, R, k_out, out_channel, BLOCK_R, ROWS, 0, D, 1.0)
+        s += tl.dot(weights, acc_out, input_precision="ieee") * (o.scale * outlier)[None, :]
     return s
 
 
@@ -127,7 +172,7 @@ def scores(y, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t
     M_PAD: tl.constexpr = C.M_PAD
     N_OUT: tl.constexpr = C.N_OUT
     if DOT:
-        s = dot_scores(q_ptr, rows, row_ok, a, C, t, t0, t_ok, D, BLOCK_R, BLOCK_T)
+        s = dot_scores(q_ptr, 0, R, a, C, t, t0, t_ok, D, BLOCK_R, BLOCK_T)
     else:
         m = tl.arange(0, M_PAD)
         m_ok = m < M
