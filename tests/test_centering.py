@@ -236,6 +236,16 @@ CENTRED_FUSED = {"turboquant": ROTATED["turboquant"], "eden": ROTATED["eden"],
                                "density": "gaussian", "key_bits": 8, "value_bits": 4}}
 
 
+@torch.no_grad()
+def test_a_centred_codecs_calls_are_captured_in_cuda_graphs(offset_qwen, monkeypatch):
+    """EDEN with ``center`` under CUDA graphs (a stand-in capture): its key offset is scored against the model's query,
+    which each call derives from the payload's rotated query (``CallQuery``), so its calls are captured and replayed by
+    their inputs; the logits equal the torch path's."""
+    from tests.test_decode_attention import _check_graphed_generation
+
+    _check_graphed_generation(offset_qwen, _fitted(offset_qwen, {**CENTRED_FUSED["eden"], "center": "bias"}), monkeypatch)
+
+
 @pytest.mark.parametrize("name, center", [(name, center) for name in CENTRED_FUSED for center in ("calibration", "bias")]
                          + [("prod", "bias")], ids=lambda v: v)
 @torch.no_grad()

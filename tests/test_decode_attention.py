@@ -1046,42 +1046,60 @@ def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch)
     assert len(workspace.graphs.by_inputs) == 2
 
 
-@pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl", "eden"])
+@pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl", "eden", "turboquant_prod"])
 @torch.no_grad()
-def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name):
+def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name, monkeypatch):
     """``install(model, "triton", cuda_graphs=True)`` with a stand-in capture (its replay runs the captured work
     again): every generated token's logits equal the torch path's (left padding; pre-RoPE keys rotated from the cached
-    position ids). Every codec's calls are captured and then replayed by their inputs. KIVI's full-precision tail moves
-    along its buffer as tokens leave it, and the kernel is given the buffer from its first row and the plan's row of
-    bounds the tail's start, so a call reads the same tensors step after step. TemporalKV's reader is given the same
-    float32 channel statistics at every call (kept per device by the codec). QJL's projected query ``y = S q``, made
-    from each call's query, is remade by the graph from its own copy of the query (``CallQuery.refresh``). EDEN's
+    position ids), and once generation has captured every call, no step builds a launch again. KIVI's full-precision
+    tail moves along its buffer as tokens leave it, and the kernel is given the buffer from its first row and the plan's
+    row of bounds the tail's start, so a call reads the same tensors step after step. TemporalKV's reader is given the
+    same float32 channel statistics at every call (kept per device by the codec). QJL's projected query ``y = S q``,
+    made from each call's query, is remade by the graph from its own copy of the query (``CallQuery.refresh``). EDEN's
     rotated payload runs in launch groups of its own, whose split launches are captured (the rotations run as they
-    are)."""
+    are). TurboQuant-prod's residual sketch scores keys against ``y = S q`` of the model's query, which its launch
+    groups derive from their own query as QJL's launches do (a key offset's query likewise: tests/test_centering.py)."""
     if name == "qjl":  # sketch sizes the fused kernel reads
         codec = build_codec(QJL_FUSED, info_of(tiny_llama))
     elif name == "eden":
         codec = build_codec({"name": "eden", "key_bits": 2, "value_bits": 2}, info_of(tiny_llama))
+    elif name == "turboquant_prod":
+        codec = build_codec({"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3}, info_of(tiny_llama))
     else:
         codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) \
             if name == "kivi" else fitted(tiny_llama, name, sinks=4)
+    _check_graphed_generation(tiny_llama, codec, monkeypatch)
+
+
+def _check_graphed_generation(model, codec, monkeypatch) -> None:
+    """Generation with ``codec`` under CUDA graphs (a stand-in capture) equals the torch path's, and its last step
+    replays every call by its inputs, building no launch."""
+    from kvcomp.kernels import decode_attention_triton as kernels
+
+    built = []
+    setup_launches = kernels.setup_launches
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args, **kw: built.append(1) or setup_launches(*args, **kw))
     ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    logits = {}
+    logits, marks = {}, []
     for backend, graphs in (("torch", False), ("triton", True)):
-        installation = install(tiny_llama, kernel_backend=backend, cuda_graphs=graphs)
+        installation = install(model, kernel_backend=backend, cuda_graphs=graphs)
         if graphs:
             installation.workspace.graphs.capture = lambda run: run
+        hook = model.register_forward_pre_hook(lambda *_: marks.append(len(built)))
         try:
-            out = tiny_llama.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                      past_key_values=CompressedCache(codec, "streaming", capacity=64),
-                                      output_logits=True, return_dict_in_generate=True)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0,
+                                 past_key_values=CompressedCache(codec, "streaming", capacity=64),
+                                 output_logits=True, return_dict_in_generate=True)
         finally:
-            install(tiny_llama, kernel_backend="torch")
+            hook.remove()
+            install(model, kernel_backend="torch")
         logits[backend] = torch.stack(out.logits, dim=1)
+    steps = [b - a for a, b in zip(marks[9:], marks[10:] + [len(built)])]  # launches built per forward, fused backend
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
     assert installation.workspace.graphs.captured and installation.workspace.graphs.by_inputs
+    assert len(steps) == 9 and steps[1] > 0 and steps[-1] == 0, steps  # the prompt is prefilled on the torch path
 
 
 def test_cuda_graphs_need_the_fused_kernels(tiny_llama):

@@ -86,7 +86,7 @@ from kvcomp.kernels.formats import (
     SketchReader,
     segment_length,
 )
-from kvcomp.kernels.formats.base import Strided
+from kvcomp.kernels.formats.base import Strided, unrotated
 from kvcomp.kernels.formats.kernels_triton import KERNEL_FORMATS, kernel_format
 from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, operand, row_scores, row_values
 
@@ -647,8 +647,8 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
         positions = positions if positions.stride(-1) == 1 else positions.contiguous()
         common["rope"] = (positions, rotary.inv_freq.to(device, torch.float32).contiguous(), float(rotary.scaling))
         pos_s_b = positions.stride(0)
-    if key_offset is not None:
-        common["offset"] = (key_offset[0].reshape(b, h, r, d).contiguous(), key_offset[1].to(device, torch.float32).contiguous())
+    if key_offset is not None:  # the payload's rotation (the model's query is derived per call) and c
+        common["offset"] = (key_offset[0], key_offset[1].to(device, torch.float32).contiguous())
     (key_pieces, key_shifts), (value_pieces, value_shifts) = _pieces(key_segments), _pieces(value_segments)
     shifts = (key_shifts, value_shifts) if any(key_shifts) or any(value_shifts) else ((), ())
     bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b, shifts)
@@ -668,8 +668,8 @@ def decode_launches(
     dot: bool | None = None,
     num_warps: int | None = None,
     operands: str | None = None,
-    key_offset: tuple[torch.Tensor, torch.Tensor, RotaryPositions] | None = None,
-    key_residual: tuple[torch.Tensor, SignReader] | None = None,
+    key_offset: tuple[torch.Tensor | None, torch.Tensor, RotaryPositions] | None = None,
+    key_residual: tuple[torch.Tensor | None, torch.Tensor, SignReader] | None = None,
     step: DecodeStep | None = None,
     region: int = 0,
     registers: int | None = None,
@@ -683,11 +683,12 @@ def decode_launches(
     register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
     key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`); ``registers``: a cap per thread on the
     ``tl.dot`` path (default: the payloads' own, :meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`; 0: none).
-    ``key_offset``: ``(query, c, positions)``
-    of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``query``: the
-    model's, where ``query`` here is rotated with the payload; ``positions``: of this launch's tokens from 0), whose
-    score ``q . R_p c`` the kernel adds. ``key_residual``: ``(y, signs)`` of encoded keys plus the sign sketch of their
-    residual (TurboQuant-prod: ``y = S q`` ``[B, H, R, d]`` of the model's query), whose score the kernel adds.
+    ``key_offset``: ``(rotation, c, positions)``
+    of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``positions``: of this
+    launch's tokens from 0), whose score ``q . R_p c`` against the model's query ``q`` (``query rotation`` where
+    ``query`` here is rotated with the payload by ``rotation^T``, else ``query``) the kernel adds. ``key_residual``: ``(rotation, S, signs)`` of encoded keys plus the sign sketch
+    of their residual (TurboQuant-prod), whose score against ``y = S q`` of the model's query ``q`` (``query rotation``
+    where ``query`` here is rotated with the payload by ``rotation^T``, else ``query``) the kernel adds.
     ``step``: the forward's :class:`~kvcomp.kernels.decode_plan.DecodeStep` (its plan, made once for every layer,
     and its workspace, whose scratch region ``region`` takes the partial outputs; default: a step of its own).
     Only the slice counts depend on
@@ -737,11 +738,15 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                     and not ((keys is not None and keys.sign_scores or key_residual is not None) and block_r > 4),
                     ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL_FORMAT=None, RESIDUAL=None, num_warps=num_warps, **({"maxnreg": cap} if cap else {}))
         if keys is not None:  # what only encoded keys read: their rotation or offset, their residual's sketch
-            args.update({name: common[name] for name in ("rope", "offset") if name in common})
+            args.update({name: common[name] for name in ("rope",) if name in common})
+            if "offset" in common:  # the query as the model made it, and c
+                rotation, c = common["offset"]
+                model = call_query.derived(("model query", id(c)), lambda q, rotation=rotation: (unrotated(q, rotation),))
+                args["offset"] = (model[0], c)
             args["ROUND"] = ROUNDING.get(rotary.dtype, 0) if rotary is not None else 0
             if key_residual is not None:
-                y, signs = key_residual
-                args["residual"], args["RESIDUAL"] = signs.residual_args(y)
+                rotation, projection, signs = key_residual
+                args["residual"], args["RESIDUAL"] = signs.residual_args(call_query, rotation, projection)
                 args["RESIDUAL_FORMAT"] = KERNEL_FORMATS[SketchReader]  # scored as sketched keys without outliers
         launches.append(Launch(_split_kernel, (b * h, planned.splits), args))
     if not merge:
@@ -925,11 +930,10 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
         if key_rope.first != lo:
             raise ValueError(f"decode kernel: key_rope starts at cached token {key_rope.first}, the payload at {lo}")
         positions = key_rope.positions[:, lo:hi]  # the payload's tokens, from 0
-        payload_options["key_offset"] = (query, key_offset.offset,
+        payload_options["key_offset"] = (key_rotation, key_offset.offset,
                                          RotaryPositions(positions, 0, key_rope.inv_freq, key_rope.scaling, key_rope.dtype))
-    if key_sketch is not None:  # y = S q of the model's query, once for the payload's launches
-        projection = key_sketch.projection.to(query.device, torch.float32)
-        payload_options["key_residual"] = ((query.view(b, h, hq // h, d).float() @ projection.T).contiguous(),
+    if key_sketch is not None:  # scored against y = S q of the model's query, which each call derives from its own
+        payload_options["key_residual"] = (key_rotation, key_sketch.projection.to(query.device, torch.float32),
                                            key_sketch.residual)
     payload_valid = None if valid is None else valid[:, lo:hi]
     if value_sketch is not None:  # both groups slice the payload alike: one tile size for both

@@ -140,6 +140,12 @@ class CallQuery:
                 tensor.copy_(new)
 
 
+def unrotated(q: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """The model's query, float32, from a call's query ``q`` ``[B, H, R, D]`` rotated with its payload by ``rotation^T``
+    (``[D, D]`` or one per KV head; ``None``: ``q`` itself, copied): ``q rotation``, the rotation being orthogonal."""
+    return q.float() @ rotation.float() if rotation is not None else q.to(torch.float32, copy=True)
+
+
 def four_programs(num_warps: int) -> int:
     """Registers per thread at which four programs of ``num_warps`` warps share a multiprocessor's 65,536."""
     return 65536 // (4 * 32 * num_warps)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, four_programs
+from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, four_programs, unrotated
 from kvcomp.stages.jl_sketch import channel_mask, estimator_scale, unpack_signs
 
 
@@ -217,15 +217,19 @@ class SignReader(PayloadReader):
         """The bits and norms; no constants."""
         return (Strided.of(self.signs), Strided.of(self.norm)), ()
 
-    def residual_args(self, y: torch.Tensor) -> tuple[SketchArgs, SketchConstants]:
-        """The kernel's arguments for these bits as the residual sketch of keys (scored against ``y = S q``
-        ``[B, H, R, d]`` of the model's query): those of a :class:`SketchReader` without outliers."""
-        m = y.shape[-1]
+    def residual_args(self, query: CallQuery, rotation: torch.Tensor | None,
+                      projection: torch.Tensor) -> tuple[SketchArgs, SketchConstants]:
+        """The kernel's arguments for these bits as the residual sketch of keys, scored against ``y = S q`` ``[B, H, R,
+        d]`` of the model's query ``q`` (``projection``: ``S``): those of a :class:`SketchReader` without outliers.
+        ``y`` is derived from the call's query (the model's rotated by ``rotation^T`` where given: ``q = query
+        rotation``) once per call, and remade from a CUDA graph's own query at every replay."""
+        m = projection.shape[0]
         if m != self.head_dim or m % 8:
             raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} "
                              f"rows for head_dim {self.head_dim}")
-        constants = SketchConstants.of(m, 0, 0, 1, y.shape[2])
-        return sketch_args(self.signs, self.norm, projected(y)), constants
+
+        y = query.derived(("residual y = S q", id(self)), lambda q: projected(unrotated(q, rotation) @ projection.float().T))
+        return sketch_args(self.signs, self.norm, y), SketchConstants.of(m, 0, 0, 1, query.q.shape[2])
 
     def dequantize_unrotated(self) -> torch.Tensor:
         return unpack_signs(self.signs, self.head_dim) * self.norm.float()[..., None]
