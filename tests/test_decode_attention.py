@@ -1046,7 +1046,7 @@ def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch)
     assert len(workspace.graphs.by_inputs) == 2
 
 
-@pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl", "eden", "turboquant_prod"])
+@pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl", "eden", "turboquant_prod", "int4_token_head"])
 @torch.no_grad()
 def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name, monkeypatch):
     """``install(model, "triton", cuda_graphs=True)`` with a stand-in capture (its replay runs the captured work
@@ -1058,13 +1058,16 @@ def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name, m
     made from each call's query, is remade by the graph from its own copy of the query (``CallQuery.refresh``). EDEN's
     rotated payload runs in launch groups of its own, whose split launches are captured (the rotations run as they
     are). TurboQuant-prod's residual sketch scores keys against ``y = S q`` of the model's query, which its launch
-    groups derive from their own query as QJL's launches do (a key offset's query likewise: tests/test_centering.py)."""
+    groups derive from their own query as QJL's launches do (a key offset's query likewise: tests/test_centering.py).
+    vLLM's int4 hides each zero-point in its scale, which the kernel reveals as it reads the scales."""
     if name == "qjl":  # sketch sizes the fused kernel reads
         codec = build_codec(QJL_FUSED, info_of(tiny_llama))
     elif name == "eden":
         codec = build_codec({"name": "eden", "key_bits": 2, "value_bits": 2}, info_of(tiny_llama))
     elif name == "turboquant_prod":
         codec = build_codec({"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3}, info_of(tiny_llama))
+    elif name == "int4_token_head":
+        codec = build_codec({"name": "int_token_head", "bits": 4}, info_of(tiny_llama))
     else:
         codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) \
             if name == "kivi" else fitted(tiny_llama, name, sinks=4)

@@ -37,6 +37,7 @@ from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.kernels.formats import RotatedReader, ScaledReader, UniformReader
+from kvcomp.kernels.formats.uniform import hide_zero, reveal_zero
 from kvcomp.stages.hadamard import fwht, is_power_of_two
 from kvcomp.stages.minifloat import SCALE_FLOOR, round_half_away, token_head_scale
 from kvcomp.stages.packing import pack_bits, unpack_bits
@@ -45,24 +46,12 @@ from kvcomp.stages.ranges import range_fits, saturated
 BITS = (8, 4)
 RHT_SEED = 0x9E3779B9  # vLLM's seed of the int4 rotation's signs
 LEVELS4 = 15
-ZERO_BITS = 0xF  # the scale's low mantissa bits that hold the int4 zero-point
 
 
 def rht_signs(head_dim: int) -> torch.Tensor:
     """vLLM's +-1 signs ``d_1`` of the int4 rotation (float32 ``[head_dim]``)."""
     generator = torch.Generator().manual_seed(RHT_SEED)
     return 2.0 * torch.bernoulli(torch.full((head_dim,), 0.5), generator=generator) - 1.0
-
-
-def hide_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The float32 ``scale`` with its 4 low mantissa bits replaced by ``zero`` (0..15)."""
-    return ((scale.view(torch.int32) & ~ZERO_BITS) | zero.to(torch.int32)).view(torch.float32)
-
-
-def reveal_zero(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale with the 4 low mantissa bits cleared, zero-point)`` (float32) of a stored int4 scale."""
-    bits = stored.view(torch.int32)
-    return (bits & ~ZERO_BITS).view(torch.float32), (bits & ZERO_BITS).float()
 
 
 @dataclass
@@ -104,13 +93,14 @@ class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
 
     def payload_reader(self, payload: Payload, kind: str, layer_idx: int) -> ScaledReader | RotatedReader:
         """int8: the signed codes loaded as they are, times the scale. int4: ``y_hat = q s' - z s'`` per token and
-        head (packed ints with zero ``-z s'``) in the rotated basis."""
+        head (packed ints whose zero-point ``z`` hides in the scale ``s'``) in the rotated basis."""
         d = self.model.head_dim
         if self.config.bits == 8:
             return ScaledReader(payload.num_tokens, d, payload.tensors["codes"], torch.int8, payload.tensors["scale"])
-        scale, zero = reveal_zero(payload.tensors["scale"])
-        inner = UniformReader(payload.num_tokens, d, payload.tensors["codes"], scale, -zero * scale, 4, d, False)
-        return RotatedReader(payload.num_tokens, d, inner, self._rotation(scale.device)[1])
+        stored = payload.tensors["scale"]  # the zero-points hidden in it, revealed by the kernel (no tensor per step)
+        inner = UniformReader(payload.num_tokens, d, payload.tensors["codes"], stored, stored, 4, d, False,
+                              hidden_zero=True)
+        return RotatedReader(payload.num_tokens, d, inner, self._rotation(stored.device)[1])
 
     def encode(self, request: Request) -> Payload:
         x = request.tokens.float()

@@ -13,6 +13,20 @@ from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, four_
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
+ZERO_BITS = 0xF  # vLLM's int4: the float32 scale's low mantissa bits that hold the zero-point
+
+
+def hide_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 ``scale`` with its 4 low mantissa bits replaced by ``zero`` (0..15): vLLM's int4 per token-head."""
+    return ((scale.view(torch.int32) & ~ZERO_BITS) | zero.to(torch.int32)).view(torch.float32)
+
+
+def reveal_zero(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale with the 4 low mantissa bits cleared, zero-point)`` (float32) of a stored int4 scale."""
+    bits = stored.view(torch.int32)
+    return (bits & ~ZERO_BITS).view(torch.float32), (bits & ZERO_BITS).float()
+
+
 class UniformArgs(NamedTuple):
     """The kernel's runtime arguments: codes (in place), scales and zero-points (one pair of strides for both), and
     the multiplier (``()`` where none)."""
@@ -30,6 +44,7 @@ class UniformConstants(NamedTuple):
     GROUP: int
     PER_CHANNEL: bool
     MULTIPLIER: int  # the multiplier's group along the other axis than the parameters (0: none)
+    HIDDEN_ZERO: bool  # each zero-point hidden in its scale (:func:`hide_zero`), the zero tensor unread
 
 
 @dataclass
@@ -38,7 +53,9 @@ class UniformReader(PayloadReader):
     ``[B, H, T, D*bits/8]``; ``scale``/``zero`` ``[B, H, T, D/G]`` (per token) or ``[B, H, T/G, D]``
     (per channel). ``multiplier`` (KVarN's normaliser), applied after ``code * scale + zero``: one factor per
     token ``[B, H, T]`` for per-channel payloads, or per channel ``[B, H, T/multiplier_group, D]`` (one row per
-    ``multiplier_group`` tokens) for per-token payloads."""
+    ``multiplier_group`` tokens) for per-token payloads. ``hidden_zero``: each code's zero-point ``z`` is hidden in its
+    scale (vLLM's int4, :func:`hide_zero`; ``zero`` is not read): ``x = (code - z) * scale``, the scale's 4 low bits
+    cleared. The kernel reveals them as it reads the scales, so a decode step makes no tensor from the payload."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -48,6 +65,7 @@ class UniformReader(PayloadReader):
     per_channel: bool
     multiplier: torch.Tensor | None = None
     multiplier_group: int = 0
+    hidden_zero: bool = False
 
     @classmethod
     def of(cls, quantizer: GroupQuantizer, payload, head_dim: int) -> UniformReader:
@@ -73,7 +91,7 @@ class UniformReader(PayloadReader):
             multiplier = Strided.of(self.multiplier)
             group = self.head_dim if self.per_channel else self.multiplier_group
         return (UniformArgs(Strided.of(self.codes), scale, zero, param_s_b, param_s_h, multiplier),
-                UniformConstants(self.bits, self.group_size, self.per_channel, group))
+                UniformConstants(self.bits, self.group_size, self.per_channel, group, self.hidden_zero))
 
     def tile_limit(self, block_tokens: int, dot: bool) -> int:
         """At most a per-channel group (its parameters, or the multiplier of a per-token payload; a power of two, at
@@ -105,7 +123,11 @@ class UniformReader(PayloadReader):
 
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
-        x = quantizer.decode({"scale": self.scale, "zero": self.zero, "codes": self.codes}, self.head_dim, torch.float32)
+        scale, zero = self.scale, self.zero
+        if self.hidden_zero:
+            scale, zero = reveal_zero(scale)
+            zero = -zero * scale
+        x = quantizer.decode({"scale": scale, "zero": zero, "codes": self.codes}, self.head_dim, torch.float32)
         if self.multiplier is None:
             return x
         m = self.multiplier.float()

@@ -54,6 +54,15 @@ def params(ptr, length, t, t0, t_ok, c, c0, c_ok, D: tl.constexpr, GROUP: tl.con
 
 
 @triton.jit
+def revealed(stored):
+    """The scale and zero term ``-z s`` of float32 scales hiding their zero-point ``z`` in their 4 low mantissa bits
+    (vLLM's int4: :func:`~kvcomp.kernels.formats.uniform.hide_zero`)."""
+    bits = stored.to(tl.int32, bitcast=True)
+    scale = (bits & -16).to(tl.float32, bitcast=True)
+    return scale, -(bits & 15).to(tl.float32) * scale
+
+
+@triton.jit
 def advance(a, C: tl.constexpr, b, h, D: tl.constexpr):
     MULTIPLIER: tl.constexpr = C.MULTIPLIER
     multiplier = a.multiplier
@@ -71,8 +80,12 @@ def _dequantized(a, C: tl.constexpr, code, length, t, t0, t_ok, c, c0, c_ok, D: 
     GROUP: tl.constexpr = C.GROUP
     MULTIPLIER: tl.constexpr = C.MULTIPLIER
     PER_CHANNEL: tl.constexpr = C.PER_CHANNEL
-    x = (code.to(tl.float32) * params(a.scale, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
-         + params(a.zero, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T))
+    if C.HIDDEN_ZERO:
+        scale, zero = revealed(params(a.scale, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T))
+        x = code.to(tl.float32) * scale + zero
+    else:
+        x = (code.to(tl.float32) * params(a.scale, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T)
+             + params(a.zero, length, t, t0, t_ok, c, c0, c_ok, D, GROUP, PER_CHANNEL, BLOCK_T))
     if MULTIPLIER > 0:
         x = x * params(a.multiplier.ptr, length, t, t0, t_ok, c, c0, c_ok, D, MULTIPLIER, not PER_CHANNEL, BLOCK_T)
     return x
@@ -240,6 +253,8 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
                 param = t[:, None] * (D // GROUP) + channel[None, :] // GROUP
             sc = tl.load(scale + param, mask=ok, other=0.0).to(tl.float32)
             zc = tl.load(zero + param, mask=ok, other=0.0).to(tl.float32)
+        if C.HIDDEN_ZERO:  # (the zero tensor's loads above unused)
+            sc, zc = revealed(sc)
         k = code * sc + zc  # [BLOCK_T, W]
         if DOT:
             s += dot(query[j], tl.trans(operand(k, query[j].dtype)))  # the field's query sub-vectors (packed_query)
@@ -271,6 +286,8 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
     for k in tl.static_range(GROUPS):
         sc = tl.where(group_of == k, tl.load(a.scale + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], sc)
         zc = tl.where(group_of == k, tl.load(a.zero + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
+    if C.HIDDEN_ZERO:  # (the zero tensor's loads above unused)
+        sc, zc = revealed(sc)
     field = tl.arange(0, PER_BYTE)[None, :, None]
     out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
     for j in tl.static_range(PER_BYTE):
