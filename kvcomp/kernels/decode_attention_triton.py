@@ -683,12 +683,11 @@ def decode_launches(
     register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
     key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`); ``registers``: a cap per thread on the
     ``tl.dot`` path (default: the payloads' own, :meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`; 0: none).
-    ``key_offset``: ``(rotation, c, positions)``
-    of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to each token's position (``positions``: of this
-    launch's tokens from 0), whose score ``q . R_p c`` against the model's query ``q`` (``query rotation`` where
-    ``query`` here is rotated with the payload by ``rotation^T``, else ``query``) the kernel adds. ``key_residual``: ``(rotation, S, signs)`` of encoded keys plus the sign sketch
-    of their residual (TurboQuant-prod), whose score against ``y = S q`` of the model's query ``q`` (``query rotation``
-    where ``query`` here is rotated with the payload by ``rotation^T``, else ``query``) the kernel adds.
+    ``key_offset``: ``(rotation, c, positions)`` of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to
+    each token's position (``positions``: of this launch's tokens from 0), whose score ``q . R_p c`` the kernel adds;
+    ``key_residual``: ``(rotation, S, signs)`` of encoded keys plus the sign sketch of their residual (TurboQuant-prod),
+    whose score against ``y = S q`` the kernel adds. Both against the model's query ``q``: ``query rotation``, where
+    ``query`` here is rotated with the payload by ``rotation^T``, else ``query`` (derived per call: ``CallQuery``).
     ``step``: the forward's :class:`~kvcomp.kernels.decode_plan.DecodeStep` (its plan, made once for every layer,
     and its workspace, whose scratch region ``region`` takes the partial outputs; default: a step of its own).
     Only the slice counts depend on

@@ -175,9 +175,9 @@ class SketchReader(PayloadReader):
         return True  # always scored from the bits
 
     def register_cap(self, narrow: bool, num_warps: int) -> int:
-        """Four programs per multiprocessor in ``narrow`` tiles: the fused step with KIVI-2 values then spills 24 bytes
-        per thread where the compiler takes 168 registers, and is predicted 8 % faster at 16 x 32K (static model, as it
-        predicted the codebook kernels' cap; not measured)."""
+        """Four programs per multiprocessor in ``narrow`` tiles: the fused step with KIVI-2 values then spills 24-40
+        bytes per thread under Triton 3.6 where the compiler takes 168 registers, and is predicted 8 % faster at 16 x
+        32K (static model, as it predicted the codebook kernels' cap; not measured)."""
         return four_programs(num_warps) if narrow else 0
 
 
@@ -227,7 +227,6 @@ class SignReader(PayloadReader):
         if m != self.head_dim or m % 8:
             raise ValueError(f"decode kernel: a residual sketch has one sign bit per channel, in whole bytes; got {m} "
                              f"rows for head_dim {self.head_dim}")
-
         y = query.derived(("residual y = S q", id(self)), lambda q: projected(unrotated(q, rotation) @ projection.float().T))
         return sketch_args(self.signs, self.norm, y), SketchConstants.of(m, 0, 0, 1, query.q.shape[2])
 
