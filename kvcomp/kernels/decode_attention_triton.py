@@ -50,8 +50,9 @@ operands against two-part ``y`` (:func:`~kvcomp.kernels.formats.sketch_triton.do
 argument reduction: :func:`~kvcomp.kernels.formats.tiles_triton.cos_sin`).
 
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
-against the matching query sub-vectors (:func:`~kvcomp.kernels.formats.uniform_triton.packed_scores`) or, on the register path, weighted into a
-field-major accumulator (:func:`~kvcomp.kernels.formats.uniform_triton.packed_values`); ``tl.dot`` launches unpack values per tile. Codes of
+against the matching query sub-vectors (:func:`~kvcomp.kernels.formats.uniform_triton.packed_scores`) or weighted into a
+field-major accumulator (:func:`~kvcomp.kernels.formats.uniform_triton.packed_values`: on ``tl.dot`` one product per
+field, on the register path one query row at a time). Codes of
 3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`~kvcomp.kernels.formats.uniform_triton.codes`).
 Codebook codes of 2 or 4 bits are read by whole bytes the same way, and a codebook chunk of several values (TemporalKV's
 tokens, ChannelKV's channels) is gathered as one vector (:mod:`kvcomp.kernels.formats.codebook_triton`).
@@ -88,7 +89,7 @@ from kvcomp.kernels.formats import (
 )
 from kvcomp.kernels.formats.base import Strided, unrotated
 from kvcomp.kernels.formats.kernels_triton import KERNEL_FORMATS, kernel_format
-from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, operand, row_scores, row_values
+from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, field_major, operand, row_scores, row_values
 
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
@@ -227,20 +228,47 @@ def _dense_weighted(
 
 
 @triton.jit
+def _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, j: tl.constexpr, D: tl.constexpr, PER_BYTE: tl.constexpr,
+                 BLOCK_R: tl.constexpr, DOT: tl.constexpr):
+    """``P V_j`` of channels ``PER_BYTE i + j`` of a full-precision piece (``p``: an operand already on ``tl.dot``)."""
+    v = _dense_pick(which, d0, d1, d2, g, g_ok, i * PER_BYTE + j, i < D // PER_BYTE, D)
+    if DOT:
+        out = dot(p, operand(v, p.dtype))
+    else:
+        out = row_values(p, v, rows, BLOCK_R, D // PER_BYTE)
+    return out
+
+
+@triton.jit
 def _dense_fields(
     which, d0, d1, d2, p, rows, g, g_ok,
-    D: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+    D: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, DOT: tl.constexpr, OPERAND: tl.constexpr,
 ):
     """``P V`` of full-precision values into the field-major accumulator of values read in their stored layout
     (:attr:`~kvcomp.kernels.formats.base.KernelFormat.fields`: the few full-precision tokens of such a stream)."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    W: tl.constexpr = D // PER_BYTE
-    i = tl.arange(0, W)
-    field = tl.arange(0, PER_BYTE)[None, :, None]
-    out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
-    for j in tl.static_range(PER_BYTE):
-        v = _dense_pick(which, d0, d1, d2, g, g_ok, i * PER_BYTE + j, i < W, D)
-        out = tl.where(field == j, row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
+    P: tl.constexpr = 8 // BITS
+    i = tl.arange(0, D // P)
+    if DOT:
+        p = operand(p, OPERAND)
+    if P == 1:
+        out = field_major((_dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 0, D, P, BLOCK_R, DOT),))
+    elif P == 2:
+        out = field_major((_dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 0, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 1, D, P, BLOCK_R, DOT)))
+    elif P == 4:
+        out = field_major((_dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 0, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 1, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 2, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 3, D, P, BLOCK_R, DOT)))
+    else:
+        out = field_major((_dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 0, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 1, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 2, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 3, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 4, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 5, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 6, D, P, BLOCK_R, DOT),
+                           _dense_field(which, d0, d1, d2, p, rows, g, g_ok, i, 7, D, P, BLOCK_R, DOT)))
     return out
 
 
@@ -404,14 +432,16 @@ def _split_kernel(
         elif v_which == 3:  # the encoded payload
             t = g - v_first
             if PACKED_V:  # weighted in the stored layout
-                acc = acc * alpha[:, None, None] + V_FORMAT.fields(p, rows, v, V, t, g_ok, D, BLOCK_R, BLOCK_T)
+                acc = acc * alpha[:, None, None] + V_FORMAT.fields(p, rows, v, V, t, g_ok, D, BLOCK_R, BLOCK_T, DOT,
+                                                                          OPERAND)
             else:
                 v_lo, v_hi = V_FORMAT.halves(v, V, v_length, t, start - v_first, g_ok, c, c_ok, D, BLOCK_T)
                 acc_lo, acc_hi = _weighted(acc_lo, acc_hi, alpha, p, v_lo, v_hi, rows, BLOCK_R, HALF_PAD, DOT, OPERAND)
         elif len(v_pieces) == 0:  # never: the stream is its payload alone
             pass
         elif PACKED_V:  # a full-precision piece, into the field-major accumulator
-            acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R)
+            acc = acc * alpha[:, None, None] + _dense_fields(v_which, v_d0, v_d1, v_d2, p, rows, g, g_ok, D, V_BITS, BLOCK_R, DOT,
+                                                                 OPERAND)
         else:
             acc_lo, acc_hi = _dense_weighted(acc_lo, acc_hi, alpha, p, v_which, v_d0, v_d1, v_d2, rows, g, g_ok, c, c_ok,
                                              D, BLOCK_R, HALF_PAD, DOT, OPERAND)

@@ -61,7 +61,8 @@ class KernelFormat(NamedTuple):
     - ``scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, DOT)``: logits
       of keys read in their stored layout (``None``: keys are decoded by ``halves`` and scored), ``query`` what
       ``query`` prepared;
-    - ``fields(p, rows, a, C, t, t_ok, D, BLOCK_R, BLOCK_T)``: ``P V`` of values in their stored layout, field-major
+    - ``fields(p, rows, a, C, t, t_ok, D, BLOCK_R, BLOCK_T, DOT, OPERAND)``: ``P V`` of values in their stored layout
+      (``tl.dot`` on ``OPERAND`` operands, or in registers), field-major
       ``[BLOCK_R, 8 / C.BITS, D * C.BITS / 8]`` (``None``: values are decoded by ``halves``);
     - ``query(q_ptr, rows, row_ok, qk_scale, a, C, D, DOT, OPERAND)``: what ``scores`` reads of the query (``tl.dot``
       operands in ``OPERAND``, the launch's ``operands``), prepared once per

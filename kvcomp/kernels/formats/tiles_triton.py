@@ -104,3 +104,20 @@ def row_values(p, v, rows, BLOCK_R: tl.constexpr, C: tl.constexpr):
         p_r = tl.sum(tl.where(pick, p, 0.0), 0)
         out = tl.where(pick, tl.sum(p_r[:, None] * v, 0)[None, :], out)
     return out
+
+
+@triton.jit
+def field_major(f):
+    """``[R, N, W]`` from a tuple of ``N`` (1, 2, 4 or 8) tensors ``[R, W]``: field ``j`` at ``[:, j, :]``, joined in
+    registers (``tl.join`` adds a register axis; the first join's new axis weighs most) and permuted."""
+    N: tl.constexpr = len(f)
+    if N == 1:
+        x = f[0][:, :, None]
+    elif N == 2:
+        x = tl.join(f[0], f[1])
+    elif N == 4:
+        x = tl.reshape(tl.join(tl.join(f[0], f[2]), tl.join(f[1], f[3])), (f[0].shape[0], f[0].shape[1], 4))
+    else:
+        x = tl.reshape(tl.join(tl.join(tl.join(f[0], f[4]), tl.join(f[2], f[6])),
+                               tl.join(tl.join(f[1], f[5]), tl.join(f[3], f[7]))), (f[0].shape[0], f[0].shape[1], 8))
+    return tl.permute(x, (0, 2, 1))

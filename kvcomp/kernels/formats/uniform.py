@@ -113,13 +113,14 @@ class UniformReader(PayloadReader):
         return not width & (width - 1) and (width >= 16 or not dot)
 
     def packed_values(self, head_dim: int, dot: bool) -> bool:
-        """Per-token codes within bytes without a multiplier, bytes per token a power of two, groups of whole bytes,
-        at most 8 groups per token (their scales are selected in registers), on the register path
+        """Per-token codes within bytes without a multiplier, bytes per token a power of two (at least 16 for
+        ``tl.dot``), groups of whole bytes, at most 8 groups per token (their scales are selected in registers)
         (:func:`~.uniform_triton.packed_values`)."""
-        if dot or self.per_channel or 8 % self.bits or self.multiplier is not None:
+        if self.per_channel or 8 % self.bits or self.multiplier is not None:
             return False
         per_byte, width = 8 // self.bits, head_dim * self.bits // 8
-        return not width & (width - 1) and self.group_size % per_byte == 0 and head_dim // self.group_size <= 8
+        return (not width & (width - 1) and (width >= 16 or not dot) and self.group_size % per_byte == 0
+                and head_dim // self.group_size <= 8)
 
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")

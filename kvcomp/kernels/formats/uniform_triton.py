@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels.formats.base import KernelFormat
-from kvcomp.kernels.formats.tiles_triton import at, dot, operand, row_values
+from kvcomp.kernels.formats.tiles_triton import at, dot, field_major, operand, row_values
 from kvcomp.kernels.formats.uniform import UniformArgs
 
 
@@ -267,12 +267,26 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
 
 
 @triton.jit
-def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+def _value_field(byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr):
+    """Field ``j`` of value bytes ``[BLOCK_T, W]`` (channels ``PER_BYTE i + j``) dequantised."""
+    return ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * sc + zc
+
+
+@triton.jit
+def _field_dot(p, byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr):
+    """``P V_j`` of field ``j`` on ``tl.dot``, ``p`` an operand already."""
+    return dot(p, operand(_value_field(byte, sc, zc, j, BITS), p.dtype))
+
+
+@triton.jit
+def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                  DOT: tl.constexpr, OPERAND: tl.constexpr):
     """``P V`` of per-token packed-int values in their stored layout, ``[BLOCK_R, 8 / BITS, W]`` where
     ``[r, j, i]`` is channel ``PER_BYTE * i + j``: each byte of the tile is loaded once and each of its
-    fields is weighted as it lies; the caller keeps this field-major accumulator and writes it to the
-    head_dim layout once, at the end. Byte ``i`` lies in per-token group ``i // (GROUP / PER_BYTE)`` for
-    every field, so a token's few group scales are loaded once and selected per byte in registers."""
+    fields is weighted as it lies (``tl.dot``: one product per field, whose operand the compiler builds from the
+    bytes in its own layout; registers: one query row at a time); the caller keeps this field-major accumulator and
+    writes it to the head_dim layout once, at the end. Byte ``i`` lies in per-token group ``i // (GROUP / PER_BYTE)``
+    for every field, so a token's few group scales are loaded once and selected per byte in registers."""
     BITS: tl.constexpr = C.BITS
     GROUP: tl.constexpr = C.GROUP
     PER_BYTE: tl.constexpr = 8 // BITS
@@ -288,11 +302,26 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
         zc = tl.where(group_of == k, tl.load(a.zero + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
     if C.HIDDEN_ZERO:  # (the zero tensor's loads above unused)
         sc, zc = revealed(sc)
-    field = tl.arange(0, PER_BYTE)[None, :, None]
-    out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
-    for j in tl.static_range(PER_BYTE):
-        v = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * sc + zc  # channels PER_BYTE * i + j
-        out = tl.where(field == j, row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
+    if DOT:
+        p = operand(p, OPERAND)
+        if PER_BYTE == 1:
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS),))
+        elif PER_BYTE == 2:
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS), _field_dot(p, byte, sc, zc, 1, BITS)))
+        elif PER_BYTE == 4:
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS), _field_dot(p, byte, sc, zc, 1, BITS),
+                               _field_dot(p, byte, sc, zc, 2, BITS), _field_dot(p, byte, sc, zc, 3, BITS)))
+        else:
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS), _field_dot(p, byte, sc, zc, 1, BITS),
+                               _field_dot(p, byte, sc, zc, 2, BITS), _field_dot(p, byte, sc, zc, 3, BITS),
+                               _field_dot(p, byte, sc, zc, 4, BITS), _field_dot(p, byte, sc, zc, 5, BITS),
+                               _field_dot(p, byte, sc, zc, 6, BITS), _field_dot(p, byte, sc, zc, 7, BITS)))
+    else:
+        field = tl.arange(0, PER_BYTE)[None, :, None]
+        out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
+        for j in tl.static_range(PER_BYTE):
+            out = tl.where(field == j, row_values(p, _value_field(byte, sc, zc, j, BITS), rows, BLOCK_R, W)[:, None, :],
+                           out)
     return out
 
 
