@@ -165,8 +165,20 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
     # a rotated or offset payload's own launches (the query's rotation is a matmul outside them; these caches have no
     # sinks or tail beside such a payload)
     query, keys, values, valid, rope, options = today.payload_launch_inputs(query, keys, values, valid, rope, options)
-    _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)
-    _, wholes = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **{**options, "num_splits": 1})
+    variants = {}
+
+    def launched(crowded: bool) -> tuple[list, list[dict], dict]:
+        """The launches compiled for a grid that crowds the multiprocessors or not (the default register cap pays only
+        in the first: ``decode_attention_triton._register_cap``), the split launches and the merge analysed."""
+        if crowded not in variants:  # one multiprocessor for the whole grid, or one per program
+            with mock.patch.object(today, "_multiprocessors", lambda device: 1 if crowded else 1 << 20):
+                _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)
+                _, wholes = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **{**options, "num_splits": 1})
+            found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields"), whole)
+                     for launch, whole in zip(launches[:-1], wholes)]
+            variants[crowded] = launches, found, analysed(launches[-1])
+        return variants[crowded]
+
     step = DecodeStep()  # one layer's call in a step whose plan and workspace are made (as the benchmark times it)
     with bound_launches(()):  # the benchmark's call, on this CPU: its launcher and Triton's binding of each launch
         host = host_seconds(lambda: decode_attention(model_query, model_keys, model_values, D**-0.5, None, model_rope,
@@ -174,13 +186,14 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
                             today.decode_attention_triton(model_query, model_keys, model_values, D**-0.5, None,
                                                           key_rope=model_rope, step=step, **options))
     graphed = graphed_host_seconds(model_query, model_keys, model_values, model_rope) if not options else None
+    launches, found, merged = launched(True)
     block = launches[0].args["unit"]  # the tokens per tile the launch was planned with
-    splits, merge = launches[:-1], launches[-1]
-    found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields"), whole) for launch, whole in zip(splits, wholes)]
-    merged = analysed(merge)
     out = {}
     for batch, context in shapes:
         plan = plan_decode(*stream_bounds(codec, context), batch * H, SMS, block, None)
+        crowded = today._crowded(-(-batch * H * plan.launches[0].splits // SMS), launches[0].args["num_warps"])
+        launches, found, merged = launched(crowded or "registers" in options)  # (a cap of the options' own: one variant)
+        splits = launches[:-1]
         if len(plan.launches) != len(splits):
             raise RuntimeError(f"{name}: {len(plan.launches)} launches at {context} tokens, {len(splits)} compiled at {SMALL}")
         parts = []
@@ -190,6 +203,7 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
                                       nbytes * batch * (planned.hi - planned.lo) / SMALL)))
         parts.append((merged, Geometry(batch * H, merged["num_warps"], merged["resident"], plan.slots, 0.0)))
         out[(batch, context)] = step_time(parts, host)
+    launches, found, merged = launched(True)
     return {"shapes": out, "launches": found + [merged], "host": host, "graphed": graphed}
 
 

@@ -37,6 +37,7 @@ from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
 
 SECTION = f"## Decode kernel resources on sm_90, Triton {triton.__version__} (static, compiled without a GPU)"
+BATCH = 16  # sequences per step (the launches' code does not depend on it, their register cap does)
 QJL_LAYER = 31  # a layer past QJL's initial_layers: the authors' 256 + 256 sign bits per key
 
 
@@ -46,9 +47,10 @@ def codec_launches(name: str, ratio: int, context: int, block_tokens: int | None
     codec = build_codec(CODECS[name], info)
     if needs_calibration(codec):
         synthetic_state(codec, torch.Generator().manual_seed(0))
-    keys, values, rope, _ = cache_state(codec, 1, context, torch.device("cpu"))
-    query = torch.randn(1, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
-    valid = torch.ones(1, context, dtype=torch.bool)  # decode steps read the attention mask
+    # a batch whose grid crowds the multiprocessors (CPU tensors: 4 of them), where the launcher caps registers
+    keys, values, rope, _ = cache_state(codec, BATCH, context, torch.device("cpu"))
+    query = torch.randn(BATCH, info.num_kv_heads * ratio, info.head_dim, dtype=torch.bfloat16)
+    valid = torch.ones(BATCH, context, dtype=torch.bool)  # decode steps read the attention mask
     query, keys, values, valid, rope, options = payload_launch_inputs(query, keys, values, valid, rope,
                                                                       {"block_tokens": block_tokens})
     _, launches = decode_launches(query, keys, values, info.head_dim**-0.5, valid, rope, **options)

@@ -424,10 +424,10 @@ def test_packed_ints_and_grouped_codebooks_cap_the_registers_of_narrow_tl_dot_la
     """Packed ints and per-group codebooks in 32-token tiles cap a ``tl.dot`` launch at four programs per
     multiprocessor (128 registers per thread at 4 warps, 64 at 8); wide tiles, one codebook for every channel (EDEN's,
     TurboQuant's) beside them, the register path and ``registers=0`` leave the compiler its choice; ``registers`` sets
-    any cap."""
+    any cap. Only where the grid crowds the multiprocessors: at most two programs each (4 warps) stay uncapped."""
     from kvcomp.kernels.decode_attention_triton import decode_launches
 
-    b, h, r, d, group = 1, 2, 4, 32, 32
+    b, h, r, d, group = 8, 2, 4, 32, 32  # 16 programs, one slice each, on the interpreter's 4 multiprocessors
     gen = torch.Generator().manual_seed(9)
     keys, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_channel")
     values, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), 2, group, "per_token")
@@ -444,6 +444,12 @@ def test_packed_ints_and_grouped_codebooks_cap_the_registers_of_narrow_tl_dot_la
     assert cap(keys, one_codebook) is None and cap(keys, values, registers=0) is None
     assert cap(keys, one_codebook, registers=96) == 96
     assert cap(keys, values, dot=False) == 255  # the register path: the register file's share of a program
+    one = slice(0, 1)  # one sequence: 2 programs on 4 multiprocessors
+    keys_1, _ = _uniform(keys.dequantize_unrotated()[one], 2, group, "per_channel")
+    values_1, _ = _uniform(values.dequantize_unrotated()[one], 2, group, "per_token")
+    out = decode_launches(query[one], [keys_1], [values_1], d**-0.5)[1][0]
+    assert out.grid == (2, 1) and out.args.get("maxnreg") is None
+    assert decode_launches(query[one], [keys_1], [values_1], d**-0.5, registers=128)[1][0].args["maxnreg"] == 128
 
 
 def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):

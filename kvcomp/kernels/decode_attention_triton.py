@@ -570,12 +570,20 @@ def _check_chunks(tile: int, keys: PayloadReader | None, key_first: int, values:
                          f"payload, not a multiple of its {values.chunk_tokens}-token chunks")
 
 
-def _register_cap(payloads: list[PayloadReader], tile: int, num_warps: int) -> int:
+def _register_cap(payloads: list[PayloadReader], tile: int, num_warps: int, per_multiprocessor: int) -> int:
     """The registers per thread a ``tl.dot`` launch of these payloads is capped at: the least of their own caps
-    (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`), 0 (none) where one has none or the launch reads
-    no payload."""
+    (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`), 0 (none) where one has none, the launch reads no
+    payload, or its grid gives a multiprocessor (``per_multiprocessor`` programs, the busiest's) no more programs than
+    it holds at any register count (two of 4 warps at 255): there the cap could only spill. On the H200 the cap cost
+    TemporalKV-2 0.209 against 0.177 ms of device time at 1 x 32K (two programs per multiprocessor) and saved 2.488 ->
+    1.870 at 16 x 32K (BENCHMARKS.md, "GPU reading of 2026-11-28")."""
     caps = [payload.register_cap(tile <= TILE, num_warps) for payload in payloads]
-    return min(caps) if caps and all(caps) else 0
+    return min(caps) if caps and all(caps) and _crowded(per_multiprocessor, num_warps) else 0
+
+
+def _crowded(per_multiprocessor: int, num_warps: int) -> bool:
+    """Whether a multiprocessor is given more programs of ``num_warps`` warps than it holds at 255 registers."""
+    return per_multiprocessor > max(1, 65536 // (256 * 32 * num_warps))
 
 
 def _boundaries(segments: list[Segment]) -> list[int]:
@@ -712,7 +720,7 @@ def decode_launches(
     payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
     register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
     key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`); ``registers``: a cap per thread on the
-    ``tl.dot`` path (default: the payloads' own, :meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`; 0: none).
+    ``tl.dot`` path (default: the payloads' own where the grid crowds the multiprocessors, :func:`_register_cap`; 0: none).
     ``key_offset``: ``(rotation, c, positions)`` of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to
     each token's position (``positions``: of this launch's tokens from 0), whose score ``q . R_p c`` the kernel adds;
     ``key_residual``: ``(rotation, S, signs)`` of encoded keys plus the sign sketch of their residual (TurboQuant-prod),
@@ -753,7 +761,8 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
         if not dot:  # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
             cap = min(255, 65536 // (32 * num_warps))
         else:
-            cap = registers if registers is not None else _register_cap(encoded, tile, num_warps)
+            per_multiprocessor = -(-b * h * planned.splits // _multiprocessors(q.device))
+            cap = registers if registers is not None else _register_cap(encoded, tile, num_warps, per_multiprocessor)
         _check_chunks(tile, keys, next((key_bounds[j] for j in planned.keys if key_encoded[j]), 0), values,
                       next((value_bounds[j] for j in planned.values if value_encoded[j]), 0))
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, bounds=bounds[i], H=h, R=r, unit=block_tokens,
