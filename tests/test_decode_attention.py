@@ -222,6 +222,32 @@ def test_both_product_paths_match_the_reference(r, dot, d, group, key_axis):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("key_bits, value_bits", [(2, 4), (4, 8), (8, 1)])
+def test_one_group_per_token_is_applied_to_the_products(key_bits, value_bits):
+    """Codes with one scale and zero per token (vLLM's int4 per token-head, TurboQuant's uniform values) on ``tl.dot``:
+    the codes multiplied as they are and each token's parameters applied to its logits and weights (``s (q . code) +
+    z sum(q)``, ``(P s) code + P z``), with full-precision sinks and tail, against the reference: exact float32 products
+    (float32 operands under the interpreter), and bf16 operands no worse than the output's own rounding."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton, decode_launches
+
+    b, h, r, d = 2, 2, 4, 128  # (1-bit values: 16 bytes per token, tl.dot's least)
+    gen = torch.Generator().manual_seed(key_bits + value_bits)
+    key_reader, _ = _uniform(3 * torch.randn(b, h, 70, d, generator=gen) + 1, key_bits, d, "per_token")
+    value_reader, _ = _uniform(torch.randn(b, h, 70, d, generator=gen) - 2, value_bits, d, "per_token")
+    sinks, tail = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 9, d, generator=gen)
+    keys, values = [sinks, key_reader, tail], [sinks, value_reader, tail]
+    query = torch.randn(b, h * r, d, generator=gen)
+    valid = _mask(b, 82, gen)
+    args = decode_launches(query, keys, values, d**-0.5, valid)[1][0].args
+    assert args["PACKED_K"] and args["PACKED_V"] and args["K"].GROUP == d and not args["K"].PER_CHANNEL
+    reference = decode_attention_reference(query, keys, values, d**-0.5, valid, None, torch.float64)
+    out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=3)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+    half = decode_attention_triton(query.bfloat16(), keys, values, d**-0.5, valid, num_splits=3).double()
+    error = float((half - reference).norm() / reference.norm())
+    assert error < 4 * float((reference.bfloat16().double() - reference).norm() / reference.norm()), error
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_tl_dot_operands_follow_the_query_dtype(dtype):
     """``tl.dot`` takes operands of the query's type by default (bf16 MMAs for a bf16 model, as FlashAttention's; TF32

@@ -157,31 +157,36 @@ def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.conste
                  OPERAND: tl.constexpr):
     """For :func:`packed_scores` on the ``tl.dot`` path, the query's field sub-vectors ``[BLOCK_R, W]`` (field ``j``:
     channels ``PER_BYTE i + j``) times ``qk_scale``, loaded once per program (a load in the tile loop is not hoisted
-    out of it); ``()`` on the register path, which reads one row at a time."""
+    out of it), then each row's sum of those operands (the zero-points' weight where a token's codes are one group,
+    :func:`packed_scores`; compiled out where unused); ``()`` on the register path, which reads one row at a time."""
     BITS: tl.constexpr = C.BITS
     PER_BYTE: tl.constexpr = 8 // BITS
     i = tl.arange(0, D // PER_BYTE)
     if not DOT:
         out = ()
-    elif PER_BYTE == 1:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),)
-    elif PER_BYTE == 2:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND))
-    elif PER_BYTE == 4:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D, OPERAND))
     else:
-        out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 4, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 5, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 6, PER_BYTE, D, OPERAND),
-               _query_field(q_ptr, rows, row_ok, qk_scale, i, 7, PER_BYTE, D, OPERAND))
+        c = tl.arange(0, D)
+        q = tl.load(q_ptr + rows[:, None] * D + c[None, :], mask=row_ok[:, None], other=0.0)
+        total = tl.sum(operand(q.to(tl.float32) * qk_scale, OPERAND).to(tl.float32), 1)
+        if PER_BYTE == 1:
+            out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND), total)
+        elif PER_BYTE == 2:
+            out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND), total)
+        elif PER_BYTE == 4:
+            out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D, OPERAND), total)
+        else:
+            out = (_query_field(q_ptr, rows, row_ok, qk_scale, i, 0, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 1, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 2, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 3, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 4, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 5, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 6, PER_BYTE, D, OPERAND),
+                   _query_field(q_ptr, rows, row_ok, qk_scale, i, 7, PER_BYTE, D, OPERAND), total)
     return out
 
 
@@ -212,11 +217,25 @@ def _row_fields(ptr, i, PER_BYTE: tl.constexpr):
 
 
 @triton.jit
+def _token_params(a, C: tl.constexpr, t, t_ok):
+    """The scale and zero of tokens ``t`` whose codes form one group each, float32 ``[len(t)]``."""
+    sc = tl.load(a.scale + t, mask=t_ok, other=0.0).to(tl.float32)
+    if C.HIDDEN_ZERO:
+        sc, zc = revealed(sc)
+    else:
+        zc = tl.load(a.zero + t, mask=t_ok, other=0.0).to(tl.float32)
+    return sc, zc
+
+
+@triton.jit
 def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
     """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout: each byte of the tile is
     loaded once, and each of its ``8 / BITS`` fields (channels ``PER_BYTE * i + j``) meets the matching
-    query sub-vector, instead of one byte load per channel."""
+    query sub-vector, instead of one byte load per channel. Where each token's codes share one scale and zero (per
+    token, one group of ``D``: vLLM's int4 per token-head), ``tl.dot`` reads the codes as they are and applies the
+    token's parameters to its logits, ``s (q . code) + z sum(q)``, instead of decoding every value (values alike:
+    :func:`packed_values`)."""
     BITS: tl.constexpr = C.BITS
     GROUP: tl.constexpr = C.GROUP
     PER_CHANNEL: tl.constexpr = C.PER_CHANNEL
@@ -232,6 +251,13 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
         row = t0 // GROUP  # tiling), so in one group: its parameter row, loaded once and split per field
         scales = _row_fields(scale + row * D, i, PER_BYTE)
         zeros = _row_fields(zero + row * D, i, PER_BYTE)
+    if DOT and (not PER_CHANNEL) and GROUP == D:  # one group per token: the codes as they are, the scale and zero
+        # applied to each token's logits, s (q . code) + z sum(q)
+        for j in tl.static_range(PER_BYTE):
+            code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            s += dot(query[j], tl.trans(operand(code, query[j].dtype)))
+        sc, zc = _token_params(a, C, t, t_ok)
+        return s * sc[None, :] + query[PER_BYTE][:, None] * zc[None, :]
     for j in tl.static_range(PER_BYTE):
         channel = i * PER_BYTE + j
         code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
@@ -267,15 +293,19 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
 
 
 @triton.jit
-def _value_field(byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr):
-    """Field ``j`` of value bytes ``[BLOCK_T, W]`` (channels ``PER_BYTE i + j``) dequantised."""
-    return ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * sc + zc
+def _value_field(byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr):
+    """Field ``j`` of value bytes ``[BLOCK_T, W]`` (channels ``PER_BYTE i + j``) as float32: dequantised, or its codes
+    as they are (``DECODE`` false)."""
+    x = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    if DECODE:
+        x = x * sc + zc
+    return x
 
 
 @triton.jit
-def _field_dot(p, byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr):
+def _field_dot(p, byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr):
     """``P V_j`` of field ``j`` on ``tl.dot``, ``p`` an operand already."""
-    return dot(p, operand(_value_field(byte, sc, zc, j, BITS), p.dtype))
+    return dot(p, operand(_value_field(byte, sc, zc, j, BITS, DECODE), p.dtype))
 
 
 @triton.jit
@@ -286,42 +316,52 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
     fields is weighted as it lies (``tl.dot``: one product per field, whose operand the compiler builds from the
     bytes in its own layout; registers: one query row at a time); the caller keeps this field-major accumulator and
     writes it to the head_dim layout once, at the end. Byte ``i`` lies in per-token group ``i // (GROUP / PER_BYTE)``
-    for every field, so a token's few group scales are loaded once and selected per byte in registers."""
+    for every field, so a token's few group scales are loaded once and selected per byte in registers; one group
+    per token on ``tl.dot``: ``(P s) code + P z``."""
     BITS: tl.constexpr = C.BITS
     GROUP: tl.constexpr = C.GROUP
     PER_BYTE: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // PER_BYTE
     GROUPS: tl.constexpr = D // GROUP
+    ONE: tl.constexpr = DOT and (not C.PER_CHANNEL) and C.GROUP == D  # one group per token (see packed_scores)
     i = tl.arange(0, W)
     byte = tl.load(a.data.ptr + t[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
-    group_of = (i // (GROUP // PER_BYTE))[None, :]
-    sc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
-    zc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
-    for k in tl.static_range(GROUPS):
-        sc = tl.where(group_of == k, tl.load(a.scale + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], sc)
-        zc = tl.where(group_of == k, tl.load(a.zero + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
-    if C.HIDDEN_ZERO:  # (the zero tensor's loads above unused)
-        sc, zc = revealed(sc)
+    if ONE:  # each token's scale on its weight, the codes as they are
+        sc, zc = _token_params(a, C, t, t_ok)
+        p_zero = tl.sum(p * zc[None, :], 1)
+        p = p * sc[None, :]
+    else:
+        group_of = (i // (GROUP // PER_BYTE))[None, :]
+        sc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
+        zc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
+        for k in tl.static_range(GROUPS):
+            sc = tl.where(group_of == k, tl.load(a.scale + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], sc)
+            zc = tl.where(group_of == k, tl.load(a.zero + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
+        if C.HIDDEN_ZERO:  # (the zero tensor's loads above unused)
+            sc, zc = revealed(sc)
     if DOT:
         p = operand(p, OPERAND)
+        DECODE: tl.constexpr = not ONE
         if PER_BYTE == 1:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS),))
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE),))
         elif PER_BYTE == 2:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS), _field_dot(p, byte, sc, zc, 1, BITS)))
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE), _field_dot(p, byte, sc, zc, 1, BITS, DECODE)))
         elif PER_BYTE == 4:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS), _field_dot(p, byte, sc, zc, 1, BITS),
-                               _field_dot(p, byte, sc, zc, 2, BITS), _field_dot(p, byte, sc, zc, 3, BITS)))
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE), _field_dot(p, byte, sc, zc, 1, BITS, DECODE),
+                               _field_dot(p, byte, sc, zc, 2, BITS, DECODE), _field_dot(p, byte, sc, zc, 3, BITS, DECODE)))
         else:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS), _field_dot(p, byte, sc, zc, 1, BITS),
-                               _field_dot(p, byte, sc, zc, 2, BITS), _field_dot(p, byte, sc, zc, 3, BITS),
-                               _field_dot(p, byte, sc, zc, 4, BITS), _field_dot(p, byte, sc, zc, 5, BITS),
-                               _field_dot(p, byte, sc, zc, 6, BITS), _field_dot(p, byte, sc, zc, 7, BITS)))
+            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE), _field_dot(p, byte, sc, zc, 1, BITS, DECODE),
+                               _field_dot(p, byte, sc, zc, 2, BITS, DECODE), _field_dot(p, byte, sc, zc, 3, BITS, DECODE),
+                               _field_dot(p, byte, sc, zc, 4, BITS, DECODE), _field_dot(p, byte, sc, zc, 5, BITS, DECODE),
+                               _field_dot(p, byte, sc, zc, 6, BITS, DECODE), _field_dot(p, byte, sc, zc, 7, BITS, DECODE)))
+        if ONE:
+            out = out + p_zero[:, None, None]
     else:
         field = tl.arange(0, PER_BYTE)[None, :, None]
         out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
         for j in tl.static_range(PER_BYTE):
-            out = tl.where(field == j, row_values(p, _value_field(byte, sc, zc, j, BITS), rows, BLOCK_R, W)[:, None, :],
-                           out)
+            v = _value_field(byte, sc, zc, j, BITS, True)
+            out = tl.where(field == j, row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
     return out
 
 
