@@ -66,6 +66,15 @@ def test_skipped_source_functions_leave_their_branch_out(tmp_path):
     assert [i.address for i in instructions] == [0x20, 0x30, 0x60, 0x70, 0x80, 0x90]
 
 
+def test_a_cubin_compiled_from_another_checkout_is_read_with_this_packages_sources():
+    """Triton's cache holds kernels by source and first line, not path: a worktree's kernel, cached and then met
+    here after the worktree was removed, names its files; their functions are this package's."""
+    elsewhere = "/removed/worktree/kvcomp/kernels/static_model.py"
+    assert sm._source(elsewhere) == Path(sm.__file__).resolve()
+    assert any(name == "tile_instructions" for _, _, name in sm._functions(elsewhere))
+    assert sm._functions("/nonexistent/k.py") == []
+
+
 def test_a_skipped_functions_instruction_hoisted_into_the_loops_shared_blocks_keeps_them(tmp_path):
     """The scheduler moves a few instructions of a skipped function into blocks every tile runs (NVFP4's register-path
     launch: 5 of its loop header's 133): those blocks stay, or the tile would be empty."""

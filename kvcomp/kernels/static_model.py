@@ -234,9 +234,24 @@ def _blocks(instructions: list[Instruction], labels: dict[str, int]) -> tuple[li
 
 
 def _functions(path: str) -> list[tuple[int, int, str]]:
-    """``(first line, last line, name)`` of every function in a source file, innermost last when sorted."""
-    tree = ast.parse(Path(path).read_text())
+    """``(first line, last line, name)`` of every function in a source file, innermost last when sorted; none
+    where the file cannot be found."""
+    source = _source(path)
+    if not source.exists():
+        return []
+    tree = ast.parse(source.read_text())
     return sorted((n.lineno, n.end_lineno, n.name) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+
+
+def _source(path: str) -> Path:
+    """The file a SASS line names, with a file of kvcomp read from this package: Triton's cache is keyed by the
+    kernels' sources and first lines, not by their paths, so a cubin compiled from another checkout (a worktree,
+    since removed or changed) names that checkout's files for this package's lines."""
+    parts = Path(path).parts
+    if "kvcomp" not in parts:
+        return Path(path)
+    package = len(parts) - 1 - parts[::-1].index("kvcomp")
+    return Path(__file__).resolve().parent.parent.joinpath(*parts[package + 1:])
 
 
 def _reachable(start: set[int], edges: dict[int, set[int]], allowed: set[int]) -> set[int]:
@@ -290,7 +305,7 @@ def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instr
                 continue
             path, line = ins.source
             if path not in functions:
-                functions[path] = _functions(path) if Path(path).exists() else []
+                functions[path] = _functions(path)
             names = [name for lo, hi, name in functions[path] if lo <= line <= hi]
             if names and names[-1] in skip:
                 skipped += 1
