@@ -887,7 +887,9 @@ def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
 
 def test_packed_int_keys_are_scored_in_their_stored_layout_where_the_tile_allows():
     values, _ = _uniform(torch.randn(1, 1, 8, 128), 2, 32, "per_token")  # KIVI-2 values: 4 groups per token
-    assert values.packed_values(128, dot=False) and values.packed_values(128, dot=True)
+    assert values.packed_values(128, dot=False) and not values.packed_values(128, dot=True)  # tl.dot: decoded
+    one_group, _ = _uniform(torch.randn(1, 1, 8, 128), 4, 128, "per_token")  # vLLM's int4: one group per token
+    assert one_group.packed_values(128, dot=False) and one_group.packed_values(128, dot=True)
     narrow_values, _ = _uniform(torch.randn(1, 1, 8, 32), 2, 16, "per_token")  # 8 bytes per token
     assert narrow_values.packed_values(32, dot=False) and not narrow_values.packed_values(32, dot=True)
     many_groups, _ = _uniform(torch.randn(1, 1, 8, 128), 2, 8, "per_token")  # 16 groups: gathered, per channel

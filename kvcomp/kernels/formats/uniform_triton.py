@@ -228,6 +228,12 @@ def _token_params(a, C: tl.constexpr, t, t_ok):
 
 
 @triton.jit
+def _field_codes(byte, j: tl.constexpr, BITS: tl.constexpr):
+    """Codes of field ``j`` of bytes ``[BLOCK_T, W]`` (channels ``PER_BYTE i + j``) as float32."""
+    return ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
 def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
     """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout: each byte of the tile is
@@ -254,13 +260,12 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
     if DOT and (not PER_CHANNEL) and GROUP == D:  # one group per token: the codes as they are, the scale and zero
         # applied to each token's logits, s (q . code) + z sum(q)
         for j in tl.static_range(PER_BYTE):
-            code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-            s += dot(query[j], tl.trans(operand(code, query[j].dtype)))
+            s += dot(query[j], tl.trans(operand(_field_codes(byte, j, BITS), query[j].dtype)))
         sc, zc = _token_params(a, C, t, t_ok)
         return s * sc[None, :] + query[PER_BYTE][:, None] * zc[None, :]
     for j in tl.static_range(PER_BYTE):
         channel = i * PER_BYTE + j
-        code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        code = _field_codes(byte, j, BITS)
         if ONE_ROW:
             sc = scales[j][None, :]
             zc = zeros[j][None, :]
@@ -293,19 +298,9 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
 
 
 @triton.jit
-def _value_field(byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr):
-    """Field ``j`` of value bytes ``[BLOCK_T, W]`` (channels ``PER_BYTE i + j``) as float32: dequantised, or its codes
-    as they are (``DECODE`` false)."""
-    x = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    if DECODE:
-        x = x * sc + zc
-    return x
-
-
-@triton.jit
-def _field_dot(p, byte, sc, zc, j: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr):
-    """``P V_j`` of field ``j`` on ``tl.dot``, ``p`` an operand already."""
-    return dot(p, operand(_value_field(byte, sc, zc, j, BITS, DECODE), p.dtype))
+def _field_dot(p, byte, j: tl.constexpr, BITS: tl.constexpr):
+    """``P C_j`` of the codes of field ``j`` on ``tl.dot``, ``p`` an operand already."""
+    return dot(p, operand(_field_codes(byte, j, BITS), p.dtype))
 
 
 @triton.jit
@@ -313,23 +308,36 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
                   DOT: tl.constexpr, OPERAND: tl.constexpr):
     """``P V`` of per-token packed-int values in their stored layout, ``[BLOCK_R, 8 / BITS, W]`` where
     ``[r, j, i]`` is channel ``PER_BYTE * i + j``: each byte of the tile is loaded once and each of its
-    fields is weighted as it lies (``tl.dot``: one product per field, whose operand the compiler builds from the
-    bytes in its own layout; registers: one query row at a time); the caller keeps this field-major accumulator and
-    writes it to the head_dim layout once, at the end. Byte ``i`` lies in per-token group ``i // (GROUP / PER_BYTE)``
-    for every field, so a token's few group scales are loaded once and selected per byte in registers; one group
-    per token on ``tl.dot``: ``(P s) code + P z``."""
+    fields is weighted as it lies; the caller keeps this field-major accumulator and writes it to the head_dim layout
+    once, at the end. Registers: one query row at a time; byte ``i`` lies in per-token group
+    ``i // (GROUP / PER_BYTE)`` for every field, so a token's few group scales are loaded once and selected per byte.
+    ``tl.dot`` (one group per token: :meth:`~.uniform.UniformReader.packed_values`): one product of each field's codes
+    as they are, whose operand the compiler builds from the bytes in its own layout, with each token's scale on its
+    weight, ``(P s) code + P z``."""
     BITS: tl.constexpr = C.BITS
     GROUP: tl.constexpr = C.GROUP
     PER_BYTE: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // PER_BYTE
     GROUPS: tl.constexpr = D // GROUP
-    ONE: tl.constexpr = DOT and (not C.PER_CHANNEL) and C.GROUP == D  # one group per token (see packed_scores)
     i = tl.arange(0, W)
     byte = tl.load(a.data.ptr + t[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
-    if ONE:  # each token's scale on its weight, the codes as they are
+    if DOT:
         sc, zc = _token_params(a, C, t, t_ok)
         p_zero = tl.sum(p * zc[None, :], 1)
-        p = p * sc[None, :]
+        p = operand(p * sc[None, :], OPERAND)
+        if PER_BYTE == 1:
+            out = field_major((_field_dot(p, byte, 0, BITS),))
+        elif PER_BYTE == 2:
+            out = field_major((_field_dot(p, byte, 0, BITS), _field_dot(p, byte, 1, BITS)))
+        elif PER_BYTE == 4:
+            out = field_major((_field_dot(p, byte, 0, BITS), _field_dot(p, byte, 1, BITS),
+                               _field_dot(p, byte, 2, BITS), _field_dot(p, byte, 3, BITS)))
+        else:
+            out = field_major((_field_dot(p, byte, 0, BITS), _field_dot(p, byte, 1, BITS),
+                               _field_dot(p, byte, 2, BITS), _field_dot(p, byte, 3, BITS),
+                               _field_dot(p, byte, 4, BITS), _field_dot(p, byte, 5, BITS),
+                               _field_dot(p, byte, 6, BITS), _field_dot(p, byte, 7, BITS)))
+        out = out + p_zero[:, None, None]
     else:
         group_of = (i // (GROUP // PER_BYTE))[None, :]
         sc = tl.zeros((BLOCK_T, W), dtype=tl.float32)
@@ -339,28 +347,10 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
             zc = tl.where(group_of == k, tl.load(a.zero + t * GROUPS + k, mask=t_ok, other=0.0).to(tl.float32)[:, None], zc)
         if C.HIDDEN_ZERO:  # (the zero tensor's loads above unused)
             sc, zc = revealed(sc)
-    if DOT:
-        p = operand(p, OPERAND)
-        DECODE: tl.constexpr = not ONE
-        if PER_BYTE == 1:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE),))
-        elif PER_BYTE == 2:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE), _field_dot(p, byte, sc, zc, 1, BITS, DECODE)))
-        elif PER_BYTE == 4:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE), _field_dot(p, byte, sc, zc, 1, BITS, DECODE),
-                               _field_dot(p, byte, sc, zc, 2, BITS, DECODE), _field_dot(p, byte, sc, zc, 3, BITS, DECODE)))
-        else:
-            out = field_major((_field_dot(p, byte, sc, zc, 0, BITS, DECODE), _field_dot(p, byte, sc, zc, 1, BITS, DECODE),
-                               _field_dot(p, byte, sc, zc, 2, BITS, DECODE), _field_dot(p, byte, sc, zc, 3, BITS, DECODE),
-                               _field_dot(p, byte, sc, zc, 4, BITS, DECODE), _field_dot(p, byte, sc, zc, 5, BITS, DECODE),
-                               _field_dot(p, byte, sc, zc, 6, BITS, DECODE), _field_dot(p, byte, sc, zc, 7, BITS, DECODE)))
-        if ONE:
-            out = out + p_zero[:, None, None]
-    else:
         field = tl.arange(0, PER_BYTE)[None, :, None]
         out = tl.zeros((BLOCK_R, PER_BYTE, W), dtype=tl.float32)
         for j in tl.static_range(PER_BYTE):
-            v = _value_field(byte, sc, zc, j, BITS, True)
+            v = _field_codes(byte, j, BITS) * sc + zc
             out = tl.where(field == j, row_values(p, v, rows, BLOCK_R, W)[:, None, :], out)
     return out
 
