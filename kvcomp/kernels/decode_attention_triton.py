@@ -52,7 +52,7 @@ argument reduction: :func:`~kvcomp.kernels.formats.tiles_triton.cos_sin`).
 Packed ints are read in their stored layout: each byte of a tile once, its ``8 / bits`` fields scored
 against the matching query sub-vectors (:func:`~kvcomp.kernels.formats.uniform_triton.packed_scores`) or weighted into a
 field-major accumulator (:func:`~kvcomp.kernels.formats.uniform_triton.packed_values`: on ``tl.dot`` one product per
-field, on the register path one query row at a time). Codes of
+field where each token is one group, on the register path one query row at a time). Codes of
 3, 5, 6 or 7 bits, which straddle bytes, are unpacked per tile from the two bytes each may span (:func:`~kvcomp.kernels.formats.uniform_triton.codes`).
 Codebook codes of 2 or 4 bits are read by whole bytes the same way, and a codebook chunk of several values (TemporalKV's
 tokens, ChannelKV's channels) is gathered as one vector (:mod:`kvcomp.kernels.formats.codebook_triton`).
