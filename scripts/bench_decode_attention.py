@@ -12,7 +12,9 @@ they exceed twice the L2 cache.
   head as query rows (GQA decode without repeating K/V), the faster of the flash and memory-efficient
   backends;
 - each codec: :func:`kvcomp.kernels.decode_attention.decode_attention` with ``backend="triton"``
-  (split-K kernel + merge kernel over the sinks, payload and tail);
+  (split-K kernel + merge kernel over the sinks, payload and tail), without a mask; with ``--step-mask`` also with
+  the one every decode step of ``generate`` passes (``kvcomp.cache.attention.decode_step_mask``: every token valid,
+  one mask per step, which the kernels read per tile);
 - bandwidth: bytes the step must read (payload, full-precision segments, query) / time, beside the
   device's copy bandwidth (``dst.copy_(src)`` of 1 GiB: read + write bytes / time);
 - encode: tokens per second compressing one layer's K and V of a 32K-token prefill, torch vs the fused
@@ -38,7 +40,7 @@ from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, device_name, l2_cache_bytes,
                                          publish, revision, script_device)
-from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
+from kvcomp.kernels.decode_attention import ValidTokens, decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 from kvcomp.kernels.formats import BlockFloatReader, ScaledReader, RotaryPositions
@@ -160,9 +162,9 @@ def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str, float, float]:
 
 
 def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l2_bytes: int,
-                 graphs: tuple = (False,), shape: dict = LLAMA31_8B) -> list[dict]:
-    """SDPA's row and each codec's (once per entry of ``graphs``: without, or with CUDA graphs), at the attention
-    ``shape`` the codecs were built for."""
+                 graphs: tuple = (False,), shape: dict = LLAMA31_8B, masks: tuple = (False,)) -> list[dict]:
+    """SDPA's row and each codec's (once per entry of ``graphs``: without, or with CUDA graphs, and of ``masks``:
+    without, or with a step's mask), at the attention ``shape`` the codecs were built for."""
     h, hq, d = shape["kv_heads"], shape["query_heads"], shape["head_dim"]
     dense_bytes = 2 * batch * h * context * d * 2
     dense_sets = [
@@ -182,9 +184,9 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
              "bytes": dense_bytes, "error": 0.0}]
     dense_sets.clear()  # free the bf16 sets before the payloads are built
     for name, codec in codecs.items():
-        for captured in graphs:
+        for captured, masked in ((c, m) for c in graphs for m in masks):
             try:
-                row = _bench_codec(name, codec, batch, context, timer, device, l2_bytes, turn, captured, hq)
+                row = _bench_codec(name, codec, batch, context, timer, device, l2_bytes, turn, captured, hq, masked)
             except Exception as failure:  # one format that fails on this device must not cost the others' rows
                 row = {"batch": batch, "context": context, "method": name, "failed": f"{type(failure).__name__}: {failure}"}
                 if device.type == "cuda":
@@ -199,10 +201,10 @@ def bench_decode(codecs: dict, batch: int, context: int, timer: Timer, device, l
 
 
 def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, device, l2_bytes: int, turn,
-                 graphs: bool, hq: int) -> dict:
+                 graphs: bool, hq: int, masked: bool = False) -> dict:
     """One codec's row: median ms of the fused step over rotated caches, and its error on a fresh one. ``graphs``: the
     calls captured in CUDA graphs (:mod:`kvcomp.kernels.decode_graphs`; each rotated cache is captured once); ``hq``:
-    query heads."""
+    query heads; ``masked``: each call given the step's mask (every token valid), as ``generate``'s steps are."""
     d = codec.model.head_dim
     first = cache_state(codec, batch, context, device)
     states = [first] + [cache_state(codec, batch, context, device) for _ in range(buffer_sets(first[3], l2_bytes) - 1)]
@@ -214,8 +216,10 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
     # a model's layers share their step's plan and workspace: each call is one such layer
     planned = DecodeStep(DecodeWorkspace(DecodeGraphs() if graphs else None))
 
+    valid = ValidTokens(torch.ones(batch, context, dtype=torch.bool, device=device)) if masked else None
+
     def step(q, keys, values, rope):
-        return decode_attention(q, keys, values, d**-0.5, None, rope, "triton", step=planned)
+        return decode_attention(q, keys, values, d**-0.5, valid, rope, "triton", step=planned)
 
     if graphs:  # each rotated cache met twice before the timing (run, then captured): the timed calls are replays
         for _ in range(2):
@@ -231,7 +235,8 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         reference = decode_attention_reference(q, keys, values, d**-0.5, None, rope, torch.float64)
         error = relative_error(step(q, keys, values, rope), reference)
         del keys, values, reference
-    return {"batch": batch, "context": context, "method": name + (" (CUDA graphs)" if graphs else ""), "ms": ms,
+    return {"batch": batch, "context": context, "method": name + (" (mask)" if masked else "")
+            + (" (CUDA graphs)" if graphs else ""), "ms": ms,
             "host_ms": host_ms, "device_ms": device_ms, "bytes": first[3], "error": error}
 
 
@@ -326,6 +331,8 @@ def main(argv=None) -> str:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script")
     parser.add_argument("--cuda-graphs", action="store_true", help="also time each codec's call captured in CUDA graphs")
+    parser.add_argument("--step-mask", action="store_true",
+                        help="also time each codec's call with the mask generate passes at every decode step")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     device = script_device(parser, args)
@@ -351,7 +358,8 @@ def main(argv=None) -> str:
     for batch in batches:
         for context in contexts:
             decode_rows += bench_decode(codecs, batch, context, timer, device, l2_cache_bytes(device),
-                                        (False, True) if args.cuda_graphs else (False,), shape)
+                                        (False, True) if args.cuda_graphs else (False,), shape,
+                                        (False, True) if args.step_mask else (False,))
             print(f"[bench] batch {batch} context {context} done", flush=True)
     encode_rows = bench_encode(codecs, encode_tokens, throughput, device)
     context_mem = max(contexts)

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
 # Runs the steps named in STEPS (default: registers attention e2e ncu graphs, whose limits add up to 540 s: one call with
-# timeout_s 590 after the machine's start; also: operands tiles overhead maxbatch qjl sweep profile calls), in that order, each under its own time limit so
+# timeout_s 590 after the machine's start; also: operands tiles overhead maxbatch qjl sweep profile calls mask), in that order, each under its own time limit so
 # that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
 #      --reps 30 --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the
@@ -26,6 +26,9 @@
 #      int8 per token-head and fp8: the default launch (bf16 tl.dot operands for the bf16 query) against the same with
 #      float32 (TF32) operands, the default until 2026-11-27 (KIVI-2 1.42-1.62x faster with bf16 on an H200; int8 per
 #      token-head read 0.90x across two leases, never in one run, where the static model predicts 1.09x); logged only
+#   mask: scripts/bench_decode_attention.py --batches 16 --contexts 32768 --step-mask for KIVI-2 and -4 and TemporalKV-2:
+#      each call without a mask (as the attention step and the static model time it) and with the mask every decode step
+#      of generate passes (read per tile: the static model predicts KIVI-2 0.794 against 0.837 ms); logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
 #   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
@@ -86,6 +89,8 @@ run() {  # run STEP: one named benchmark
         --shapes 16x32768 --codecs kivi-2 kivi-4 temporalkv-2 channelkv-2 kvquant-2 ;;
     tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
         --codecs fp8 int8-token-head eden-2-center int4-token-head nvfp4 ;;
+    mask) step mask "${MASK_S:-60}" python3 scripts/bench_decode_attention.py --batches 16 --contexts 32768 \
+        --codecs kivi-2 kivi-4 temporalkv-2 --encode-tokens 1024 --reps 30 --step-mask ;;
     ncu) command -v ncu >/dev/null || echo "=== ncu: not on this machine, step skipped"
         command -v ncu >/dev/null && step ncu "${NCU_S:-30}" ncu --clock-control none --section SpeedOfLight \
             --section Occupancy --section LaunchStats --section WarpStateStats -k regex:_split_kernel --launch-count 1 \
@@ -96,7 +101,7 @@ run() {  # run STEP: one named benchmark
     profile) step profile "${PROFILE_S:-90}" python3 scripts/profile_decode_step.py ;;
     calls) step calls "${CALLS_S:-60}" python3 scripts/profile_decode_call.py --codecs kivi-2 temporalkv-2 \
         --shapes 1x4096 16x32768 --calls 30 --cuda-graphs ;;
-    *) echo "unknown step $1; steps: registers operands attention e2e tiles ncu overhead maxbatch qjl sweep profile graphs calls" ;;
+    *) echo "unknown step $1; steps: registers operands attention e2e tiles ncu overhead maxbatch qjl sweep profile graphs calls mask" ;;
     esac
 }
 

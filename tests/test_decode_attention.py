@@ -791,9 +791,9 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
     kernel checked inside the script against the float64 reference on fresh inputs (bf16 outputs). QJL's fused step
     runs in ``bench_qjl_decode.py``'s own check (tests/test_qjl_kernel.py)."""
     module = load_script("bench_decode_attention")
-    table = module.main(["--smoke", "--codecs", "kivi-2", "temporalkv-2"])
+    table = module.main(["--smoke", "--codecs", "kivi-2", "temporalkv-2", "--step-mask"])
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 160 |")]
-    assert [row[2] for row in rows][1:] == ["kivi-2", "temporalkv-2"]
+    assert [row[2] for row in rows][1:] == ["kivi-2", "kivi-2 (mask)", "temporalkv-2", "temporalkv-2 (mask)"]
     errors = [float(row[-1].rstrip(" |")) for row in rows[1:]]
     assert all(0 < error < 1e-2 for error in errors)  # relative error: bf16 output rounding, not zero
     assert all(float(row[4]) == float(row[3]) > 0 for row in rows[1:])  # on a CPU the host time is the time
