@@ -14,7 +14,7 @@ they exceed twice the L2 cache.
 - each codec: :func:`kvcomp.kernels.decode_attention.decode_attention` with ``backend="triton"``
   (split-K kernel + merge kernel over the sinks, payload and tail), without a mask; with ``--step-mask`` also with
   the one every decode step of ``generate`` passes (``kvcomp.cache.attention.decode_step_mask``: every token valid,
-  one mask per step, which the kernels read per tile);
+  one mask per step, made into one span per sequence once per step: ``ValidTokens.spans``);
 - bandwidth: bytes the step must read (payload, full-precision segments, query) / time, beside the
   device's copy bandwidth (``dst.copy_(src)`` of 1 GiB: read + write bytes / time);
 - encode: tokens per second compressing one layer's K and V of a 32K-token prefill, torch vs the fused

@@ -28,7 +28,8 @@
 #      token-head read 0.90x across two leases, never in one run, where the static model predicts 1.09x); logged only
 #   mask: scripts/bench_decode_attention.py --batches 16 --contexts 32768 --step-mask for KIVI-2 and -4 and TemporalKV-2:
 #      each call without a mask (as the attention step and the static model time it) and with the mask every decode step
-#      of generate passes (read per tile: the static model predicts KIVI-2 0.794 against 0.837 ms); logged only
+#      of generate passes (one exact span per sequence, the mask itself not read: the static model predicts KIVI-2
+#      0.800 against 0.794 ms without a mask, 0.837 when the mask was read per tile); logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
 #   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)

@@ -43,7 +43,7 @@ from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
 from kvcomp.kernels.decode_graphs import DecodeGraphs  # noqa: E402
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace, plan_decode  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
-from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
+from kvcomp.kernels.decode_attention import ValidTokens, decode_attention  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
     HOST_FACTOR, L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
@@ -154,14 +154,16 @@ def bound_launches(kernels: tuple) -> contextlib.AbstractContextManager:
     return stack
 
 
-def today_step(name: str, shapes, options: dict | None = None) -> dict:
+def today_step(name: str, shapes, options: dict | None = None, mask: bool = False) -> dict:
     """Predicted ms per shape of today's split + merge launches of ``name`` (``options`` of
     :func:`~kvcomp.kernels.decode_attention_triton.decode_launches`: a launch configuration), called as
-    ``bench_decode_attention.py`` calls them: without a mask (a step's mask adds one load per tile)."""
+    ``bench_decode_attention.py`` calls them: without a mask, or (``mask``) with the step's mask of ``generate``, every
+    token valid (``--step-mask``: one exact span per sequence, so the tile's mask read does not run)."""
     options = options or {}
     codec = codec_for(name)
     keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
-    query, valid = torch.randn(1, H * R, D, dtype=torch.bfloat16), None
+    query = torch.randn(1, H * R, D, dtype=torch.bfloat16)
+    valid = ValidTokens(torch.ones(1, SMALL, dtype=torch.bool)) if mask else None
     model_query, model_keys, model_values, model_rope = query, keys, values, rope
     # a rotated or offset payload's own launches (the query's rotation is a matmul outside them; these caches have no
     # sinks or tail beside such a payload)
@@ -175,7 +177,7 @@ def today_step(name: str, shapes, options: dict | None = None) -> dict:
             with mock.patch.object(today, "_multiprocessors", lambda device: 1 if crowded else 1 << 20):
                 _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)
                 _, wholes = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **{**options, "num_splits": 1})
-            found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields"), whole)
+            found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields", "_masked"), whole)
                      for launch, whole in zip(launches[:-1], wholes)]
             variants[crowded] = launches, found, analysed(launches[-1])
         return variants[crowded]

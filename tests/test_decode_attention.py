@@ -9,7 +9,7 @@ from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.kernels.codebook_encode import encode_codebook
-from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference
+from kvcomp.kernels.decode_attention import SPAN, ValidTokens, decode_attention, decode_attention_reference
 from kvcomp.kernels.formats import CodebookReader, RotaryPositions, UniformReader
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.packing import packed_length
@@ -41,10 +41,12 @@ def _uniform(x, bits, group, axis):
 
 
 def _mask(b, length, gen):
-    """Left padding on sequence 1, a shorter (ragged) sequence 0."""
+    """Left padding on the last sequence (one run of valid tokens: the kernels skip the rest and read no mask), a
+    shorter (ragged) sequence 0 with a hole (the mask read per token)."""
     valid = torch.ones(b, length, dtype=torch.bool)
     valid[-1, : int(torch.randint(1, 9, (), generator=gen))] = False
     valid[0, length - int(torch.randint(1, 9, (), generator=gen)) :] = False
+    valid[0, length // 3] = False
     return valid
 
 
@@ -498,6 +500,82 @@ def test_any_mask_runs_in_the_kernel_and_empty_rows_are_zero(monkeypatch):
         out = decode_attention(query, keys, values, 0.25, mask, backend="triton")
         torch.testing.assert_close(out, references[id(mask)])
     assert torch.equal(decode_attention(query, keys, values, 0.25, empty, backend="triton")[1], torch.zeros(2, d))
+
+
+def _spans_of(mask: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(first, stop, exact)`` per row, computed one row at a time in Python."""
+    out = []
+    for row in mask.tolist():
+        at = [i for i, ok in enumerate(row) if ok]
+        first, stop = (at[0], at[-1] + 1) if at else (0, 0)
+        out.append((first, stop, int(len(at) == stop - first)))
+    return out
+
+
+def test_valid_tokens_are_one_span_per_sequence():
+    """Left padding, right padding, a sliding window, every token, none (an empty exact span) and a hole (not exact);
+    made on the mask's device, int32."""
+    rows = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 1, 1, 0]]
+    mask = torch.tensor(rows, dtype=torch.bool)
+    spans = ValidTokens(mask).spans
+    assert spans.dtype == torch.int32 and spans.shape == (6, SPAN)
+    assert [tuple(row[:3]) for row in spans.tolist()] == _spans_of(mask)
+    assert [tuple(row[:3]) for row in spans.tolist()] == [(2, 6, 1), (0, 3, 1), (1, 4, 1), (0, 6, 1), (0, 0, 1),
+                                                           (0, 5, 0)]
+    assert ValidTokens(torch.ones(2, 0, dtype=torch.bool)).spans[:, :3].tolist() == [[0, 0, 1]] * 2
+
+
+def test_a_launch_groups_spans_are_derived_from_the_steps():
+    """The spans of the tokens ``[lo, hi)`` of a mask, and of those outside (a rotated payload's launch groups), derived
+    from the step's without reading the mask again: equal to the sliced mask's own where exact, and holding every
+    valid token where not."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(200):
+        length = int(torch.randint(1, 24, (), generator=gen))
+        mask = torch.zeros(6, length, dtype=torch.bool)
+        for row in range(6):
+            first, stop = sorted(torch.randint(0, length + 1, (2,), generator=gen).tolist())
+            mask[row, first:stop] = True
+        mask[5] = torch.rand(length, generator=gen) < 0.5  # any pattern
+        lo, hi = sorted(torch.randint(0, length + 1, (2,), generator=gen).tolist())
+        valid = ValidTokens(mask)
+        for part, sliced in ((valid.columns(lo, hi), mask[:, lo:hi]), (valid.without(lo, hi),
+                                                                         torch.cat([mask[:, :lo], mask[:, hi:]], 1))):
+            assert torch.equal(part.mask, sliced)
+            for derived, own, row in zip(part.spans.tolist(), _spans_of(sliced), sliced.tolist()):
+                if derived[2]:
+                    assert tuple(derived[:3]) == own or (own == (0, 0, 1) and derived[0] == derived[1])
+                at = [i for i, ok in enumerate(row) if ok]
+                assert all(derived[0] <= i < derived[1] for i in at)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_an_exact_span_skips_the_mask_and_the_tiles_outside_it(splits):
+    """Sequences whose valid tokens are one run (a sliding window over a KIVI payload between full-precision pieces,
+    left padding, none at all) are read from their spans alone: given a mask of zeros with the true spans, the
+    kernel matches the reference of the true mask (slices left without a tile write empty partial outputs)."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
+    b, h, r, d, group = 3, 2, 4, 32, 16
+    gen = torch.Generator().manual_seed(4)
+    sinks = torch.randn(b, h, 3, d, generator=gen)
+    key_reader, _ = _uniform(torch.randn(b, h, 8 * group, d, generator=gen), 2, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 8 * group, d, generator=gen), 2, group, "per_token")
+    tail = torch.randn(b, h, 9, d, generator=gen)
+    keys, values = [sinks, key_reader, tail], [sinks, value_reader, tail]
+    length = 3 + 8 * group + 9
+    mask = torch.zeros(b, length, dtype=torch.bool)
+    mask[0, 70:length - 2] = True  # a window ending before the fresh tokens
+    mask[1, 40:] = True  # left padding
+    query = torch.randn(b, h * r, d, generator=gen)
+    reference = decode_attention_reference(query, keys, values, d**-0.5, mask)
+    spans = ValidTokens(mask).spans
+    assert spans[:, 2].tolist() == [1, 1, 1]
+    out = decode_attention_triton(query, keys, values, d**-0.5, ValidTokens(torch.zeros_like(mask), spans),
+                                  num_splits=splits)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[2], torch.zeros(h * r, d))
 
 
 @pytest.mark.parametrize("layout", ["temporal", "channel", "scalar", "temporal-2", "scalar-4bit"])
@@ -998,6 +1076,33 @@ def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask(monkeypat
     assert len(grids) == 1  # the grid of a graph's plan does not change as the cache grows
     assert len(captured) == 1 and outputs[1] is outputs[2] is outputs[3]  # captured once, replayed into its own output
     assert builds == [1, 1, 0, 0]  # the launches of the first two calls only
+
+
+def test_row_groups_masks_keep_buffers_of_their_own_under_cuda_graphs():
+    """Two row groups of one batch size attend with masks of their own in every layer of a step (their lengths differ by
+    their pads): under CUDA graphs (a stand-in capture) each mask and its spans are copied once per step into a buffer
+    of their own, so that the second layer's call of the first group reads its own mask, not the one copied last."""
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.decode_graphs import DecodeGraphs
+    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+
+    b, h, r, d, group = 2, 2, 2, 32, 16
+    gen = torch.Generator().manual_seed(8)
+    groups = []
+    for tokens in (48, 43):
+        keys, _ = _uniform(torch.randn(b, h, tokens, d, generator=gen), 4, group, "per_token")
+        values, _ = _uniform(torch.randn(b, h, tokens, d, generator=gen), 2, group, "per_token")
+        groups.append(([keys], [values], tokens))
+    workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
+    for _ in range(3):
+        step = DecodeStep(workspace)
+        masks = [ValidTokens(torch.rand(b, tokens, generator=gen) < 0.7) for _, _, tokens in groups]
+        for _layer in range(2):
+            for (keys, values, _), valid in zip(groups, masks):
+                query = torch.randn(b, h * r, d, generator=gen)
+                out = decode_attention_triton(query, keys, values, 0.2, valid, step=step)
+                torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.2, valid.mask),
+                                           rtol=1e-5, atol=1e-5)
 
 
 def test_a_call_reading_what_it_made_is_replayed_only_by_its_launches(monkeypatch):

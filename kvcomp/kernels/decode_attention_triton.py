@@ -31,9 +31,10 @@ position ids' strides) is in the launch's row of bounds, which the plan copies t
 kernel reads: a growing cache never recompiles a kernel, and no argument of a launch changes with it. Strides are
 specialised: they stay multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned
 vector loads. Every tensor is advanced to the program's sequence and head once, in
-int64, so no offset overflows at a large batch x context. The step's attention mask is read per token
-(one byte per cached token and sequence), so any mask runs in the kernel and nothing about it is checked
-on the host.
+int64, so no offset overflows at a large batch x context. The step's attention mask comes with one span per
+sequence (:attr:`~kvcomp.kernels.decode_attention.ValidTokens.spans`, made on the device once per step): a program's
+slice is cut to its sequence's span, and the mask (one byte per cached token and sequence) is read per tile only
+where the span is not exact, so any mask runs in the kernel and nothing about it is checked on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
 ``P V`` are still ``tl.dot`` products over the query rows padded to 16 (on operands of the query's type, TF32 for
@@ -73,6 +74,8 @@ import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels import decode_plan
+from kvcomp.kernels import decode_attention
+from kvcomp.kernels.decode_attention import ValidTokens
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep
 from kvcomp.kernels.formats import (
@@ -114,6 +117,7 @@ LO, HI, TILES, SLOT0, SLOTS, VALID_S_B, POS_S_B, K_FIRST, K_LENGTH, V_FIRST, V_L
     tl.constexpr(getattr(decode_plan, name)) for name in ("LO", "HI", "TILES", "SLOT0", "SLOTS", "VALID_S_B", "POS_S_B",
                                                            "K_FIRST", "K_LENGTH", "V_FIRST", "V_LENGTH", "K_LOWS",
                                                            "K_CUTS", "V_LOWS", "V_CUTS"))
+SPAN = tl.constexpr(decode_attention.SPAN)  # int32 per sequence in the step's spans (ValidTokens.spans)
 
 
 @triton.jit
@@ -289,6 +293,12 @@ def _rotate(lo, hi, positions, inv_freq, rope_scaling, g, g_ok, c, c_ok, ROUND: 
 
 
 @triton.jit
+def _masked(valid_ptr, g, g_ok):
+    """``g_ok`` and the step's mask of tokens ``g`` (a sequence whose span is not exact)."""
+    return g_ok & (tl.load(valid_ptr + g, mask=g_ok, other=0) != 0)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, part_ptr, lse_ptr, bounds, H, R, unit, qk_scale,
     k_pieces, k, v_pieces, v, valid, rope, offset, residual,
@@ -347,8 +357,12 @@ def _split_kernel(
         residual = RESIDUAL_FORMAT.advance(residual, RESIDUAL, b64, h64, D)
     if len(rope) > 0:
         positions = rope[0] + b64 * tl.load(bounds + POS_S_B)
-    if len(valid) > 0:
+    if len(valid) > 0:  # the sequence's span of valid tokens: the slice's tiles outside it skipped
         valid_ptr = valid[0] + b64 * tl.load(bounds + VALID_S_B)
+        span = valid[1] + b * SPAN
+        split_lo = tl.maximum(split_lo, tl.load(span))
+        split_hi = tl.minimum(split_hi, tl.load(span + 1))
+        inexact = tl.load(span + 2) == 0  # the mask is read per token
 
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -392,8 +406,9 @@ def _split_kernel(
         end = tl.minimum(tl.minimum(split_hi, start + BLOCK_T), tl.minimum(k_stop, v_stop))
         g = start + tl.arange(0, BLOCK_T)
         g_ok = (g >= g0) & (g < end)
-        if len(valid) > 0:  # the step's attention mask, one byte per cached token (any pattern: no host check)
-            g_ok = g_ok & (tl.load(valid_ptr + g, mask=g_ok, other=0) != 0)
+        if len(valid) > 0:
+            if inexact:  # the step's attention mask, one byte per cached token (any pattern: no host check)
+                g_ok = _masked(valid_ptr, g, g_ok)
         if K_FORMAT is None:  # no encoded keys in this launch
             s = _dense_scores(k_which, k_d0, k_d1, k_d2, q_lo, q_hi, rows, g, g_ok, c, c_ok, D, BLOCK_R, BLOCK_T, DOT,
                               OPERAND)
@@ -672,13 +687,14 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
     partial, lse = step.workspace.scratch(device, region, b * h, plan.slots, r, d)
     common = {}  # what every launch of the step reads besides its streams
     valid_s_b = pos_s_b = 0
+    if isinstance(valid, torch.Tensor):
+        valid = ValidTokens(valid.to(device))
     if valid is not None and step.workspace.graphs is not None:  # at the same address each step
-        valid = step.mask(device, valid)
+        common["valid"] = step.mask(device, valid.as_bytes, valid.spans)
     elif valid is not None:
-        valid = valid.to(device)
-        valid = valid.view(torch.uint8) if valid.dtype == torch.bool and valid.stride(-1) == 1 else valid.to(torch.uint8).contiguous()
+        common["valid"] = (valid.as_bytes.to(device), valid.spans.to(device))
     if valid is not None:
-        common["valid"], valid_s_b = (valid,), valid.stride(0)
+        valid_s_b = common["valid"][0].stride(0)
     rotary = key_rope if key_offset is None else key_offset[2]  # encoded keys of pre-RoPE codecs, or their offset
     if rotary is not None:
         positions = rotary.positions.to(device, torch.int32)  # the cache's position ids, read in place
@@ -699,7 +715,7 @@ def decode_launches(
     key_segments: list[Segment],
     value_segments: list[Segment],
     scale: float,
-    valid: torch.Tensor | None = None,
+    valid: torch.Tensor | ValidTokens | None = None,
     key_rope: RotaryPositions | None = None,
     num_splits: int | None = None,
     block_tokens: int | None = None,
@@ -804,9 +820,11 @@ def _merge_launch(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, s
 
 
 def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], value_segments: list[Segment], scale: float,
-                            valid: torch.Tensor | None = None, **options) -> torch.Tensor:
+                            valid: torch.Tensor | ValidTokens | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
-    ``[B, L]`` (bool, any pattern; ``None``: every cached token) is read by the kernel per token.
+    ``[B, L]`` (bool, any pattern; ``None``: every cached token), or the step's
+    :class:`~kvcomp.kernels.decode_attention.ValidTokens`: each sequence's tiles outside its span are skipped, and the
+    mask is read per token only where the span is not exact.
     ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``operands``, ``step``): see
     :func:`decode_launches`.
     A :class:`RotatedReader`, :class:`OffsetReader` or :class:`ResidualSketchReader` payload is read in its own launches
@@ -862,7 +880,7 @@ class LaunchGroup:
     query: torch.Tensor
     keys: list[Segment]
     values: list[Segment]
-    valid: torch.Tensor | None
+    valid: ValidTokens | None
     rotation: torch.Tensor | None
     offset: OffsetReader | None
     options: dict
@@ -973,7 +991,9 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
     if key_sketch is not None:  # scored against y = S q of the model's query, which each call derives from its own
         payload_options["key_residual"] = (key_rotation, key_sketch.projection.to(query.device, torch.float32),
                                            key_sketch.residual)
-    payload_valid = None if valid is None else valid[:, lo:hi]
+    if isinstance(valid, torch.Tensor):
+        valid = ValidTokens(valid)
+    payload_valid = None if valid is None else valid.columns(lo, hi)
     if value_sketch is not None:  # both groups slice the payload alike: one tile size for both
         narrow = key_offset is not None or key_sketch is not None
         payload_options["block_tokens"] = (payload_options.get("block_tokens")
@@ -984,7 +1004,7 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
                                   payload_options, adds=True))
     rest = (key_segments[:i] + key_segments[i + 1:], value_segments[:i] + value_segments[i + 1:])
     if rest[0]:
-        groups.append(LaunchGroup(query, *rest, None if valid is None else torch.cat([valid[:, :lo], valid[:, hi:]], 1),
+        groups.append(LaunchGroup(query, *rest, None if valid is None else valid.without(lo, hi),
                                   None, None, options))
     return groups
 

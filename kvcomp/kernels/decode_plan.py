@@ -157,17 +157,22 @@ class DecodeWorkspace:
         view.copy_(values, non_blocking=True)
         return view
 
-    def mask(self, device: torch.device, valid: torch.Tensor) -> torch.Tensor:
-        """The step's attention mask ``[B, L]`` (uint8) copied into a buffer whose row stride grows in powers of two
-        only: the same address and stride step after step (a captured step reads this step's mask)."""
-        b, length = valid.shape
+    def mask(self, device: torch.device, slot: int, mask: torch.Tensor,
+             spans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An attention mask ``[B, L]`` (uint8) of the step copied into buffer ``slot``, whose row stride grows in powers
+        of two only, and its spans (``[B, SPAN]`` int32, :class:`~kvcomp.kernels.decode_attention.ValidTokens`) into one
+        of their own: the same addresses and stride step after step (a captured step reads this step's mask)."""
+        b, length = mask.shape
         width = 1 << max(length - 1, 0).bit_length()
-        buffer = self._buffer(("mask", torch.device(device), b), b * width, torch.uint8).view(-1)
+        buffer = self._buffer(("mask", torch.device(device), slot, b), b * width, torch.uint8).view(-1)
         if buffer.numel() != b * width:  # a grown buffer is allocated with this width, a kept one has its own
             width = buffer.numel() // b
         view = buffer.view(b, width)[:, :length]
-        view.copy_(valid)
-        return view
+        view.copy_(mask)
+        kept = self._buffer(("spans", torch.device(device), slot, b), spans.numel(), torch.int32)[: spans.numel()]
+        kept = kept.view(spans.shape)
+        kept.copy_(spans)
+        return view, kept
 
     def _buffer(self, key: tuple, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The buffer ``key`` with at least ``numel`` elements (grown, never shrunk; contents kept only while it fits)."""
@@ -219,9 +224,13 @@ class DecodeStep:
             self.tensors[key] = self.workspace.bounds(device, region, ("count", value), [[value]])[0]
         return self.tensors[key]
 
-    def mask(self, device: torch.device, valid: torch.Tensor) -> torch.Tensor:
-        """The step's mask in the workspace (:meth:`DecodeWorkspace.mask`), copied once per step."""
-        key = ("mask", id(valid))
+    def mask(self, device: torch.device, mask: torch.Tensor, spans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mask of the step and its spans in the workspace (:meth:`DecodeWorkspace.mask`), copied once per step, each
+        mask in a slot of its own in the order the step meets them (row groups of one batch size attend with masks
+        of their own: their lengths differ by their pads)."""
+        key = ("mask", id(mask))
         if key not in self.tensors:
-            self.tensors[key] = (valid, self.workspace.mask(device, valid))  # (valid kept: its id stays its own)
+            slot = self.slots.get(("mask", torch.device(device)), 0)
+            self.slots[("mask", torch.device(device))] = slot + 1
+            self.tensors[key] = (mask, self.workspace.mask(device, slot, mask, spans))  # (mask kept: its id stays its own)
         return self.tensors[key][1]
