@@ -241,13 +241,30 @@ def test_one_group_per_token_is_applied_to_the_products(key_bits, value_bits):
     query = torch.randn(b, h * r, d, generator=gen)
     valid = _mask(b, 82, gen)
     args = decode_launches(query, keys, values, d**-0.5, valid)[1][0].args
-    assert args["PACKED_K"] and args["PACKED_V"] and args["K"].GROUP == d and not args["K"].PER_CHANNEL
+    assert args["PACKED_K"] and args["PACKED_V"] and args["K"].ONE_GROUP and args["V"].ONE_GROUP
     reference = decode_attention_reference(query, keys, values, d**-0.5, valid, None, torch.float64)
     out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=3)
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
     half = decode_attention_triton(query.bfloat16(), keys, values, d**-0.5, valid, num_splits=3).double()
     error = float((half - reference).norm() / reference.norm())
     assert error < 4 * float((reference.bfloat16().double() - reference).norm() / reference.norm()), error
+
+
+def test_packed_values_on_tl_dot_refuse_several_groups_per_token(monkeypatch):
+    """The field-major ``tl.dot`` products of packed values apply one scale per token: a reader that let a payload of
+    several groups per token (KIVI's values) take them would be refused when the kernel compiles, not read wrong."""
+    from triton.runtime.errors import InterpreterError
+
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+
+    b, h, r, d, group = 1, 1, 4, 64, 16
+    gen = torch.Generator().manual_seed(2)
+    key_reader, _ = _uniform(torch.randn(b, h, 32, d, generator=gen), 2, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 32, d, generator=gen), 2, group, "per_token")
+    assert not value_reader.one_group and not value_reader.packed_values(d, True)
+    monkeypatch.setattr(UniformReader, "packed_values", lambda self, head_dim, dot: True)
+    with pytest.raises((InterpreterError, AssertionError), match="one group per token"):
+        decode_attention_triton(torch.randn(b, h * r, d, generator=gen), [key_reader], [value_reader], d**-0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

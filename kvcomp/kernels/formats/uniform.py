@@ -45,6 +45,7 @@ class UniformConstants(NamedTuple):
     PER_CHANNEL: bool
     MULTIPLIER: int  # the multiplier's group along the other axis than the parameters (0: none)
     HIDDEN_ZERO: bool  # each zero-point hidden in its scale (:func:`hide_zero`), the zero tensor unread
+    ONE_GROUP: bool  # each token's codes are one group (:attr:`UniformReader.one_group`)
 
 
 @dataclass
@@ -91,7 +92,14 @@ class UniformReader(PayloadReader):
             multiplier = Strided.of(self.multiplier)
             group = self.head_dim if self.per_channel else self.multiplier_group
         return (UniformArgs(Strided.of(self.codes), scale, zero, param_s_b, param_s_h, multiplier),
-                UniformConstants(self.bits, self.group_size, self.per_channel, group, self.hidden_zero))
+                UniformConstants(self.bits, self.group_size, self.per_channel, group, self.hidden_zero, self.one_group))
+
+    @property
+    def one_group(self) -> bool:
+        """Each token's codes share one scale and zero (per token, a group of ``head_dim``: vLLM's int4 per
+        token-head): on ``tl.dot`` the kernels then take the codes as they are and apply the parameters to each token's
+        logit and weight (:func:`~.uniform_triton.packed_scores`, :func:`~.uniform_triton.packed_values`)."""
+        return not self.per_channel and self.group_size == self.head_dim
 
     def tile_limit(self, block_tokens: int, dot: bool) -> int:
         """At most a per-channel group (its parameters, or the multiplier of a per-token payload; a power of two, at
@@ -121,7 +129,7 @@ class UniformReader(PayloadReader):
         if self.per_channel or 8 % self.bits or self.multiplier is not None:
             return False
         per_byte, width = 8 // self.bits, head_dim * self.bits // 8
-        if dot and (width < 16 or self.group_size != head_dim):
+        if dot and (width < 16 or not self.one_group):
             return False
         return not width & (width - 1) and self.group_size % per_byte == 0 and head_dim // self.group_size <= 8
 

@@ -257,7 +257,7 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
         row = t0 // GROUP  # tiling), so in one group: its parameter row, loaded once and split per field
         scales = _row_fields(scale + row * D, i, PER_BYTE)
         zeros = _row_fields(zero + row * D, i, PER_BYTE)
-    if DOT and (not PER_CHANNEL) and GROUP == D:  # one group per token: the codes as they are, the scale and zero
+    if DOT and C.ONE_GROUP:  # one group per token: the codes as they are, the scale and zero
         # applied to each token's logits, s (q . code) + z sum(q)
         for j in tl.static_range(PER_BYTE):
             s += dot(query[j], tl.trans(operand(_field_codes(byte, j, BITS), query[j].dtype)))
@@ -322,6 +322,7 @@ def packed_values(p, rows, a, C: tl.constexpr, t, t_ok, D: tl.constexpr, BLOCK_R
     i = tl.arange(0, W)
     byte = tl.load(a.data.ptr + t[:, None] * W + i[None, :], mask=t_ok[:, None], other=0).to(tl.int32)  # [BLOCK_T, W]
     if DOT:
+        tl.static_assert(C.ONE_GROUP, "packed values on tl.dot: one group per token (UniformReader.packed_values)")
         sc, zc = _token_params(a, C, t, t_ok)
         p_zero = tl.sum(p * zc[None, :], 1)
         p = operand(p * sc[None, :], OPERAND)
