@@ -33,7 +33,7 @@ specialised: they stay multiples of 16 as buffers grow (multiples of head_dim), 
 vector loads. Every tensor is advanced to the program's sequence and head once, in
 int64, so no offset overflows at a large batch x context. The step's attention mask comes with one span per
 sequence (:attr:`~kvcomp.kernels.decode_attention.ValidTokens.spans`, made on the device once per step): a program's
-slice is cut to its sequence's span, and the mask (one byte per cached token and sequence) is read per tile only
+slice is cut to its sequence's span, and the mask (one byte per cached token and sequence) is read per token only
 where the span is not exact, so any mask runs in the kernel and nothing about it is checked on the host.
 
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
