@@ -1177,7 +1177,8 @@ def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch)
     """A rotated payload's own launches (:func:`launch_groups`: the payload's, with the query rotated, then the sinks'
     and tail's) under CUDA graphs: each group's split launches are captured and replayed by their inputs, the rotations
     and the one merge run as they are, and every step's output with a new query and mask equals the reference (a
-    stand-in capture whose replay runs the captured launches again)."""
+    stand-in capture whose replay runs the captured launches again). Two layers of a step share the step's mask: its
+    groups' parts of it are made once, and copied into two buffers of the workspace for all layers and steps."""
     from kvcomp.kernels import decode_attention_triton as kernels
     from kvcomp.kernels.decode_graphs import DecodeGraphs
     from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
@@ -1195,13 +1196,18 @@ def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch)
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
     builds = []
     for _ in range(4):
-        query, valid = torch.randn(b, h * r, d, generator=gen), _mask(b, 3 + n + 5, gen)
+        step, valid = DecodeStep(workspace), ValidTokens(_mask(b, 3 + n + 5, gen))
         before = len(built)
-        out = kernels.decode_attention_triton(query, keys, values, 0.2, valid, step=DecodeStep(workspace))
-        torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.2, valid), rtol=1e-5, atol=1e-5)
+        for _layer in range(2):
+            query = torch.randn(b, h * r, d, generator=gen)
+            out = kernels.decode_attention_triton(query, keys, values, 0.2, valid, step=step)
+            torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.2, valid.mask), rtol=1e-5,
+                                       atol=1e-5)
         builds.append(len(built) - before)
-    assert builds == [2, 2, 0, 0]  # two groups, their launches built twice (met, captured), then replayed
+    assert builds == [4, 0, 0, 0]  # two groups, their launches built twice (met, captured), then replayed
     assert len(workspace.graphs.by_inputs) == 2
+    assert valid.columns(3, 3 + n) is valid.columns(3, 3 + n)
+    assert sorted(key[2] for key in workspace._storage if key[0] == "mask") == [0, 1]  # the slots of the two groups
 
 
 @pytest.mark.parametrize("name", ["kivi", "temporalkv", "qjl", "eden", "turboquant_prod", "int4_token_head"])

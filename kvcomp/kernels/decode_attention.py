@@ -96,6 +96,7 @@ class ValidTokens:
     def __init__(self, mask: torch.Tensor, spans: torch.Tensor | None = None):
         self.mask = mask
         self._spans = spans
+        self._parts: dict[tuple, ValidTokens] = {}  # columns / without, made once for every layer of the step
 
     @cached_property
     def as_bytes(self) -> torch.Tensor:
@@ -123,12 +124,18 @@ class ValidTokens:
         return self._spans
 
     def columns(self, lo: int, hi: int) -> "ValidTokens":
-        """The mask of cached tokens ``[lo, hi)`` (a payload's launch group), its spans derived from these."""
-        return ValidTokens(self.mask[:, lo:hi], _kept_spans(self.spans, lo, hi, True))
+        """The mask of cached tokens ``[lo, hi)`` (a payload's launch group), its spans derived from these; the same
+        object for every layer (one copy per step into a CUDA-graph workspace)."""
+        if ("in", lo, hi) not in self._parts:
+            self._parts["in", lo, hi] = ValidTokens(self.mask[:, lo:hi], _kept_spans(self.spans, lo, hi, True))
+        return self._parts["in", lo, hi]
 
     def without(self, lo: int, hi: int) -> "ValidTokens":
-        """The mask of the cached tokens outside ``[lo, hi)``, the rest placed after ``lo``."""
-        return ValidTokens(torch.cat([self.mask[:, :lo], self.mask[:, hi:]], 1), _kept_spans(self.spans, lo, hi, False))
+        """The mask of the cached tokens outside ``[lo, hi)``, the rest placed after ``lo`` (as :meth:`columns`)."""
+        if ("out", lo, hi) not in self._parts:
+            mask = torch.cat([self.mask[:, :lo], self.mask[:, hi:]], 1)
+            self._parts["out", lo, hi] = ValidTokens(mask, _kept_spans(self.spans, lo, hi, False))
+        return self._parts["out", lo, hi]
 
 
 def _kept_spans(spans: torch.Tensor, lo: int, hi: int, inside: bool) -> torch.Tensor:
