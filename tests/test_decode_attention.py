@@ -466,10 +466,11 @@ def test_tiles_of_token_chunks_start_at_whole_chunks():
 
 
 def test_packed_ints_and_grouped_codebooks_cap_the_registers_of_narrow_tl_dot_launches():
-    """Packed ints and per-group codebooks in 32-token tiles cap a ``tl.dot`` launch at four programs per
-    multiprocessor (128 registers per thread at 4 warps, 64 at 8); wide tiles, one codebook for every channel (EDEN's,
-    TurboQuant's) beside them, the register path and ``registers=0`` leave the compiler its choice; ``registers`` sets
-    any cap. Only where the grid crowds the multiprocessors: at most two programs each (4 warps) stay uncapped."""
+    """Packed ints and codebooks in 32-token tiles cap a ``tl.dot`` launch at four programs per multiprocessor (128
+    registers per thread at 4 warps, 64 at 8), also one codebook for every channel (EDEN's, TurboQuant's) where another
+    payload narrows its tiles; wide tiles (that codebook alone), the register path and ``registers=0`` leave the
+    compiler its choice; ``registers`` sets any cap. Only where the grid crowds the multiprocessors: at most two
+    programs each (4 warps) stay uncapped."""
     from kvcomp.kernels.decode_attention_triton import decode_launches
 
     b, h, r, d, group = 8, 2, 4, 32, 32  # 16 programs, one slice each, on the interpreter's 4 multiprocessors
@@ -486,8 +487,8 @@ def test_packed_ints_and_grouped_codebooks_cap_the_registers_of_narrow_tl_dot_la
     assert cap(keys, values) == 128 and cap(keys, values, num_warps=8) == 64
     assert cap(values, values, block_tokens=128) is None  # wide tiles (per-channel keys' groups allow 32 tokens)
     assert cap(keys, codebook) == 128 and cap(codebook, codebook, num_warps=8) == 64
-    assert cap(keys, one_codebook) is None and cap(keys, values, registers=0) is None
-    assert cap(keys, one_codebook, registers=96) == 96
+    assert cap(keys, one_codebook) == 128 and cap(one_codebook, one_codebook) is None  # narrow, then wide tiles
+    assert cap(keys, values, registers=0) is None and cap(keys, one_codebook, registers=96) == 96
     assert cap(keys, values, dot=False) == 255  # the register path: the register file's share of a program
     one = slice(0, 1)  # one sequence: 2 programs on 4 multiprocessors
     keys_1, _ = _uniform(keys.dequantize_unrotated()[one], 2, group, "per_channel")

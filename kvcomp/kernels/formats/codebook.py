@@ -63,10 +63,12 @@ class CodebookReader(PayloadReader):
         return self.codebooks.shape[1] == 1
 
     def register_cap(self, narrow: bool, num_warps: int) -> int:
-        """Four programs per multiprocessor where the codebooks are per channel group (TemporalKV, ChannelKV,
-        KVQuant: narrow tiles): they then spill, and still run 1.13-1.33x faster than at the compiler's 168-255
-        registers (H200, 16 x 32K, device time: BENCHMARKS.md, GPU reading of 2026-11-28)."""
-        return 0 if self.wide_tile or not narrow else four_programs(num_warps)
+        """Four programs per multiprocessor in narrow tiles: per-channel-group codebooks (TemporalKV, ChannelKV,
+        KVQuant) then spill, and still run 1.13-1.33x faster than at the compiler's 168-255 registers (H200, 16 x 32K,
+        device time: BENCHMARKS.md, GPU reading of 2026-11-28); a single codebook read in narrow tiles beside a residual
+        sketch or a key offset (TurboQuant-prod, EDEN with ``center``) is predicted 10-12 % faster capped (static
+        model, sixteenth entry; not measured). Wide tiles keep the compiler's choice."""
+        return four_programs(num_warps) if narrow else 0
 
     @property
     def chunk_tokens(self) -> int:
