@@ -40,10 +40,11 @@ from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, device_name, l2_cache_bytes,
                                          publish, revision, script_device)
-from kvcomp.kernels.decode_attention import ValidTokens, decode_attention, decode_attention_reference, relative_error
+from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 from kvcomp.kernels.formats import BlockFloatReader, ScaledReader, RotaryPositions
+from kvcomp.kernels.valid_tokens import ValidTokens
 
 SECTION = "## Fused decode attention over compressed caches (issue 6)"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)

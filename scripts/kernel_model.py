@@ -43,7 +43,8 @@ from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
 from kvcomp.kernels.decode_graphs import DecodeGraphs  # noqa: E402
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace, plan_decode  # noqa: E402
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
-from kvcomp.kernels.decode_attention import ValidTokens, decode_attention  # noqa: E402
+from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
+from kvcomp.kernels.valid_tokens import ValidTokens  # noqa: E402
 from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
 from kvcomp.kernels.static_model import (  # noqa: E402
     HOST_FACTOR, L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,

@@ -9,8 +9,9 @@ from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.kernels.codebook_encode import encode_codebook
-from kvcomp.kernels.decode_attention import SPAN, ValidTokens, decode_attention, decode_attention_reference
+from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvcomp.kernels.formats import CodebookReader, RotaryPositions, UniformReader
+from kvcomp.kernels.valid_tokens import SPAN, ValidTokens
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.packing import packed_length
 from kvcomp.stages.uniform_quantizer import GroupQuantizer

@@ -54,7 +54,8 @@ def decode_step_mask(*args, **kwargs):
     """transformers' ``sdpa_mask``, always materialised for single-token forwards that carry a padding
     mask: its test whether the mask can be skipped reads that mask on the host (``padding_mask.all()``, a
     host sync every decode step on a GPU, e.g. in ``generate``), and the fused kernels make it into one span
-    of valid tokens per sequence on the device anyway (:class:`~kvcomp.kernels.decode_attention.ValidTokens`). Without a padding mask the test reads no data, and longer forwards keep
+    of valid tokens per sequence on the device anyway (:class:`~kvcomp.kernels.valid_tokens.ValidTokens`).
+    Without a padding mask the test reads no data, and longer forwards keep
     the skip (SDPA's causal kernels for prefill). ``generate`` always passes a padding mask, so its decode
     steps on the torch path run SDPA with a mask. The query length is ``q_length`` (transformers >= 5.3)
     or the length of ``cache_position`` (earlier 5.x)."""

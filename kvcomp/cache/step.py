@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvcomp.kernels.decode_attention import ValidTokens
+from kvcomp.kernels.valid_tokens import ValidTokens
 from kvcomp.kernels.decode_plan import DecodeStep
 
 

@@ -8,6 +8,7 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
   reading packed uniform/KIVI, codebook, QJL-sketch, float8 / int8 and NVFP4 payloads, split-K + merge;
 - ``decode_plan``: a decode step's launches planned once and run by every layer, in a workspace kept across steps
   (with each launch's token bounds on the device); ``decode_graphs``: those launches captured in CUDA graphs;
+  ``valid_tokens``: a step's mask and each sequence's span of valid tokens, which the kernels read instead;
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
   packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
 - ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;

@@ -32,7 +32,7 @@ kernel reads: a growing cache never recompiles a kernel, and no argument of a la
 specialised: they stay multiples of 16 as buffers grow (multiples of head_dim), which lets the compiler prove aligned
 vector loads. Every tensor is advanced to the program's sequence and head once, in
 int64, so no offset overflows at a large batch x context. The step's attention mask comes with one span per
-sequence (:attr:`~kvcomp.kernels.decode_attention.ValidTokens.spans`, made on the device once per step): a program's
+sequence (:attr:`~kvcomp.kernels.valid_tokens.ValidTokens.spans`, made on the device once per step): a program's
 slice is cut to its sequence's span, and the mask (one byte per cached token and sequence) is read per token only
 where the span is not exact, so any mask runs in the kernel and nothing about it is checked on the host.
 
@@ -74,8 +74,8 @@ import triton.language as tl
 
 from kvcomp.kernels import Launch, launch_device
 from kvcomp.kernels import decode_plan
-from kvcomp.kernels import decode_attention
-from kvcomp.kernels.decode_attention import ValidTokens
+from kvcomp.kernels import valid_tokens
+from kvcomp.kernels.valid_tokens import ValidTokens
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep
 from kvcomp.kernels.formats import (
@@ -117,7 +117,7 @@ LO, HI, TILES, SLOT0, SLOTS, VALID_S_B, POS_S_B, K_FIRST, K_LENGTH, V_FIRST, V_L
     tl.constexpr(getattr(decode_plan, name)) for name in ("LO", "HI", "TILES", "SLOT0", "SLOTS", "VALID_S_B", "POS_S_B",
                                                            "K_FIRST", "K_LENGTH", "V_FIRST", "V_LENGTH", "K_LOWS",
                                                            "K_CUTS", "V_LOWS", "V_CUTS"))
-SPAN = tl.constexpr(decode_attention.SPAN)  # int32 per sequence in the step's spans (ValidTokens.spans)
+SPAN = tl.constexpr(valid_tokens.SPAN)  # int32 per sequence in the step's spans (ValidTokens.spans)
 
 
 @triton.jit
@@ -823,7 +823,7 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
                             valid: torch.Tensor | ValidTokens | None = None, **options) -> torch.Tensor:
     """Same contract as :func:`~kvcomp.kernels.decode_attention.decode_attention_reference`: ``valid``
     ``[B, L]`` (bool, any pattern; ``None``: every cached token), or the step's
-    :class:`~kvcomp.kernels.decode_attention.ValidTokens`: each sequence's tiles outside its span are skipped, and the
+    :class:`~kvcomp.kernels.valid_tokens.ValidTokens`: each sequence's tiles outside its span are skipped, and the
     mask is read per token only where the span is not exact.
     ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``operands``, ``step``): see
     :func:`decode_launches`.

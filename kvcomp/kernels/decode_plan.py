@@ -160,7 +160,7 @@ class DecodeWorkspace:
     def mask(self, device: torch.device, slot: int, mask: torch.Tensor,
              spans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An attention mask ``[B, L]`` (uint8) of the step copied into buffer ``slot``, whose row stride grows in powers
-        of two only, and its spans (``[B, SPAN]`` int32, :class:`~kvcomp.kernels.decode_attention.ValidTokens`) into one
+        of two only, and its spans (``[B, SPAN]`` int32, :class:`~kvcomp.kernels.valid_tokens.ValidTokens`) into one
         of their own: the same addresses and stride step after step (a captured step reads this step's mask)."""
         b, length = mask.shape
         width = 1 << max(length - 1, 0).bit_length()
