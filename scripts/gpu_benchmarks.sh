@@ -30,6 +30,10 @@
 #      each call without a mask (as the attention step and the static model time it) and with the mask every decode step
 #      of generate passes (one exact span per sequence, the mask itself not read: the static model predicts KIVI-2
 #      0.800 against 0.794 ms without a mask, 0.837 when the mask was read per tile); logged only
+#   warps: scripts/sweep_decode_kernel.py --configs 0 8 16 17 --shapes 16x32768 16x4096 for KIVI-2 and -4, fp8 and int8
+#      per token-head: the default launch (2 warps capped at 128 registers at 16 x 32K since 2026-12-01, 4 at 16 x 4K)
+#      against 4 warps and against 2 uncapped (the static model predicts KIVI-2 0.608 against 0.794 ms of device time
+#      at 16 x 32K, fp8 0.610 against 0.758); logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
 #   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
@@ -46,7 +50,7 @@
 #   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
 #      on an H200)
 # Wheels in .whl/ (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds
-# can be changed with REGISTERS_S, OPERANDS_S, ATTENTION_S, E2E_S, MAXBATCH_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S
+# can be changed with REGISTERS_S, WARPS_S, OPERANDS_S, ATTENTION_S, E2E_S, MAXBATCH_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S
 # (MAXBATCH_GIB: the maxbatch step's cap); the attention
 # contexts with ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
 set -u
@@ -88,6 +92,8 @@ run() {  # run STEP: one named benchmark
         --shapes 16x32768 1x32768 --codecs kivi-2 kivi-4 temporalkv-2 int8-token-head fp8 ;;
     registers) step registers "${REGISTERS_S:-110}" python3 scripts/sweep_decode_kernel.py --configs 0 13 14 15 \
         --shapes 16x32768 --codecs kivi-2 kivi-4 temporalkv-2 channelkv-2 kvquant-2 ;;
+    warps) step warps "${WARPS_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 16 17 \
+        --shapes 16x32768 16x4096 --codecs kivi-2 kivi-4 fp8 int8-token-head ;;
     tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
         --codecs fp8 int8-token-head eden-2-center int4-token-head nvfp4 ;;
     mask) step mask "${MASK_S:-60}" python3 scripts/bench_decode_attention.py --batches 16 --contexts 32768 \
@@ -102,7 +108,7 @@ run() {  # run STEP: one named benchmark
     profile) step profile "${PROFILE_S:-90}" python3 scripts/profile_decode_step.py ;;
     calls) step calls "${CALLS_S:-60}" python3 scripts/profile_decode_call.py --codecs kivi-2 temporalkv-2 \
         --shapes 1x4096 16x32768 --calls 30 --cuda-graphs ;;
-    *) echo "unknown step $1; steps: registers operands attention e2e tiles ncu overhead maxbatch qjl sweep profile graphs calls mask" ;;
+    *) echo "unknown step $1; steps: registers warps operands attention e2e tiles ncu overhead maxbatch qjl sweep profile graphs calls mask" ;;
     esac
 }
 

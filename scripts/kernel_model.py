@@ -170,18 +170,28 @@ def today_step(name: str, shapes, options: dict | None = None, mask: bool = Fals
     # sinks or tail beside such a payload)
     query, keys, values, valid, rope, options = today.payload_launch_inputs(query, keys, values, valid, rope, options)
     variants = {}
+    payloads = [s for s in (*keys, *values) if not isinstance(s, torch.Tensor)]
+    probe = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)[1][0].args  # tile and path
 
-    def launched(crowded: bool) -> tuple[list, list[dict], dict]:
-        """The launches compiled for a grid that crowds the multiprocessors or not (the default register cap pays only
-        in the first: ``decode_attention_triton._register_cap``), the split launches and the merge analysed."""
-        if crowded not in variants:  # one multiprocessor for the whole grid, or one per program
+    def launched(per_multiprocessor: int) -> tuple[list, list[dict], dict]:
+        """The launches compiled as the launcher shapes them for a grid that gives the busiest multiprocessor
+        ``per_multiprocessor`` programs (their warps and register cap: ``decode_attention_triton._launch_shape``), the
+        split launches and the merge analysed."""
+        shape = today._launch_shape(payloads, probe["BLOCK_T"], per_multiprocessor, options.get("num_warps"),
+                                    options.get("registers"), probe["DOT"])
+        # the small cache planned over one multiprocessor where the grid crowds them (or a cap is asked for), else over
+        # one per program: the merge's slots, whose loads' reuse is recorded, as the model has always compiled them
+        crowded = today._crowded(per_multiprocessor, today.WARPS) or "registers" in options
+        shape += (crowded,)
+        if shape not in variants:
+            shaped = {**options, "num_warps": shape[0], "registers": shape[1]}
             with mock.patch.object(today, "_multiprocessors", lambda device: 1 if crowded else 1 << 20):
-                _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **options)
-                _, wholes = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **{**options, "num_splits": 1})
+                _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **shaped)
+                _, wholes = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **{**shaped, "num_splits": 1})
             found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields", "_masked"), whole)
                      for launch, whole in zip(launches[:-1], wholes)]
-            variants[crowded] = launches, found, analysed(launches[-1])
-        return variants[crowded]
+            variants[shape] = launches, found, analysed(launches[-1])
+        return variants[shape]
 
     step = DecodeStep()  # one layer's call in a step whose plan and workspace are made (as the benchmark times it)
     with bound_launches(()):  # the benchmark's call, on this CPU: its launcher and Triton's binding of each launch
@@ -190,13 +200,11 @@ def today_step(name: str, shapes, options: dict | None = None, mask: bool = Fals
                             today.decode_attention_triton(model_query, model_keys, model_values, D**-0.5, None,
                                                           key_rope=model_rope, step=step, **options))
     graphed = graphed_host_seconds(model_query, model_keys, model_values, model_rope) if not options else None
-    launches, found, merged = launched(True)
-    block = launches[0].args["unit"]  # the tokens per tile the launch was planned with
+    block = probe["unit"]  # the tokens per tile the launch was planned with
     out, sass = {}, {}
     for batch, context in shapes:
         plan = plan_decode(*stream_bounds(codec, context), batch * H, SMS, block, None)
-        crowded = today._crowded(-(-batch * H * plan.launches[0].splits // SMS), launches[0].args["num_warps"])
-        launches, found, merged = launched(crowded or "registers" in options)  # (a cap of the options' own: one variant)
+        launches, found, merged = launched(-(-batch * H * plan.launches[0].splits // SMS))
         splits = launches[:-1]
         if len(plan.launches) != len(splits):
             raise RuntimeError(f"{name}: {len(plan.launches)} launches at {context} tokens, {len(splits)} compiled at {SMALL}")
@@ -208,7 +216,6 @@ def today_step(name: str, shapes, options: dict | None = None, mask: bool = Fals
         parts.append((merged, Geometry(batch * H, merged["num_warps"], merged["resident"], plan.slots, 0.0)))
         out[(batch, context)] = step_time(parts, host)
         sass[(batch, context)] = found[0]["sass"]
-    launches, found, merged = launched(True)
     return {"shapes": out, "sass": sass, "launches": found + [merged], "host": host, "graphed": graphed}
 
 

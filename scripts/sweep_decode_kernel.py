@@ -56,6 +56,10 @@ CONFIGS = {
     "tl.dot, 4 warps, no register cap": dict(dot=True, num_warps=4, registers=0),
     "tl.dot, 4 warps, 128 registers": dict(dot=True, num_warps=4, registers=128),
     "tl.dot, 4 warps, 168 registers": dict(dot=True, num_warps=4, registers=168),
+    # 2 warps on the tl.dot path: packed ints' and natively read payloads' default where the grid gives a multiprocessor
+    # eight programs or more since 2026-12-01, capped at 128 registers (decode_attention_triton._launch_shape; predicted)
+    "tl.dot, 2 warps, 128 registers": dict(dot=True, num_warps=2, registers=128),
+    "tl.dot, 2 warps, no register cap": dict(dot=True, num_warps=2, registers=0),
 }
 
 

@@ -466,6 +466,41 @@ def test_tiles_of_token_chunks_start_at_whole_chunks():
         decode_launches(query, [sinks[0], keys], [sinks[0], values], d**-0.5, dot=False, block_tokens=2)
 
 
+def test_packed_ints_take_two_warps_where_the_grid_gives_a_multiprocessor_eight_programs():
+    """Packed ints and natively read payloads in narrow tiles take 2 warps per program, capped at 128 registers (eight
+    programs per multiprocessor), where the grid gives each multiprocessor eight programs or more; fewer programs, a
+    payload that keeps 4 warps (a codebook, codes straddling bytes) beside them, wide tiles, the register path and a
+    caller's ``num_warps`` keep 4 (:func:`~kvcomp.kernels.decode_attention_triton._launch_shape`)."""
+    from kvcomp.kernels.decode_attention_triton import decode_launches
+    from kvcomp.kernels.formats import ScaledReader
+    from kvcomp.stages.minifloat import FLOAT8, to_float8
+
+    b, h, r, d, group = 16, 2, 4, 32, 32  # 32 programs, one slice each, on the interpreter's 4 multiprocessors: 8 each
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(b, h, 4 * group, d, generator=gen)
+    keys, _ = _uniform(x, 2, group, "per_channel")
+    values, _ = _uniform(x, 2, group, "per_token")
+    codebook = _codebook_reader(b, h, d, 4 * group, *LAYOUTS["scalar"], False, gen)
+    fp8 = ScaledReader(4 * group, d, to_float8(x, FLOAT8["e4m3"]), FLOAT8["e4m3"], torch.tensor(1.0))
+    query = torch.randn(b, h * r, d, generator=gen)
+
+    def shape(key, value, query=query, **options):
+        args = decode_launches(query, [key], [value], d**-0.5, **options)[1][0].args
+        return args["num_warps"], args.get("maxnreg")
+
+    assert shape(keys, values) == (2, 128) and shape(fp8, fp8) == (2, 128)
+    assert shape(keys, values, num_warps=4) == (4, 128) and shape(keys, values, registers=0) == (2, None)
+    assert shape(fp8, fp8, num_warps=4) == (4, None)  # natively read payloads take fewer at 4 warps: no cap
+    assert shape(keys, codebook) == (4, 128)  # the codebook keeps 4 warps, so the launch does
+    assert shape(_uniform(x, 3, group, "per_channel")[0], values) == (4, 128)  # codes straddling bytes keep 4
+    assert shape(values, values, block_tokens=128) == (4, None)  # wide tiles
+    assert shape(keys, values, dot=False) == (4, 255)
+    seven = slice(0, 14)  # 28 programs: 7 per multiprocessor, 4 warps still capped (more than two each)
+    keys_7, _ = _uniform(x[seven], 2, group, "per_channel")
+    values_7, _ = _uniform(x[seven], 2, group, "per_token")
+    assert shape(keys_7, values_7, query=query[seven]) == (4, 128)
+
+
 def test_packed_ints_and_grouped_codebooks_cap_the_registers_of_narrow_tl_dot_launches():
     """Packed ints and codebooks in 32-token tiles cap a ``tl.dot`` launch at four programs per multiprocessor (128
     registers per thread at 4 warps, 64 at 8), also one codebook for every channel (EDEN's, TurboQuant's) where another

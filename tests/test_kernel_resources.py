@@ -42,10 +42,11 @@ def test_splits_fill_whole_waves_where_the_interval_is_long_enough():
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's ptxas is not available")
 def test_every_decode_launch_compiles_for_sm90_within_its_register_cap():
-    """The default launches (tl.dot, 4 warps, 32-token tiles: the fastest measured on an H200, BENCHMARKS.md)
-    compile for sm_90a at four programs per multiprocessor (128 registers per thread): packed ints without spilling,
-    per-group codebooks spilling a few hundred bytes per thread at most (1.13-1.33x faster all the same on the H200,
-    "GPU reading of 2026-11-28": 136-260 bytes for TemporalKV-2 under Triton 3.6 and 3.9)."""
+    """The default launches at batch 16 (tl.dot, 32-token tiles) compile for sm_90a at 128 registers per thread:
+    per-group codebooks at 4 warps (the fastest measured on an H200, BENCHMARKS.md), four programs per multiprocessor,
+    spilling a few hundred bytes per thread at most (1.13-1.33x faster all the same on the H200, "GPU reading of
+    2026-11-28": 136-260 bytes for TemporalKV-2 under Triton 3.6 and 3.9); packed ints at 2 warps, eight programs,
+    spilling 140-144 bytes (predicted faster, the eighteenth static-model entry; not measured)."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite interprets kernels
     table = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--codecs", "kivi-2", "temporalkv-2",
@@ -56,10 +57,10 @@ def test_every_decode_launch_compiles_for_sm90_within_its_register_cap():
     assert len(rows) == 2  # one split launch per step and codec: sinks, payload and tail in one launch
     for row in rows:
         tile, warps, spill_stores, spill_loads = int(row[2]), int(row[3]), int(row[5]), int(row[6])
-        assert (tile, warps) == (32, 4), row
-        assert int(row[4]) <= 128, row  # the formats' register cap: four programs per multiprocessor
+        assert (tile, warps) == ((32, 2) if row[0] == "kivi-2" else (32, 4)), row
+        assert int(row[4]) <= 128, row  # the formats' register cap: four programs of 4 warps, eight of 2
         if row[0] == "kivi-2":
-            assert spill_stores == 0 and spill_loads == 0, row
+            assert spill_stores <= 160 and spill_loads <= 160, row
         else:
             assert 0 < spill_stores <= 320 and spill_loads <= 320, row  # capped below the compiler's 168-255
         assert row[8].rstrip(" |") != "0%", row

@@ -39,7 +39,9 @@ where the span is not exact, so any mask runs in the kernel and nothing about it
 Query heads per KV head (GQA's ``R``) are few (4 on Llama-3-8B, 8 on 70B), below an MMA tile; scores and
 ``P V`` are still ``tl.dot`` products over the query rows padded to 16 (on operands of the query's type, TF32 for
 float32: :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads read without a per-group table (:func:`default_tile`),
-and registers per thread as the payloads cap them (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`).
+and registers per thread as the payloads cap them (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`); packed
+ints and natively read payloads in narrow tiles take 2 warps where the grid gives a multiprocessor eight programs or
+more (:func:`_launch_shape`: predicted, not measured).
 Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
 warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys were faster on the register
@@ -97,7 +99,8 @@ from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, field_major, o
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 and an H100 (BENCHMARKS.md, "Launch configurations of the fused decode
-# kernel", scripts/sweep_decode_kernel.py): 4 warps per split program; ``tl.dot`` for scores and P V (QJL's sketched
+# kernel", scripts/sweep_decode_kernel.py): 4 warps per split program (2 for some payloads on a crowded grid, predicted:
+# :func:`_launch_shape`); ``tl.dot`` for scores and P V (QJL's sketched
 # keys too since 2026-11-28: predicted, see the module docstring); 32-token tiles, or 128 where every payload is read
 # without a per-group table (:func:`default_tile`). The former defaults (16 warps, 16-token tiles, register path)
 # were 3-10x slower: their per-tile reductions crossed 16 warps.
@@ -596,6 +599,26 @@ def _register_cap(payloads: list[PayloadReader], tile: int, num_warps: int, per_
     return min(caps) if caps and all(caps) and _crowded(per_multiprocessor, num_warps) else 0
 
 
+def _launch_shape(payloads: list[PayloadReader], tile: int, per_multiprocessor: int, num_warps: int | None,
+                  registers: int | None, dot: bool) -> tuple[int, int]:
+    """Warps per program and the register cap (0: none) of one launch whose grid gives the busiest multiprocessor
+    ``per_multiprocessor`` programs: ``num_warps`` where given, else the payloads' own warps where they agree and
+    those programs fill the multiprocessor with sixteen warps of theirs or more
+    (:meth:`~kvcomp.kernels.formats.PayloadReader.crowded_warps`: 2 for packed ints and natively read payloads in
+    narrow tiles, eight programs or more at batch 16 x 32K; a multiprocessor holding fewer programs hides less of each
+    warp's latency with fewer warps: KIVI-2 at 16 x 4K, three programs each, is predicted 0.128 ms with 2 warps against
+    0.115 with 4), else :data:`WARPS`; then ``registers`` where given, else the payloads' cap (:func:`_register_cap`).
+    The register path takes the register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and
+    spills)."""
+    if num_warps is None:
+        wanted = {payload.crowded_warps(tile <= TILE) for payload in payloads} if dot else set()
+        few = wanted.pop() if len(wanted) == 1 else 0
+        num_warps = few if few and per_multiprocessor * few >= 16 else WARPS
+    if not dot:
+        return num_warps, min(255, 65536 // (32 * num_warps))
+    return num_warps, registers if registers is not None else _register_cap(payloads, tile, num_warps, per_multiprocessor)
+
+
 def _crowded(per_multiprocessor: int, num_warps: int) -> bool:
     """Whether a multiprocessor is given more programs of ``num_warps`` warps than it holds at 255 registers."""
     return per_multiprocessor > max(1, 65536 // (256 * 32 * num_warps))
@@ -630,7 +653,7 @@ class CallSetup:
     dot: bool
     block_r: int
     block_tokens: int
-    num_warps: int
+    num_warps: int | None  # None: each launch's by its payloads and grid (_launch_shape)
     operands: str
     key_bounds: list
     key_encoded: tuple
@@ -673,7 +696,6 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
     block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
     block_tokens = block_tokens or default_tile(key_segments + value_segments,
                                                 key_rope is not None or key_offset is not None or key_residual is not None)
-    num_warps = num_warps or WARPS
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     if key_bounds[-1] != value_bounds[-1]:
         raise ValueError(f"decode kernel: {key_bounds[-1]} cached keys but {value_bounds[-1]} values")
@@ -733,8 +755,9 @@ def decode_launches(
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`~kvcomp.kernels.decode_plan._splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for
     scores and ``P V`` (default; ``False``: the register path, one query row at a time); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
-    payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default :data:`WARPS`; on the
-    register path a program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
+    payload's groups need it, :func:`_tile_tokens`); ``num_warps``: warps per split program (default: :data:`WARPS`, or
+    the payloads' fewer where the grid crowds the multiprocessors, :func:`_launch_shape`; on the register path a
+    program may take the register file's share of its warps); ``operands``: ``tl.dot``'s operands, a
     key of :data:`OPERANDS` (default: the query's type, :data:`QUERY_OPERANDS`); ``registers``: a cap per thread on the
     ``tl.dot`` path (default: the payloads' own where the grid crowds the multiprocessors, :func:`_register_cap`; 0: none).
     ``key_offset``: ``(rotation, c, positions)`` of encoded keys stored less a pre-RoPE offset ``c [H, D]`` rotated to
@@ -774,11 +797,8 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
         values = next((value_segments[j] for j in planned.values if value_encoded[j]), None)
         encoded = [s for s in (keys, values) if s is not None]
         tile = _tile_tokens(block_tokens, *encoded, dot=dot)
-        if not dot:  # the whole register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and spills)
-            cap = min(255, 65536 // (32 * num_warps))
-        else:
-            per_multiprocessor = -(-b * h * planned.splits // _multiprocessors(q.device))
-            cap = registers if registers is not None else _register_cap(encoded, tile, num_warps, per_multiprocessor)
+        per_multiprocessor = -(-b * h * planned.splits // _multiprocessors(q.device))
+        warps, cap = _launch_shape(encoded, tile, per_multiprocessor, num_warps, registers, dot)
         _check_chunks(tile, keys, next((key_bounds[j] for j in planned.keys if key_encoded[j]), 0), values,
                       next((value_bounds[j] for j in planned.values if value_encoded[j]), 0))
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, bounds=bounds[i], H=h, R=r, unit=block_tokens,
@@ -790,7 +810,7 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
                     PACKED_V=values is not None and values.packed_values(d, dot)
                     and not ((keys is not None and keys.sign_scores or key_residual is not None) and block_r > 4),
-                    ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL_FORMAT=None, RESIDUAL=None, num_warps=num_warps, **({"maxnreg": cap} if cap else {}))
+                    ROPE=keys is not None and key_rope is not None, ROUND=0, RESIDUAL_FORMAT=None, RESIDUAL=None, num_warps=warps, **({"maxnreg": cap} if cap else {}))
         if keys is not None:  # what only encoded keys read: their rotation or offset, their residual's sketch
             args.update({name: common[name] for name in ("rope",) if name in common})
             if "offset" in common:  # the query as the model made it, and c

@@ -185,6 +185,12 @@ class PayloadReader:
         tiles are at most the launcher's narrow tile (``decode_attention_triton.TILE`` tokens)."""
         return 0
 
+    def crowded_warps(self, narrow: bool) -> int:
+        """Warps per program that a ``tl.dot`` launch reading this payload takes where its grid fills the busiest
+        multiprocessor with sixteen warps or more of them (0: the launcher's default, ``decode_attention_triton.WARPS``);
+        ``narrow``: as in :meth:`register_cap`."""
+        return 0
+
     def packed_scores(self, head_dim: int, dot: bool) -> bool:
         """Whether keys of this format are scored in their stored layout (:attr:`KernelFormat.scores`)."""
         return False
