@@ -606,8 +606,8 @@ def _launch_shape(payloads: list[PayloadReader], tile: int, per_multiprocessor: 
     those programs fill the multiprocessor with sixteen warps of theirs or more
     (:meth:`~kvcomp.kernels.formats.PayloadReader.crowded_warps`: 2 for packed ints and natively read payloads in
     narrow tiles, eight programs or more at batch 16 x 32K; a multiprocessor holding fewer programs hides less of each
-    warp's latency with fewer warps: KIVI-2 at 16 x 4K, three programs each, is predicted 0.128 ms with 2 warps against
-    0.115 with 4), else :data:`WARPS`; then ``registers`` where given, else the payloads' cap (:func:`_register_cap`).
+    warp's latency with fewer warps: KIVI-2 at 16 x 4K, three programs each, is predicted 0.132 ms with 2 warps against
+    0.119 with 4), else :data:`WARPS`; then ``registers`` where given, else the payloads' cap (:func:`_register_cap`).
     The register path takes the register file's share of a program (ptxas in Triton 3.6 otherwise settles on 64 and
     spills)."""
     if num_warps is None:

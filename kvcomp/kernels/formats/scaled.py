@@ -35,16 +35,17 @@ class ScaledReader(PayloadReader):
     def per_token(self) -> bool:
         return self.scale.dim() == 4
 
-
     def register_cap(self, narrow: bool, num_warps: int) -> int:
         """128 registers per thread in ``narrow`` tiles at 2 warps (:meth:`crowded_warps`; eight programs per
         multiprocessor, without spills: fp8 compiles to 168 uncapped under Triton 3.6, six programs); launches of 4
-        warps take fewer (fp8 104, int8 per token-head 128) and are left their choice."""
+        warps take at most 128 (fp8 104, int8 per token-head 128) and are left their choice."""
         return four_programs(4) if narrow and num_warps < 4 else 0
 
     def crowded_warps(self, narrow: bool) -> int:
-        """2 in ``narrow`` tiles at a head_dim of at most 128 (as packed ints, :meth:`UniformReader.crowded_warps`): vLLM's fp8 at 16 x 32K is predicted 0.610 ms of device time against 0.758 with 4 warps,
-        int8 per token-head 0.580 against 0.758 (static model, BENCHMARKS.md's eighteenth entry; not measured)."""
+        """2 in ``narrow`` tiles at a head_dim of at most 128, as packed ints
+        (:meth:`~kvcomp.kernels.formats.uniform.UniformReader.crowded_warps`): vLLM's fp8 at 16 x 32K is predicted
+        0.610 ms of device time against 0.758 with 4 warps, int8 per token-head 0.580 against 0.758 (static model,
+        BENCHMARKS.md's eighteenth entry; not measured)."""
         return 2 if narrow and self.head_dim <= 128 else 0
 
     def kernel_args(self, query: CallQuery) -> tuple[ScaledArgs, ScaledConstants]:
