@@ -182,16 +182,16 @@ def today_step(name: str, shapes, options: dict | None = None, mask: bool = Fals
         # the small cache planned over one multiprocessor where the grid crowds them (or a cap is asked for), else over
         # one per program: the merge's slots, whose loads' reuse is recorded, as the model has always compiled them
         crowded = today._crowded(per_multiprocessor, today.WARPS) or "registers" in options
-        shape += (crowded,)
-        if shape not in variants:
+        key = (*shape, crowded)
+        if key not in variants:
             shaped = {**options, "num_warps": shape[0], "registers": shape[1]}
             with mock.patch.object(today, "_multiprocessors", lambda device: 1 if crowded else 1 << 20):
                 _, launches = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **shaped)
                 _, wholes = today.decode_launches(query, keys, values, D**-0.5, valid, rope, **{**shaped, "num_splits": 1})
             found = [analysed(launch, ("_dense", "_dense_pick", "_dense_fields", "_masked"), whole)
                      for launch, whole in zip(launches[:-1], wholes)]
-            variants[shape] = launches, found, analysed(launches[-1])
-        return variants[shape]
+            variants[key] = launches, found, analysed(launches[-1])
+        return variants[key]
 
     step = DecodeStep()  # one layer's call in a step whose plan and workspace are made (as the benchmark times it)
     with bound_launches(()):  # the benchmark's call, on this CPU: its launcher and Triton's binding of each launch
