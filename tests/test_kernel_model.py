@@ -511,20 +511,16 @@ def test_todays_launch_of_a_rotated_format_is_modelled():
     assert bound == "host" and host > 0 and int(launches) * sm.LAUNCH_S < device < host
 
 
-def test_the_host_time_under_cuda_graphs_is_that_of_a_call_replayed_by_its_inputs():
-    """``kernel_model.graphed_host_seconds``: a call met, captured, then replayed by its inputs (no launch is built:
-    :mod:`kvcomp.kernels.decode_graphs`), timed on the host; less than building and binding the same call's launches."""
-    import torch
-
-    from kvcomp.kernels.decode_attention import decode_attention
-    from kvcomp.kernels.decode_plan import DecodeStep
-    from tests.conftest import load_script
+def test_the_host_time_under_cuda_graphs_is_that_of_a_call_replayed_by_its_inputs(monkeypatch):
+    """``kernel_model.graphed_host_seconds``: a call met, captured, then replayed by its inputs
+    (:mod:`kvcomp.kernels.decode_graphs`) and timed on the host. Its launches are built only the first two times (met,
+    captured): no timed call builds one. What is counted, not how long it took (host times swing on a loaded CPU)."""
+    from kvcomp.kernels import decode_attention_triton as kernels
 
     model = load_script("kernel_model")
+    built = []
+    setup_launches = kernels.setup_launches
+    monkeypatch.setattr(kernels, "setup_launches", lambda *args, **kw: built.append(1) or setup_launches(*args, **kw))
     kv = [torch.randn(1, 2, 64, 32)]
-    query = torch.randn(1, 4, 32)
-    graphed = model.graphed_host_seconds(query, kv, kv, None)
-    step = DecodeStep()
-    with model.bound_launches(()):
-        built = sm.host_seconds(lambda: decode_attention(query, kv, kv, 32**-0.5, None, None, "triton", step=step))
-    assert 0 < graphed < built
+    graphed = model.graphed_host_seconds(torch.randn(1, 4, 32), kv, kv, None)
+    assert graphed > 0 and len(built) == 2
