@@ -858,7 +858,10 @@ def record_global_accesses(launch) -> dict:
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
+    import triton.language as tl
+
     storages = sorted({t.untyped_storage().data_ptr() for t in launch.tensors()})
+    interpreting = tl.constexpr(True)
     starts = np.array(storages, dtype=np.uint64)
     swapped = []
 
@@ -871,6 +874,9 @@ def record_global_accesses(launch) -> dict:
                 scope.restore()
 
     def interpret(scope: dict):  # every @triton.jit function a kernel reaches, interpreted for this run
+        if "INTERPRETED" in scope and scope["INTERPRETED"] is not interpreting:  # (tiles_triton's: the branches of
+            swapped.append((scope, "INTERPRETED", scope["INTERPRETED"]))  # PTX the interpreter cannot run; they load
+            scope["INTERPRETED"] = interpreting  # what the compiled code loads)
         for name, value in list(scope.items()):
             if isinstance(value, JITFunction):
                 swapped.append((scope, name, value))
@@ -936,8 +942,6 @@ def record_global_accesses(launch) -> dict:
 
     import importlib
 
-    import triton.language as tl
-
     importlib.import_module("triton.experimental.gluon")  # imported lazily by the interpreter; needs tl.standard jitted
 
     def interpreted(value):  # launch arguments, their device functions (a format's) interpreted for this run
@@ -952,7 +956,8 @@ def record_global_accesses(launch) -> dict:
     for scope in (vars(tl), vars(tl.standard), vars(tl.math), launch.kernel.fn.__globals__):
         interpret(scope)
     args = {name: interpreted(value) for name, value in launch.args.items()}
-    files = {fn.fn.__code__.co_filename for _, _, fn in swapped if "triton" not in Path(fn.fn.__code__.co_filename).parts}
+    files = {fn.fn.__code__.co_filename for _, _, fn in swapped
+             if isinstance(fn, JITFunction) and "triton" not in Path(fn.fn.__code__.co_filename).parts}
     files.add(launch.kernel.fn.__code__.co_filename)
     builder.create_masked_load, builder.create_masked_store = recorded_load, recorded_store
     interpreter._patch_lang_tensor = patched_tensor

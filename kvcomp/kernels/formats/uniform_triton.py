@@ -5,8 +5,18 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels.formats.base import KernelFormat
-from kvcomp.kernels.formats.tiles_triton import at, dot, field_major, operand, row_values
-from kvcomp.kernels.formats.uniform import UniformArgs
+from kvcomp.kernels.formats.tiles_triton import INTERPRETED, at, dot, field_major, fma, operand, row_values
+from kvcomp.kernels.formats.uniform import UniformArgs, UniformConstants
+
+# Two 4-bit codes of a 32-bit word, one per 16-bit half, as a bf16x2 / f16x2 pair: ``(w & 0x000f000f) | MAGIC`` puts
+# each code in the low mantissa bits of 128 (bf16) or 1024 (fp16), exact; subtracting the magic leaves the codes, and
+# one fused multiply-add per pair applies the scales and zero-points (pairs packed as the codes: ``$3``, ``$4``). Four
+# instructions per two values, where a code's shift, mask, int-to-float conversion, float32 FMA and half a packing
+# conversion take five or more per value (BENCHMARKS.md, nineteenth static-model entry).
+_PAIR_ASM = "{ .reg .b32 t, m; lop3.b32 t, $2, 0x000f000f, MAGIC, 0xea; mov.b32 m, MAGIC; sub.rn.TYPE t, t, m; " \
+            "fma.rn.TYPE t, t, $3, $4; mov.b32 {$0, $1}, t; }"
+PAIR_BF16 = tl.constexpr(_PAIR_ASM.replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
+PAIR_F16 = tl.constexpr(_PAIR_ASM.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
 
 
 @triton.jit
@@ -145,6 +155,108 @@ def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BL
             _tile(a, C, length, t, t0, t_ok, c + D // 2, D // 2, c_ok, D, BLOCK_T))
 
 
+@triton.constexpr_function
+def paired(C, DOT, OPERAND, D):
+    """Whether per-channel keys are decoded two codes at a time (:func:`_pair`): 4-bit codes on ``tl.dot`` with 16-bit
+    operands, each field's sub-vector (``D / 4`` channels, :func:`pair_channels`) at least 16 long, groups of a power of
+    two tokens, at least 16 (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`). KIVI-4's
+    step is predicted 2-9 % faster so at every shape of ``scripts/kernel_model.py`` (BENCHMARKS.md's nineteenth entry;
+    not measured). 2-bit keys stay byte by byte: eight fields of a word where 4-bit codes have four, whose parameter
+    pairs every thread converts and splits per tile, made KIVI-2's 4-warp launches slower (16 x 4K: 0.132 ms against
+    0.119), its 2-warp ones 5 % faster."""
+    C = UniformConstants(*C)  # (Triton's interpreter hands a named tuple of constants over as a plain tuple)
+    return (DOT and (OPERAND == tl.bfloat16 or OPERAND == tl.float16) and C.BITS == 4 and C.PER_CHANNEL
+            and not C.HIDDEN_ZERO and C.MULTIPLIER == 0 and D // 4 >= 16 and C.GROUP >= 16 and not C.GROUP & (C.GROUP - 1))
+
+
+@triton.jit
+def pair_channels(f: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr):
+    """The channels of field ``f`` of words of ``BITS``-bit codes, ``[D * BITS / 16]``: entry ``2 w + h`` is code ``f``
+    of half ``h`` of word ``w``, channel ``(32 / BITS) w + (16 / BITS) h + f`` (:func:`_pair`'s ``lo`` and ``hi``)."""
+    NF: tl.constexpr = 16 // BITS
+    u = tl.arange(0, D // NF)
+    return (u // 2) * (2 * NF) + (u % 2) * NF + f
+
+
+@triton.jit
+def _unpacked(pair, OPERAND: tl.constexpr):
+    """The two ``OPERAND`` numbers of int32 ``pair`` (low half first) as float32."""
+    if OPERAND == tl.bfloat16:  # a bf16's bits are a float32's high half
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (pair & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = ((pair >> 16) & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _pair(w, scales, zeros, BITS: tl.constexpr, OPERAND: tl.constexpr):
+    """``code * scale + zero`` of the low ``BITS`` bits of each 16-bit half of int32 words ``w`` in ``OPERAND`` (bf16 or
+    fp16), ``scales`` and ``zeros`` two ``OPERAND`` numbers per int32 (:func:`_row_pairs`): two tensors shaped as ``w``
+    (:data:`PAIR_BF16`). Triton's CPU interpreter runs no PTX: there each half is decoded in float32 and rounded once,
+    as the GPU's fused multiply-add rounds."""
+    if INTERPRETED:
+        MASK: tl.constexpr = (1 << BITS) - 1
+        s_lo, s_hi = _unpacked(scales, OPERAND)
+        z_lo, z_hi = _unpacked(zeros, OPERAND)
+        lo = operand(fma((w & MASK).to(tl.float32), s_lo, z_lo), OPERAND)
+        hi = operand(fma(((w >> 16) & MASK).to(tl.float32), s_hi, z_hi), OPERAND)
+    else:
+        tl.static_assert(BITS == 4, "paired codes: 4 bits (PAIR_BF16)")
+        if OPERAND == tl.bfloat16:
+            lo, hi = tl.inline_asm_elementwise(PAIR_BF16, "=h,=h,r,r,r", [w, scales, zeros],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(PAIR_F16, "=h,=h,r,r,r", [w, scales, zeros], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
+def _row_pairs(ptr, iw, BITS: tl.constexpr, OPERAND: tl.constexpr):
+    """A per-channel parameter row as :func:`_pair` reads it: a tuple over fields ``f`` of int32 ``[len(iw)]``, entry
+    ``w`` the ``OPERAND`` bits of channels ``(32 / BITS) w + f`` (low half) and ``(32 / BITS) w + 16 / BITS + f``; the
+    row loaded contiguously and split in registers (:func:`_row_fields`)."""
+    NF: tl.constexpr = 16 // BITS
+    x = operand(tl.load(ptr + iw[:, None] * (2 * NF) + tl.arange(0, 2 * NF)[None, :]).to(tl.float32), OPERAND)
+    x = x.to(tl.int16, bitcast=True).to(tl.int32) & 65535  # [NW, 2 NF]: word w's channels
+    lo, hi = tl.split(tl.permute(tl.reshape(x, (iw.shape[0], 2, NF)), (0, 2, 1)))
+    return _fields_of(lo | (hi << 16))
+
+
+@triton.jit
+def _paired_scores(query, a, C: tl.constexpr, length, t, t0, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_T: tl.constexpr, OPERAND: tl.constexpr):
+    """Logits of per-channel keys decoded two codes at a time (:func:`paired`): the tile's codes loaded as int32 words
+    ``[BLOCK_T, D * BITS / 32]``, and field ``f`` of every word (channels :func:`pair_channels`) decoded by :func:`_pair`
+    into a ``tl.dot`` operand in registers that meets the query's sub-vector of the same channels (:func:`packed_query`).
+    A tile lies in one group of tokens (:meth:`~.uniform.UniformReader.tile_limit`, tiles aligned to the payload's first
+    token): its parameter rows are loaded once."""
+    BITS: tl.constexpr = C.BITS
+    GROUP: tl.constexpr = C.GROUP
+    NF: tl.constexpr = 16 // BITS
+    NW: tl.constexpr = D * BITS // 32
+    tl.static_assert(GROUP % BLOCK_T == 0, "paired keys: a tile within one group of tokens")
+    iw = tl.arange(0, NW)
+    words = tl.load(a.data.ptr.to(tl.pointer_type(tl.int32)) + t[:, None] * NW + iw[None, :], mask=t_ok[:, None], other=0)
+    row = t0 // GROUP
+    scales = _row_pairs(a.scale + row * D, iw, BITS, OPERAND)
+    zeros = _row_pairs(a.zero + row * D, iw, BITS, OPERAND)
+    s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+    for f in tl.static_range(NF):
+        lo, hi = _pair(words >> (f * BITS), scales[f][None, :], zeros[f][None, :], BITS, OPERAND)
+        s += dot(query[f], tl.trans(tl.reshape(tl.join(lo, hi), (BLOCK_T, 2 * NW))))
+    return s
+
+
+@triton.jit
+def _query_pair(q_ptr, rows, row_ok, qk_scale, f: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr,
+                OPERAND: tl.constexpr):
+    q = tl.load(q_ptr + rows[:, None] * D + pair_channels(f, BITS, D)[None, :], mask=row_ok[:, None], other=0.0)
+    return operand(q.to(tl.float32) * qk_scale, OPERAND)
+
+
 @triton.jit
 def _query_field(q_ptr, rows, row_ok, qk_scale, i, j: tl.constexpr, PER_BYTE: tl.constexpr, D: tl.constexpr,
                  OPERAND: tl.constexpr):
@@ -164,6 +276,11 @@ def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.conste
     i = tl.arange(0, D // PER_BYTE)
     if not DOT:
         out = ()
+    elif paired(C, DOT, OPERAND, D):  # field f's sub-vector of pair_channels (_paired_scores)
+        out = (_query_pair(q_ptr, rows, row_ok, qk_scale, 0, BITS, D, OPERAND),
+               _query_pair(q_ptr, rows, row_ok, qk_scale, 1, BITS, D, OPERAND),
+               _query_pair(q_ptr, rows, row_ok, qk_scale, 2, BITS, D, OPERAND),
+               _query_pair(q_ptr, rows, row_ok, qk_scale, 3, BITS, D, OPERAND))
     else:
         c = tl.arange(0, D)
         q = tl.load(q_ptr + rows[:, None] * D + c[None, :], mask=row_ok[:, None], other=0.0)
@@ -191,29 +308,37 @@ def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _row_fields(ptr, i, PER_BYTE: tl.constexpr):
-    """Entries ``PER_BYTE i + j`` of a row as a tuple over ``j`` of ``[len(i)]`` float32: the row loaded contiguously
-    and split in registers (``tl.split``: the inverse of :func:`_tile`'s joins) instead of ``PER_BYTE`` strided loads."""
-    x = tl.load(ptr + i[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]).to(tl.float32)
-    if PER_BYTE == 1:
-        out = (tl.reshape(x, (i.shape[0],)),)
-    elif PER_BYTE == 2:
+def _fields_of(x):
+    """Columns ``j`` of ``[W, N]`` (``N``: 1, 2, 4 or 8) as a tuple over ``j`` of ``[W]``, split in registers
+    (``tl.split``: the inverse of :func:`_tile`'s joins)."""
+    W: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    if N == 1:
+        out = (tl.reshape(x, (W,)),)
+    elif N == 2:
         out = tl.split(x)
-    elif PER_BYTE == 4:
-        even, odd = tl.split(tl.reshape(x, (i.shape[0], 2, 2)))
+    elif N == 4:
+        even, odd = tl.split(tl.reshape(x, (W, 2, 2)))
         f0, f2 = tl.split(even)
         f1, f3 = tl.split(odd)
         out = (f0, f1, f2, f3)
     else:
-        even, odd = tl.split(tl.reshape(x, (i.shape[0], 4, 2)))
-        e0, e2 = tl.split(tl.reshape(even, (i.shape[0], 2, 2)))
-        o0, o2 = tl.split(tl.reshape(odd, (i.shape[0], 2, 2)))
+        even, odd = tl.split(tl.reshape(x, (W, 4, 2)))
+        e0, e2 = tl.split(tl.reshape(even, (W, 2, 2)))
+        o0, o2 = tl.split(tl.reshape(odd, (W, 2, 2)))
         f0, f4 = tl.split(e0)
         f2, f6 = tl.split(e2)
         f1, f5 = tl.split(o0)
         f3, f7 = tl.split(o2)
         out = (f0, f1, f2, f3, f4, f5, f6, f7)
     return out
+
+
+@triton.jit
+def _row_fields(ptr, i, PER_BYTE: tl.constexpr):
+    """Entries ``PER_BYTE i + j`` of a row as a tuple over ``j`` of ``[len(i)]`` float32: the row loaded contiguously
+    and split in registers (:func:`_fields_of`) instead of ``PER_BYTE`` strided loads."""
+    return _fields_of(tl.load(ptr + i[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]).to(tl.float32))
 
 
 @triton.jit
@@ -236,12 +361,27 @@ def _field_codes(byte, j: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
-    """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout: each byte of the tile is
-    loaded once, and each of its ``8 / BITS`` fields (channels ``PER_BYTE * i + j``) meets the matching
-    query sub-vector, instead of one byte load per channel. Where each token's codes share one scale and zero (per
-    token, one group of ``D``: vLLM's int4 per token-head), ``tl.dot`` reads the codes as they are and applies the
-    token's parameters to its logits, ``s (q . code) + z sum(q)``, instead of decoding every value (values alike:
-    :func:`packed_values`)."""
+    """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout, instead of one byte load per channel:
+    per-channel keys of 2 or 4 bits on ``tl.dot`` with 16-bit operands two codes at a time from int32 words
+    (:func:`_paired_scores`), others byte by byte (:func:`_byte_scores`)."""
+    if DOT:
+        if paired(C, DOT, query[0].dtype, D):
+            s = _paired_scores(query, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, query[0].dtype)
+        else:
+            s = _byte_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, DOT)
+    else:
+        s = _byte_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, DOT)
+    return s
+
+
+@triton.jit
+def _byte_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
+                 D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
+    """:func:`packed_scores` of bytes: each byte of the tile is loaded once, and each of its ``8 / BITS`` fields
+    (channels ``PER_BYTE * i + j``) meets the matching query sub-vector (:func:`packed_query`). Where each token's codes
+    share one scale and zero (per token, one group of ``D``: vLLM's int4 per token-head), ``tl.dot`` reads the codes as
+    they are and applies the token's parameters to its logits, ``s (q . code) + z sum(q)``, instead of decoding every
+    value (values alike: :func:`packed_values`)."""
     BITS: tl.constexpr = C.BITS
     GROUP: tl.constexpr = C.GROUP
     PER_CHANNEL: tl.constexpr = C.PER_CHANNEL
