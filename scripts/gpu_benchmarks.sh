@@ -30,10 +30,12 @@
 #      each call without a mask (as the attention step and the static model time it) and with the mask every decode step
 #      of generate passes (one exact span per sequence, the mask itself not read: the static model predicts KIVI-2
 #      0.800 against 0.794 ms without a mask, 0.837 when the mask was read per tile); logged only
-#   warps: scripts/sweep_decode_kernel.py --configs 0 8 16 17 --shapes 16x32768 16x4096 for KIVI-2 and -4, fp8 and int8
-#      per token-head: the default launch (2 warps capped at 128 registers at 16 x 32K since 2026-12-01, 4 at 16 x 4K)
-#      against 4 warps and against 2 uncapped (the static model predicts KIVI-2 0.608 against 0.794 ms of device time
-#      at 16 x 32K, fp8 0.610 against 0.758); logged only
+#   warps: scripts/sweep_decode_kernel.py --configs 0 8 16 17 18 --shapes 16x32768 16x4096 for KIVI-2 and -4, fp8 and
+#      int8 per token-head: the default launch (2 warps capped at 128 registers at 16 x 32K since 2026-12-01, 4 at 16 x
+#      4K) against 4 warps, against 2 uncapped (the static model predicts KIVI-2 0.608 against 0.794 ms of device time at
+#      16 x 32K, fp8 0.610 against 0.758) and with fp16 operands (KIVI-2's keys then decoded two codes at a time:
+#      predicted 0.534; KIVI-4's are by default, 0.587); each row's error against the reference checks the keys' inline
+#      PTX (uniform_triton._pair), never run before; logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
 #   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
@@ -92,7 +94,7 @@ run() {  # run STEP: one named benchmark
         --shapes 16x32768 1x32768 --codecs kivi-2 kivi-4 temporalkv-2 int8-token-head fp8 ;;
     registers) step registers "${REGISTERS_S:-110}" python3 scripts/sweep_decode_kernel.py --configs 0 13 14 15 \
         --shapes 16x32768 --codecs kivi-2 kivi-4 temporalkv-2 channelkv-2 kvquant-2 ;;
-    warps) step warps "${WARPS_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 16 17 \
+    warps) step warps "${WARPS_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 16 17 18 \
         --shapes 16x32768 16x4096 --codecs kivi-2 kivi-4 fp8 int8-token-head ;;
     tiles) step tiles "${TILES_S:-90}" python3 scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 \
         --codecs fp8 int8-token-head eden-2-center int4-token-head nvfp4 ;;

@@ -60,6 +60,9 @@ CONFIGS = {
     # eight programs or more since 2026-12-01, capped at 128 registers (decode_attention_triton._launch_shape; predicted)
     "tl.dot, 2 warps, 128 registers": dict(dot=True, num_warps=2, registers=128),
     "tl.dot, 2 warps, no register cap": dict(dot=True, num_warps=2, registers=0),
+    # fp16 operands for a bf16 model: packed-int keys decoded two codes at a time for 2-bit codes too (uniform_triton.
+    # paired_keys; predicted 12 % faster for KIVI-2 at 16 x 32K, not the default: fp16 overflows beyond 65504)
+    "tl.dot, float16 operands": dict(operands="float16"),
 }
 
 

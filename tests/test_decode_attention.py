@@ -251,40 +251,44 @@ def test_one_group_per_token_is_applied_to_the_products(key_bits, value_bits):
     assert error < 4 * float((reference.bfloat16().double() - reference).norm() / reference.norm()), error
 
 
-@pytest.mark.parametrize("d, group, dtype", [(128, 32, torch.bfloat16), (64, 16, torch.float16), (128, 64, torch.bfloat16)])
-def test_four_bit_per_channel_keys_are_decoded_two_codes_at_a_time(d, group, dtype):
-    """KIVI-4's keys on ``tl.dot`` with 16-bit operands (``uniform_triton.paired``): codes read as int32 words, two per
-    fused multiply-add in the operand's type with the parameters rounded to it (exact for fp16's, which the quantizer
-    stores; bf16 keeps 8 of their 11 bits). Keys with large per-channel offsets (zero-points well above the scales) and
-    a full-precision sink and tail, several slices: no worse against the reference of those rounded parameters than the
-    output's own rounding. The interpreter runs the pair's float32 stand-in (no PTX); float32 operands and 2-bit codes
-    stay byte by byte."""
+@pytest.mark.parametrize("bits, d, group, dtype, operands", [
+    (4, 128, 32, torch.bfloat16, None), (4, 64, 16, torch.float16, None), (4, 128, 64, torch.bfloat16, None),
+    (2, 128, 32, torch.float16, None), (2, 128, 32, torch.bfloat16, "float16")])
+def test_per_channel_keys_are_decoded_two_codes_at_a_time(bits, d, group, dtype, operands):
+    """Per-channel keys on ``tl.dot`` (``uniform_triton.paired_keys``): 4-bit codes with 16-bit operands, 2-bit codes
+    with fp16 operands (a fp16 query, or ``operands="float16"``), read as int32 words and decoded two per fused
+    multiply-add in the operand type, the parameters rounded to it (exact for fp16: the quantizer stores fp16; bf16 keeps
+    8 of their 11 bits). Keys with large per-channel offsets (zero-points well above the scales), a full-precision sink
+    and tail, a mask, several slices: no worse against the reference of those rounded parameters than 4x the output's own
+    rounding. The interpreter runs the pair's float32 stand-in (no PTX); float32 operands and 2-bit codes with bf16
+    operands stay byte by byte."""
     import dataclasses
 
     from kvcomp.kernels.decode_attention_triton import OPERANDS, decode_attention_triton, decode_launches
-    from kvcomp.kernels.formats.uniform_triton import paired
+    from kvcomp.kernels.formats.uniform_triton import paired_keys
 
     b, h, r = 2, 2, 4
-    gen = torch.Generator().manual_seed(d + group)
+    gen = torch.Generator().manual_seed(bits + d + group)
     x = torch.randn(b, h, 6 * group, d, generator=gen) + 3 * torch.randn(d, generator=gen)
-    key_reader, _ = _uniform(x, 4, group, "per_channel")
-    value_reader, _ = _uniform(torch.randn(b, h, 6 * group + 5, d, generator=gen), 4, 32, "per_token")
+    key_reader, _ = _uniform(x, bits, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 6 * group + 5, d, generator=gen), bits, 32, "per_token")
     sinks = torch.randn(b, h, 3, d, generator=gen).to(dtype)
     key_tail, value_tail = torch.randn(b, h, 11, d, generator=gen).to(dtype), torch.randn(b, h, 6, d, generator=gen).to(dtype)
     keys, values = [sinks, key_reader, key_tail], [sinks, value_reader, value_tail]
     query = torch.randn(b, h * r, d, generator=gen).to(dtype)
     valid = _mask(b, 3 + 6 * group + 11, gen)
-    args = decode_launches(query, keys, values, d**-0.5, valid)[1][0].args
-    assert args["PACKED_K"] and paired(args["K"], args["DOT"], args["OPERAND"], d)
-    assert not paired(args["K"], args["DOT"], OPERANDS["float32"], d)
-    two_bit, _ = _uniform(x, 2, group, "per_channel")
-    assert not paired(two_bit.kernel_args(None)[1], True, args["OPERAND"], d)
-    rounded = dataclasses.replace(key_reader, scale=key_reader.scale.to(dtype).to(key_reader.scale.dtype),
-                                  zero=key_reader.zero.to(dtype).to(key_reader.zero.dtype))
+    options = {"operands": operands} if operands else {}
+    args = decode_launches(query, keys, values, d**-0.5, valid, **options)[1][0].args
+    assert args["PACKED_K"] and paired_keys(args["K"], args["DOT"], args["OPERAND"], d)
+    assert not paired_keys(args["K"], args["DOT"], OPERANDS["float32"], d)
+    assert paired_keys(args["K"], args["DOT"], OPERANDS["bfloat16"], d) == (bits == 4)
+    operand = {"float16": torch.float16}.get(operands, dtype)
+    rounded = dataclasses.replace(key_reader, scale=key_reader.scale.to(operand).to(key_reader.scale.dtype),
+                                  zero=key_reader.zero.to(operand).to(key_reader.zero.dtype))
     reference = decode_attention_reference(query, [sinks, rounded, key_tail], values, d**-0.5, valid, None, torch.float64)
     own = float((reference.to(dtype).double() - reference).norm() / reference.norm())
     for splits in (1, 3):
-        out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits).double()
+        out = decode_attention_triton(query, keys, values, d**-0.5, valid, num_splits=splits, **options).double()
         error = float((out - reference).norm() / reference.norm())
         assert error < 4 * own, (error, own)
 

@@ -8,15 +8,16 @@ from kvcomp.kernels.formats.base import KernelFormat
 from kvcomp.kernels.formats.tiles_triton import INTERPRETED, at, dot, field_major, fma, operand, row_values
 from kvcomp.kernels.formats.uniform import UniformArgs, UniformConstants
 
-# Two 4-bit codes of a 32-bit word, one per 16-bit half, as a bf16x2 / f16x2 pair: ``(w & 0x000f000f) | MAGIC`` puts
-# each code in the low mantissa bits of 128 (bf16) or 1024 (fp16), exact; subtracting the magic leaves the codes, and
-# one fused multiply-add per pair applies the scales and zero-points (pairs packed as the codes: ``$3``, ``$4``). Four
-# instructions per two values, where a code's shift, mask, int-to-float conversion, float32 FMA and half a packing
-# conversion take five or more per value (BENCHMARKS.md, nineteenth static-model entry).
-_PAIR_ASM = "{ .reg .b32 t, m; lop3.b32 t, $2, 0x000f000f, MAGIC, 0xea; mov.b32 m, MAGIC; sub.rn.TYPE t, t, m; " \
+# Two codes of a 32-bit word, one per 16-bit half, as a bf16x2 / f16x2 pair: ``w & MASK | MAGIC`` (MASK: a code's
+# bits in each half) puts each code in the low mantissa bits of 128 (bf16) or 1024 (fp16), exact; subtracting the magic
+# leaves the codes, and one fused multiply-add per pair applies the scales and zero-points (pairs packed as the codes:
+# ``$3``, ``$4``). Four instructions per two values, where a code's shift, mask, int-to-float conversion, float32 FMA
+# and half a packing conversion take five or more per value (BENCHMARKS.md, nineteenth static-model entry).
+_PAIR_ASM = "{ .reg .b32 t, m; lop3.b32 t, $2, MASK, MAGIC, 0xea; mov.b32 m, MAGIC; sub.rn.TYPE t, t, m; " \
             "fma.rn.TYPE t, t, $3, $4; mov.b32 {$0, $1}, t; }"
-PAIR_BF16 = tl.constexpr(_PAIR_ASM.replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
-PAIR_F16 = tl.constexpr(_PAIR_ASM.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+PAIR_BF16_4 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x000f000f").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
+PAIR_F16_4 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x000f000f").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+PAIR_F16_2 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x00030003").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
 
 
 @triton.jit
@@ -156,17 +157,18 @@ def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BL
 
 
 @triton.constexpr_function
-def paired(C, DOT, OPERAND, D):
-    """Whether per-channel keys are decoded two codes at a time (:func:`_pair`): 4-bit codes on ``tl.dot`` with 16-bit
-    operands, each field's sub-vector (``D / 4`` channels, :func:`pair_channels`) at least 16 long, groups of a power of
-    two tokens, at least 16 (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`). KIVI-4's
-    step is predicted 2-9 % faster so at every shape of ``scripts/kernel_model.py`` (BENCHMARKS.md's nineteenth entry;
-    not measured). 2-bit keys stay byte by byte: eight fields of a word where 4-bit codes have four, whose parameter
-    pairs every thread converts and splits per tile, made KIVI-2's 4-warp launches slower (16 x 4K: 0.132 ms against
-    0.119), its 2-warp ones 5 % faster."""
+def paired_keys(C, DOT, OPERAND, D):
+    """Whether per-channel keys are decoded two codes at a time (:func:`_pair`) on ``tl.dot``: 4-bit codes with bf16 or
+    fp16 operands, 2-bit codes with fp16 operands (a fp16 model's, or ``operands="float16"``); each field's sub-vector
+    (``D * BITS / 16`` channels, :func:`pair_channels`) at least 16 long, groups of a power of two tokens, at least 16
+    (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`). Predicted 2-17 % less device time at
+    every shape of ``scripts/kernel_model.py`` where taken (BENCHMARKS.md's nineteenth entry; not measured). 2-bit keys
+    with bf16 operands stay byte by byte: every thread rounds its channels' fp16 parameters to bf16 per tile, which made
+    KIVI-2's launches of 4 warps slower (16 x 4K: 0.132 ms against 0.119)."""
     C = UniformConstants(*C)  # (Triton's interpreter hands a named tuple of constants over as a plain tuple)
-    return (DOT and (OPERAND == tl.bfloat16 or OPERAND == tl.float16) and C.BITS == 4 and C.PER_CHANNEL
-            and not C.HIDDEN_ZERO and C.MULTIPLIER == 0 and D // 4 >= 16 and C.GROUP >= 16 and not C.GROUP & (C.GROUP - 1))
+    bits_ok = C.BITS == 4 and OPERAND == tl.bfloat16 or (C.BITS == 4 or C.BITS == 2) and OPERAND == tl.float16
+    return (DOT and bits_ok and C.PER_CHANNEL and not C.HIDDEN_ZERO and C.MULTIPLIER == 0 and D * C.BITS // 16 >= 16
+            and C.GROUP >= 16 and not C.GROUP & (C.GROUP - 1))
 
 
 @triton.jit
@@ -194,7 +196,7 @@ def _unpacked(pair, OPERAND: tl.constexpr):
 def _pair(w, scales, zeros, BITS: tl.constexpr, OPERAND: tl.constexpr):
     """``code * scale + zero`` of the low ``BITS`` bits of each 16-bit half of int32 words ``w`` in ``OPERAND`` (bf16 or
     fp16), ``scales`` and ``zeros`` two ``OPERAND`` numbers per int32 (:func:`_row_pairs`): two tensors shaped as ``w``
-    (:data:`PAIR_BF16`). Triton's CPU interpreter runs no PTX: there each half is decoded in float32 and rounded once,
+    (:data:`PAIR_F16_2`). Triton's CPU interpreter runs no PTX: there each half is decoded in float32 and rounded once,
     as the GPU's fused multiply-add rounds."""
     if INTERPRETED:
         MASK: tl.constexpr = (1 << BITS) - 1
@@ -203,12 +205,13 @@ def _pair(w, scales, zeros, BITS: tl.constexpr, OPERAND: tl.constexpr):
         lo = operand(fma((w & MASK).to(tl.float32), s_lo, z_lo), OPERAND)
         hi = operand(fma(((w >> 16) & MASK).to(tl.float32), s_hi, z_hi), OPERAND)
     else:
-        tl.static_assert(BITS == 4, "paired codes: 4 bits (PAIR_BF16)")
         if OPERAND == tl.bfloat16:
-            lo, hi = tl.inline_asm_elementwise(PAIR_BF16, "=h,=h,r,r,r", [w, scales, zeros],
+            tl.static_assert(BITS == 4, "paired bf16 codes: 4 bits (paired_keys)")
+            lo, hi = tl.inline_asm_elementwise(PAIR_BF16_4, "=h,=h,r,r,r", [w, scales, zeros],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
         else:
-            lo, hi = tl.inline_asm_elementwise(PAIR_F16, "=h,=h,r,r,r", [w, scales, zeros], dtype=(tl.float16, tl.float16),
+            ASM: tl.constexpr = PAIR_F16_2 if BITS == 2 else PAIR_F16_4
+            lo, hi = tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r", [w, scales, zeros], dtype=(tl.float16, tl.float16),
                                                is_pure=True, pack=1)
     return lo, hi
 
@@ -228,7 +231,7 @@ def _row_pairs(ptr, iw, BITS: tl.constexpr, OPERAND: tl.constexpr):
 @triton.jit
 def _paired_scores(query, a, C: tl.constexpr, length, t, t0, t_ok, D: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_T: tl.constexpr, OPERAND: tl.constexpr):
-    """Logits of per-channel keys decoded two codes at a time (:func:`paired`): the tile's codes loaded as int32 words
+    """Logits of per-channel keys decoded two codes at a time (:func:`paired_keys`): the tile's codes loaded as int32 words
     ``[BLOCK_T, D * BITS / 32]``, and field ``f`` of every word (channels :func:`pair_channels`) decoded by :func:`_pair`
     into a ``tl.dot`` operand in registers that meets the query's sub-vector of the same channels (:func:`packed_query`).
     A tile lies in one group of tokens (:meth:`~.uniform.UniformReader.tile_limit`, tiles aligned to the payload's first
@@ -276,11 +279,21 @@ def packed_query(q_ptr, rows, row_ok, qk_scale, a, C: tl.constexpr, D: tl.conste
     i = tl.arange(0, D // PER_BYTE)
     if not DOT:
         out = ()
-    elif paired(C, DOT, OPERAND, D):  # field f's sub-vector of pair_channels (_paired_scores)
-        out = (_query_pair(q_ptr, rows, row_ok, qk_scale, 0, BITS, D, OPERAND),
-               _query_pair(q_ptr, rows, row_ok, qk_scale, 1, BITS, D, OPERAND),
-               _query_pair(q_ptr, rows, row_ok, qk_scale, 2, BITS, D, OPERAND),
-               _query_pair(q_ptr, rows, row_ok, qk_scale, 3, BITS, D, OPERAND))
+    elif paired_keys(C, DOT, OPERAND, D):  # field f's sub-vector of pair_channels (_paired_scores)
+        if BITS == 4:
+            out = (_query_pair(q_ptr, rows, row_ok, qk_scale, 0, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 1, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 2, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 3, BITS, D, OPERAND))
+        else:
+            out = (_query_pair(q_ptr, rows, row_ok, qk_scale, 0, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 1, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 2, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 3, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 4, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 5, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 6, BITS, D, OPERAND),
+                   _query_pair(q_ptr, rows, row_ok, qk_scale, 7, BITS, D, OPERAND))
     else:
         c = tl.arange(0, D)
         q = tl.load(q_ptr + rows[:, None] * D + c[None, :], mask=row_ok[:, None], other=0.0)
@@ -365,7 +378,7 @@ def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, l
     per-channel keys of 2 or 4 bits on ``tl.dot`` with 16-bit operands two codes at a time from int32 words
     (:func:`_paired_scores`), others byte by byte (:func:`_byte_scores`)."""
     if DOT:
-        if paired(C, DOT, query[0].dtype, D):
+        if paired_keys(C, DOT, query[0].dtype, D):
             s = _paired_scores(query, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, query[0].dtype)
         else:
             s = _byte_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, DOT)
