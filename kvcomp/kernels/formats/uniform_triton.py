@@ -161,10 +161,11 @@ def paired_keys(C, DOT, OPERAND, D):
     """Whether per-channel keys are decoded two codes at a time (:func:`_pair`) on ``tl.dot``: 4-bit codes with bf16 or
     fp16 operands, 2-bit codes with fp16 operands (a fp16 model's, or ``operands="float16"``); each field's sub-vector
     (``D * BITS / 16`` channels, :func:`pair_channels`) at least 16 long, groups of a power of two tokens, at least 16
-    (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`). Predicted 2-17 % less device time at
-    every shape of ``scripts/kernel_model.py`` where taken (BENCHMARKS.md's nineteenth entry; not measured). 2-bit keys
-    with bf16 operands stay byte by byte: every thread rounds its channels' fp16 parameters to bf16 per tile, which made
-    KIVI-2's launches of 4 warps slower (16 x 4K: 0.132 ms against 0.119)."""
+    (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`). Predicted (BENCHMARKS.md's nineteenth
+    entry; not measured): KIVI-4's step 2-9 % less device time at every shape of ``scripts/kernel_model.py`` with bf16
+    operands, KIVI-2's 11 % less at 16 x 32K and 128K with fp16 operands and within 1 % elsewhere. 2-bit keys with bf16
+    operands stay byte by byte: every thread rounds its channels' fp16 parameters to bf16 per tile, which made KIVI-2's
+    launches of 4 warps slower (16 x 4K: 0.132 ms against 0.119)."""
     C = UniformConstants(*C)  # (Triton's interpreter hands a named tuple of constants over as a plain tuple)
     bits_ok = C.BITS == 4 and OPERAND == tl.bfloat16 or (C.BITS == 4 or C.BITS == 2) and OPERAND == tl.float16
     return (DOT and bits_ok and C.PER_CHANNEL and not C.HIDDEN_ZERO and C.MULTIPLIER == 0 and D * C.BITS // 16 >= 16
@@ -375,8 +376,8 @@ def _field_codes(byte, j: tl.constexpr, BITS: tl.constexpr):
 def packed_scores(query, q_ptr, R, rows, row_ok, qk_scale, a, C: tl.constexpr, length, t, t0, t_ok,
                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
     """Logits ``[BLOCK_R, BLOCK_T]`` of packed-int keys in their stored layout, instead of one byte load per channel:
-    per-channel keys of 2 or 4 bits on ``tl.dot`` with 16-bit operands two codes at a time from int32 words
-    (:func:`_paired_scores`), others byte by byte (:func:`_byte_scores`)."""
+    two codes at a time from int32 words where :func:`paired_keys` (:func:`_paired_scores`), else byte by byte
+    (:func:`_byte_scores`)."""
     if DOT:
         if paired_keys(C, DOT, query[0].dtype, D):
             s = _paired_scores(query, a, C, length, t, t0, t_ok, D, BLOCK_R, BLOCK_T, query[0].dtype)
