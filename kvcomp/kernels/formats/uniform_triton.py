@@ -255,17 +255,22 @@ def _paired_scores(query, a, C: tl.constexpr, length, t, t0, t_ok, D: tl.constex
 
 
 @triton.jit
+def _query_at(q_ptr, rows, row_ok, qk_scale, channels, D: tl.constexpr, OPERAND: tl.constexpr):
+    """The query rows' entries at ``channels`` times ``qk_scale``, a ``tl.dot`` operand ``[BLOCK_R, len(channels)]``."""
+    q = tl.load(q_ptr + rows[:, None] * D + channels[None, :], mask=row_ok[:, None], other=0.0)
+    return operand(q.to(tl.float32) * qk_scale, OPERAND)
+
+
+@triton.jit
 def _query_pair(q_ptr, rows, row_ok, qk_scale, f: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr,
                 OPERAND: tl.constexpr):
-    q = tl.load(q_ptr + rows[:, None] * D + pair_channels(f, BITS, D)[None, :], mask=row_ok[:, None], other=0.0)
-    return operand(q.to(tl.float32) * qk_scale, OPERAND)
+    return _query_at(q_ptr, rows, row_ok, qk_scale, pair_channels(f, BITS, D), D, OPERAND)
 
 
 @triton.jit
 def _query_field(q_ptr, rows, row_ok, qk_scale, i, j: tl.constexpr, PER_BYTE: tl.constexpr, D: tl.constexpr,
                  OPERAND: tl.constexpr):
-    q = tl.load(q_ptr + rows[:, None] * D + (i * PER_BYTE + j)[None, :], mask=row_ok[:, None], other=0.0)
-    return operand(q.to(tl.float32) * qk_scale, OPERAND)
+    return _query_at(q_ptr, rows, row_ok, qk_scale, i * PER_BYTE + j, D, OPERAND)
 
 
 @triton.jit
