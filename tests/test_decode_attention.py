@@ -293,6 +293,37 @@ def test_per_channel_keys_are_decoded_two_codes_at_a_time(bits, d, group, dtype,
         assert error < 4 * own, (error, own)
 
 
+def test_keys_cut_at_an_odd_byte_are_read_byte_by_byte():
+    """Paired keys load each token's codes as int32 words, and a misaligned word load is a fatal CUDA error (the
+    interpreter, reading host memory, would not notice): codes viewed from an odd byte of their buffer are refused the
+    word loads (``uniform.word_aligned``) and read byte by byte, with the same result; the aligned view takes them."""
+    import dataclasses
+
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton, decode_launches
+    from kvcomp.kernels.formats.uniform_triton import paired_keys
+
+    b, h, r, d, group = 2, 2, 4, 128, 32
+    gen = torch.Generator().manual_seed(9)
+    key_reader, _ = _uniform(torch.randn(b, h, 2 * group, d, generator=gen), 4, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 2 * group, d, generator=gen), 4, 32, "per_token")
+    codes = key_reader.codes
+    buffer = torch.zeros(codes.numel() + 1, dtype=torch.uint8)
+    buffer[1:] = codes.flatten()
+    cut = dataclasses.replace(key_reader, codes=buffer[1:].view(codes.shape))
+    assert cut.codes.data_ptr() % 4 and cut.codes[0, 0].is_contiguous()
+    query = torch.randn(b, h * r, d, generator=gen).to(torch.bfloat16)
+    outs = []
+    for reader, words in ((key_reader, True), (cut, False)):
+        args = decode_launches(query, [reader], [value_reader], d**-0.5)[1][0].args
+        assert args["PACKED_K"] and args["K"].WORDS == words
+        assert paired_keys(args["K"], args["DOT"], args["OPERAND"], d) == words
+        outs.append(decode_attention_triton(query, [reader], [value_reader], d**-0.5).float())
+    reference = decode_attention_reference(query, [key_reader], [value_reader], d**-0.5, None, None, torch.float64)
+    for out in outs:
+        assert float((out.double() - reference).norm() / reference.norm()) < 2e-2
+    assert not torch.equal(outs[0], outs[1])  # bf16 parameters in pairs, float32 byte by byte: two paths ran
+
+
 def test_packed_values_on_tl_dot_refuse_several_groups_per_token(monkeypatch):
     """The field-major ``tl.dot`` products of packed values apply one scale per token: a reader that let a payload of
     several groups per token (KIVI's values) take them would be refused when the kernel compiles, not read wrong."""

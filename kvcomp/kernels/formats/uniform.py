@@ -27,6 +27,14 @@ def reveal_zero(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (bits & ~ZERO_BITS).view(torch.float32), (bits & ZERO_BITS).float()
 
 
+def word_aligned(codes: Strided) -> bool:
+    """Whether each token's row of codes, read in place, starts at a multiple of 4 bytes (its first row's address,
+    the sequence and head strides, and the row's length), so that a kernel may load it as int32 words
+    (:func:`~.uniform_triton.paired_keys`): a misaligned word load is a fatal CUDA error. Every payload store's view
+    is (whole tokens from an allocation's start); a view cut at an odd byte is read byte by byte."""
+    return all(n % 4 == 0 for n in (codes.ptr.data_ptr(), codes.s_b, codes.s_h, codes.ptr.shape[-1]))
+
+
 class UniformArgs(NamedTuple):
     """The kernel's runtime arguments: codes (in place), scales and zero-points (one pair of strides for both), and
     the multiplier (``()`` where none)."""
@@ -46,6 +54,7 @@ class UniformConstants(NamedTuple):
     MULTIPLIER: int  # the multiplier's group along the other axis than the parameters (0: none)
     HIDDEN_ZERO: bool  # each zero-point hidden in its scale (:func:`hide_zero`), the zero tensor unread
     ONE_GROUP: bool  # each token's codes are one group (:attr:`UniformReader.one_group`)
+    WORDS: bool  # every token's codes start on a 4-byte boundary: readable as int32 words (:func:`word_aligned`)
 
 
 @dataclass
@@ -103,8 +112,10 @@ class UniformReader(PayloadReader):
         if self.multiplier is not None:  # per token (per-channel payloads) or per channel every few tokens
             multiplier = Strided.of(self.multiplier)
             group = self.head_dim if self.per_channel else self.multiplier_group
-        return (UniformArgs(Strided.of(self.codes), scale, zero, param_s_b, param_s_h, multiplier),
-                UniformConstants(self.bits, self.group_size, self.per_channel, group, self.hidden_zero, self.one_group))
+        codes = Strided.of(self.codes)
+        return (UniformArgs(codes, scale, zero, param_s_b, param_s_h, multiplier),
+                UniformConstants(self.bits, self.group_size, self.per_channel, group, self.hidden_zero, self.one_group,
+                                 word_aligned(codes)))
 
     @property
     def one_group(self) -> bool:

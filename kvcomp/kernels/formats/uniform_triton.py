@@ -161,14 +161,15 @@ def paired_keys(C, DOT, OPERAND, D):
     """Whether per-channel keys are decoded two codes at a time (:func:`_pair`) on ``tl.dot``: 4-bit codes with bf16 or
     fp16 operands, 2-bit codes with fp16 operands (a fp16 model's, or ``operands="float16"``); each field's sub-vector
     (``D * BITS / 16`` channels, :func:`pair_channels`) at least 16 long, groups of a power of two tokens, at least 16
-    (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`). Predicted (BENCHMARKS.md's nineteenth
+    (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`), rows of codes at 4-byte boundaries
+(:func:`~.uniform.word_aligned`). Predicted (BENCHMARKS.md's nineteenth
     entry; not measured): KIVI-4's step 2-9 % less device time at every shape of ``scripts/kernel_model.py`` with bf16
     operands, KIVI-2's 11 % less at 16 x 32K and 128K with fp16 operands and within 1 % elsewhere. 2-bit keys with bf16
     operands stay byte by byte: every thread rounds its channels' fp16 parameters to bf16 per tile, which made KIVI-2's
     launches of 4 warps slower (16 x 4K: 0.132 ms against 0.119)."""
     C = UniformConstants(*C)  # (Triton's interpreter hands a named tuple of constants over as a plain tuple)
     bits_ok = C.BITS == 4 and OPERAND == tl.bfloat16 or (C.BITS == 4 or C.BITS == 2) and OPERAND == tl.float16
-    return (DOT and bits_ok and C.PER_CHANNEL and not C.HIDDEN_ZERO and C.MULTIPLIER == 0 and D * C.BITS // 16 >= 16
+    return (DOT and bits_ok and C.WORDS and C.PER_CHANNEL and not C.HIDDEN_ZERO and C.MULTIPLIER == 0 and D * C.BITS // 16 >= 16
             and C.GROUP >= 16 and not C.GROUP & (C.GROUP - 1))
 
 
