@@ -253,15 +253,14 @@ def test_one_group_per_token_is_applied_to_the_products(key_bits, value_bits):
 
 @pytest.mark.parametrize("bits, d, group, dtype, operands", [
     (4, 128, 32, torch.bfloat16, None), (4, 64, 16, torch.float16, None), (4, 128, 64, torch.bfloat16, None),
-    (2, 128, 32, torch.float16, None), (2, 128, 32, torch.bfloat16, "float16")])
+    (2, 128, 32, torch.float16, None), (2, 128, 32, torch.bfloat16, None), (2, 128, 32, torch.bfloat16, "float16")])
 def test_per_channel_keys_are_decoded_two_codes_at_a_time(bits, d, group, dtype, operands):
-    """Per-channel keys on ``tl.dot`` (``uniform_triton.paired_keys``): 4-bit codes with 16-bit operands, 2-bit codes
-    with fp16 operands (a fp16 query, or ``operands="float16"``), read as int32 words and decoded two per fused
-    multiply-add in the operand type, the parameters rounded to it (exact for fp16: the quantizer stores fp16; bf16 keeps
-    8 of their 11 bits). Keys with large per-channel offsets (zero-points well above the scales), a full-precision sink
-    and tail, a mask, several slices: no worse against the reference of those rounded parameters than 4x the output's own
-    rounding. The interpreter runs the pair's float32 stand-in (no PTX); float32 operands and 2-bit codes with bf16
-    operands stay byte by byte."""
+    """Per-channel keys on ``tl.dot`` (``uniform_triton.paired_keys``): 2- and 4-bit codes with 16-bit operands (the
+    query's type, or ``operands="float16"``), read as int32 words and decoded two per fused multiply-add in the operand
+    type, the parameters rounded to it (exact for fp16: the quantizer stores fp16; bf16 keeps 8 of their 11 bits). Keys
+    with large per-channel offsets (zero-points well above the scales), a full-precision sink and tail, a mask, several
+    slices: no worse against the reference of those rounded parameters than 4x the output's own rounding. The
+    interpreter runs the pair's float32 stand-in (no PTX); float32 operands stay byte by byte."""
     import dataclasses
 
     from kvcomp.kernels.decode_attention_triton import OPERANDS, decode_attention_triton, decode_launches
@@ -281,7 +280,7 @@ def test_per_channel_keys_are_decoded_two_codes_at_a_time(bits, d, group, dtype,
     args = decode_launches(query, keys, values, d**-0.5, valid, **options)[1][0].args
     assert args["PACKED_K"] and paired_keys(args["K"], args["DOT"], args["OPERAND"], d)
     assert not paired_keys(args["K"], args["DOT"], OPERANDS["float32"], d)
-    assert paired_keys(args["K"], args["DOT"], OPERANDS["bfloat16"], d) == (bits == 4)
+    assert paired_keys(args["K"], args["DOT"], OPERANDS["bfloat16"], d)
     operand = {"float16": torch.float16}.get(operands, dtype)
     rounded = dataclasses.replace(key_reader, scale=key_reader.scale.to(operand).to(key_reader.scale.dtype),
                                   zero=key_reader.zero.to(operand).to(key_reader.zero.dtype))

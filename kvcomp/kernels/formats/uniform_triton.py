@@ -18,6 +18,7 @@ _PAIR_ASM = "{ .reg .b32 t, m; lop3.b32 t, $2, MASK, MAGIC, 0xea; mov.b32 m, MAG
 PAIR_BF16_4 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x000f000f").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
 PAIR_F16_4 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x000f000f").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
 PAIR_F16_2 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x00030003").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2"))
+PAIR_BF16_2 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x00030003").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
 
 
 @triton.jit
@@ -158,19 +159,17 @@ def halves(a, C: tl.constexpr, length, t, t0, t_ok, c, c_ok, D: tl.constexpr, BL
 
 @triton.constexpr_function
 def paired_keys(C, DOT, OPERAND, D):
-    """Whether per-channel keys are decoded two codes at a time (:func:`_pair`) on ``tl.dot``: 4-bit codes with bf16 or
-    fp16 operands, 2-bit codes with fp16 operands (a fp16 model's, or ``operands="float16"``); each field's sub-vector
-    (``D * BITS / 16`` channels, :func:`pair_channels`) at least 16 long, groups of a power of two tokens, at least 16
-    (each tile then lies in one group: :meth:`~.uniform.UniformReader.tile_limit`), rows of codes at 4-byte boundaries
-(:func:`~.uniform.word_aligned`). Predicted (BENCHMARKS.md's nineteenth
-    entry; not measured): KIVI-4's step 2-9 % less device time at every shape of ``scripts/kernel_model.py`` with bf16
-    operands, KIVI-2's 11 % less at 16 x 32K and 128K with fp16 operands and within 1 % elsewhere. 2-bit keys with bf16
-    operands stay byte by byte: every thread rounds its channels' fp16 parameters to bf16 per tile, which made KIVI-2's
-    launches of 4 warps slower (16 x 4K: 0.132 ms against 0.119)."""
+    """Whether per-channel keys are decoded two codes at a time (:func:`_pair`) on ``tl.dot``: 2- or 4-bit codes with
+    bf16 or fp16 operands; each field's sub-vector (``D * BITS / 16`` channels, :func:`pair_channels`) at least 16 long,
+    groups of a power of two tokens, at least 16 (each tile then lies in one group:
+    :meth:`~.uniform.UniformReader.tile_limit`), rows of codes at 4-byte boundaries (:func:`~.uniform.word_aligned`).
+    Predicted with bf16 operands (BENCHMARKS.md's nineteenth and twentieth entries; not measured): KIVI-2's step 9 %
+    less device time at 16 x 32K and 128K, 4 % more at 16 x 4K (4 warps: its operands staged through more shared-memory
+    loads), within 1 % at batch 1; KIVI-4's 4-8 % less at batch 16."""
     C = UniformConstants(*C)  # (Triton's interpreter hands a named tuple of constants over as a plain tuple)
-    bits_ok = C.BITS == 4 and OPERAND == tl.bfloat16 or (C.BITS == 4 or C.BITS == 2) and OPERAND == tl.float16
-    return (DOT and bits_ok and C.WORDS and C.PER_CHANNEL and not C.HIDDEN_ZERO and C.MULTIPLIER == 0 and D * C.BITS // 16 >= 16
-            and C.GROUP >= 16 and not C.GROUP & (C.GROUP - 1))
+    bits_ok = (C.BITS == 4 or C.BITS == 2) and (OPERAND == tl.bfloat16 or OPERAND == tl.float16)
+    return (DOT and bits_ok and C.WORDS and C.PER_CHANNEL and not C.HIDDEN_ZERO and C.MULTIPLIER == 0
+            and D * C.BITS // 16 >= 16 and C.GROUP >= 16 and not C.GROUP & (C.GROUP - 1))
 
 
 @triton.jit
@@ -208,8 +207,8 @@ def _pair(w, scales, zeros, BITS: tl.constexpr, OPERAND: tl.constexpr):
         hi = operand(fma(((w >> 16) & MASK).to(tl.float32), s_hi, z_hi), OPERAND)
     else:
         if OPERAND == tl.bfloat16:
-            tl.static_assert(BITS == 4, "paired bf16 codes: 4 bits (paired_keys)")
-            lo, hi = tl.inline_asm_elementwise(PAIR_BF16_4, "=h,=h,r,r,r", [w, scales, zeros],
+            ASM: tl.constexpr = PAIR_BF16_2 if BITS == 2 else PAIR_BF16_4
+            lo, hi = tl.inline_asm_elementwise(ASM, "=h,=h,r,r,r", [w, scales, zeros],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
         else:
             ASM: tl.constexpr = PAIR_F16_2 if BITS == 2 else PAIR_F16_4
@@ -222,12 +221,23 @@ def _pair(w, scales, zeros, BITS: tl.constexpr, OPERAND: tl.constexpr):
 def _row_pairs(ptr, iw, BITS: tl.constexpr, OPERAND: tl.constexpr):
     """A per-channel parameter row as :func:`_pair` reads it: a tuple over fields ``f`` of int32 ``[len(iw)]``, entry
     ``w`` the ``OPERAND`` bits of channels ``(32 / BITS) w + f`` (low half) and ``(32 / BITS) w + 16 / BITS + f``; the
-    row loaded contiguously and split in registers (:func:`_row_fields`)."""
+    row loaded contiguously and split in registers (:func:`_row_fields`). For bf16 one ``cvt.rn.bf16x2.f32`` rounds and
+    packs each pair (a conversion per value made 2-bit pairs slower than bytes: BENCHMARKS.md, twentieth entry)."""
     NF: tl.constexpr = 16 // BITS
-    x = operand(tl.load(ptr + iw[:, None] * (2 * NF) + tl.arange(0, 2 * NF)[None, :]).to(tl.float32), OPERAND)
-    x = x.to(tl.int16, bitcast=True).to(tl.int32) & 65535  # [NW, 2 NF]: word w's channels
-    lo, hi = tl.split(tl.permute(tl.reshape(x, (iw.shape[0], 2, NF)), (0, 2, 1)))
-    return _fields_of(lo | (hi << 16))
+    x = tl.load(ptr + iw[:, None] * (2 * NF) + tl.arange(0, 2 * NF)[None, :]).to(tl.float32)  # [NW, 2 NF]: word w's
+    lo, hi = tl.split(tl.permute(tl.reshape(x, (iw.shape[0], 2, NF)), (0, 2, 1)))  # channels
+    if OPERAND == tl.bfloat16 and not INTERPRETED:  # the high half from the first input
+        pairs = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+    else:
+        pairs = _half_bits(lo, OPERAND) | (_half_bits(hi, OPERAND) << 16)
+    return _fields_of(pairs)
+
+
+@triton.jit
+def _half_bits(x, OPERAND: tl.constexpr):
+    """The 16 bits of ``x`` rounded to ``OPERAND`` (:func:`~.tiles_triton.operand`), as the low half of an int32."""
+    return operand(x, OPERAND).to(tl.int16, bitcast=True).to(tl.int32) & 65535
 
 
 @triton.jit
