@@ -295,7 +295,8 @@ def test_per_channel_keys_are_decoded_two_codes_at_a_time(bits, d, group, dtype,
 def test_keys_cut_at_an_odd_byte_are_read_byte_by_byte():
     """Paired keys load each token's codes as int32 words, and a misaligned word load is a fatal CUDA error (the
     interpreter, reading host memory, would not notice): codes viewed from an odd byte of their buffer are refused the
-    word loads (``uniform.word_aligned``) and read byte by byte, with the same result; the aligned view takes them."""
+    word loads (``uniform.word_aligned``) and read byte by byte, both paths close to the reference; the aligned view
+    takes them."""
     import dataclasses
 
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton, decode_launches

@@ -224,9 +224,9 @@ def _row_pairs(ptr, iw, BITS: tl.constexpr, OPERAND: tl.constexpr):
     row loaded contiguously and split in registers (:func:`_row_fields`). For bf16 one ``cvt.rn.bf16x2.f32`` rounds and
     packs each pair (a conversion per value made 2-bit pairs slower than bytes: BENCHMARKS.md, twentieth entry)."""
     NF: tl.constexpr = 16 // BITS
-    x = tl.load(ptr + iw[:, None] * (2 * NF) + tl.arange(0, 2 * NF)[None, :]).to(tl.float32)  # [NW, 2 NF]: word w's
-    lo, hi = tl.split(tl.permute(tl.reshape(x, (iw.shape[0], 2, NF)), (0, 2, 1)))  # channels
-    if OPERAND == tl.bfloat16 and not INTERPRETED:  # the high half from the first input
+    x = tl.load(ptr + iw[:, None] * (2 * NF) + tl.arange(0, 2 * NF)[None, :]).to(tl.float32)  # [NW, 2 NF]
+    lo, hi = tl.split(tl.permute(tl.reshape(x, (iw.shape[0], 2, NF)), (0, 2, 1)))  # each word's halves, [NW, NF]
+    if OPERAND == tl.bfloat16 and not INTERPRETED:  # (PTX puts the first input in the high half)
         pairs = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
                                           is_pure=True, pack=1)
     else:
