@@ -30,7 +30,7 @@ def _patch_the_language_once_per_kernel() -> None:
     own jitted helpers) for a kernel's run, then again at every device-function call inside it, though they are
     already patched (``inspect.getmembers`` over each: about 40 % of a kernel test's time). Here a call inside a
     running kernel patches only modules not yet patched in that run; the kernel's own patch and its restore run as
-    before. An interpreter without ``_LangPatchScope`` (Triton before 3.5) runs unchanged."""
+    before. An interpreter without ``_LangPatchScope`` (an older Triton) runs unchanged."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
