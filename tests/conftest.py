@@ -29,8 +29,9 @@ def _patch_the_language_once_per_kernel() -> None:
     """Triton's interpreter patches the language modules a function sees (``triton.language``, or ``core`` for its
     own jitted helpers) for a kernel's run, then again at every device-function call inside it, though they are
     already patched (``inspect.getmembers`` over each: about 40 % of a kernel test's time). Here a call inside a
-    running kernel patches only modules not yet patched in that run; the kernel's own patch and its restore run as
-    before. An interpreter without ``_LangPatchScope`` (an older Triton) runs unchanged."""
+    running kernel patches only modules not yet patched in that run; the kernel's own patch and its restore, and
+    any call outside a kernel, run as before. An interpreter without ``_LangPatchScope`` (an older Triton) runs
+    unchanged."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -38,27 +39,26 @@ def _patch_the_language_once_per_kernel() -> None:
         return
     if not hasattr(interpreter, "_LangPatchScope"):
         return
-    patch, patched = interpreter._patch_lang, []  # the language modules patched in the running kernel, if any
+    patch, run, running = interpreter._patch_lang, interpreter.GridExecutor.__call__, []  # per running kernel: ids of
+    # the language modules patched in it
 
     def patch_once(fn):
         langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
-        if patched and langs <= patched[0]:
+        if running and langs <= running[-1]:
             return interpreter._LangPatchScope()
-        scope = patch(fn)
-        if patched:
-            patched[0].update(langs)
-            return scope
-        restore = scope.restore
+        if running:
+            running[-1].update(langs)
+        return patch(fn)
 
-        def restore_and_end():
-            patched.clear()
-            restore()
-
-        scope.restore = restore_and_end
-        patched.append(langs)
-        return scope
+    def run_kernel(self, *args, **kwargs):
+        running.append(set())
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            running.pop()
 
     interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = run_kernel
 
 
 _patch_the_language_once_per_kernel()
