@@ -59,6 +59,14 @@ def test_tile_loop_counts_every_path_but_the_padding_branch():
     assert counts.wavefronts == 4 + 2 + 1 and counts.global_bytes == 32 * 16 and counts.widths == {16: 1}
 
 
+def test_spills_are_counted_inside_the_tile_loop_only():
+    spilled = SASS.replace("        /*0010*/                   MOV R1, RZ ;",
+                           "        /*0010*/                   STL [R1], R0 ;").replace(
+        "        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;", "        /*0080*/                   LDL.64 R6, [R1] ;")
+    assert sm.loop_local_accesses(spilled) == (0, 1)  # the store before the loop, the load on every tile
+    assert sm.loop_local_accesses(SASS) == (0, 0)
+
+
 def test_skipped_source_functions_leave_their_branch_out(tmp_path):
     source = tmp_path / "k.py"
     source.write_text("\n" * 8 + "def payload():\n    pass\n" + "\n" * 8 + "def dense():\n    pass\n")

@@ -322,6 +322,15 @@ def tile_instructions(text: str, skip: tuple[str, ...] = ()) -> tuple[list[Instr
     return [ins for i in sorted(forward & backward) for ins in blocks[i]], True
 
 
+def loop_local_accesses(text: str) -> tuple[int, int]:
+    """Local-memory stores and loads (``STL`` / ``LDL``: a Triton kernel's register spills) among the instructions of
+    its tile loop (:func:`tile_instructions`, every path): a spill outside the loop is paid once per program, one
+    inside it every tile."""
+    instructions, _ = tile_instructions(text)
+    stores = sum(ins.opcode.startswith("STL") for ins in instructions)
+    return stores, sum(ins.opcode.startswith("LDL") for ins in instructions)
+
+
 @dataclass
 class TileCounts:
     """Warp instructions of one tile by class, with L1TEX wavefronts and global bytes per warp."""
