@@ -30,14 +30,14 @@ def _patch_the_language_once_per_kernel() -> None:
     own jitted helpers) for a kernel's run, then again at every device-function call inside it, though they are
     already patched (``inspect.getmembers`` over each: about 40 % of a kernel test's time). Here a call inside a
     running kernel patches only modules not yet patched in that run; the kernel's own patch and its restore, and
-    any call outside a kernel, run as before. An interpreter without ``_LangPatchScope`` (an older Triton) runs
+    any call outside a kernel, run as before. An interpreter without these functions (another Triton) runs
     unchanged."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return
-    if not hasattr(interpreter, "_LangPatchScope"):
+    if not all(hasattr(interpreter, name) for name in ("_LangPatchScope", "_patch_lang", "GridExecutor")):
         return
     patch, run, running = interpreter._patch_lang, interpreter.GridExecutor.__call__, []  # per running kernel: ids of
     # the language modules patched in it
