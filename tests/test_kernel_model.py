@@ -60,10 +60,10 @@ def test_tile_loop_counts_every_path_but_the_padding_branch():
 
 
 def test_spills_are_counted_inside_the_tile_loop_only():
-    spilled = SASS.replace("        /*0010*/                   MOV R1, RZ ;",
-                           "        /*0010*/                   STL [R1], R0 ;").replace(
-        "        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;", "        /*0080*/                   LDL.64 R6, [R1] ;")
+    spilled = SASS.replace("MOV R1, RZ ;", "STL [R1], R0 ;").replace("BAR.SYNC.DEFER_BLOCKING 0x0 ;", "LDL.64 R6, [R1] ;")
     assert sm.loop_local_accesses(spilled) == (0, 1)  # the store before the loop, the load on every tile
+    branch = spilled.replace("LDS.64 R8, [R0] ;", "STL.64 [R1+0x8], R8 ;")
+    assert sm.loop_local_accesses(branch) == (1, 1)  # a store on one of the loop's two paths
     assert sm.loop_local_accesses(SASS) == (0, 0)
 
 
