@@ -64,28 +64,6 @@ def _patch_the_language_once_per_kernel() -> None:
 _patch_the_language_once_per_kernel()
 
 
-def _index_scalars_of_one_element() -> None:
-    """A scalar loaded inside a kernel (``tl.load(slots)``) is a one-element array in the interpreter; Triton 3.6's
-    interpreter turns it into a Python int with ``int(array)``, which numpy >= 2.3 refuses for arrays of one
-    dimension (``range(tl.load(slots))`` fails: "only 0-dimensional arrays can be converted"). Here it takes the
-    element, as later interpreters do; an interpreter without ``_patch_lang_tensor`` runs unchanged."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    if not hasattr(interpreter, "_patch_lang_tensor"):
-        return
-    patch = interpreter._patch_lang_tensor
-
-    def patch_with_element_index(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patch_with_element_index
-
-
-_index_scalars_of_one_element()
-
 TINY = dict(
     vocab_size=96,
     hidden_size=64,

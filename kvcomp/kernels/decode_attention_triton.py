@@ -481,6 +481,29 @@ def _split_kernel(
     tl.store(lse_ptr + slot * R + rows, tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf")), mask=row_ok)
 
 
+def _interpreted_scalars_index() -> None:
+    """Let Triton 3.6's CPU interpreter run :func:`_merge_kernel`'s ``range(tl.load(slots))``: a scalar loaded in an
+    interpreted kernel is a one-element array, which that interpreter converts with ``int(array)``, refused by numpy
+    2.4 for an array of one dimension ("only 0-dimensional arrays can be converted"). Its index becomes the element,
+    as later interpreters (3.9) do; compiled kernels, and an interpreter without ``_patch_lang_tensor``, are
+    unaffected."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "indexes_elements", False):
+        return
+
+    def patch_indexing_the_element(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_indexing_the_element.indexes_elements = True
+    interpreter._patch_lang_tensor = patch_indexing_the_element
+
+
+_interpreted_scalars_index()
+
+
 @triton.jit
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, slots, R, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out = sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)`` over the step's slots (``slots``: their count, on the
