@@ -34,6 +34,14 @@ def _cos_sin_kernel(x_ptr, cos_ptr, sin_ptr, N: tl.constexpr):
     tl.store(sin_ptr + i, sin)
 
 
+@triton.jit
+def _count_kernel(n_ptr, out_ptr):
+    total = 0
+    for _ in range(tl.load(n_ptr)):  # a loop bound loaded on the device, as the merge kernel's slots
+        total += 1
+    tl.store(out_ptr, total)
+
+
 def _uniform(x, bits, group, axis):
     quantizer = GroupQuantizer(bits, group, axis)
     stored = quantizer.encode(x)
@@ -382,6 +390,17 @@ def test_cos_sin_of_rope_angles_matches_torch():
     assert float((cos.double() - exact.cos()).abs().max()) < 1e-7
     assert float((sin.double() - exact.sin()).abs().max()) < 1e-7
     assert torch.equal(cos.bfloat16(), x.cos().bfloat16()) and torch.equal(sin.bfloat16(), x.sin().bfloat16())
+
+
+def test_a_loop_bound_loaded_in_a_kernel_is_an_index():
+    """A scalar loaded in a kernel bounds a ``range`` under the interpreter too: Triton 3.6's (the GPU machine's)
+    converts it with ``int(array)``, which numpy 2.4 refuses for a one-element array; the decode launcher lends it the
+    element as an index (``decode_attention_triton._interpreted_scalars_index``)."""
+    import kvcomp.kernels.decode_attention_triton  # noqa: F401  (what every decode launch imports)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    _count_kernel[(1,)](torch.tensor([5], dtype=torch.int32), out)
+    assert int(out) == 5
 
 
 def test_nothing_that_grows_with_the_cache_specializes_a_kernel():
