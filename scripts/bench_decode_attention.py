@@ -38,8 +38,8 @@ from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, device_name, l2_cache_bytes,
-                                         publish, revision, script_device)
+from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, check_smoke, device_name,
+                                         l2_cache_bytes, publish, revision, script_device)
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
@@ -330,7 +330,7 @@ def main(argv=None) -> str:
     parser.add_argument("--warmup", type=at_least(0), default=10)
     parser.add_argument("--reps", type=at_least(1), default=50)
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script")
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script: an error if a row fails")
     parser.add_argument("--cuda-graphs", action="store_true", help="also time each codec's call captured in CUDA graphs")
     parser.add_argument("--step-mask", action="store_true",
                         help="also time each codec's call with the mask generate passes at every decode step")
@@ -367,7 +367,9 @@ def main(argv=None) -> str:
     mem_rows = memory_rows({name: CODECS[name] for name in args.codecs}, context_mem, memory_gb * 1e9)
     command = " ".join(["python scripts/bench_decode_attention.py", *(argv if argv is not None else sys.argv[1:])])
     body = tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, device_name(device), memory_gb, timer, command)
-    return publish(SECTION, body, args.write and not args.smoke)
+    published = publish(SECTION, body, args.write and not args.smoke)
+    check_smoke(args.smoke, [f"{r['method']}: {r['failed']}" for r in decode_rows if "failed" in r])
+    return published
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
 from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels import sdpa_without_cudnn  # noqa: E402
-from kvcomp.kernels.benchmarking import SDPA_BACKENDS, batch_by_context, revision, script_device, write_section  # noqa: E402
+from kvcomp.kernels.benchmarking import (  # noqa: E402
+    SDPA_BACKENDS, batch_by_context, check_smoke, revision, script_device, write_section,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## End-to-end decode through the compressed caches (issue 20)"
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--max-batch-gib", type=float, metavar="GIB",
                         help="cap the allocator there for --max-batch (fewer sequences per try: a try fits a lease)")
     parser.add_argument("--agreement", action="store_true", help="also compare the fused and torch paths")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script: an error if a row fails")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
@@ -383,6 +385,7 @@ def main(argv: list[str] | None = None) -> str:
     print(body)
     if args.write and not args.smoke:
         write_section(ROOT / "BENCHMARKS.md", SECTION, body)
+    check_smoke(args.smoke, [f"{r['cache']}: {r['failed']}" for r in (*speed_rows, *batch_rows, *agree_rows) if "failed" in r])
     return body
 
 

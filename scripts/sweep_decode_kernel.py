@@ -24,8 +24,8 @@ from bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
 from kvcomp.errors import at_least  # noqa: E402
 from kvcomp.kernels.benchmarking import (  # noqa: E402
-    LLAMA31_8B, SMOKE_SHAPE, Timer, batch_by_context, buffer_sets, device_name, l2_cache_bytes, publish, revision,
-    script_device,
+    LLAMA31_8B, SMOKE_SHAPE, Timer, batch_by_context, buffer_sets, check_smoke, device_name, l2_cache_bytes, publish,
+    revision, script_device,
 )
 from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error  # noqa: E402
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
@@ -128,7 +128,7 @@ def main(argv=None) -> str:
     parser.add_argument("--warmup", type=at_least(0), default=5)
     parser.add_argument("--reps", type=at_least(1), default=20)
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script")
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script: an error if a row fails")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
@@ -167,7 +167,9 @@ def main(argv=None) -> str:
         f"One decode step of one layer (split + merge kernels), Llama-3.1-8B heads; CUDA events, median of {timer.reps} "
         f"after {timer.warmup} warm-up calls; SDPA: the faster of flash and memory-efficient on bf16 K/V.", "",
         table(rows, sdpa, copy_gbps)])
-    return publish(SECTION, body, args.write and not args.smoke)
+    published = publish(SECTION, body, args.write and not args.smoke)
+    check_smoke(args.smoke, [f"{r['codec']} {r['config']}: {r['failure']}" for r in rows if r["failure"]])
+    return published
 
 
 if __name__ == "__main__":

@@ -1024,6 +1024,21 @@ def test_gpu_benchmark_script_runs_on_the_interpreter():
     assert "| temporalkv-2 |" in table.split("Prefill encode")[1]
 
 
+def test_a_smoke_run_with_a_failing_row_is_an_error(monkeypatch, capsys):
+    """On a GPU a failing format is a row of the table and the others are measured; ``--smoke``, the script's check,
+    exits with an error naming it (under Triton 3.6 without the interpreter's scalar index, every row failed and the
+    check passed)."""
+    module = load_script("bench_decode_attention")
+
+    def failing(name, *args, **kwargs):
+        raise RuntimeError(f"{name} cannot run here")
+
+    monkeypatch.setattr(module, "_bench_codec", failing)
+    with pytest.raises(SystemExit, match=r"--smoke: 1 row\(s\) failed: kivi-2: RuntimeError: kivi-2 cannot run here"):
+        module.main(["--smoke", "--codecs", "kivi-2"])
+    assert "| 1 | 160 | kivi-2 | failed: RuntimeError" in capsys.readouterr().out  # the table is printed first
+
+
 def test_decode_call_profile_runs_on_the_interpreter():
     """scripts/profile_decode_call.py --smoke: one call's host time, its Python functions and torch operators."""
     report = load_script("profile_decode_call").main(["--smoke", "--codecs", "kivi-2", "--top", "5"])

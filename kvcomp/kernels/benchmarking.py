@@ -151,6 +151,15 @@ def batch_by_context(text: str) -> tuple[int, int]:
     return batch, context
 
 
+def check_smoke(smoke: bool, failures: list[str]) -> None:
+    """End a ``--smoke`` run, a GPU benchmark script's check on the CPU, with an error naming the rows that failed
+    (``failures``: one line each). On a GPU a benchmark reports a failing row in its table and measures the others;
+    a check of the script must not pass with failing rows."""
+    if smoke and failures:
+        shown = "; ".join(failures[:3]) + ("; ..." if len(failures) > 3 else "")
+        raise SystemExit(f"--smoke: {len(failures)} row(s) failed: {shown}")
+
+
 def publish(section: str, body: str, write: bool) -> str:
     """Print a benchmark's tables and, with ``write``, replace its section of the checkout's BENCHMARKS.md."""
     print(body)
