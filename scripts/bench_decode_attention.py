@@ -330,7 +330,7 @@ def main(argv=None) -> str:
     parser.add_argument("--warmup", type=at_least(0), default=10)
     parser.add_argument("--reps", type=at_least(1), default=50)
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script: an error if a row fails")
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) checking the script (a failed row fails it)")
     parser.add_argument("--cuda-graphs", action="store_true", help="also time each codec's call captured in CUDA graphs")
     parser.add_argument("--step-mask", action="store_true",
                         help="also time each codec's call with the mask generate passes at every decode step")

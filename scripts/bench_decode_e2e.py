@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--max-batch-gib", type=float, metavar="GIB",
                         help="cap the allocator there for --max-batch (fewer sequences per try: a try fits a lease)")
     parser.add_argument("--agreement", action="store_true", help="also compare the fused and torch paths")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) that checks the script: an error if a row fails")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (TRITON_INTERPRET=1) checking the script (a failed row fails it)")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731

@@ -128,7 +128,7 @@ def main(argv=None) -> str:
     parser.add_argument("--warmup", type=at_least(0), default=5)
     parser.add_argument("--reps", type=at_least(1), default=20)
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) that checks the script: an error if a row fails")
+                        help="tiny CPU run (TRITON_INTERPRET=1, two KV heads) checking the script (a failed row fails it)")
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731

@@ -63,7 +63,6 @@ def _patch_the_language_once_per_kernel() -> None:
 
 _patch_the_language_once_per_kernel()
 
-
 TINY = dict(
     vocab_size=96,
     hidden_size=64,
