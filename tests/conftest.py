@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models of two families, and the embedded model when it is set up."""
 
 import contextlib
+import dataclasses
 import os
 from unittest import mock
 
@@ -61,7 +62,34 @@ def _patch_the_language_once_per_kernel() -> None:
     interpreter.GridExecutor.__call__ = run_kernel
 
 
+def _skip_the_discarded_overflow_checks() -> None:
+    """Triton's interpreter runs with ``debug`` off, so its ``device_assert`` discards every check, yet with
+    ``sanitize_overflow`` on (its default) every integer add, sub and mul is still redone in int64 and compared to
+    the type's bounds only to build the discarded assert (about 40 % of a kernel test's time). Here the interpreter's
+    builders start with ``sanitize_overflow`` off whenever ``debug`` is off: every value a kernel computes is the
+    same. An interpreter without these names (another Triton) runs unchanged."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or "sanitize_overflow" not in getattr(interpreter.InterpreterOptions, "__dataclass_fields__", {}):
+        return
+    init = builder.__init__
+
+    def init_without_discarded_checks(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if not self.options.debug:
+            self.options = dataclasses.replace(self.options, sanitize_overflow=False)
+
+    builder.__init__ = init_without_discarded_checks
+    for existing in (v for v in vars(interpreter).values() if isinstance(v, builder)):  # the module's own builder
+        if not existing.options.debug:
+            existing.options = dataclasses.replace(existing.options, sanitize_overflow=False)
+
+
 _patch_the_language_once_per_kernel()
+_skip_the_discarded_overflow_checks()
 
 TINY = dict(
     vocab_size=96,
