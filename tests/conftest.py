@@ -77,15 +77,13 @@ def _skip_the_discarded_overflow_checks() -> None:
         return
     init = builder.__init__
 
-    def init_without_discarded_checks(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if not self.options.debug:
-            self.options = dataclasses.replace(self.options, sanitize_overflow=False)
+    def skip_checks(b):
+        if not b.options.debug:
+            b.options = dataclasses.replace(b.options, sanitize_overflow=False)
 
-    builder.__init__ = init_without_discarded_checks
+    builder.__init__ = lambda self, *args, **kwargs: init(self, *args, **kwargs) or skip_checks(self)
     for existing in (v for v in vars(interpreter).values() if isinstance(v, builder)):  # the module's own builder
-        if not existing.options.debug:
-            existing.options = dataclasses.replace(existing.options, sanitize_overflow=False)
+        skip_checks(existing)
 
 
 _patch_the_language_once_per_kernel()
