@@ -8,9 +8,7 @@ import contextlib
 import weakref
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcomp.cache.reads import Reads
 from kvcomp.cache.rows import ByRows
@@ -61,6 +59,8 @@ def decode_step_mask(*args, **kwargs):
     or the length of ``cache_position`` (earlier 5.x)."""
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
+    from transformers.masking_utils import sdpa_mask  # with transformers' model stack: imported once a model runs
+
     if q_length == 1 and kwargs.get("attention_mask") is not None:
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
@@ -197,6 +197,9 @@ def install(model, kernel_backend: str = "torch", cuda_graphs: bool = False) -> 
         raise unknown_choice("kernel backend", kernel_backend, KERNEL_BACKENDS)
     if cuda_graphs and kernel_backend != "triton":
         raise ConfigError("cuda_graphs=True captures the fused decode kernels: it needs kernel_backend='triton'")
+    from transformers import AttentionInterface  # transformers' model stack (seconds to import): only once installed
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(ATTENTION_NAME, compressed_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, decode_step_mask)
     previous = _INSTALLED.get(model)

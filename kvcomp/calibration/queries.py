@@ -11,9 +11,7 @@ implementation is back afterwards. Queries are never stored: only the ``[kv_head
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcomp.codecs import ModelInfo
 from kvcomp.progress import progress
@@ -44,6 +42,9 @@ class _QuerySums:
 def query_moments(model, info: ModelInfo, windows: torch.Tensor, drop_first: int = 0) -> dict[int, torch.Tensor]:
     """``E[q q^T]`` float32 ``[kv_heads, head_dim, head_dim]`` (CPU) per codec layer of ``info``, over the post-RoPE
     queries of ``windows`` ``[num_windows, seq_len]`` from position ``drop_first`` on."""
+    from transformers import AttentionInterface  # transformers' model stack (seconds to import): only when used
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     recorder = _QuerySums(info, drop_first)
     AttentionInterface.register(QUERY_ATTENTION, recorder.attention)
     AttentionMaskInterface.register(QUERY_ATTENTION, sdpa_mask)
