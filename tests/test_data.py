@@ -144,6 +144,22 @@ def test_parse_wikipedia_articles(tmp_path):
     assert len(parse_wikipedia_articles(path, min_chars=0)) == 3
 
 
+def test_an_export_is_parsed_once_per_version_of_its_file(tmp_path, monkeypatch):
+    """A run reads its corpus for calibration and evaluation: the same file is parsed once, a rewritten one again."""
+    import kvcomp.data.corpora as corpora
+
+    cleaned = []
+    clean = corpora.clean_wikitext
+    monkeypatch.setattr(corpora, "clean_wikitext", lambda raw: cleaned.append(raw) or clean(raw))
+    path = tmp_path / "export.xml.bz2"
+    path.write_bytes(bz2.compress(_xml_export([("Alpha", 0, False, "Alpha is a letter. " * 40)]).encode()))
+    first = parse_wikipedia_articles(path)
+    first.append(("changed by a caller", ""))
+    assert parse_wikipedia_articles(path) == first[:1] and len(cleaned) == 1  # the second call parsed nothing
+    path.write_bytes(bz2.compress(_xml_export([("Beta", 0, False, "Beta is a letter too. " * 40)]).encode()))
+    assert [title for title, _ in parse_wikipedia_articles(path)] == ["Beta"] and len(cleaned) == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # document splits and corpora
 # ------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ cuts ``[n, seq_len]`` windows; token ids are cached under ``cache_dir()/tokens/`
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import hashlib
 import html
@@ -239,8 +240,18 @@ def parse_wikipedia_articles(bz2_path: str | os.PathLike, *, min_chars: int = MI
     """(title, plain text) of the articles in a bz2 MediaWiki XML export, in file order.
 
     Keeps main-namespace pages only; skips redirects and articles shorter than ``min_chars``
-    characters after cleaning.
+    characters after cleaning. Parsed once per process and version of the file (its size and modification
+    time): a calibrating run reads the embedded enwiki three times (its calibration split twice, its evaluation
+    split once), 1.6 s each on a 2-core machine.
     """
+    path = Path(bz2_path).resolve()
+    stat = path.stat()
+    return list(_parsed_articles(path, stat.st_size, stat.st_mtime_ns, min_chars))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_articles(bz2_path: Path, size: int, mtime_ns: int, min_chars: int) -> tuple[tuple[str, str], ...]:
+    """:func:`parse_wikipedia_articles` of one version of a file (``size`` and ``mtime_ns`` are its key only)."""
     articles = []
     with bz2.open(bz2_path, "rb") as f:
         for _, elem in ET.iterparse(f, events=("end",)):
@@ -261,7 +272,7 @@ def parse_wikipedia_articles(bz2_path: str | os.PathLike, *, min_chars: int = MI
             body = clean_wikitext(raw)
             if len(body) >= min_chars:
                 articles.append((title, body))
-    return articles
+    return tuple(articles)
 
 
 def _local(tag: str) -> str:
