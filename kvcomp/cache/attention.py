@@ -57,10 +57,10 @@ def decode_step_mask(*args, **kwargs):
     the skip (SDPA's causal kernels for prefill). ``generate`` always passes a padding mask, so its decode
     steps on the torch path run SDPA with a mask. The query length is ``q_length`` (transformers >= 5.3)
     or the length of ``cache_position`` (earlier 5.x)."""
+    from transformers.masking_utils import sdpa_mask  # transformers' model stack: imported once a model runs
+
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.shape[0])
-    from transformers.masking_utils import sdpa_mask  # with transformers' model stack: imported once a model runs
-
     if q_length == 1 and kwargs.get("attention_mask") is not None:
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
