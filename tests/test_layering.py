@@ -23,6 +23,7 @@ LAYERS = [
     {"kvcomp.models", "kvcomp.data", "kvcomp.benchmarks", "kvcomp.analysis", "kvcomp.results", "kvcomp.experiments", "kvcomp.plots"},
     {"kvcomp.config"},
     {"kvcomp.runner", "kvcomp.sweep"},
+    {"kvcomp.api"},  # the Python API: caches for a loaded model, and runs as the command line makes them
 ]
 
 
