@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet torch==2.13.0
   fi
-  "$PY" -m pip install --quiet -e ".[test,triton]" || "$PY" -m pip install --quiet -e ".[test]"
+  "$PY" -m pip install --quiet -e ".[test,docs,triton]" || "$PY" -m pip install --quiet -e ".[test,docs]"
   touch "$stamp"
 fi
 "$PY" scripts/fetch_assets.py "$@"  # --all: also the assets fetched on first use
