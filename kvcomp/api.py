@@ -24,7 +24,7 @@ from kvcomp.benchmarks import build_benchmark
 from kvcomp.cache import CompressedCache, Installation, install
 from kvcomp.cache.attention import installation
 from kvcomp.calibration import CalibrationConfig, CalibrationData, calibrate
-from kvcomp.codecs import Activations, Codec, ModelInfo, build_codec, needs_calibration
+from kvcomp.codecs import CODECS, Activations, Codec, ModelInfo, build_codec, needs_calibration
 from kvcomp.config import BENCHMARKS, ModelConfig, register_configs, typed
 from kvcomp.errors import ConfigError
 from kvcomp.presses import Press, build_press
@@ -36,7 +36,7 @@ CONF = Path(__file__).resolve().parent.parent / "conf"  # the command line's Hyd
 
 def load_codec(model, codec: str = "kivi", *, tokenizer=None, calibration: str | CalibrationConfig | Sequence[str] | None = None,
                activations: Activations | None = None, force: bool = False, **options) -> Codec:
-    """The codec ``codec`` (a ``codec=`` name, e.g. ``"kivi"``, ``"temporalkv"``) with ``options`` (its config
+    """The codec ``codec`` (a ``codec=`` name or preset, e.g. ``"kivi"``, ``"qjl_3bit"``) with ``options`` (its config
     dataclass's fields, e.g. ``bits=2``), built for ``model``'s shapes, and fitted when it calibrates.
 
     A codec that calibrates is fitted on, in this order of precedence: ``activations`` (what ``Codec.fit``
@@ -46,7 +46,8 @@ def load_codec(model, codec: str = "kivi", *, tokenizer=None, calibration: str |
     command line's), whose fitted state is cached under the model's fingerprint and reused as a run's would be
     (``force=True`` refits). Fitting from texts or a corpus needs ``tokenizer``."""
     info = ModelInfo.from_hf_config(model.config, name=getattr(model.config, "_name_or_path", "") or None)
-    built = build_codec({"name": codec, **options}, info)
+    settings = _settings("codec", codec, CODECS, options)
+    built = build_codec(settings, info)
     if not needs_calibration(built):
         return built
     if activations is None and tokenizer is None:
@@ -56,7 +57,7 @@ def load_codec(model, codec: str = "kivi", *, tokenizer=None, calibration: str |
         from kvcomp.models.fingerprint import model_fingerprint
 
         fingerprint = model_fingerprint(model, tokenizer)["fingerprint"]  # keys the cached K/V and fitted state
-        built = build_codec({"name": codec, **options}, replace(info, fingerprint=fingerprint))
+        built = build_codec(settings, replace(info, fingerprint=fingerprint))
     if activations is not None:
         _fit(built, activations, "the given activations")
     elif calibration is not None and not isinstance(calibration, (str, CalibrationConfig)):
@@ -66,6 +67,17 @@ def load_codec(model, codec: str = "kivi", *, tokenizer=None, calibration: str |
         calibrate(built, config, lambda: calibration_data(model, tokenizer, config, force).activations(built),
                   path=config.artifact, force=force)
     return built
+
+
+def _settings(group: str, name: str, registered: dict, options: dict) -> dict:
+    """A group's settings from a name as the command line takes it: a registered name, or a preset file
+    ``conf/<group>/<name>.yaml`` (e.g. ``kivi_4bit``, ``qjl_3bit``), composed as ``group=name`` is, with ``options``
+    over it."""
+    if name not in registered and (CONF / group / f"{name}.yaml").is_file():
+        from omegaconf import OmegaConf
+
+        return {**OmegaConf.to_container(compose(f"{group}={name}")[group]), **options}
+    return {"name": name, **options}
 
 
 def _text_activations(model, tokenizer, codec: Codec, texts: list[str]) -> Activations:
@@ -89,7 +101,9 @@ def _fit(codec: Codec, activations: Activations, source: str) -> None:
 def load_press(model, press: str, **options) -> Press:
     """The press ``press`` (a ``press=`` name, e.g. ``"snapkv"``) with ``options`` (its config dataclass's fields,
     e.g. ``ratio=0.5``, the fraction of prompt tokens evicted), for ``model``'s shapes."""
-    built = build_press({"name": press, **options}, ModelInfo.from_hf_config(model.config))
+    from kvcomp.presses import PRESSES
+
+    built = build_press(_settings("press", press, PRESSES, options), ModelInfo.from_hf_config(model.config))
     if built is None:
         raise ConfigError("press='none' evicts nothing: pass press=None to compressed_cache instead")
     return built

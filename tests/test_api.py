@@ -116,3 +116,10 @@ def test_compose_makes_the_command_lines_configuration():
     assert cfg.model.name == "smollm2_135m" and cfg.codec.group_size == 32  # the defaults the CLI composes
     with pytest.raises(Exception, match="bogus"):
         compose("codec.bogus=1")
+
+
+def test_a_preset_is_named_as_on_the_command_line(fresh_llama):
+    """``kivi_4bit`` is ``conf/codec/kivi_4bit.yaml`` composed as ``codec=kivi_4bit`` is, the options over it."""
+    preset = load_codec(fresh_llama, "kivi_4bit", group_size=16, residual_length=16)
+    assert preset.name == "kivi" and preset.config.bits == 4 and preset.config.group_size == 16
+    assert compose("codec=kivi_4bit").codec.bits == 4
