@@ -4,7 +4,7 @@ A multirun does this itself when its last member ends. Run it when the launching
 live that long (e.g. it was killed while its SLURM jobs went on), or to refresh a sweep whose members
 were re-run one by one:
 
-    python scripts/aggregate_sweep.py multirun/2026-11-23/10-00-00 [--x bits|cr] [--y METRIC]
+    python scripts/aggregate_sweep.py multirun/DATE/TIME [--x bits|cr] [--y METRIC]
 
 Exits with status 1 when a member failed (each is listed), like the multirun itself.
 """

@@ -1,4 +1,4 @@
-"""Bytes a compressed cache holds, measured, against transformers' DynamicCache (issue 14, memory truth).
+"""Bytes a compressed cache holds, measured, against transformers' DynamicCache.
 
 A random-weight Llama with Llama-3.1-8B attention shapes per layer (8 KV heads, head_dim 128; hidden 1024,
 8 query heads, MLP 2048, 2 layers, vocabulary 1000), bfloat16 on the CPU, batch 1: a 2,048-token
@@ -30,7 +30,7 @@ from kvcomp.codecs import Codec, ModelInfo, build_codec
 from kvcomp.errors import at_least
 from kvcomp.kernels.benchmarking import write_section
 
-SECTION = "## Memory held by the compressed cache (issue 14)"
+SECTION = "## Memory held by the compressed cache"
 MODEL = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=8, head_dim=128, vocab_size=1000, max_position_embeddings=4096)
 CODECS = {

@@ -8,7 +8,7 @@ TemporalKV-2 (layer 0 keys: 48 codebooks of 6048 4-token chunks, 256 centroids),
     python scripts/bench_calibration.py              # every family, about 15 minutes on 2 cores
     python scripts/bench_calibration.py --write        # and replace its section of BENCHMARKS.md
     python scripts/bench_calibration.py --codecs none  # only the k-means fit (e.g. at an older commit:
-        git worktree add /tmp/old <commit> && PYTHONPATH=/tmp/old python scripts/bench_calibration.py --codecs none)
+        git worktree add ../old <commit> && PYTHONPATH=../old python scripts/bench_calibration.py --codecs none)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvcomp.runner import calibration_data
 from kvcomp.stages.normalization import ChannelStats
 
 FAMILIES = ("temporalkv", "kvquant", "channelkv", "aquakv", "kvtc", "csr")
-SECTION = "## Calibration per codec family on 2 CPU cores (issue 32)"
+SECTION = "## Calibration per codec family on 2 CPU cores"
 
 
 def kmeans_fit_seconds(codec, data: CalibrationData, repeats: int) -> tuple[float, str]:

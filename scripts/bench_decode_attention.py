@@ -1,5 +1,5 @@
 """Decode-step attention of the fused Triton kernels vs PyTorch SDPA on bf16 K/V, encode throughput, and
-cache bytes / sequences that fit (GPU benchmark; writes the issue-6 section of BENCHMARKS.md).
+cache bytes / sequences that fit (GPU benchmark; writes its section of BENCHMARKS.md).
 
 Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), one decode query per sequence.
 For every codec, batch and context the cache is in the state the codec's schedule gives after
@@ -46,7 +46,7 @@ from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 from kvcomp.kernels.formats import BlockFloatReader, ScaledReader, RotaryPositions
 from kvcomp.kernels.valid_tokens import ValidTokens
 
-SECTION = "## Fused decode attention over compressed caches (issue 6)"
+SECTION = "## Fused decode attention over compressed caches"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
     "kivi-2": {"name": "kivi", "bits": 2, "group_size": 32, "residual_length": 128},
     "kivi-4": {"name": "kivi", "bits": 4, "group_size": 32, "residual_length": 128},

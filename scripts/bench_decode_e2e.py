@@ -1,5 +1,5 @@
 """End to end decode speed and memory of every compressed cache against transformers' DynamicCache
-(issue 20; writes its section of BENCHMARKS.md).
+(writes its section of BENCHMARKS.md).
 
 A random-weight Llama with Llama-3.1-8B layer shapes (hidden 4096, 32 query / 8 KV heads, head_dim 128,
 MLP 14336, vocabulary 32000) and ``--layers`` layers (4), bf16. For every batch x context a random
@@ -58,7 +58,7 @@ from kvcomp.kernels.benchmarking import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = "## End-to-end decode through the compressed caches (issue 20)"
+SECTION = "## End-to-end decode through the compressed caches"
 BASELINE = "DynamicCache"
 E2E_CODECS = ("kivi-2", "kivi-4", "temporalkv-2", "channelkv-2", "kvquant-2", "fp8", "int8-token-head", "int4-token-head",
               "nvfp4", "eden-2", "kvarn", "turboquant-k3v4-nc")  # the kernel benchmark's, but QJL's 3-bit layer
@@ -198,8 +198,9 @@ def _fits(name: str, batch: int, setting: dict, models: tuple, device: torch.dev
     (the weights and the caches; NaN where they did not fit, or on a CPU). One sequence is prefilled and its cache
     copied into every row (``batch_repeat_interleave``), as a server prefills each request on its own: a batched
     prefill's attention temporaries (keys and values repeated for every query head, a compressed cache's decoded
-    history) grow with batch x context and, at 32K tokens, outweigh the cache itself (16 GiB on an H200, 2026-11-28:
-    DynamicCache 8 sequences, KIVI-2 and TemporalKV-2 7, int8 per token-head 6)."""
+    history) grow with batch x context and, at 32K tokens, outweigh the cache itself (with the
+    allocator capped at 16 GiB on an H200, a batched prefill fitted DynamicCache 8 sequences, KIVI-2 and TemporalKV-2 7,
+    int8 per token-head 6)."""
     _fresh(device)
     try:
         model, cache = new_cache(name, models, setting["max_batch_context"] + 3)

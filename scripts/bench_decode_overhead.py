@@ -1,5 +1,5 @@
 """Per-decode-step time of the compressed cache with the ``fp16`` codec against transformers' DynamicCache
-(issue 14; writes its section of BENCHMARKS.md).
+(writes its section of BENCHMARKS.md).
 
 The ``fp16`` codec keeps every token in full precision, so any difference from DynamicCache is the cost
 of the compressed cache's path itself (streams, update bookkeeping, the kvcomp attention function and
@@ -20,8 +20,7 @@ median over the repeats of the per-repeat ratio to DynamicCache (target: fp16 <=
   ``decode_per_step=True`` and ``check_finite=False`` variants (``exact_prefill``);
 - ``cuda``: Llama-3.1-8B layer shapes (hidden 4096, 32 query / 8 KV heads, head_dim 128, MLP 14336),
   vocabulary 32000, 4 layers, bf16, batch 8, a 16,384-token prompt prefilled in 2,048-token chunks, 24
-  timed steps after 4 warm-up steps, ``exact_prefill`` (the setting of ``../shared/gpu-evidence``
-  section 3).
+  timed steps after 4 warm-up steps, ``exact_prefill``.
 
     python scripts/bench_decode_overhead.py --write     # CPU; CPU and GPU rows where CUDA is available
     python scripts/bench_decode_overhead.py --smoke     # a few seconds: checks the script (a test runs it)
@@ -50,7 +49,7 @@ from kvcomp.kernels import sdpa_without_cudnn
 from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = "## Decode-step overhead of the compressed cache (issue 14)"
+SECTION = "## Decode-step overhead of the compressed cache"
 SUBSECTIONS = {"cpu": "### CPU: tiny Llama, float32 (Python overhead)",
                "cuda": "### GPU: Llama-3.1-8B layer shapes, bf16"}
 TARGET = 1.15
@@ -237,7 +236,7 @@ def unmeasured(name: str, args) -> str:
     if name == "cuda":
         return "\n".join([
             SUBSECTIONS[name], "",
-            "Not measured yet: no GPU was lent to issue 14. On a CUDA machine the same command adds this "
+            "Not measured yet: no GPU run is recorded. On a CUDA machine the same command adds this "
             "subsection:", "",
             "    python scripts/bench_decode_overhead.py --write", "",
             describe(name, args) + " CUDA events, device synchronised around each step.",

@@ -1,4 +1,4 @@
-"""Multi-turn conversations with kvtc's store/restore mode (issue 16): bytes stored between turns, time to
+"""Multi-turn conversations with kvtc's store/restore mode: bytes stored between turns, time to
 first token of the next turn (restore vs recompute vs an uncompressed cache kept) and the accuracy effect.
 
 The embedded SmolLM2-135M (float32 on the CPU, or the hardware's dtype on a GPU) on conversations cut from
@@ -32,7 +32,7 @@ from kvcomp.models.loading import load_model
 from kvcomp.runner import calibration_data
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = "## Multi-turn store/restore with kvtc (issue 16)"
+SECTION = "## Multi-turn store/restore with kvtc"
 
 
 def measure(args) -> tuple[list[dict], dict]:

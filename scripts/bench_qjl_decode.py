@@ -35,7 +35,7 @@ from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
 
-SECTION = "## QJL decode-step scores (issue 5)"
+SECTION = "## QJL decode-step scores"
 SETTINGS = {  # name -> codec config (head_dim 128)
     "qjl authors' general layer (m=256, m_o=256, 8 outliers)": {"name": "qjl", "initial_layers": 0},
     "qjl_3bit general layer (m=224, m_o=64, 8 outliers)": {

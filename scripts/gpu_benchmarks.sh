@@ -1,60 +1,50 @@
 #!/usr/bin/env bash
-# Every GPU benchmark of BENCHMARKS.md in one call to a lent GPU machine (a device lease is short).
+# Every GPU benchmark of BENCHMARKS.md in one call to a lent GPU machine (a machine is lent for a short time).
 #
 #   bash scripts/gpu_benchmarks.sh OUTDIR [REVISION]
 #
 # Runs the steps named in STEPS (default: registers attention e2e ncu graphs, whose limits add up to 540 s: one call with
-# timeout_s 590 after the machine's start; also: operands tiles overhead maxbatch qjl sweep profile calls mask), in that order, each under its own time limit so
-# that a slow one cannot starve the rest; each step's log and the updated BENCHMARKS.md go to OUTDIR as it ends:
+# timeout_s 590 after the machine's start; also: operands tiles overhead maxbatch qjl sweep profile calls mask warps), in
+# that order, each under its own time limit so that a slow one cannot starve the rest; each step's log and the updated
+# BENCHMARKS.md go to OUTDIR as it ends. REVISION (KVCOMP_REVISION) is the revision the benchmarks print, where the
+# machine's copy of the checkout carries a stale .git.
 #   attention: scripts/bench_decode_attention.py --batches 16 1 --contexts 32768 4096 131072 --encode-tokens 8192
-#      --reps 30 --write (the shapes of ../shared/gpu-evidence at 9c57ff6, so the two can be compared row by row; the
-#      largest first, and each row is logged as it is measured with its device ms, so a step stopped by its limit keeps
-#      what it measured; about 80 s on an H100 for every format before the device column, which times each call twice:
-#      about 150 s)
-#   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 --write (on an H200, 2026-11-27: 10 speed rows, and
-#      7 rows with 6 agreement rows, each took about 110-130 s; all 15 and 14 need about 200 s)
+#      --reps 30 --write (the shapes the static model's measured H100 rows use, so the two can be compared row by row;
+#      the largest first, and each row is logged as it is measured with its device ms, so a step stopped by its limit
+#      keeps what it measured; about 150 s for every format)
+#   e2e: scripts/bench_decode_e2e.py --agreement --shapes 16x32768 --write (all 15 speed rows and 14 agreement rows need
+#      about 200 s on an H200)
 #   maxbatch: scripts/bench_decode_e2e.py --max-batch --max-batch-gib 16 for DynamicCache, KIVI-2, TemporalKV-2 and int8 per
 #      token-head (their speed rows at 16 x 32K first): the largest batch at 32K tokens in 16 GiB, by real allocations
-#      (each try prefills one sequence and copies its cache into every row; on an H200 on 2026-11-28, before the decoded
-#      copy was freed: 110 s for DynamicCache and KIVI-2, the step stopped there); logged only (--write would replace
-#      the e2e section's earlier runs)
+#      (each try prefills one sequence and copies its cache into every row); logged only (--write would replace the
+#      e2e section)
 #   registers: scripts/sweep_decode_kernel.py --configs 0 13 14 15 --shapes 16x32768 for KIVI-2 and -4 and the three
-#      codebook codecs: the default launch against no register cap and caps of 128 and 168 per thread for every format
-#      (the static model predicts KIVI-2 20 % faster with its cap, the codebook kernels 12-24 % with 128 despite
-#      spilling, TemporalKV-2 18 % with 168); logged only
+#      codebook codecs: the default launch against no register cap and caps of 128 and 168 per thread; logged only
 #   operands: scripts/sweep_decode_kernel.py --configs 0 12 --shapes 16x32768 1x32768 for KIVI-2 and -4, TemporalKV-2,
 #      int8 per token-head and fp8: the default launch (bf16 tl.dot operands for the bf16 query) against the same with
-#      float32 (TF32) operands, the default until 2026-11-27 (KIVI-2 1.42-1.62x faster with bf16 on an H200; int8 per
-#      token-head read 0.90x across two leases, never in one run, where the static model predicts 1.09x); logged only
+#      float32 (TF32) operands; logged only
 #   mask: scripts/bench_decode_attention.py --batches 16 --contexts 32768 --step-mask for KIVI-2 and -4 and TemporalKV-2:
 #      each call without a mask (as the attention step and the static model time it) and with the mask every decode step
-#      of generate passes (one exact span per sequence, the mask itself not read: the static model predicts KIVI-2
-#      0.800 against 0.794 ms without a mask, 0.837 when the mask was read per tile); logged only
+#      of generate passes (one exact span per sequence, the mask itself not read); logged only
 #   warps: scripts/sweep_decode_kernel.py --configs 0 8 16 17 18 --shapes 16x32768 16x4096 for KIVI-2 and -4, fp8 and
-#      int8 per token-head: the default launch (2 warps capped at 128 registers at 16 x 32K since 2026-12-01, 4 at 16 x
-#      4K) against 4 warps, against 2 uncapped (the static model predicts KIVI-2 0.608 against 0.794 ms of device time at
-#      16 x 32K, fp8 0.610 against 0.758) and with fp16 operands (KIVI-2's keys then decoded two codes at a time:
-#      predicted 0.534; KIVI-4's are by default, 0.587); each row's error against the reference checks the keys' inline
-#      PTX (uniform_triton._pair), never run before; logged only
+#      int8 per token-head: the default launch (2 warps capped at 128 registers at 16 x 32K, 4 at 16 x 4K) against 4
+#      warps, against 2 uncapped and with fp16 operands (KIVI-2's keys then decoded two codes at a time; KIVI-4's are
+#      by default); each row's error against the reference checks the keys' inline PTX (uniform_triton._pair); logged only
 #   tiles: scripts/sweep_decode_kernel.py --configs 0 8 10 --shapes 16x32768 1x32768 for the formats whose tile choice
 #      is not measured yet (fp8, int8, EDEN-2 with center) and two of those that default_tile widened; logged only
-#   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K (as in gpu-evidence)
+#   ncu: Nsight Compute on one KIVI-2 split-kernel launch at batch 16 x 32K
 #   overhead: scripts/bench_decode_overhead.py --device cuda --write
 #   qjl: scripts/bench_qjl_decode.py --contexts 8192 32768 --write
 #   sweep: scripts/sweep_decode_kernel.py --write (every launch configuration; replaces its BENCHMARKS section)
 #   graphs: scripts/bench_decode_attention.py --cuda-graphs at 1 x 4K for four formats (each layer's call captured in
-#      a CUDA graph against the same call without, each rotated cache met twice before the timing; 11 s on an H200 for
-#      three; since 0a14028 a captured call is replayed
-#      by its inputs without building its launches: 0.044 against 0.116 ms of host time for KIVI-2 on the CPU here; QJL's
-#      since a37f46b: 0.052 against 0.184; EDEN-2's launch groups' split launches since a83ffb8: 0.116 against 0.192,
-#      its rotations and merge uncaptured); logged only
+#      a CUDA graph against the same call without, each rotated cache met twice before the timing); logged only
 #   profile: scripts/profile_decode_step.py (where a decode step's host and device time go)
 #   calls: scripts/profile_decode_call.py (where one layer's call's host time goes, with and without CUDA graphs; 20 s
 #      on an H200)
 # Wheels in .whl/ (omegaconf, antlr4) are installed into a temporary folder first where present. Limits in seconds
-# can be changed with REGISTERS_S, WARPS_S, OPERANDS_S, ATTENTION_S, E2E_S, MAXBATCH_S, TILES_S, NCU_S, OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S
-# (MAXBATCH_GIB: the maxbatch step's cap); the attention
-# contexts with ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
+# can be changed with REGISTERS_S, WARPS_S, OPERANDS_S, ATTENTION_S, E2E_S, MAXBATCH_S, TILES_S, MASK_S, NCU_S,
+# OVERHEAD_S, QJL_S, SWEEP_S, PROFILE_S, GRAPHS_S and CALLS_S (MAXBATCH_GIB: the maxbatch step's cap; OVERHEAD_REPEATS:
+# the overhead step's repeats); the attention contexts with ATTENTION_CONTEXTS and the end-to-end shapes with E2E_SHAPES.
 set -u
 out=${1:?usage: gpu_benchmarks.sh OUTDIR [REVISION]}
 export KVCOMP_REVISION=${2:-} PYTHONUNBUFFERED=1

@@ -1,18 +1,19 @@
 """Predicted decode-step times on an H100 from the SASS of the decode kernels (static model, no GPU):
-today's kernels, and the kernels of commit 9c57ff6 beside their measured times (``../shared/gpu-evidence``).
+the current kernels, and the kernels of an earlier commit (``--commit``) beside the H100 times measured for them
+(:data:`MEASURED`, :data:`QJL_MEASURED`).
 
 Each launch is compiled once for sm_90a at a small cache (batch 1, 2,048 tokens; a launch's code does not
 depend on the cache length) with :mod:`kvcomp.kernels.resources`, its tile loop counted and the time of
 each shape predicted by :mod:`kvcomp.kernels.static_model` from the launch geometry of that shape. A step
-is its split launches plus the merge (the merge's loop over slices counted the same way). The 9c57ff6
-kernels are read with ``git show`` from ``--repo`` and launched through a recorder (their host code is
+is its split launches plus the merge (the merge's loop over slices counted the same way). The earlier
+commit's kernels are read with ``git show`` from ``--repo`` and launched through a recorder (their host code is
 run on CPU tensors; its kernels are compiled, never run).
 
-    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py          # Triton 3.6, as on the GPU machine (see
-                                                                # scripts/kernel_resources.py for /tmp/t36)
-    python scripts/kernel_model.py --codecs kivi-2 --no-old     # today's KIVI-2 only
-    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --no-old --operands float32   # with TF32 tl.dot operands
-    PYTHONPATH=/tmp/t36 python scripts/kernel_model.py --sweep BENCHMARKS.md   # every measured launch configuration
+    PYTHONPATH="$T36" python scripts/kernel_model.py          # Triton 3.6, as on the GPU machine (see
+                                                              # scripts/kernel_resources.py for $T36)
+    python scripts/kernel_model.py --codecs kivi-2 --no-old   # the current KIVI-2 only
+    PYTHONPATH="$T36" python scripts/kernel_model.py --no-old --operands float32   # with TF32 tl.dot operands
+    PYTHONPATH="$T36" python scripts/kernel_model.py --sweep BENCHMARKS.md   # every measured launch configuration
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from kvcomp.kernels.static_model import (  # noqa: E402
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (16, 131072)]
 OLD_SHAPES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, 131072)]
-MEASURED = {  # gpu-evidence/bench_decode_attention.txt, ms (9c57ff6, H100), in OLD_SHAPES' order
+MEASURED = {  # ms of the --commit kernels on an H100 (scripts/bench_decode_attention.py), in OLD_SHAPES' order
     name: dict(zip(OLD_SHAPES, times)) for name, times in {
         "kivi-2": (0.4439, 0.6958, 2.2242, 1.6259, 10.0309, 38.5568),
         "kivi-4": (0.3398, 0.8104, 2.6744, 1.6640, 9.8794, 37.6079),
@@ -63,11 +64,11 @@ MEASURED = {  # gpu-evidence/bench_decode_attention.txt, ms (9c57ff6, H100), in 
     }.items()
 }
 QJL_MEASURED = {(1, 8192): 0.3391, (1, 32768): 0.9060, (1, 65536): 1.6459, (4, 8192): 0.8973, (4, 32768): 3.0805,
-                (4, 65536): 5.9251}  # gpu-evidence/bench_qjl_decode.txt, authors' general layer, scores only
+                (4, 65536): 5.9251}  # the same H100 (scripts/bench_qjl_decode.py), authors' general layer, scores only
 QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
-# Today's kernels measured on an H200 (BENCHMARKS.md, "GPU reading of 2026-11-28"): KIVI's and QJL's at 323c1c0 (the
-# "Fused decode attention" and "QJL decode-step scores" tables), the codebook kernels with their register cap at c2b5460
-# (that reading's sweep, two shapes). A row is compared only with a launch whose machine code is the one measured: the
+# The current kernels' times measured on an H200 (MEASURED_TODAY_AT): KIVI's and QJL's from BENCHMARKS.md's "Fused
+# decode attention" and "QJL decode-step scores" tables, the codebook kernels with their register cap from a launch
+# sweep at two shapes. A row is compared only with a launch whose machine code is the one measured: the
 # SASS fingerprint (:func:`sass_fingerprint`) of its split launch (QJL's scores: its score launch) compiled by Triton
 # 3.6, the GPU machine's, without a mask as the benchmark called it (:func:`today_step`)
 MEASURED_TODAY_AT, MEASURED_TODAY_CARD = "323c1c0 (KIVI, QJL) and c2b5460 (codebooks)", "H200"
@@ -156,7 +157,7 @@ def bound_launches(kernels: tuple) -> contextlib.AbstractContextManager:
 
 
 def today_step(name: str, shapes, options: dict | None = None, mask: bool = False) -> dict:
-    """Predicted ms per shape of today's split + merge launches of ``name`` (``options`` of
+    """Predicted ms per shape of the current split + merge launches of ``name`` (``options`` of
     :func:`~kvcomp.kernels.decode_attention_triton.decode_launches`: a launch configuration), called as
     ``bench_decode_attention.py`` calls them: without a mask, or (``mask``) with the step's mask of ``generate``, every
     token valid (``--step-mask``: one exact span per sequence, so the tile's mask read does not run)."""
@@ -234,7 +235,7 @@ def graphed_host_seconds(query, keys, values, rope) -> float | None:
 
 
 def old_module(repo: Path, commit: str, path: str):
-    """``path`` of ``commit`` as a module of its own (its imports of moved classes pointed at today's modules)."""
+    """``path`` of ``commit`` as a module of its own (its imports of moved classes pointed at the current modules)."""
     source = subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{path}"], capture_output=True, text=True,
                             check=True).stdout
     for moved in ("kvcomp.kernels.decode_attention", "kvcomp.kernels.qjl_scores"):
@@ -267,7 +268,7 @@ class Recorder:
 
 
 def old_step(module, name: str, shapes) -> dict:
-    """Predicted ms per shape of the 9c57ff6 split + merge launches of ``name`` (one split launch per interval
+    """Predicted ms per shape of the earlier commit's split + merge launches of ``name`` (one split launch per interval
     between the segment bounds of either stream, its slices as that commit cut them)."""
     codec = codec_for(name)
     keys, values, rope, nbytes = cache_state(codec, 1, SMALL, torch.device("cpu"))
@@ -304,7 +305,7 @@ def old_step(module, name: str, shapes) -> dict:
 
 
 def qjl_scores(module, shapes) -> dict:
-    """Predicted ms per shape of the QJL score kernel (``module``: 9c57ff6's, or ``None`` for today's)."""
+    """Predicted ms per shape of the QJL score kernel (``module``: the earlier commit's, or ``None`` for the current one)."""
     torch.manual_seed(0)  # the same random keys every run
     codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, H, D))
     payload = codec.encode(Request(QJL_LAYER, "key", tokens=torch.randn(1, H, SMALL, D)))
@@ -353,7 +354,7 @@ def spearman_agrees(predicted: dict, measured: dict) -> bool:
     return sorted(predicted, key=predicted.get) == sorted(measured, key=measured.get)
 
 
-APART = 0.05  # run-to-run spread of one kernel's time on the H100 (BENCHMARKS.md, 0692536: KIVI-2 at 16 x 32K
+APART = 0.05  # run-to-run spread of one kernel's time on the H100 (KIVI-2 at 16 x 32K:
 # 2.933 and 2.819 ms, KVarN 4.367, 4.022 and 4.053 in three runs of one revision)
 
 
@@ -397,13 +398,13 @@ def concordance(predicted: dict, measured: dict) -> float:
     return agree / len(pairs)
 
 
-# The first row of the sweep measured at eccd507, before b1ee781 changed the defaults: the register path with
+# The default row of the first H200 sweep, before the defaults changed: the register path with
 # 16 warps and 16-token tiles (8 for codebook payloads and QJL's sketched keys)
 FORMER_DEFAULT = "default (register path, 16 warps, 16-token tiles)"
 
 
-# The default row of the H100 sweeps at 0692536, before default_tile: 4 warps and 32-token tiles for every format
-# (tl.dot but over QJL's sketched keys, as today)
+# The default row of the H100 sweeps, before default_tile: 4 warps and 32-token tiles for every format (QJL's
+# sketched keys then took the register path; the model predicts their current tl.dot path)
 FORMER_TILE_DEFAULT = "default (32-token tiles)"
 
 
@@ -519,8 +520,8 @@ def main(argv=None) -> str:
     device_parts = {}  # shape -> name -> predicted device part, where the device time was measured
 
     def step_rows(name: str, result: dict) -> None:
-        for shape, (seconds, bound) in result["shapes"].items():  # (the measured launches were capped: since 7aec208
-            as_measured = result["sass"][shape] == MEASURED_TODAY_SASS[name]  # a batch of one runs uncapped)
+        for shape, (seconds, bound) in result["shapes"].items():  # (the measured launches were capped; a batch of one
+            as_measured = result["sass"][shape] == MEASURED_TODAY_SASS[name]  # now runs uncapped)
             if as_measured and (name, shape) in MEASURED_TODAY_DEVICE:
                 device_parts.setdefault(shape, {})[name] = (seconds - HOST_FACTOR * result["host"]) * 1e3
             lines.append(row(name, shape, seconds, bound, MEASURED_TODAY[name], as_measured, result["host"]))

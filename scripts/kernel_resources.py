@@ -11,9 +11,10 @@ x compile-time constants) is one row. These are static facts of the compiled cod
     python scripts/kernel_resources.py --write
     python scripts/kernel_resources.py --block-tokens 16 32 64 --warps 4 8   # other tile shapes
     # the GPU machine's Triton 3.6 (one section per Triton version):
-    pip download --no-deps --only-binary=:all: triton==3.6.0 -d /tmp/w
-    python -m zipfile -e /tmp/w/triton-3.6.0-*.whl /tmp/t36 && chmod +x /tmp/t36/triton/backends/nvidia/bin/*
-    PYTHONPATH=/tmp/t36 python scripts/kernel_resources.py --write
+    # (T36: a folder outside the checkout)
+    pip download --no-deps --only-binary=:all: triton==3.6.0 -d "$T36"
+    python -m zipfile -e "$T36"/triton-3.6.0-*.whl "$T36" && chmod +x "$T36"/triton/backends/nvidia/bin/*
+    PYTHONPATH="$T36" python scripts/kernel_resources.py --write
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The leaderboard (issue 36): every codec of one or more sweeps at matched bits, per model and benchmark, as a static
+"""The leaderboard: every codec of one or more sweeps at matched bits, per model and benchmark, as a static
 HTML page (sortable tables, a rate-distortion plot per panel with its Pareto front), Markdown and CSV.
 
     python scripts/leaderboard.py multirun/leaderboard/embedded [MORE_SWEEPS...] --out leaderboard

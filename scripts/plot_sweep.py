@@ -6,7 +6,7 @@ per (model, benchmark), one line per codec family, the fp16 reference as a horiz
 
     python scripts/plot_sweep.py experiments/qjl/results/embedded_perplexity.csv \\
         experiments/csr/results/embedded_perplexity.csv --y ppl_streaming --out rd_ppl
-    python scripts/plot_sweep.py multirun/2026-11-23/10-00-00 --x cr
+    python scripts/plot_sweep.py multirun/DATE/TIME --x cr
 
 Writes OUT.png and OUT.svg (default: rate_distortion in the first source's directory).
 """

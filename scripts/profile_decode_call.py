@@ -1,7 +1,7 @@
-"""Where the host time of one layer's fused decode call goes (GPU diagnosis, issue 38).
+"""Where the host time of one layer's fused decode call goes (GPU diagnosis).
 
-``scripts/bench_decode_attention.py`` reports each call's host ms (the wall clock until the call returns). On the
-H200 of 2026-11-27 that was 0.24-0.31 ms at batch 1 x 4K and 0.5 ms at 16 x 32K for KIVI-2, where this CPU takes
+``scripts/bench_decode_attention.py`` reports each call's host ms (the wall clock until the call returns). On an
+H200 machine that was 0.24-0.31 ms at batch 1 x 4K and 0.5 ms at 16 x 32K for KIVI-2, where this CPU takes
 0.12 ms at either batch with the launches bound but not sent (``scripts/kernel_model.py``'s host term). For each
 codec and shape this script makes the call as that benchmark times it (one step's plan and workspace, a fresh query
 each call), warms it up, then over ``--calls`` calls prints: the host ms per call (median), the Python functions with

@@ -1,4 +1,4 @@
-"""The eviction experiment (issue 37) as Markdown and one rate-distortion plot per model: presses alone, codecs alone
+"""The eviction experiment as Markdown and one rate-distortion plot per model: presses alone, codecs alone
 and their compositions on one axis, the bits per value of every token the window brought (evicted ones included).
 
     python scripts/render_eviction.py multirun/eviction [--out FILE] [--plot-dir DIR]

@@ -1,7 +1,7 @@
 """A screenshot of a static page in headless Chromium (Debian's ``chromium`` package), to look at what a script
 rendered, e.g. the leaderboard.
 
-    python scripts/screenshot_page.py leaderboard/index.html --out /tmp/leaderboard.png [--width 1300 --height 4000]
+    python scripts/screenshot_page.py leaderboard/index.html --out leaderboard.png [--width 1300 --height 4000]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Launch configurations of the fused decode-attention kernel on a GPU: warps per program, tokens per tile,
-register path or ``tl.dot`` (issue 38; writes its section of BENCHMARKS.md).
+register path or ``tl.dot`` (writes its section of BENCHMARKS.md).
 
 For each codec of ``scripts/bench_decode_attention.py`` and each batch x context, one decode step of the
 split + merge kernels is timed for every configuration (CUDA-event medians, fresh query per call, caches
@@ -31,11 +31,10 @@ from kvcomp.kernels.decode_attention import decode_attention_reference, relative
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
 from kvcomp.kernels.decode_plan import DecodeStep  # noqa: E402
 
-SECTION = "## Launch configurations of the fused decode kernel (issue 38)"
-# label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps; the register path
-# for QJL's sketched keys from b1ee781 to 831d87e; 32-token tiles, 128 for the formats default_tile names since a676511; operands
-# of the query's type, bf16 here, since the bf16 default's commit; 128 registers per thread for packed ints in 32-token
-# tiles since the register cap's commit)
+SECTION = "## Launch configurations of the fused decode kernel"
+# label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, or 2 where the grid
+# crowds the multiprocessors; 32-token tiles, 128 for the formats default_tile names; operands of the query's type, bf16
+# here; the payloads' register cap where the grid crowds the multiprocessors)
 CONFIGS = {
     "default": {},
     "register, 16 warps, 16 tokens": dict(dot=False, num_warps=16, block_tokens=16),
@@ -49,7 +48,7 @@ CONFIGS = {
     "tl.dot, 4 warps, 64 tokens": dict(dot=True, num_warps=4, block_tokens=64),
     "tl.dot, 4 warps, 128 tokens": dict(dot=True, num_warps=4, block_tokens=128),
     "tl.dot, 8 warps, 128 tokens": dict(dot=True, num_warps=8, block_tokens=128),
-    "tl.dot, 4 warps, float32 operands": dict(dot=True, num_warps=4, operands="float32"),  # TF32: the default to 2f80a9b
+    "tl.dot, 4 warps, float32 operands": dict(dot=True, num_warps=4, operands="float32"),  # TF32 operands for a bf16 query
     # registers per thread on the tl.dot path: the compiler's choice (KIVI's default before its payloads' cap), 128 (four
     # programs per multiprocessor; the codebook kernels then spill 8-260 bytes per thread) and 168 (three; TemporalKV-2
     # spills 24 bytes under Triton 3.6, ChannelKV-2 and KVQuant-2 compile to 168 or fewer without the cap)
@@ -57,7 +56,7 @@ CONFIGS = {
     "tl.dot, 4 warps, 128 registers": dict(dot=True, num_warps=4, registers=128),
     "tl.dot, 4 warps, 168 registers": dict(dot=True, num_warps=4, registers=168),
     # 2 warps on the tl.dot path: packed ints' and natively read payloads' default where the grid gives a multiprocessor
-    # eight programs or more since 2026-12-01, capped at 128 registers (decode_attention_triton._launch_shape; predicted)
+    # eight programs or more, capped at 128 registers (decode_attention_triton._launch_shape; predicted)
     "tl.dot, 2 warps, 128 registers": dict(dot=True, num_warps=2, registers=128),
     "tl.dot, 2 warps, no register cap": dict(dot=True, num_warps=2, registers=0),
     # fp16 operands for a bf16 model: packed-int keys decoded two codes at a time for 2-bit codes too (uniform_triton.

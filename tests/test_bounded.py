@@ -1,4 +1,4 @@
-"""Bounded requests (issue 40): calibration windows against the corpus, K/V collections against the cache
+"""Bounded requests: calibration windows against the corpus, K/V collections against the cache
 disk, cache reservations against memory, each refused with the numbers before anything big is allocated;
 incomplete collections of killed runs are removed by the next run, never those a live run is writing."""
 

@@ -1,4 +1,4 @@
-"""Two processes calibrating the same codec at once end with one valid artifact, fitted once (issue 19)."""
+"""Two processes calibrating the same codec at once end with one valid artifact, fitted once."""
 
 import multiprocessing
 import time

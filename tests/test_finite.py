@@ -1,4 +1,4 @@
-"""Finite in, finite out (issue 40): every codec of the matrix, fed K/V with large finite values in the cache
+"""Finite in, finite out: every codec of the matrix, fed K/V with large finite values in the cache
 dtype, gives finite reads or refuses them with a :class:`KVCompError` that names the layer and the codec; a codec
 that turns finite input into NaN/Inf is reported at the layer where it happens (the last one included)."""
 

@@ -1,4 +1,4 @@
-"""First contact (issue 39): damaged model files, fingerprints over the files transformers loads,
+"""First contact: damaged model files, fingerprints over the files transformers loads,
 impossible codec settings refused before calibration, rows that encoded (almost) nothing, RULER tasks that
 cannot fit a length, a local folder's own name, and progress and timings of every phase."""
 

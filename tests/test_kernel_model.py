@@ -115,8 +115,8 @@ DENSE_SCORES = """
 
 
 def test_a_block_holding_a_skipped_functions_load_is_left_out(tmp_path):
-    """Today's full-precision branch loads its keys (``_dense``) and scores them with the payload's ``tl.dot``
-    (``_scores``) in one block, most of whose instructions are the dot's: its load marks it."""
+    """The split kernel's full-precision branch loads its keys (``_dense``) and scores them with the payload's
+    ``tl.dot`` (``_scores``) in one block, most of whose instructions are the dot's: its load marks it."""
     source = tmp_path / "k.py"
     source.write_text("\n" * 8 + "def payload():\n    pass\n" + "\n" * 8 + "def dense():\n    pass\n")
     instructions, _ = sm.tile_instructions(DENSE_SCORES.format(source), skip=("dense",))

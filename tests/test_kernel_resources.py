@@ -43,10 +43,10 @@ def test_splits_fill_whole_waves_where_the_interval_is_long_enough():
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's ptxas is not available")
 def test_every_decode_launch_compiles_for_sm90_within_its_register_cap():
     """The default launches at batch 16 (tl.dot, 32-token tiles) compile for sm_90a at 128 registers per thread:
-    per-group codebooks at 4 warps (the fastest measured on an H200, BENCHMARKS.md), four programs per multiprocessor,
-    spilling a few hundred bytes per thread at most (1.13-1.33x faster all the same on the H200, "GPU reading of
-    2026-11-28": 136-260 bytes for TemporalKV-2 under Triton 3.6 and 3.9); packed ints at 2 warps, eight programs,
-    spilling 48-72 bytes (predicted faster, the eighteenth static-model entry; not measured), stored before the tile
+    per-group codebooks at 4 warps (the fastest measured on an H200, ``scripts/sweep_decode_kernel.py``), four programs
+    per multiprocessor, spilling a few hundred bytes per thread at most (1.13-1.33x faster all the same on the H200:
+    136-260 bytes for TemporalKV-2 under Triton 3.6 and 3.9); packed ints at 2 warps, eight programs, spilling 48-72
+    bytes (predicted faster by the static model, ``scripts/kernel_model.py``; not measured), stored before the tile
     loop and reloaded in it by a few loads."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite interprets kernels
@@ -70,7 +70,8 @@ def test_every_decode_launch_compiles_for_sm90_within_its_register_cap():
 
 
 def test_sdpa_without_cudnn_leaves_flash_memory_efficient_and_math():
-    """Decode steps on a GPU avoid cuDNN's SDPA, which builds a plan per sequence length (BENCHMARKS.md)."""
+    """Decode steps on a GPU avoid cuDNN's SDPA, which builds a plan per sequence length
+    (``scripts/profile_decode_step.py``)."""
     import torch
 
     from kvcomp.kernels import sdpa_without_cudnn

@@ -110,8 +110,8 @@ def test_pads_are_never_held(tiny_llama):
 
 @torch.no_grad()
 def test_one_heavily_padded_row_leaves_the_others_compressed_as_alone(tiny_llama):
-    """The issue's probe: a 300-token row beside a row of 1 token and 299 pads was held entirely uncompressed
-    (the batch's padding was kept with every row's sinks); it is now encoded as when it runs alone."""
+    """A 300-token row beside a row of 1 token and 299 pads is encoded as when it runs alone: the batch's padding
+    is not kept with every row's sinks, which would hold the long row entirely uncompressed."""
     codec = make_codec(tiny_llama, "kivi")
     long = torch.randint(1, 96, (300,), generator=torch.Generator().manual_seed(5))
     ids = torch.stack([long, torch.cat([torch.zeros(299, dtype=torch.long), long[:1]])])

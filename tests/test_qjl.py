@@ -160,7 +160,8 @@ def test_value_bits_reproduce_the_spec_table(value_bits, per_coordinate):
 
 
 def test_authors_defaults_cost_3_87_bits_not_3():
-    """The README defaults (15 initial layers m=512/m_o=128, then 256/256, 2-bit values) on a 32-layer model."""
+    """The QJL authors' README defaults (15 initial layers m=512/m_o=128, then 256/256, 2-bit values) on a 32-layer
+    model."""
     codec = build_codec({"name": "qjl"}, ModelInfo("llama", 32, 8, 128))
     assert codec.bits_per_value() == pytest.approx((15 * (674 / 128 + 3) / 2 + 17 * (546 / 128 + 3) / 2) / 32)
     assert codec.bits_per_value() == pytest.approx(3.867, abs=1e-3)

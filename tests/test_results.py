@@ -66,7 +66,8 @@ def test_summary_lists_every_member_and_a_shared_reference_once(tmp_path):
 
 
 def test_members_that_differ_only_in_an_override_keep_their_rows(tmp_path):
-    """calibration=enwiki,lee and hardware.dtype=float32,bfloat16 used to collapse to one row each."""
+    """Members of calibration=enwiki,lee and of hardware.dtype=float32,bfloat16 keep a row each, not one row per
+    sweep."""
     for calibration in ("enwiki", "lee"):
         _member(tmp_path / "cal", [f"calibration={calibration}"], [{**ROWS[0], "reference_key": "r"}, ROWS[1]])
     rows, columns = load_rows(tmp_path / "cal")

@@ -6,9 +6,18 @@
 - ``model``: every layer's block at once, once the last layer has appended it, after its attention read it,
   so the forward that completes a block sees it in full precision (:class:`ModelUnit`; kvtc).
 
-The cache makes one :class:`Scope` (:func:`make_scope`) and asks it for each layer's :class:`Schedule`,
-which owns that layer's key and value streams. Outside ``codecs/``, this is the only module that branches on
-a codec's scope or on its per-sequence state (``stateful``).
+The cache makes one :class:`Scope` per row group (:func:`make_scope`) and asks it for each layer's
+:class:`Schedule`, which owns that layer's key and value streams. When blocks are encoded and decoded, and where
+per-sequence state lives, is decided here. A few callers outside ``codecs/`` also ask about the scope or the state:
+
+- :mod:`kvcomp.cache.compressed_cache`: :func:`~kvcomp.cache.compressed_cache.check_press` refuses a press beside
+  a codec that is not stream-scope, pressing while decoding needs a codec without per-sequence state
+  (``keeps_state``), and the byte counts read :attr:`Scope.shared_store` (a model-scope codec's payloads);
+- :mod:`kvcomp.cache.offload` stores and restores :attr:`Scope.shared_store` (after
+  :meth:`Scope.check_storable`);
+- the benchmarks ask :meth:`~kvcomp.codecs.base.Codec.encodes_after_forward` (model scope): perplexity's protocols
+  (:func:`~kvcomp.benchmarks.perplexity.protocols_for`, called by :mod:`kvcomp.runner`) and how lm-eval requests are
+  fed (:mod:`kvcomp.benchmarks.lm_eval_bridge`).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def sdpa_without_cudnn():
     """A context in which SDPA picks among its flash, memory-efficient and math kernels only. On an H200
     with torch 2.11, SDPA dispatches bf16 decode steps to cuDNN, which builds a plan for every new sequence
     length: 37 ms per decode step of a 4-layer Llama-3.1-8B-shaped model at batch 8 x 16K, against 3.4 ms
-    with flash (``scripts/profile_decode_step.py``; BENCHMARKS.md, "GPU reading of 2026-11-26")."""
+    with flash (``scripts/profile_decode_step.py``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -44,11 +44,11 @@ ints and natively read payloads in narrow tiles take 2 warps where the grid give
 more (:func:`_launch_shape`: predicted, not measured).
 Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
-warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys were faster on the register
-path (one query row at a time, each a ``[BLOCK_T, C]`` product reduced in registers:
-:func:`~kvcomp.kernels.formats.tiles_triton.row_scores`) until their ``tl.dot`` path took the signs as exact bfloat16
-operands against two-part ``y`` (:func:`~kvcomp.kernels.formats.sketch_triton.dot_scores`; predicted 4.8 against
-10.9 ms at 16 x 32K by ``scripts/kernel_model.py``, not yet measured). Channels are processed as two halves ``[0, D/2)`` and
+warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys take the ``tl.dot`` path too, the
+signs as exact bfloat16 operands against two-part ``y`` (:func:`~kvcomp.kernels.formats.sketch_triton.dot_scores`),
+predicted 4.8 ms at 16 x 32K against 10.9 for the register path (one query row at a time, each a ``[BLOCK_T, C]``
+product reduced in registers: :func:`~kvcomp.kernels.formats.tiles_triton.row_scores`) by ``scripts/kernel_model.py``;
+not measured. Channels are processed as two halves ``[0, D/2)`` and
 ``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin`` (both from one
 argument reduction: :func:`~kvcomp.kernels.formats.tiles_triton.cos_sin`).
 
@@ -100,16 +100,15 @@ ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 and an H100 (BENCHMARKS.md, "Launch configurations of the fused decode
 # kernel", scripts/sweep_decode_kernel.py): 4 warps per split program (2 for some payloads on a crowded grid, predicted:
-# :func:`_launch_shape`); ``tl.dot`` for scores and P V (QJL's sketched
-# keys too since 2026-11-28: predicted, see the module docstring); 32-token tiles, or 128 where every payload is read
-# without a per-group table (:func:`default_tile`). The former defaults (16 warps, 16-token tiles, register path)
-# were 3-10x slower: their per-tile reductions crossed 16 warps.
+# :func:`_launch_shape`); ``tl.dot`` for scores and P V (QJL's sketched keys too: predicted, see the module
+# docstring); 32-token tiles, or 128 where every payload is read without a per-group table (:func:`default_tile`).
+# 16 warps with 16-token tiles on the register path are 3-10x slower: their per-tile reductions cross 16 warps.
 WARPS = 4
 TILE = 32
 WIDE_TILE = 128
 # ``tl.dot``'s operands (``operands``; accumulation is float32 either way), by default the query's type, as
-# FlashAttention's: bf16 or fp16 MMAs for a bf16 or fp16 model, TF32 for float32. Measured on an H200 (BENCHMARKS.md,
-# "GPU reading of 2026-11-27, second lease"): bf16 operands against TF32 at 16 x 32K, KIVI-2 1.62x and KIVI-4 1.56x
+# FlashAttention's: bf16 or fp16 MMAs for a bf16 or fp16 model, TF32 for float32. Measured on an H200
+# (``scripts/sweep_decode_kernel.py``): bf16 operands against TF32 at 16 x 32K, KIVI-2 1.62x and KIVI-4 1.56x
 # faster, the codebook formats 1.05-1.11x, with the same error against the float64 reference; the static model
 # predicted KIVI-2's 1.68x from the halved shared-memory staging of the operands.
 OPERANDS = {"float32": tl.float32, "bfloat16": tl.bfloat16, "float16": tl.float16}
@@ -578,10 +577,10 @@ def _kv_heads(segment: Segment) -> int:
 
 def default_tile(segments: list[Segment], narrow: bool = False) -> int:
     """Tokens per tile by default: :data:`WIDE_TILE` where each payload is packed ints, a block float or codes of
-    one shared codebook, which the H100 sweep of 2026-11-26 measured 1.3-1.7x faster at 16 x 32K (KVarN, vLLM's
-    int4 and NVFP4, EDEN-2, TurboQuant k3v4; KIVI-2 unchanged at 1 and 16 x 32K and 1 x 4K); else :data:`TILE`,
-    which per-group codebooks (TemporalKV, ChannelKV, KVQuant: 0.3-0.6x with 128) and QJL's sketches need, and
-    which float8 and int8 payloads keep until they are measured. A launch that rotates keys or their offset in
+    one shared codebook, which an H100 sweep (``scripts/sweep_decode_kernel.py``) measured 1.3-1.7x faster at
+    16 x 32K (KVarN, vLLM's int4 and NVFP4, EDEN-2, TurboQuant k3v4; KIVI-2 unchanged at 1 and 16 x 32K and 1 x 4K);
+    else :data:`TILE`, which per-group codebooks (TemporalKV, ChannelKV, KVQuant: 0.3-0.6x with 128) and QJL's sketches need, and
+    which float8 and int8 payloads keep (not measured with 128). A launch that rotates keys or their offset in
     registers (the angles of every token of a tile), or scores a residual sketch (a ``[tokens, d]`` tile of signs), keeps
     :data:`TILE` too (``narrow``): EDEN-2 with ``center`` spills 744 B per thread at 128 tokens under Triton 3.6, 16 B
     at 32 (``scripts/kernel_resources.py``)."""
@@ -617,7 +616,7 @@ def _register_cap(payloads: list[PayloadReader], tile: int, num_warps: int, per_
     payload, or its grid gives a multiprocessor (``per_multiprocessor`` programs, the busiest's) no more programs than
     it holds at any register count (two of 4 warps at 255): there the cap could only spill. On the H200 the cap cost
     TemporalKV-2 0.209 against 0.177 ms of device time at 1 x 32K (two programs per multiprocessor) and saved 2.488 ->
-    1.870 at 16 x 32K (BENCHMARKS.md, "GPU reading of 2026-11-28")."""
+    1.870 at 16 x 32K (``scripts/sweep_decode_kernel.py``)."""
     caps = [payload.register_cap(tile <= TILE, num_warps) for payload in payloads]
     return min(caps) if caps and all(caps) and _crowded(per_multiprocessor, num_warps) else 0
 

@@ -7,9 +7,9 @@ for all of them. A program computes what the fused decode kernel computes for on
 :meth:`~kvcomp.kernels.formats.SketchReader.kernel_args`): the group's outlier correction
 ``u = S[:, O_g] q_{O_g}`` enters by associativity, ``<u, sign> = <S[:, O_g], sign> . q_{O_g}``, so that every
 product over the sketch's rows has the signs on one side; the signs are exact bfloat16 operands against the two
-bfloat16 parts of ``y = S q`` and of the group's columns of ``S`` (rows of ``S^T``) on tensor cores. (Until
-2026-11-28 it built ``u`` per tile from strided columns of ``S`` and multiplied in float32 FMAs:
-``scripts/kernel_model.py`` predicts the old kernel 16.5 ms at 16 x 32K.)
+bfloat16 parts of ``y = S q`` and of the group's columns of ``S`` (rows of ``S^T``) on tensor cores. (Building ``u``
+per tile from strided columns of ``S`` and multiplying in float32 FMAs is slower: ``scripts/kernel_model.py`` predicts
+that form 16.5 ms at 16 x 32K.)
 """
 
 from __future__ import annotations

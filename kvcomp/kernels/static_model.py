@@ -2,7 +2,7 @@
 
 A launch compiled for sm_90a (:mod:`kvcomp.kernels.resources`) is disassembled with Triton's bundled
 ``nvdisasm`` (with source lines). The tile loop is the body of the kernel's outermost backward branch;
-where a tile can take several paths (today's split kernel picks a full-precision piece or the encoded
+where a tile can take several paths (the split kernel picks a full-precision piece or the encoded
 payload per tile), the blocks whose instructions come mostly from ``skip`` source functions or that hold their
 global loads, and every block reachable only through them, are left out: a payload tile runs the rest (the loop's
 first and last blocks always run; the scheduler hoists a few instructions of the skipped functions into shared
@@ -23,8 +23,9 @@ are bounds of their own, and the launch takes the largest of the three:
   128-byte phase the most distinct 4-byte words any bank holds (bank conflicts); MMA and dot-operand layouts
   are read through Triton's own conversion to linear layouts (:func:`_mma_bases`). Elsewhere (``convert_layout``
   scratch, spills) the minimum: ``ceil(32 w / 128)`` for ``w``
-  bytes per lane, 1 per 8x8 matrix of LDSM, 1 per shuffle (SHFL, counted in the LSU pipe by ncu). The
-  ncu profiles of 9c57ff6 found the split and QJL kernels L1/TEX-bound at 95-99.5 %;
+  bytes per lane, 1 per 8x8 matrix of LDSM, 1 per shuffle (SHFL, counted in the LSU pipe by ncu). ncu
+  profiles of the earlier split and QJL kernels that ``scripts/kernel_model.py --commit`` reads found them
+  L1/TEX-bound at 95-99.5 %;
 - **special functions**: MUFU (exp2, sin, cos, reciprocal) at 16 lanes per cycle per SM, 2 cycles per warp
   instruction;
 - **latency**: a program's warps run their tiles side by side, each tile no faster than one warp issuing its
@@ -39,7 +40,7 @@ are bounds of their own, and the launch takes the largest of the three:
   reads over its run); every ``BAR.SYNC``
   (Triton's cross-warp reductions and layout conversions meet there) holds the warp ``BARRIER_CYCLES``. Programs
   resident together overlap, so this term counts the busiest multiprocessor's rounds of resident programs (a
-  partial last round costs a full one). The ncu profile of 9c57ff6's TemporalKV-2 found it latency-bound at
+  partial last round costs a full one). ncu found the TemporalKV-2 kernel of that commit latency-bound at
   2 warps per scheduler (L1 50 % busy, 255 registers). A conditional branch over an inner loop (libdevice's
   sin/cos reducing huge arguments) is not taken (:func:`_cold_loops`);
 - **DRAM**: the launch's unique payload bytes / the measured copy bandwidth (whole GPU).
@@ -47,19 +48,18 @@ are bounds of their own, and the launch takes the largest of the three:
 Combining the terms. Where the issue, L1 and latency terms overlapped fully, a launch would take their largest;
 where they did not overlap at all, their sum. With ``w`` warps per scheduler the smaller terms hide behind the other
 warps' work only in part; the model adds them over ``sqrt(w)``, a choice made on two sets of measured kernels and
-checked on a third (with bank conflicts counted on dot operands; the fifth entry of BENCHMARKS.md's static-model
-section):
+checked on a third (with bank conflicts counted on dot operands; ``docs/design/static-model.md``):
 
-- 9c57ff6's five kernels (H100, 2 warps per scheduler): the largest term gave 0.30-0.97x of their measured times at
-  batch 16, the sum 0.86-1.14x, this rule 0.78-1.09x;
-- today's (5df39bb, H200): KIVI-2 and KIVI-4 run 4 warps per scheduler and are L1-bound (ncu: L1 91 % busy, the
+- the five kernels of the earlier commit (H100, 2 warps per scheduler): the largest term gave 0.30-0.97x of their
+  measured times at batch 16, the sum 0.86-1.14x, this rule 0.78-1.09x;
+- a later version on an H200: KIVI-2 and KIVI-4 run 4 warps per scheduler and are L1-bound (ncu: L1 91 % busy, the
   model's wavefronts within 3 % of ncu's); the sum put them at 1.31-1.44x, this rule at 1.07-1.16x; the codebook
   kernels (2 warps, latency-bound by ncu) 0.90-1.01x with it, 1.08-1.21x with the sum;
-- held out, 3c3b349's five (H100 times at 0692536): the sum 0.88-1.61x at batch 16, this rule 0.77-1.34x; every
+- held out, five kernels of a third version (H100): the sum 0.88-1.61x at batch 16, this rule 0.77-1.34x; every
   pair measured 5 % or more apart is ordered as measured under either.
 
-The square root is fitted, not derived. It over-predicts a kernel that saturates the L1 (9c57ff6's QJL scores, L1
-99.5 % busy: 1.0-1.4x).
+The square root is fitted, not derived. It over-predicts a kernel that saturates the L1 (the earlier commit's QJL
+scores, L1 99.5 % busy: 1.0-1.4x).
 
 Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
 launches'. A step as ``scripts/bench_decode_attention.py`` times it (its CUDA events recorded on an idle device,
@@ -74,10 +74,11 @@ benchmark.)
 Constants and their sources:
 
 - ``SMS = 132``, ``SCHEDULERS = 4``: H100 SXM (ncu "# SMs", the sm_90 partitioning).
-- ``CLOCK_HZ = 1.755e9``: the H100 SXM boosts to 1.98 GHz; ncu ran the 9c57ff6 kernels at 1.45-1.59 GHz
+- ``CLOCK_HZ = 1.755e9``: the H100 SXM boosts to 1.98 GHz; ncu ran the earlier commit's kernels at 1.45-1.59 GHz
   (its locked clock); their bench times over the ncu durations (KIVI-2 10.0 / 12.2 ms, TemporalKV-2
   7.27 / 8.37 ms) put the benchmark's clock near 1.75 GHz.
-- ``COPY_BYTES_PER_S = 2970e9``: measured copy bandwidth (``gpu-evidence/README.md``).
+- ``COPY_BYTES_PER_S = 2970e9``: the H100's measured copy bandwidth (as ``scripts/bench_decode_attention.py``
+  measures it).
 - ``L1_WAVEFRONTS_PER_CYCLE = 1``: 128 B per cycle per SM (shared memory: 32 banks x 4 B).
 - ``BANKS = 32``, ``BANK_BYTES = 4``, ``LINE_BYTES = 128``: shared-memory banks and L1 cache lines of
   sm_90 (CUDA C++ Programming Guide, "Shared Memory" of compute capability 9.0; Nsight Compute's
@@ -93,8 +94,8 @@ Constants and their sources:
   conversions (the variable-latency pipe) and for ``mma.sync`` on Ampere and Hopper; not measured here.
 - ``L1_BYTES = 256 KiB``: the L1 / shared-memory array of an H100 SM (less the programs' shared memory).
 - ``LAUNCH_S = 3e-6``: a kernel launch's fixed cost, on the device and in the driver.
-- ``HOST_FACTOR = 1.9``: the GPU machine's host time of a call over this CPU's. On the H200 machine of 2026-11-27
-  (revision 5df39bb) the median host ms of one call at 1 x 4K (``scripts/bench_decode_attention.py``'s host column,
+- ``HOST_FACTOR = 1.9``: the GPU machine's host time of a call over this CPU's. On an H200 machine the median host
+  ms of one call at 1 x 4K (``scripts/bench_decode_attention.py``'s host column,
   which includes the driver's launches, about 10 us each by ``torch.profiler``) was 0.239-0.278 for the five seed
   formats, 1.6-2.1x (mean 1.9) this CPU's fastest of ``HOST_REPEATS`` (0.125-0.151 ms). That CPU varies more than
   this one: the same KIVI-2 call took 0.26, 0.36 and 0.41 ms in three runs (``scripts/profile_decode_call.py``).

@@ -14,7 +14,7 @@ the update is the weighted mean ``c_j = sum_{i in j} w_i u_i / sum_{i in j} w_i`
 - Deterministic for a given ``seed`` on a given device; distances are computed in float32, tiled so
   that the ``[codebooks, points, k]`` distance tensor never exceeds ``tile_elements``.
 
-Why not fast-pytorch-kmeans (no longer a dependency): it has no sample weights (the Fisher weights of
+Why not fast-pytorch-kmeans: it has no sample weights (the Fisher weights of
 Eq. 3), turns empty clusters into zero vectors instead of re-seeding them, and seeds codebooks one at a
 time. Even where no weights are needed (CSR's NeuralDict initialisation: unit rows, 256 atoms, 20
 iterations; 3 x 24000 x 64 random rows on 2 cores) this batched implementation took 0.95 s against its

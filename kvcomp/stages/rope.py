@@ -28,7 +28,7 @@ def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     LongRoPE: ``cos = s cos(theta)``, so that rotating costs a factor ``s``): the rotation by the opposite angle, divided
     by ``cos^2 + sin^2 = s^2``. Where that is 1 up to the rounding of cos/sin (``|s^2 - 1| < 0.01``: bf16 cos/sin
     miss it by up to 0.006; YaRN's smallest scaling, factor 1.1, gives 1.019) it divides by exactly 1: every RoPE
-    without attention scaling is undone by the plain opposite rotation, bit for bit as before this division."""
+    without attention scaling is undone by the plain opposite rotation, bit for bit as without the division."""
     cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
     norm = cos * cos + sin * sin
     norm = torch.where((norm - 1).abs() < 0.01, torch.ones_like(norm), norm)

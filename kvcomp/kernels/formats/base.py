@@ -9,12 +9,19 @@ tells the split kernel how to read it in registers:
   found by the reader's class (:data:`~kvcomp.kernels.formats.kernels_triton.KERNEL_FORMATS`; Triton is optional);
 - :meth:`PayloadReader.kernel_args`: its runtime arguments (one named tuple: only the tensors and strides the format
   reads) and compile-time constants (another);
-- :meth:`~PayloadReader.tile_limit`, :attr:`~PayloadReader.wide_tile`, :meth:`~PayloadReader.packed_scores`,
-  :meth:`~PayloadReader.packed_values` and :attr:`~PayloadReader.sign_scores`: its tile sizes, whether it is read in
-  its stored layout, and whether its keys are scored from sign bits (values then stay off the field-major path above 4
-  query rows).
+- :meth:`~PayloadReader.tile_limit`, :attr:`~PayloadReader.wide_tile` and :attr:`~PayloadReader.chunk_tokens`: its
+  tile sizes and where its tiles may start;
+- :meth:`~PayloadReader.register_cap` and :meth:`~PayloadReader.crowded_warps`: its registers per thread and warps
+  per program where a launch's grid crowds the multiprocessors;
+- :meth:`~PayloadReader.packed_scores`, :meth:`~PayloadReader.packed_values` and :attr:`~PayloadReader.sign_scores`:
+  whether it is read in its stored layout, and whether its keys are scored from sign bits (values then stay off the
+  field-major path above 4 query rows).
 
-The launcher (:mod:`kvcomp.kernels.decode_attention_triton`) asks, and never tests a format's type.
+The launcher (:mod:`kvcomp.kernels.decode_attention_triton`) asks a payload reader these, and finds its device
+functions by the reader's class. It tests a segment's type only to tell full-precision tensors from payloads, to give
+the wrapping readers (:mod:`~kvcomp.kernels.formats.wrappers`: rotated, offset, residual sketch) launches of their
+own and unwrap them, to refuse sign-bit keys (:class:`~kvcomp.kernels.formats.sketch.SignReader`), and to score a
+key residual with the device functions of :class:`~kvcomp.kernels.formats.sketch.SketchReader`.
 """
 
 from __future__ import annotations

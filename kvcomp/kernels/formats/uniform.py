@@ -97,7 +97,7 @@ class UniformReader(PayloadReader):
     def crowded_warps(self, narrow: bool) -> int:
         """2 in ``narrow`` tiles of codes that fill bytes (1, 2, 4, 8 bits) at a head_dim of at most 128: KIVI-2's
         launch at 16 x 32K, eight programs of 2 warps per multiprocessor, is predicted 0.608 ms of device time against
-        0.794 for four programs of 4 (static model, BENCHMARKS.md's eighteenth entry; not measured): a warp of two
+        0.794 for four programs of 4 (static model, ``scripts/kernel_model.py``; not measured): a warp of two
         decodes twice the values per tile, and the tile's reductions, layout conversions and operand arrangement, which
         every warp repeats, are shared by two warps instead of four (1,156 instructions per tile and warp against 707,
         2,312 per tile against 2,828). Codes straddling bytes and wider heads keep 4: at 2 warps and 128 registers they
