@@ -1,8 +1,11 @@
 """The Python API: compressed caches for a model loaded in your own script, and runs as the command line makes them.
 
->>> from kvcomp.api import compressed_cache
->>> cache = compressed_cache(model, "kivi", bits=2)          # installs kvcomp's attention on ``model``
->>> out = model.generate(**inputs, cache=cache, max_new_tokens=32)
+```python
+from kvcomp.api import compressed_cache
+
+cache = compressed_cache(model, "kivi", bits=2)  # installs kvcomp's attention on model
+out = model.generate(**inputs, cache=cache, max_new_tokens=32)
+```
 
 - :func:`load_codec` builds a codec for a loaded ``transformers`` model from its name and options, calibrating it
   when it needs a fit (on a kvcomp corpus, cached as the command line caches it; on your own texts; or on

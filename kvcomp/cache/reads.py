@@ -17,7 +17,8 @@ Decode steps read the payloads directly when ``install(model, kernel_backend="tr
 (:meth:`~kvcomp.cache.compressed_cache.CompressedLayer.fused_decode`): the layer returns its key and
 value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill``) and
 
-- codecs with a payload reader (uniform/KIVI, TemporalKV, ChannelKV, KVQuant, QJL) run the fused
+- codecs with a payload reader (:class:`~kvcomp.codecs.base.FusedPayload`: uniform/KIVI, the codebook codecs, QJL,
+  and the 2026 baselines' fp8, int_token_head, nvfp4, TurboQuant, EDEN, KVarN, OSCAR) run the fused
   decode-attention kernel (:mod:`kvcomp.kernels.decode_attention`; :class:`FusedDecode`): K and V decoded in registers (QJL's
   keys scored from their sign bits), never in memory;
 - codecs with a fused score path (``payload_scores``) whose format the kernel cannot read (QJL with groups
