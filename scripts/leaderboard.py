@@ -234,7 +234,34 @@ def csv_text(rows: list[dict]) -> str:
 
 
 def plot_svg(mine: list[dict], title: str) -> str:
-    """The panel's rate-distortion plot as inline SVG: every row, the reference dashed, the Pareto front joined."""
+    """The panel's rate-distortion plot (:func:`plot`) as inline SVG."""
+    fig = plot(mine, title)
+    import matplotlib.pyplot as plt
+
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", metadata={"Date": None})  # no timestamp: the page is the same for the same rows
+    plt.close(fig)
+    svg = buffer.getvalue()
+    return svg[svg.index("<svg"):]
+
+
+def headline_png(rows: list[dict], model: str, path: Path) -> Path:
+    """``model``'s first perplexity panel (:func:`plot`) as a PNG: the picture the README shows."""
+    found = [(panel, mine) for (m, panel), mine in panels(rows).items() if m == model and panel.startswith("perplexity")]
+    if not found:
+        models = sorted({m for m, _ in panels(rows)})
+        raise SystemExit(f"--headline {model}: no perplexity panel of that model; models: {', '.join(models)}")
+    panel, mine = found[0]
+    fig = plot(mine, f"{model}: {panel}")
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, format="png", dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def plot(mine: list[dict], title: str):
+    """The panel's rate-distortion figure: every row, the reference dashed, the Pareto front joined."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,11 +298,7 @@ def plot_svg(mine: list[dict], title: str) -> str:
     ax.legend(fontsize=7)
     fig.tight_layout()
     spread_labels(ax, [(r["measured_bits"], y, r["option"]) for r, y in zip(placed, shown)])
-    buffer = io.StringIO()
-    fig.savefig(buffer, format="svg", metadata={"Date": None})  # no timestamp: the page is the same for the same rows
-    plt.close(fig)
-    svg = buffer.getvalue()
-    return svg[svg.index("<svg"):]
+    return fig
 
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px;margin:.5em 0 2em}
@@ -347,6 +370,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--copy-results", action="store_true",
                         help="copy every finished member's results.json under OUT/runs/<sweep>/ and link the copies, so "
                              "that OUT holds every number it shows (a committed leaderboard)")
+    parser.add_argument("--headline", metavar="MODEL",
+                        help="also write OUT/headline.png, MODEL's first perplexity panel (the README's picture)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     directories = copy_results(args.directories, args.out / "runs") if args.copy_results else args.directories
@@ -356,6 +381,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     hours = member_hours(directories)
     for path, text in zip(written, (page(rows, args.out, reading), markdown(rows, hours), csv_text(rows))):
         write_text_atomic(path, text)
+    if args.headline:
+        written.append(headline_png(rows, args.headline, args.out / "headline.png"))
     print(json.dumps({"rows": len(rows), "panels": len(panels(rows)), "member_hours": round(hours, 2),
                       "written": [str(p) for p in written]}))
     return written

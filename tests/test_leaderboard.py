@@ -73,6 +73,18 @@ def test_panels_classes_front_and_files(tmp_path):
         module.main([str(sweep), str(twin), "--out", str(out), "--copy-results"])
 
 
+def test_the_headline_is_a_models_perplexity_panel_as_png(tmp_path):
+    module = _module()
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    _member(sweep, "kivi", 3.0, 4.8, 25.0, 40.0, 30.0)
+    _member(sweep, "temporalkv", 2.0, 2.2, 24.0, 45.0, 28.0)
+    module.main([str(sweep), "--out", str(tmp_path / "page"), "--headline", "m"])
+    assert (tmp_path / "page" / "headline.png").read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(SystemExit, match="no perplexity panel of that model; models: m"):
+        module.main([str(sweep), "--out", str(tmp_path / "other"), "--headline", "nosuch"])
+
+
 def test_panels_that_models_share_are_tabled_across_them(tmp_path):
     """One table per benchmark panel that both models have: each option's measured bits, change from its own model's
     reference and place in its bit class on each model, blank where a model lacks the option."""
