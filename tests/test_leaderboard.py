@@ -44,7 +44,10 @@ def test_panels_classes_front_and_files(tmp_path):
     _member(sweep, "temporalkv", 2.0, 2.2, 24.0, 45.0, 28.0)
     _member(sweep, "higgs", 4.1, 7.6, 30.0, 20.0, 64.0)  # more bits, worse: off the front
     out = tmp_path / "page"
-    module.main([str(sweep), "--out", str(out)])
+    module.main([str(sweep), "--out", str(out), "--headline", "m"])
+    assert (out / "headline.png").read_bytes().startswith(b"\x89PNG")  # the model's perplexity panel
+    with pytest.raises(SystemExit, match="no perplexity panel of that model; models: m"):
+        module.main([str(sweep), "--out", str(tmp_path / "other"), "--headline", "nosuch"])
     text = (out / "leaderboard.md").read_text()
     assert text.count("### m: ") == 2 and "### m: perplexity:x / perplexity (chunked)" in text
     assert text.startswith("Computed in 1.00 hours of member time")  # 6 members of 10 minutes
@@ -71,18 +74,6 @@ def test_panels_classes_front_and_files(tmp_path):
     twin.mkdir(parents=True)
     with pytest.raises(SystemExit, match="two sweeps end in"):
         module.main([str(sweep), str(twin), "--out", str(out), "--copy-results"])
-
-
-def test_the_headline_is_a_models_perplexity_panel_as_png(tmp_path):
-    module = _module()
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
-    _member(sweep, "kivi", 3.0, 4.8, 25.0, 40.0, 30.0)
-    _member(sweep, "temporalkv", 2.0, 2.2, 24.0, 45.0, 28.0)
-    module.main([str(sweep), "--out", str(tmp_path / "page"), "--headline", "m"])
-    assert (tmp_path / "page" / "headline.png").read_bytes().startswith(b"\x89PNG")
-    with pytest.raises(SystemExit, match="no perplexity panel of that model; models: m"):
-        module.main([str(sweep), "--out", str(tmp_path / "other"), "--headline", "nosuch"])
 
 
 def test_panels_that_models_share_are_tabled_across_them(tmp_path):
