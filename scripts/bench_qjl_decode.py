@@ -38,7 +38,7 @@ from kvcomp.kernels.qjl_scores import qjl_scores_reference
 SECTION = "## QJL decode-step scores"
 SETTINGS = {  # name -> codec config (head_dim 128)
     "qjl authors' general layer (m=256, m_o=256, 8 outliers)": {"name": "qjl", "initial_layers": 0},
-    "qjl_3bit general layer (m=224, m_o=64, 8 outliers)": {
+    "qjl with a smaller sketch, not a preset (m=224, m_o=64, 8 outliers)": {
         "name": "qjl", "initial_layers": 0, "sketch_dim": 224, "outlier_sketch_dim": 64,
     },
 }
