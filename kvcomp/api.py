@@ -26,12 +26,12 @@ from pathlib import Path
 from kvcomp.benchmarks import build_benchmark
 from kvcomp.cache import CompressedCache, Installation, install
 from kvcomp.cache.attention import installation
-from kvcomp.calibration import CalibrationConfig, CalibrationData, calibrate
+from kvcomp.calibration import CalibrationConfig, CalibrationData, fit_state
 from kvcomp.codecs import CODECS, Activations, Codec, ModelInfo, build_codec, needs_calibration
 from kvcomp.config import BENCHMARKS, ModelConfig, register_configs, typed
-from kvcomp.errors import ConfigError
-from kvcomp.presses import Press, build_press
-from kvcomp.runner import calibration_data
+from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.presses import PRESSES, Press, build_press
+from kvcomp.runner import calibrate_codec
 from kvcomp.runner import run as run_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"  # the command line's Hydra groups (a source checkout)
@@ -62,13 +62,13 @@ def load_codec(model, codec: str = "kivi", *, tokenizer=None, calibration: str |
         fingerprint = model_fingerprint(model, tokenizer)["fingerprint"]  # keys the cached K/V and fitted state
         built = build_codec(settings, replace(info, fingerprint=fingerprint))
     if activations is not None:
-        _fit(built, activations, "the given activations")
+        built.install_state(fit_state(built, activations, "the given activations"))
     elif calibration is not None and not isinstance(calibration, (str, CalibrationConfig)):
-        _fit(built, _text_activations(model, tokenizer, built, list(calibration)), "the given texts")
+        texts = _text_activations(model, tokenizer, built, list(calibration))
+        built.install_state(fit_state(built, texts, "the given texts"))
     else:
         config = CalibrationConfig(name=calibration) if isinstance(calibration, str) else calibration or CalibrationConfig()
-        calibrate(built, config, lambda: calibration_data(model, tokenizer, config, force).activations(built),
-                  path=config.artifact, force=force)
+        calibrate_codec(model, tokenizer, built, config, force)
     return built
 
 
@@ -95,17 +95,9 @@ def _text_activations(model, tokenizer, codec: Codec, texts: list[str]) -> Activ
     return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=config).activations(codec)
 
 
-def _fit(codec: Codec, activations: Activations, source: str) -> None:
-    state = codec.fit(activations)
-    state.check_finite(f"{codec.name} calibration (fitted on {source})")
-    codec.install_state(state)
-
-
 def load_press(model, press: str, **options) -> Press:
     """The press ``press`` (a ``press=`` name, e.g. ``"snapkv"``) with ``options`` (its config dataclass's fields,
     e.g. ``ratio=0.5``, the fraction of prompt tokens evicted), for ``model``'s shapes."""
-    from kvcomp.presses import PRESSES
-
     built = build_press(_settings("press", press, PRESSES, options), ModelInfo.from_hf_config(model.config))
     if built is None:
         raise ConfigError("press='none' evicts nothing: pass press=None to compressed_cache instead")
@@ -139,9 +131,14 @@ def compressed_cache(model, codec: str | Codec = "kivi", *, press: str | Press |
         press = load_press(model, press)
     cache = CompressedCache(codec, protocol=protocol, check_finite=check_finite, compress_generated=compress_generated,
                             capacity=capacity, press=press)
+    _installed(model)
+    return cache
+
+
+def _installed(model) -> None:
+    """kvcomp's attention on ``model``, installed (torch backend) unless it has an installation already."""
     if installation(model) is None:
         install(model)
-    return cache
 
 
 def attention(model, kernel_backend: str = "torch", cuda_graphs: bool = False) -> Installation:
@@ -185,8 +182,6 @@ def evaluate(model, tokenizer, codec: str | Codec = "kivi", benchmark="perplexit
         benchmark = {"name": benchmark}
     name = benchmark["name"] if isinstance(benchmark, dict) else getattr(benchmark, "name", None)
     if name not in BENCHMARKS:
-        from kvcomp.errors import unknown_choice
-
         raise unknown_choice("benchmark", name, BENCHMARKS)
     config = typed("benchmark", benchmark, BENCHMARKS[name].config_class) if isinstance(benchmark, dict) else benchmark
     if not isinstance(codec, Codec):
@@ -198,8 +193,7 @@ def evaluate(model, tokenizer, codec: str | Codec = "kivi", benchmark="perplexit
                             max_context=context or ModelConfig.max_context)
     runnable = build_benchmark(config)
     runnable.check(model_cfg)
-    if installation(model) is None:
-        install(model)
+    _installed(model)
     runnable.prepare(model, tokenizer, model_cfg)
     return runnable.evaluate(model, codec, press)
 

@@ -213,11 +213,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     calibration_report = {}
     if needs_calibration(codec):
         with phase(f"calibrating {codec.name} on {plan.calibration.name}", timings, "calibration_seconds"):
-            calibration_report = calibrate(
-                codec, plan.calibration,
-                lambda: calibration_data(model, tokenizer, plan.calibration, force).activations(codec),
-                path=plan.calibration.artifact, force=force,
-            )
+            calibration_report = calibrate_codec(model, tokenizer, codec, plan.calibration, force)
     calibration_report.update(codec.summary())
     if hardware.kernel_backend == "triton":
         _report_kernels(codec)
@@ -279,6 +275,13 @@ def calibration_texts(calibration: CalibrationConfig, tokenizer) -> list[str]:
 
 def _tokens_tag(calibration: CalibrationConfig) -> str:
     return f"{calibration.name}-calibration"
+
+
+def calibrate_codec(model, tokenizer, codec: Codec, calibration: CalibrationConfig, force: bool = False) -> dict:
+    """Fit ``codec`` on ``calibration``'s windows through ``model``, or load its cached (or given) artifact
+    (:func:`~kvcomp.calibration.calibrate`); returns the calibration report."""
+    return calibrate(codec, calibration, lambda: calibration_data(model, tokenizer, calibration, force).activations(codec),
+                     path=calibration.artifact, force=force)
 
 
 def calibration_data(model, tokenizer, calibration, force: bool = False) -> CalibrationData:

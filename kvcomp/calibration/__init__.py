@@ -165,6 +165,13 @@ def artifact_path(codec: Codec, calibration: CalibrationConfig) -> Path:
     return cache_dir() / "calibration" / f"{codec.name}-{key}.safetensors"
 
 
+def fit_state(codec: Codec, activations, source: str) -> CodecState:
+    """``codec.fit(activations)``, refused when the state holds NaN or Inf (naming ``source``, what it was fitted on)."""
+    state = codec.fit(activations)
+    state.check_finite(f"{codec.name} calibration (fitted on {source})")
+    return state
+
+
 def calibrate(codec: Codec, calibration: CalibrationConfig, load_activations, path: Path | None = None,
               force: bool = False) -> dict:
     """Install a fitted state into ``codec``: load the cached artifact or fit and save one.
@@ -188,8 +195,7 @@ def calibrate(codec: Codec, calibration: CalibrationConfig, load_activations, pa
         if reused:
             codec.install_state(CodecState.load(path, expected))
         else:
-            state = codec.fit(load_activations())
-            state.check_finite(f"{codec.name} calibration (fitted on {calibration.name})")
+            state = fit_state(codec, load_activations(), calibration.name)
             state.fitted_for = expected
             state.save(path)
             codec.install_state(state)
