@@ -164,30 +164,95 @@ def _crafted(stored, change):
     return StoredCache(tensors, meta, "crafted.safetensors")
 
 
+def _saved(crafted, path):
+    crafted.save(path)  # a consistent checksum: only the structure can tell
+    return path
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda m, t: m.update(layers=[]), "holds 0 layers"),
-    (lambda m, t: m["layers"][0].update(dtype="__class__"), "dtype '__class__'; valid"),
-    (lambda m, t: m["layers"][1]["streams"]["value"].update(length=10**12), "but length"),
+    (lambda m, t: m["layers"][0].update(dtype="__class__"), r"layers\[0\].dtype '__class__'; valid"),
+    (lambda m, t: m["layers"][1]["streams"]["value"].update(length=10**12), "but length 1000000000000"),
     (lambda m, t: m["layers"][0]["streams"]["key"].update(num_encoded=-1), "must be counts"),
-    (lambda m, t: m["layers"][0]["streams"]["key"]["blocks"].clear(), "blocks hold 0 tokens"),
-    (lambda m, t: m["layers"][1]["streams"]["key"]["store"].update(num_tokens=10**12), "its store holds 1000000000000"),
+    (lambda m, t: m["layers"][0]["streams"]["key"].update(batch=10**6), "not .batch, heads, tokens, head_dim. with batch"),
+    (lambda m, t: m["layers"][0]["streams"]["key"]["blocks"].clear(), "its blocks hold 0 tokens, num_encoded is"),
+    (lambda m, t: m["layers"][1]["streams"]["key"]["store"].update(num_tokens=10**12), "claims 1000000000000 tokens"),
     (lambda m, t: m["layers"][0]["streams"].pop("value"), "a key and a value stream"),
     (lambda m, t: t.update({"layer0.position_ids": t["layer0.position_ids"].flip(-1)}), "do not increase"),
+    # block row offsets, sizes and counts that the stored tensors do not hold
+    (lambda m, t: m["layers"][0]["streams"]["key"]["blocks"][-1][1].update(codes=10**6), "places codes at rows 1000000"),
+    (lambda m, t: m["layers"][0]["streams"]["key"]["blocks"][0][2].update(codes=1000), "the blocks hold 1000 rows of codes, the stored tensor"),
+    (lambda m, t: m["layers"][0]["streams"]["value"]["blocks"][0].__setitem__(4, 10**6), "its blocks hold 10000"),
+    (lambda m, t: t.update(extra=torch.zeros(3)), "tensors the metadata does not describe: extra"),
+    (lambda m, t: t.pop("layer1.value.tail"), "0 tail tokens .as stored., but length 40"),
+    (lambda m, t: t.update({"layer0.key.tail": t["layer0.key.tail"].half()}), "layer0.key.tail is torch.float16"),
 ])
-def test_restore_checks_the_metadata_before_allocating(tiny_llama, tmp_path, change, message):
-    codec, stored, path = _stored(tiny_llama, tmp_path)
-    crafted = _crafted(stored, change)
-    crafted.save(path)  # a consistent checksum: only the structure can tell
-    loaded = StoredCache.load(path)
+def test_a_crafted_stored_cache_is_refused_at_load(tiny_llama, tmp_path, change, message):
+    """Metadata that does not describe the stored tensors, with the digest recomputed: refused by load, which needs
+    no codec, naming the file and the field."""
+    _, stored, path = _stored(tiny_llama, tmp_path)
+    with pytest.raises(ConfigError, match=message) as error:
+        StoredCache.load(_saved(_crafted(stored, change), path))
+    assert str(path) in str(error.value)
+
+
+def _inflate_counts(meta, tensors, by: int) -> None:
+    """Every count a stored cache gives raised by ``by`` tokens, consistently: each stream's length, encoded tokens,
+    last block and store, a model-scope codec's shared blocks, and no position ids (whose shape would tell)."""
+    shared = meta.get("model_unit")
+    for i, layer in enumerate(meta["layers"]):
+        tensors.pop(f"layer{i}.position_ids", None)
+        for s in layer["streams"].values():
+            s["length"] += by
+            s["num_encoded"] += by
+            s["blocks"][-1][4] += by
+            if shared is None:
+                s["store"]["num_tokens"] += by
+    if shared is not None:
+        shared["num_tokens"] += by
+        shared["payloads"][-1]["num_tokens"] += by
+
+
+@pytest.mark.parametrize("name, message", [
+    ("kivi", r"layers\[0\].streams.key.blocks\[\d+\] claims 1000000\d+ tokens in rows"),
+    ("fp8", r"layers\[0\].streams.key.blocks\[\d+\] claims 1000000\d+ tokens in rows"),
+    ("turboquant", r"layers\[0\].streams.key.blocks\[\d+\] claims 1000000\d+ tokens in rows"),
+    ("kvtc", r"encoded block \d+ .tokens \d+..\+1000000\d+.: the key.0 stream of row 0: a DEFLATE stream holds \d+ bytes"),
+])
+def test_inflated_token_counts_are_refused_before_anything_is_allocated(tiny_llama, tmp_path, monkeypatch, name,
+                                                                         message):
+    """A short cache whose every count claims a billion more tokens, re-signed: the codec's own blocks tell, before
+    a cache is built (a block it encodes here, or the sizes kvtc's DEFLATE streams inflate to, chunk by chunk)."""
+    install(tiny_llama)
+    codec = make_codec(tiny_llama, name)
+    cache = CompressedCache(codec, "exact_prefill")
+    with torch.no_grad():
+        tiny_llama(torch.randint(0, 96, (1, 48), generator=torch.Generator().manual_seed(3)), past_key_values=cache,
+                   use_cache=True)
+    path = tmp_path / f"{name}.safetensors"
+    loaded = StoredCache.load(_saved(_crafted(store(cache), lambda m, t: _inflate_counts(m, t, 10**9)), path))
+    assert loaded.meta["layers"][0]["streams"]["key"]["length"] == 48 + 10**9  # consistent: load alone cannot tell
+
+    def no_cache(*args, **kwargs):
+        raise AssertionError("a cache was built before the stored cache was checked")
+
+    monkeypatch.setattr("kvcomp.cache.offload.CompressedCache", no_cache)
     with pytest.raises(ConfigError, match=message) as error:
         restore(loaded, codec)
     assert str(path) in str(error.value)
 
 
-def test_a_decompression_bomb_in_a_kvtc_row_is_refused_when_read(tiny_llama, tmp_path):
-    import zlib
+def test_payload_tensors_of_another_shape_are_refused(tiny_llama, tmp_path):
+    codec, stored, path = _stored(tiny_llama, tmp_path)
+    codes = "layer0.key.store.codes"
+    crafted = _crafted(stored, lambda m, t: t.update({codes: t[codes].reshape(*t[codes].shape[:3], 2, -1)}))
+    with pytest.raises(ConfigError, match=f"{codes} is torch.uint8 .* writes torch.uint8"):
+        restore(StoredCache.load(_saved(crafted, path)), codec)
 
-    from kvcomp.errors import DamagedPayloadError
+
+def test_a_decompression_bomb_in_a_kvtc_row_is_refused_at_restore(tiny_llama, tmp_path, monkeypatch):
+    """Inflated in chunks, keeping nothing: refused as soon as it holds more than its plan implies."""
+    import zlib
 
     install(tiny_llama)
     codec = make_codec(tiny_llama, "kvtc")
@@ -199,11 +264,9 @@ def test_a_decompression_bomb_in_a_kvtc_row_is_refused_when_read(tiny_llama, tmp
     rows = [k for k in stored.tensors if ".ragged." in k]
     assert rows
     bomb = torch.frombuffer(bytearray(zlib.compress(bytes(64 * 2**20), 9)), dtype=torch.uint8)  # 64 MiB of zeros
-    crafted = _crafted(stored, lambda m, t: t.update({rows[0]: bomb}))
-    crafted.save(tmp_path / "bomb.safetensors")
-    restored = restore(StoredCache.load(tmp_path / "bomb.safetensors"), codec)
-    with torch.no_grad(), pytest.raises(DamagedPayloadError, match="more than"):
-        tiny_llama(ids[:, 40:], past_key_values=restored, use_cache=True)
+    loaded = StoredCache.load(_saved(_crafted(stored, lambda m, t: t.update({rows[0]: bomb})), tmp_path / "bomb.st"))
+    with pytest.raises(ConfigError, match="holds more than"):
+        restore(loaded, codec)
 
 
 @pytest.mark.parametrize("args", [["--prompt", "0"], ["--turn", "1"], ["--cr", "0"], ["--repeats", "0"]])

@@ -14,9 +14,9 @@ layer-scope codecs hand reconstructions between layers and stateful codecs keep 
 neither of which is stored yet.
 
 A stored file is a checked artifact: its header carries a sha256 over the metadata and every tensor, verified
-by :meth:`StoredCache.load`, and :func:`restore` checks the metadata against the codec, its calibration, the model
-and the tensors (layer and stream counts, dtypes from :data:`DTYPES`, token counts against tensor sizes, blocks that
-tile the encoded tokens, position ids that increase) before it allocates anything.
+by :meth:`StoredCache.load`. As anyone can recompute that digest, every count the metadata gives is also checked
+against the stored tensors (:mod:`kvcomp.cache.stored_checks`): by :meth:`StoredCache.load` without a codec, and by
+:func:`restore` against the codec, its calibration and the model, before it allocates anything.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import torch
 
 from kvcomp.cache.compressed_cache import CompressedCache
 from kvcomp.cache.scopes import make_scope
+from kvcomp.cache.stored_checks import check_layout, check_structure
 from kvcomp.cache.stream import Block, PayloadStore
 from kvcomp.codecs.base import Codec, Payload, calibration_identity
 from kvcomp.artifacts import ArtifactError
 from kvcomp.errors import ConfigError
 
 FORMAT = "kvcomp-stored-cache/1"
-DTYPES = ("float32", "float16", "bfloat16")  # model dtypes a stored cache may hold
 
 
 def digest(tensors: dict[str, torch.Tensor], meta: dict) -> str:
@@ -91,7 +91,9 @@ class StoredCache:
         if header.get("sha256") != digest(tensors, meta):
             raise ArtifactError(f"{path}: the stored cache fails its sha256 check (altered or damaged): store the cache "
                                 "again")
-        return cls(tensors, meta, str(path))
+        stored = cls(tensors, meta, str(path))
+        check_layout(stored)
+        return stored
 
 
 def _identity(codec: Codec) -> dict:
@@ -184,70 +186,6 @@ def store(cache: CompressedCache, flush: bool = False) -> StoredCache:
     if cache.scope.shared_store is not None:
         meta["model_unit"] = _put_store(cache.scope.shared_store, "model_unit", tensors)
     return StoredCache(tensors, meta)
-
-
-def _tokens(tensors: dict, name: str, batch: int, what) -> int:
-    """Tokens (dim 2) of an optional stored ``[B, H, T, D]`` tensor, checked against the batch."""
-    t = tensors.get(name)
-    if t is None:
-        return 0
-    if t.dim() != 4 or t.shape[0] != batch:
-        what(f"{name} has shape {tuple(t.shape)}, not [batch {batch}, heads, tokens, head_dim]")
-    return t.shape[2]
-
-
-def check_structure(stored: StoredCache, codec: Codec) -> None:
-    """Refuse metadata that does not describe the stored tensors for ``codec``'s model, before anything is
-    allocated: one :class:`ConfigError` naming the file and the first problem."""
-    meta, tensors = stored.meta, stored.tensors
-
-    def what(problem: str):
-        raise ConfigError(f"{stored.source}: {problem}; store the cache again")
-
-    layers = meta.get("layers")
-    if not isinstance(layers, list) or len(layers) != codec.model.num_layers:
-        what(f"it holds {len(layers) if isinstance(layers, list) else 'no'} layers, the model's cache has "
-             f"{codec.model.num_layers}")
-    encoded = set()
-    for i, layer in enumerate(layers):
-        if layer.get("dtype") not in DTYPES:
-            what(f"layer {i} dtype {layer.get('dtype')!r}; valid: {', '.join(DTYPES)}")
-        streams = layer.get("streams")
-        if not isinstance(streams, dict) or sorted(streams) != ["key", "value"]:
-            what(f"layer {i} must hold a key and a value stream")
-        for kind, s in streams.items():
-            where = f"layer {i} {kind}s"
-            numbers = [s.get(k) for k in ("length", "num_encoded", "batch")]
-            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
-                what(f"{where}: length, num_encoded and batch must be counts, got {numbers}")
-            length, num_encoded, batch = numbers
-            prefix = f"layer{i}.{kind}"
-            sinks, tail = (_tokens(tensors, f"{prefix}.{part}", batch, what) for part in ("sinks", "tail"))
-            if sinks + num_encoded + tail != length:
-                what(f"{where}: {sinks} sink + {num_encoded} encoded + {tail} tail tokens, but length {length}")
-            first = sinks
-            for block in s.get("blocks", []):
-                if len(block) != 5 or block[3] != first or not isinstance(block[4], int) or block[4] < 1:
-                    what(f"{where}: the encoded blocks do not follow each other from token {sinks}")
-                first += block[4]
-            if first != sinks + num_encoded:
-                what(f"{where}: blocks hold {first - sinks} tokens, but {num_encoded} are encoded")
-            held = (s.get("store") or {}).get("num_tokens")  # what a restore reserves storage for
-            shared = meta.get("model_unit") is not None
-            if held != (0 if shared else num_encoded):
-                what(f"{where}: its store holds {held} tokens, but {0 if shared else num_encoded} are encoded there")
-            encoded.add(num_encoded)
-            positions = tensors.get(f"layer{i}.position_ids")
-            if positions is not None:
-                if tuple(positions.shape) != (batch, length):
-                    what(f"layer {i} position ids have shape {tuple(positions.shape)}, not {(batch, length)}")
-                if positions.shape[1] > 1 and not bool((positions[:, 1:] > positions[:, :-1]).all()):
-                    what(f"layer {i} position ids do not increase")
-        if streams["key"]["length"] != streams["value"]["length"]:
-            what(f"layer {i} keys and values hold different token counts")
-    unit = meta.get("model_unit")
-    if unit is not None and len(encoded) == 1 and unit.get("num_tokens") != encoded.pop():
-        what(f"the shared blocks hold {unit.get('num_tokens')} tokens, the layers encoded a different count")
 
 
 def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu", protocol: str | None = None,

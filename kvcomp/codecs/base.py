@@ -491,6 +491,13 @@ class Codec(ABC):
         ``payload = (key payload, value payload)``; a model-scope block's ``(keys, values)`` of
         ``request.layer``."""
 
+    def check_payload(self, payload: Payload, batch: int, encoded_before: int) -> None:
+        """Raise ``ValueError`` naming the problem if a ``payload_layout="blocks"`` ``payload`` is not what
+        :meth:`encode` writes for ``payload.num_tokens`` tokens of ``batch`` rows after ``encoded_before`` tokens:
+        a stored cache's blocks are checked with it before anything is allocated (:mod:`kvcomp.cache.stored_checks`
+        checks ``"tokens"`` blocks itself, against a block it encodes)."""
+        raise NotImplementedError(f"codec {self.name} cannot check a stored block: its caches cannot be restored")
+
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:
         """Exact stored bits per encoded value of ``kind`` in layer ``layer_idx``: codes plus per-group
         parameters (fixed-rate codecs; variable-rate ones report measured bytes only)."""

@@ -56,7 +56,7 @@ from kvcomp.artifacts import write_json_atomic
 from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
                                 Request, SequenceState, Stateful, StreamPolicy)
 from kvcomp.codecs.registry import register
-from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
+from kvcomp.errors import ConfigError, DamagedPayloadError, NonFiniteKVError, unknown_choice
 from kvcomp.paths import cache_dir
 from kvcomp.progress import progress_bar
 from kvcomp.stages.bit_allocation import (
@@ -64,8 +64,8 @@ from kvcomp.stages.bit_allocation import (
     truncation_plan,
 )
 from kvcomp.stages.ranges import saturated, stored_in
-from kvcomp.stages.transform_coding import (WINDOW, PCABasis, decode_rows, deflate, encode_rows, feature_rows, fit_pca,
-                                             inflate)
+from kvcomp.stages.transform_coding import (WINDOW, PCABasis, check_inflates_to, decode_rows, deflate, encode_rows,
+                                             feature_rows, fit_pca, inflate)
 
 TYPE_NAMES = tuple(TYPE_BITS)
 QUANTIZATIONS = ("dp", "truncate")
@@ -341,6 +341,35 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         state.ragged[f"{name}.inflated"] = [_slide(w, r) for w, r in zip(windows, raws)]
         state.tensors[f"{name}.inflated_to"] = expected + payload.num_tokens
         return raws
+
+    def check_payload(self, payload: Payload, batch: int, encoded_before: int) -> None:
+        """A stored block holds :meth:`encode`'s tensors for its tokens: FP8 sinks ``[B, L, H, s, d]`` with their
+        scales, and one DEFLATE stream per batch row, cache and layer group that inflates to exactly the packed
+        length its plan gives for the block's other tokens (inflated in chunks, keeping nothing)."""
+        if self.config.deflate_scope != "block":
+            raise ValueError("a stored kvtc block needs deflate_scope=block")
+        sinks = self.fp8_sinks(payload.num_tokens, encoded_before)
+        layers, heads, dim = self.model.num_layers, self.model.num_kv_heads, self.model.head_dim
+        shapes = {f"sink.{kind}{part}": ((batch, layers, heads, sinks) + ((dim,) if not part else ()), dtypes)
+                  for kind in KINDS for part, dtypes in (("", (torch.uint8,)), (".scale", (torch.float16, torch.float32)))}
+        expected = shapes if sinks else {}
+        if sorted(payload.tensors) != sorted(expected):
+            raise ValueError(f"tensors {sorted(payload.tensors)}, where {sinks} FP8 sinks need {sorted(expected)}")
+        for name, (shape, dtypes) in expected.items():
+            t = payload.tensors[name]
+            if tuple(t.shape) != shape or t.dtype not in dtypes:
+                raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, not {dtypes[0]} {shape}")
+        streams = {f"{kind}.{g}": (kind, g) for kind in KINDS for g in range(len(self.layer_groups))}
+        if sorted(payload.ragged) != sorted(streams):
+            raise ValueError(f"DEFLATE streams {sorted(payload.ragged)}, not {sorted(streams)}")
+        for name, (kind, g) in streams.items():
+            for row, (data, (_, plan)) in enumerate(zip(payload.ragged[name], self._bases(kind, g, batch, None))):
+                if data.dtype != torch.uint8:
+                    raise ValueError(f"the {name} stream of row {row} is {data.dtype}, not bytes")
+                try:
+                    check_inflates_to(data.numpy().tobytes(), packed_stream_nbytes(plan, payload.num_tokens - sinks))
+                except DamagedPayloadError as error:
+                    raise ValueError(f"the {name} stream of row {row}: {error}") from error
 
     def decode(self, payload: Payload, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``request.layer`` of a block: its FP8 sinks, then its columns of the PCA reconstruction (K18). A

@@ -135,8 +135,28 @@ def inflate(data: bytes, size: int, history: bytes | None = None) -> torch.Tenso
     except zlib.error as exc:
         raise DamagedPayloadError(f"a DEFLATE stream is corrupt ({exc}): the stored payload is damaged") from exc
     ended = inflater.eof if history is None else not inflater.unused_data
-    if len(raw) != size or inflater.unconsumed_tail or not ended:
-        held = f"more than {size}" if len(raw) > size or inflater.unconsumed_tail else str(len(raw))
-        raise DamagedPayloadError(f"a DEFLATE stream holds {held} bytes where its plan implies {size}: the stored "
-                                  "payload is damaged or crafted")
+    _check_held(len(raw) + (1 if inflater.unconsumed_tail else 0), size, ended)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+
+
+def _check_held(held: int, size: int, ended: bool) -> None:
+    if held != size or not ended:
+        said = f"more than {size}" if held > size else str(held)
+        raise DamagedPayloadError(f"a DEFLATE stream holds {said} bytes where its plan implies {size}: the stored "
+                                  "payload is damaged or crafted")
+
+
+def check_inflates_to(data: bytes, size: int, chunk: int = 1 << 16) -> None:
+    """Refuse (:class:`DamagedPayloadError`, as :func:`inflate` does) a whole zlib stream that does not hold exactly
+    ``size`` bytes, inflating it ``chunk`` bytes at a time and keeping none: memory stays one chunk, whatever
+    ``size`` claims and whatever the stream holds."""
+    inflater, held, rest = zlib.decompressobj(), 0, data
+    try:
+        while held <= size and not inflater.eof:
+            out = len(inflater.decompress(rest, chunk))
+            held, rest = held + out, inflater.unconsumed_tail
+            if not rest and out < chunk:  # all the input is read and inflated
+                break
+    except zlib.error as exc:
+        raise DamagedPayloadError(f"a DEFLATE stream is corrupt ({exc}): the stored payload is damaged") from exc
+    _check_held(held, size, inflater.eof)
