@@ -9,10 +9,13 @@ damaged file never yields a silent result.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
+import uuid
 from pathlib import Path
 
 from kvcomp.errors import KVCompError, first_line
@@ -75,13 +78,46 @@ def read_json(path: str | Path, what: str, remedy: str = REFIT):
         raise ArtifactError(f"{what} {path} is unreadable ({type(err).__name__}: {err}); {remedy}") from err
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to a per-process temporary file beside ``path`` and rename it into place."""
+def _out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` (an OSError, or a library's error wrapping one: safetensors, torch.save) is a full disk."""
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, nbytes: int):
+    """A temporary path beside ``path`` (per process and call, keeping the suffix) for the block to write, renamed
+    onto ``path`` when the block ends and removed when it fails, so that no partial file is ever left. A full disk
+    is an :class:`ArtifactError` naming the folder, the ``nbytes`` the file needs and the bytes free there."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        tmp.replace(path)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)
+        if _out_of_space(error):
+            free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+            raise ArtifactError(f"no space left in {path.parent} for {path.name}: it needs {_mib(nbytes)}, "
+                                f"{_mib(free)} are free; free space there or write elsewhere (KVCOMP_CACHE for "
+                                "kvcomp's cache, hydra.run.dir for a run)") from error
+        raise
+
+
+def tensors_nbytes(tensors: dict) -> int:
+    """Bytes of a dict of tensors (what a safetensors or torch file of them needs, less its header)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` through :func:`atomic_path`."""
+    data = text.encode()
+    with atomic_path(path, len(data)) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

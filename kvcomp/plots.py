@@ -15,6 +15,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from kvcomp.artifacts import atomic_path
+
 X_AXES = {"bits": "bits per value (codes + scales)", "cr": "compression ratio vs 16-bit"}
 DEFAULT_METRICS = ("ppl_streaming", "ppl_chunked", "ppl_simulated", "acc_avg", "score_avg")
 REFERENCE = "fp16"
@@ -129,9 +131,8 @@ def write_rate_distortion(rows: list[dict], stem: str | Path, x: str = "bits", y
     paths = []
     for suffix in (".png", ".svg"):
         path = stem.with_suffix(suffix)
-        tmp = path.with_name(f".{path.stem}.tmp{suffix}")
-        figure.savefig(tmp, dpi=150)
-        tmp.replace(path)
+        with atomic_path(path, 0) as tmp:
+            figure.savefig(tmp, dpi=150)
         paths.append(path)
     return paths
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
 from kvcomp.benchmarks import build_benchmark
 from kvcomp.benchmarks.base import Benchmark
+from kvcomp.benchmarks.perplexity import context_length
 from kvcomp.cache import check_press, install
 from kvcomp.calibration import CalibrationData, calibrate, check_collection, check_windows
 from kvcomp.codecs import (Codec, CodecConfig, ModelInfo, build_codec, codec_config, needs_calibration, reads_fused,
@@ -364,6 +365,16 @@ def check_benchmark_press(plan: RunPlan) -> None:
     if name == "perplexity" and list(plan.benchmark.protocols) != ["context"]:
         log.info("perplexity: a press evicts after a prefill; protocols %s -> [context]", list(plan.benchmark.protocols))
         plan.benchmark.protocols = ["context"]
+    least, why = plan.press.min_prompt()
+    if name == "perplexity":
+        shortest, what = context_length(plan.benchmark, plan.benchmark.seq_len), "the context (benchmark.context_tokens)"
+    elif name == "ruler":
+        shortest, what = min(plan.benchmark.lengths), "the shortest of benchmark.lengths (its prompt is shorter still)"
+    else:
+        return
+    if shortest < least:
+        raise ConfigError(f"press={plan.press.name} needs prompts of at least {least} tokens ({why}), but {what} "
+                          f"is {shortest}; lengthen them or change the press's settings")
 
 
 def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, hardware, force: bool) -> list[dict]:

@@ -86,6 +86,9 @@ def user_problem(error: BaseException, conf_dir: Path) -> str | None:
         return _unknown_option(error, conf_dir)
     if isinstance(error, OverrideParseException):
         return f"malformed override {error.override!r}; the grammar: {OVERRIDE_GRAMMAR}"
+    if isinstance(error, OSError) and _raised_by_hydra(error, anywhere=True):  # the run folder Hydra sets up
+        return (f"cannot write the run folder {error.filename or ''} ({error.strerror or error}); set hydra.run.dir "
+                "(a sweep: hydra.sweep.dir) to a folder kvcomp can create and write")
     if not isinstance(error, CompactHydraException) and not (isinstance(error, ValueError) and _raised_by_hydra(error)):
         return None
     cause = error.__cause__
@@ -114,12 +117,14 @@ def _unknown_option(error, conf_dir: Path) -> str:
     return str(unknown_choice(f"{group} option" if group else "config", name, options))
 
 
-def _raised_by_hydra(error: BaseException) -> bool:
-    """Whether ``error`` was raised by Hydra's own code (its checks of the command line)."""
+def _raised_by_hydra(error: BaseException, anywhere: bool = False) -> bool:
+    """Whether ``error`` was raised by Hydra's own code (its checks of the command line), or (``anywhere``) in a
+    call Hydra made before the job ran: kvcomp's jobs (:func:`run_job`) end every error of their own."""
     import hydra
 
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and Path(frames[-1].filename).is_relative_to(Path(hydra.__file__).parent)
+    inside = [Path(f.filename).is_relative_to(Path(hydra.__file__).parent) for f in frames]
+    return bool(frames) and (any(inside) if anywhere else inside[-1])
 
 
 @contextmanager
@@ -159,6 +164,7 @@ def run_job(cfg: DictConfig, output_dir: Path, overrides: list[str], in_sweep: b
             run(cfg, output_dir, overrides)
     except Exception as error:
         user_error = isinstance(error, KVCompError)
+        _to_log_files(f"kvcomp error: {error}" if user_error else "".join(traceback.format_exception(error)))
         if not in_sweep:
             if _full_error():
                 raise
@@ -174,6 +180,14 @@ def run_job(cfg: DictConfig, output_dir: Path, overrides: list[str], in_sweep: b
         else:
             traceback.print_exception(error)
         print("[kvcomp] member recorded as failed; the sweep goes on", file=sys.stderr)
+
+
+def _to_log_files(text: str) -> None:
+    """Write ``text``, how a failed job ends, into its log files (``run.log``), and not again on the console."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def sweep_members(config: DictConfig) -> list[list[str]] | None:

@@ -497,7 +497,7 @@ def test_token_ids_are_cached(tmp_cache):
     torch.save(torch.tensor([42]), files[0])  # a cache hit returns the stored ids
     assert tokenize_documents(texts, tok, cache_tag="toy/eval").tolist() == [42]
     assert tokenize_documents(texts[:2], tok, cache_tag="toy/eval").tolist() == [2, 3, 4, 1, 5, 6, 7]
-    assert not list((tmp_cache / "tokens").glob(".tmp-*"))
+    assert not list((tmp_cache / "tokens").glob(".*.tmp*"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,8 +61,8 @@ def test_snapkv_scores_equal_a_direct_computation():
     scores = press.scores(prefill)
     torch.testing.assert_close(scores[..., : n - w], expected, rtol=1e-5, atol=1e-6)
     assert (scores[..., n - w:] > scores[..., : n - w].max()).all()
-    with pytest.raises(ValueError, match="observation window"):
-        press.scores(_prefill(n=w))
+    with pytest.raises(ConfigError, match=f"a prompt of {w} tokens is shorter than the {w + 1} it needs .its observation"):
+        press.keep(_prefill(n=w))
 
 
 def test_expected_attention_scores_equal_averaged_rotation_matrices():

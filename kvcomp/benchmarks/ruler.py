@@ -305,6 +305,8 @@ class RulerGenerator:
         """Interleave needle ids into haystack pieces (``positions(n)`` -> insertion index per needle,
         ascending) and fill exactly ``budget`` tokens with the start of the next haystack piece."""
         room = budget - sum(map(len, needles))
+        if room < 0 or not haystack:
+            raise LengthError(f"a {budget}-token context cannot hold its needles ({budget - room} tokens)")
         count, used = 0, 0
         while count < len(haystack) - 1 and used + len(haystack[count]) <= room:
             used += len(haystack[count])

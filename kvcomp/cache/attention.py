@@ -125,6 +125,7 @@ class Installation:
         self.implementation_before = previous.implementation_before if previous else model.config._attn_implementation
         by_type = {kind: _layer_rotary(model, kind) for kind in set(layer_types)}
         self.rotaries = {m.layer_idx: by_type[layer_types[m.layer_idx]] for m in modules}
+        self.num_layers = len(layer_types)
 
     @property
     def model(self):
@@ -163,6 +164,11 @@ class Installation:
         cache = kwargs.get(_cache_argument(kwargs))
         if cache is None or not any(isinstance(layer, StepLayer) for layer in getattr(cache, "layers", ())):
             return None
+        if len(cache.layers) != self.num_layers:
+            codec = getattr(cache, "codec", None)
+            built = f" (its codec {codec.name} was built for {codec.model.name})" if codec is not None else ""
+            raise ConfigError(f"the cache has {len(cache.layers)} layers{built}, but this model {self.num_layers}: build "
+                              "the codec for this model (kvcomp.api.load_codec(model, ...))")
         if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
             cache.group_rows(row_pads(kwargs.get("attention_mask")))
         return args, {**kwargs, STEP_ARGUMENT: Step(self.kernel_backend, DecodeStep(self.workspace))}

@@ -145,6 +145,14 @@ class CompressedLayer(StepLayer):
         return sum(part.batch for part in self.parts)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """At the layer's first forward: refuse keys and values of another shape than the codec was built for."""
+        model = self.codec.model
+        for kind, x in (("keys", key_states), ("values", value_states)):
+            if x.dim() != 4 or (x.shape[1], x.shape[3]) != (model.num_kv_heads, model.head_dim):
+                raise ConfigError(f"codec {self.codec.name} was built for {model.name}, whose layer {self.layer_idx} "
+                                  f"has {model.num_kv_heads} KV heads of size {model.head_dim}, but this model's {kind} "
+                                  f"are {tuple(x.shape)} [batch, heads, tokens, head_dim]: build the codec for this "
+                                  "model (kvcomp.api.load_codec(model, ...))")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from kvcomp.cache.scopes import make_scope
 from kvcomp.cache.stored_checks import check_layout, check_structure
 from kvcomp.cache.stream import Block, PayloadStore
 from kvcomp.codecs.base import Codec, Payload, calibration_identity
-from kvcomp.artifacts import ArtifactError
+from kvcomp.artifacts import ArtifactError, atomic_path
 from kvcomp.errors import ConfigError
 
 FORMAT = "kvcomp-stored-cache/1"
@@ -67,13 +66,10 @@ class StoredCache:
         """Write one safetensors file (metadata in its header), atomically."""
         from safetensors.torch import save_file
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never clash
         header = {"kvcomp": json.dumps(self.meta), "sha256": digest(self.tensors, self.meta)}
-        save_file({k: t.contiguous() for k, t in self.tensors.items()}, str(partial), metadata=header)
-        partial.replace(path)
-        return path
+        with atomic_path(path, self.nbytes) as partial:
+            save_file({k: t.contiguous() for k, t in self.tensors.items()}, str(partial), metadata=header)
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> "StoredCache":

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, replace
@@ -48,7 +47,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvcomp.artifacts import REFIT, ArtifactError
+from kvcomp.artifacts import REFIT, ArtifactError, atomic_path, tensors_nbytes
 from kvcomp.errors import CalibrationMismatchError, ConfigError, NonFiniteStateError
 from kvcomp.kernels.formats import OffsetReader
 
@@ -336,13 +335,10 @@ class CodecState:
 
     def save(self, path: str | Path) -> None:
         """Write ``path`` (safetensors, metadata and checksum in its header) atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tensors = {k: v.contiguous().cpu() for k, v in self.tensors.items()}
         metadata = {"fitted_for": json.dumps(self.fitted_for, sort_keys=True), "sha256": self.checksum()}
-        save_file(tensors, str(tmp), metadata=metadata)
-        tmp.replace(path)
+        with atomic_path(path, tensors_nbytes(tensors)) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path, expected_for: dict[str, Any]) -> "CodecState":

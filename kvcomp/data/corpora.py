@@ -53,7 +53,6 @@ import json
 import os
 import random
 import re
-import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from kvcomp.artifacts import ArtifactError
+from kvcomp.artifacts import ArtifactError, atomic_path, tensors_nbytes
 from kvcomp.errors import ConfigError, KVCompError, first_line, unknown_choice
 from kvcomp.paths import cache_dir
 
@@ -724,10 +723,5 @@ def _load_token_ids(path: Path) -> torch.Tensor:
 
 def _atomic_torch_save(obj, path: Path) -> None:
     """torch.save to a temporary file in the same folder, then rename into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex}-{path.name}")
-    try:
+    with atomic_path(path, tensors_nbytes({"obj": obj})) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -84,6 +84,11 @@ class PressConfig:
             raise ConfigError(f"decoding_size={self.decoding_size} must be >= 0 (0: the prefill only) "
                               f"and decoding_interval={self.decoding_interval} >= 1")
 
+    def min_prompt(self) -> tuple[int, str]:
+        """``(tokens, why)``: the shortest prompt the press can score; a shorter one is a :class:`ConfigError`, checked
+        before the model loads where the benchmark knows its prompts (perplexity's context) and at the prefill."""
+        return 1, "one token"
+
 
 class Press(ABC):
     """Scores prompt tokens (:meth:`scores`) and keeps the best (:meth:`keep`)."""
@@ -143,7 +148,15 @@ class Press(ABC):
         k = self.kept_count(n) if count is None else count
         if k >= n:
             return None
-        return self.scores(replace(prefill, kept=k)).float().topk(k, dim=-1).indices.sort(dim=-1).values
+        return self._scores(replace(prefill, kept=k)).topk(k, dim=-1).indices.sort(dim=-1).values
+
+    def _scores(self, prefill: Prefill) -> torch.Tensor:
+        """:meth:`scores` in float32, of a prompt no shorter than :meth:`PressConfig.min_prompt`."""
+        least, why = self.config.min_prompt()
+        if prefill.length < least:
+            raise ConfigError(f"press {self.name}: a prompt of {prefill.length} tokens is shorter than the {least} it "
+                              f"needs ({why}); use longer prompts or change the press's settings")
+        return self.scores(prefill).float()
 
     def keep_per_layer(self, prefill: Prefill) -> tuple[torch.Tensor, torch.Tensor] | None:
         """AdaKV's selection (``head_budgets=adakv``): indices ``[B, H k]`` into the prompt's tokens of every head laid
@@ -154,7 +167,7 @@ class Press(ABC):
         k = self.kept_count(n)
         if k >= n:
             return None
-        scores = self.scores(replace(prefill, kept=k)).float()
+        scores = self._scores(replace(prefill, kept=k))
         b, h, _ = scores.shape
         safe = int(k * self.config.alpha_safeguard)
         if safe:

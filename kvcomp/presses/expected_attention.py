@@ -32,6 +32,9 @@ class ExpectedAttentionConfig(PressConfig):
             raise ConfigError(f"n_future_positions={self.n_future_positions} must be >= 1 "
                               f"and sinks={self.sinks} >= 0")
 
+    def min_prompt(self) -> tuple[int, str]:
+        return self.sinks + 2, f"sinks={self.sinks} and two more tokens for query statistics"
+
 
 @register
 class ExpectedAttentionPress(Press):
@@ -46,11 +49,8 @@ class ExpectedAttentionPress(Press):
     def scores(self, prefill: Prefill) -> torch.Tensor:
         cfg, n = self.config, prefill.length
         if prefill.rope is None or prefill.rotary is None:
-            raise ValueError("press expected_attention needs the layer's RoPE cos/sin and fixed RoPE frequencies "
+            raise ConfigError("press expected_attention needs the layer's RoPE cos/sin and fixed RoPE frequencies "
                              "(kvcomp's attention, a RoPE type whose frequencies do not change with the length)")
-        if n <= cfg.sinks + 1:
-            raise ValueError(f"press expected_attention: a prompt of {n} tokens leaves too few after its "
-                             f"{cfg.sinks} sinks for query statistics")
         cos, sin = prefill.rope
         q = undo_rope(prefill.query.float(), cos.float(), sin.float())[:, :, cfg.sinks:]  # before RoPE, no sinks
         mu = q.mean(dim=2)  # [B, Hq, D]

@@ -27,6 +27,9 @@ class SnapKVConfig(PressConfig):
             raise ConfigError(f"window_size={self.window_size} must be >= 1 and kernel_size="
                               f"{self.kernel_size} odd and >= 1")
 
+    def min_prompt(self) -> tuple[int, str]:
+        return self.window_size + 1, f"its observation window of window_size={self.window_size} tokens and one before it"
+
 
 @register
 class SnapKVPress(Press):
@@ -34,10 +37,7 @@ class SnapKVPress(Press):
     config_class = SnapKVConfig
 
     def scores(self, prefill: Prefill) -> torch.Tensor:
-        w, n = self.config.window_size, prefill.length
-        if n <= w:
-            raise ValueError(f"press snapkv: a prompt of {n} tokens has nothing before its observation window of "
-                             f"window_size={w} tokens; use longer prompts or a smaller press.window_size")
+        w = self.config.window_size
         votes = window_attention(prefill, w)[..., :-w].mean(dim=-2)  # [B, Hq, n - w]
         k = self.config.kernel_size
         votes = F.avg_pool1d(votes, kernel_size=k, padding=k // 2, stride=1)

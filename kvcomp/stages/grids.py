@@ -20,13 +20,13 @@ import hashlib
 import json
 import logging
 import math
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kvcomp.artifacts import atomic_path, tensors_nbytes
 from kvcomp.paths import cache_dir
 from kvcomp.progress import progress
 
@@ -121,8 +121,6 @@ def _cached_grid(meta: dict) -> torch.Tensor:
 
 def write_grid(grid: torch.Tensor, meta: dict, path: Path) -> None:
     """Write ``grid`` atomically with its checksum and per-coordinate MSE in the header."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     header = {"sha256": _checksum(grid, meta), "mse_per_coordinate": f"{grid_mse(grid):.6f}", **{k: str(v) for k, v in meta.items()}}
-    save_file({"grid": grid}, str(tmp), metadata=header)
-    tmp.replace(path)
+    with atomic_path(path, tensors_nbytes({"grid": grid})) as tmp:
+        save_file({"grid": grid}, str(tmp), metadata=header)
