@@ -12,6 +12,7 @@ errors that name the group).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
@@ -131,12 +132,27 @@ def sweep_dir(experiment: str | None, stamp: str) -> str:
     return f"multirun/{experiment or stamp}"
 
 
+MEMBER_DIR_BYTES = 200  # a member folder's name is cut (and a hash of the rest added) beyond this
+
+
+def member_dir(override_dirname: str) -> str:
+    """A sweep member's folder below the sweep's (``conf/config.yaml``): its overrides (Hydra's
+    ``override_dirname``) as one safe name: path separators written ``%2F`` / ``%5C`` (``model.name=../../x`` stays one
+    folder inside the sweep's; every name holds ``=``, so none is ``..``), and a long one cut with a hash of it."""
+    name = override_dirname.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C")
+    if len(name.encode()) > MEMBER_DIR_BYTES:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+        name = f"{name.encode()[:MEMBER_DIR_BYTES - 13].decode(errors='ignore')}-{digest}"
+    return name
+
+
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore: ``<group>/schema`` for each group and
     ``codec/schema_<name>`` for each codec and ``press/schema_<name>`` for each press. Every YAML file of a group names its schema first in its
     defaults list, so Hydra rejects unknown or mistyped fields when it composes the run. Also registers
-    the ``kvcomp_sweep_dir`` resolver (:func:`sweep_dir`)."""
+    the ``kvcomp_sweep_dir`` and ``kvcomp_member_dir`` resolvers (:func:`sweep_dir`, :func:`member_dir`)."""
     OmegaConf.register_new_resolver("kvcomp_sweep_dir", sweep_dir, replace=True)
+    OmegaConf.register_new_resolver("kvcomp_member_dir", member_dir, replace=True)
     store = ConfigStore.instance()
     for group, schema in GROUPS.items():
         store.store(group=group, name="schema", node=schema)

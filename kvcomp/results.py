@@ -20,7 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from kvcomp.artifacts import read_json, write_json_atomic, write_text_atomic
+from kvcomp.artifacts import ArtifactError, read_json, write_json_atomic, write_text_atomic
 from kvcomp.errors import KVCompError
 from kvcomp.paths import cache_dir
 
@@ -159,20 +159,45 @@ def parse_overrides(overrides: list[str]) -> dict[str, str]:
     return parsed
 
 
+def _member_files(directory: Path) -> list[Path]:
+    """The file that says where each member below ``directory`` stands: its ``error.json`` (its latest attempt
+    failed: a finished member's is removed, :func:`clear_failure`), else its ``results.json``."""
+    found: dict[Path, Path] = {}
+    for path in [*directory.rglob(RESULTS_FILE), *directory.rglob(ERROR_FILE)]:
+        if path.name == ERROR_FILE or path.parent not in found:
+            found[path.parent] = path
+    return [found[folder] for folder in sorted(found, key=str)]
+
+
+def _read_member(path: Path) -> dict:
+    """A member's file, refused (:class:`ArtifactError`) when it cannot be read or is not what kvcomp writes."""
+    member = read_json(path, "sweep member file", "delete it (the member then runs again)")
+    if not isinstance(member, dict) or not isinstance(member.get("overrides", []), list) or (
+            path.name == RESULTS_FILE and not (isinstance(member.get("rows"), list)
+                                               and all(isinstance(row, dict) for row in member["rows"]))):
+        raise ArtifactError(f"sweep member file {path} is not a kvcomp {path.name} (an object with its overrides"
+                            f"{' and rows' if path.name == RESULTS_FILE else ''}); delete it (the member then runs again)")
+    return member
+
+
 def load_rows(directory: str | Path) -> tuple[list[dict], list[str]]:
     """Every member below ``directory``: ``(rows, override columns)``.
 
     A row per evaluated codec of each member with that member's overrides as columns (``run_dir``
-    relative to ``directory``); a row per failed member (``status: failed`` and its error); each
-    reference row once per reference it was computed for, with the overrides its members share. Paths in
-    the rows are :func:`portable` (also those of files written before it)."""
+    relative to ``directory``); a row per failed member (``status: failed`` and its error), also one whose file is
+    damaged (its rows are not shown); each reference row once per reference it was computed for, with the overrides
+    its members share. Paths in the rows are :func:`portable` (also those of files written before it)."""
     directory = Path(directory)
     rows, references, columns = [], {}, {}
-    for path in sorted([*directory.rglob(RESULTS_FILE), *directory.rglob(ERROR_FILE)], key=lambda p: str(p.parent)):
-        member = read_json(path, "sweep member file", "delete it (the member then runs again)")
+    for path in _member_files(directory):
+        where = {"run_dir": str(path.parent.relative_to(directory))}
+        try:
+            member = _read_member(path)
+        except ArtifactError as error:
+            rows.append({**where, "status": "failed", "error": str(error)})
+            continue
         overrides = parse_overrides(member.get("overrides", []))
         columns.update(dict.fromkeys(overrides))
-        where = {"run_dir": str(path.parent.relative_to(directory))}
         if path.name == ERROR_FILE:
             config = member.get("config", {})
             rows.append({
@@ -225,7 +250,9 @@ def clear_failure(output_dir: str | Path) -> None:
 
 
 def failed_members(directory: str | Path) -> list[Path]:
-    return sorted(p.parent for p in Path(directory).rglob(ERROR_FILE))
+    """The folders of the members below ``directory`` that failed or whose file is damaged (:func:`load_rows`)."""
+    rows, _ = load_rows(directory)
+    return sorted({Path(directory) / r["run_dir"] for r in rows if r["status"] == "failed"})
 
 
 def log_to_wandb(logger_cfg, run_name: str, config: dict, rows: list[dict], group: str | None = None,

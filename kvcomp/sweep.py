@@ -280,5 +280,13 @@ class AggregateSweep(Callback):
             log.info("sweep member %d%s: %s", job.num + 1, of, " ".join(config.hydra.overrides.task) or "(no overrides)")
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if aggregate(config.hydra.sweep.dir, config.logger, config.plot.x, config.plot.y):
+        try:
+            failed = aggregate(config.hydra.sweep.dir, config.logger, config.plot.x, config.plot.y)
+        except Exception as error:  # Hydra would turn it into a warning and exit 0 with a stale summary
+            if _full_error() or not isinstance(error, KVCompError):
+                traceback.print_exception(error)
+            else:
+                print(f"kvcomp error: the sweep summary: {error}", file=sys.stderr)
+            sys.exit(1)
+        if failed:
             sys.exit(1)

@@ -12,6 +12,13 @@ their measured bits (1, 2, 3, 4, 8, 16), not their name. The Pareto front of a p
 both bits and metric. Every row links to its member's ``results.json``; the page needs no network. Panels that several
 models share open the page in one table across the models (each option's bits, change and place in its bit class per
 model), which is where a conclusion that holds on one model and not another shows.
+
+Everything a row carries is escaped where the page and the Markdown show it. A row whose metric or bits are not a
+finite number (NaN, inf, a string) or out of range (a perplexity below 1, bits per value outside (0, 1024]) is never
+ranked: it is listed under "Invalid rows" with its reason and a warning on stderr (the CSV holds the ranked rows
+only). A member file the page cannot read (garbled JSON, not an object, no
+``rows``, a row without ``model`` or ``codec``), an ``--out`` that is a file and sweeps without a finished member stop
+the script with one line naming the file or folder (exit status 2).
 """
 
 from __future__ import annotations
@@ -22,13 +29,18 @@ import html
 import io
 import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
+from urllib.parse import quote
 
-from kvcomp.artifacts import write_text_atomic
-from kvcomp.errors import existing_directory
+from kvcomp.artifacts import read_json, write_text_atomic
+from kvcomp.errors import KVCompError, existing_directory, first_line
 from kvcomp.plots import log_axis, spread_labels
-from kvcomp.results import load_rows, parse_overrides
+from kvcomp.results import ERROR_FILE, RESULTS_FILE, load_rows, parse_overrides
+
+PROG = "leaderboard.py"
 
 CLASSES = (1, 2, 3, 4, 8, 16)
 METRICS = {"ppl_chunked": "perplexity (chunked)", "ppl_streaming": "perplexity (streaming)",
@@ -36,6 +48,16 @@ METRICS = {"ppl_chunked": "perplexity (chunked)", "ppl_streaming": "perplexity (
 LOWER_IS_BETTER = {"ppl_chunked", "ppl_streaming", "ppl_context"}
 COLUMNS = ("class", "codec", "option", "measured_bits", "code_bits", "overhead_bits", "metric", "vs_reference",
            "output_tokens")
+BITS = ("bits_per_value_seen", "bits_per_value_measured", "bits_per_value")
+NUMBERS = (*BITS, "overhead_bits", "output_tokens")
+MOST_BITS = 1024  # bits per value no cache needs; beyond it a row's bits are garbage (and overflow the plot's axis)
+INVALID_COLUMNS = ("model", "panel", "option", "reason")
+JSON_KINDS = {str: "a string", bool: "a boolean", list: "a list", dict: "an object", type(None): "null"}
+REMEDY = "fix or delete it (a resumed sweep runs a deleted member again), or leave its sweep out"
+
+
+class LeaderboardError(KVCompError):
+    """Input the leaderboard cannot render: a malformed member file, an ``--out`` that is a file, no results."""
 
 
 def bit_class(bits: float) -> int:
@@ -44,7 +66,80 @@ def bit_class(bits: float) -> int:
 
 
 def _metric(row: dict) -> str | None:
-    return next((m for m in METRICS if isinstance(row.get(m), (int, float))), None)
+    """The first leaderboard metric the row has a value for (whether it is a number is checked apart)."""
+    return next((m for m in METRICS if row.get(m) is not None), None)
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut at 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number_problem(value) -> str | None:
+    """How ``value`` fails to be a finite number (``is nan``, ``is a string 'x'``); None where it is one or absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is {JSON_KINDS.get(type(value), type(value).__name__)} {_short(value)}"
+    return None if abs(value) <= sys.float_info.max else f"is {_short(value)}"  # nan, inf, an int beyond a float
+
+
+def _row_problem(row: dict, metric: str) -> str | None:
+    """Why a row cannot be ranked (``metric ppl_chunked is nan``, ``bits_per_value is inf``, a perplexity below 1,
+    bits per value not above 0 or beyond :data:`MOST_BITS`), or None."""
+    for key in (metric, *NUMBERS):
+        problem = _number_problem(row.get(key))
+        if problem:
+            return f"{'metric ' if key == metric else ''}{key} {problem}"
+    if metric in LOWER_IS_BETTER and row[metric] < 1:
+        return f"metric {metric} is {row[metric]}, below 1 (no perplexity is)"
+    wrong = next((key for key in BITS if row.get(key) is not None and not 0 < row[key] <= MOST_BITS), None)
+    return f"{wrong} is {row[wrong]}, outside (0, {MOST_BITS}] bits per value" if wrong else None
+
+
+def _member_problem(data, results: bool) -> str | None:
+    """What keeps the leaderboard from reading a member file (``results.json`` when ``results``, else
+    ``error.json``), or None."""
+    if not isinstance(data, dict):
+        return f"holds {JSON_KINDS.get(type(data), 'a JSON ' + type(data).__name__)}, not a JSON object"
+    config = data.get("config", {})
+    if not isinstance(config, dict) or not all(isinstance(config.get(k) or {}, dict)
+                                               for k in ("model", "codec", "benchmark", "press")):
+        return "has a 'config' that is not an object of objects (model, codec, benchmark, press)"
+    overrides = data.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        return "has 'overrides' that are not a list of strings"
+    if not results:
+        return None
+    timings = data.get("timings", {})
+    if not isinstance(timings, dict) or _number_problem(timings.get("total_seconds")):
+        return "has 'timings' without a finite number 'total_seconds'"
+    if not isinstance(data.get("rows"), list):
+        return "has no 'rows' list (one row per evaluated codec)"
+    return next(filter(None, (_shape_problem(i, row) for i, row in enumerate(data["rows"]))), None)
+
+
+def _shape_problem(i: int, row) -> str | None:
+    """What keeps row ``i`` of a ``results.json`` from being read: not an object, no ``model`` or ``codec`` string."""
+    if not isinstance(row, dict):
+        return f"has a row {i} that is not an object"
+    for key in ("model", "codec"):
+        if key not in row:
+            return f"has a row {i} without {key!r}"
+        if not isinstance(row[key], str):
+            return f"has a row {i} whose {key!r} is not a string"
+    if not isinstance(row.get("reference_key", ""), str):
+        return f"has a row {i} whose 'reference_key' is not a string"
+    return None
+
+
+def check_members(directory: Path) -> None:
+    """Refuse, naming the file, a member file below ``directory`` that the leaderboard cannot read."""
+    for path in sorted([*Path(directory).rglob(RESULTS_FILE), *Path(directory).rglob(ERROR_FILE)]):
+        problem = _member_problem(read_json(path, "member file", REMEDY), path.name == RESULTS_FILE)
+        if problem:
+            raise LeaderboardError(f"member file {path} {problem}; {REMEDY}")
 
 
 def _bench(row: dict) -> str:
@@ -58,7 +153,7 @@ def _option(results: Path, family: str) -> str:
     ``kivi press=snapkv press.ratio=0.5``), read from its ``results.json``."""
     data = json.loads(results.read_text())
     swept = parse_overrides(data.get("overrides", []))
-    press = data["config"].get("press", {})  # settings an experiment file makes, not swept
+    press = data.get("config", {}).get("press") or {}  # settings an experiment file makes, not swept
     if press.get("decoding_size") and "press.decoding_size" not in swept:
         swept["press.decoding_size"] = str(press["decoding_size"])
     if press.get("head_budgets", "uniform") != "uniform" and "press.head_budgets" not in swept:
@@ -67,40 +162,69 @@ def _option(results: Path, family: str) -> str:
     return " ".join(part for part in (swept.get("codec", family), extra) if part)
 
 
-def leaderboard_rows(directories: list[Path]) -> list[dict]:
-    """One dict per evaluated codec row of every finished member (references included, ``reference: True``): model,
-    panel (benchmark and metric), codec family and swept option, the bits, the metric, and the member's results
-    file."""
-    out = []
+def _entry(directory: Path, row: dict, metric: str) -> dict:
+    """A loaded row as the leaderboard shows it (its class and change from the reference apart)."""
+    results = Path(directory) / row["run_dir"] / RESULTS_FILE if row.get("run_dir") else None
+    family = str(row["codec"]).split("(", 1)[0]
+    return {
+        "model": row["model"], "panel": f"{_bench(row)} / {METRICS[metric]}", "metric_name": metric,
+        "codec": family, "option": family if "reference_key" in row or results is None else _option(results, family),
+        "describe": row["codec"] + (f" + {row['press']}" if row.get("press") else ""),
+        "reference": "reference_key" in row,
+        # a press's rows: the bits of every token seen (evicted ones included), the one axis with codecs
+        "measured_bits": row.get("bits_per_value_seen", row.get("bits_per_value_measured")),
+        "code_bits": row.get("bits_per_value"),
+        "overhead_bits": row.get("overhead_bits"), "metric": row[metric],
+        "output_tokens": row.get("output_tokens"), "results": str(results) if results else None,
+    }
+
+
+def _failed(directory: Path, row: dict) -> dict:
+    """A failed member as an invalid row: its error is the reason, its folder's ``error.json`` the link."""
+    error = Path(directory) / row["run_dir"] / ERROR_FILE
+    codec = str(row.get("codec") or "?")
+    return {"model": str(row.get("model") or "?"), "panel": str(row.get("benchmark") or "?"), "option": codec,
+            "describe": f"{codec} in {row['run_dir']}", "reference": False,
+            "reason": f"the member failed: {(str(row.get('error') or '').strip().splitlines() or ['?'])[0]}",
+            "results": str(error) if error.exists() else None}
+
+
+def _once(rows: list[dict]) -> list[dict]:
+    """Each row once: a reference computed for several members appears once."""
+    unique = {}
+    for row in rows:
+        unique.setdefault((row["model"], row["panel"], row["describe"], row["reference"]), row)
+    return list(unique.values())
+
+
+def leaderboard_rows(directories: list[Path]) -> tuple[list[dict], list[dict]]:
+    """``(rows, invalid)``: one dict per evaluated codec row of every finished member (references included,
+    ``reference: True``): model, panel (benchmark and metric), codec family and swept option, the bits, the metric,
+    and the member's results file. Rows whose metric or bits are not a finite number in range are ``invalid``, each
+    with its ``reason`` (:func:`_row_problem`): they get no class, change from the reference or place, and are no
+    reference to others."""
+    out, invalid = [], []
     for directory in directories:
         rows, _ = load_rows(directory)
         for row in rows:
             metric = _metric(row)
-            if row.get("status") == "failed" or metric is None:
+            if row.get("status") == "failed":
+                invalid.append(_failed(directory, row))
                 continue
-            results = Path(directory) / row["run_dir"] / "results.json" if row.get("run_dir") else None
-            family = str(row["codec"]).split("(", 1)[0]
-            out.append({
-                "model": row["model"], "panel": f"{_bench(row)} / {METRICS[metric]}", "metric_name": metric,
-                "codec": family, "option": family if "reference_key" in row or results is None else _option(results, family),
-                "describe": row["codec"] + (f" + {row['press']}" if row.get("press") else ""),
-                "reference": "reference_key" in row,
-                # a press's rows: the bits of every token seen (evicted ones included), the one axis with codecs
-                "measured_bits": row.get("bits_per_value_seen", row.get("bits_per_value_measured")),
-                "code_bits": row.get("bits_per_value"),
-                "overhead_bits": row.get("overhead_bits"), "metric": row[metric],
-                "output_tokens": row.get("output_tokens"), "results": str(results) if results else None,
-            })
+            if metric is None:
+                continue
+            entry, reason = _entry(directory, row, metric), _row_problem(row, metric)
+            if reason:
+                invalid.append({**entry, "reason": reason})
+            else:
+                out.append(entry)
     for row in out:
         bits = row["measured_bits"] if row["measured_bits"] is not None else row["code_bits"]
         row["class"] = bit_class(bits) if bits is not None else None
         reference = next((r for r in out if r["reference"] and r["model"] == row["model"] and r["panel"] == row["panel"]), None)
         row["vs_reference"] = (row["metric"] / reference["metric"] - 1) if reference and row["metric_name"] in LOWER_IS_BETTER \
             else (row["metric"] - reference["metric"]) if reference else None
-    unique = {}
-    for row in out:  # a reference computed for several members appears once
-        unique.setdefault((row["model"], row["panel"], row["describe"], row["reference"]), row)
-    return list(unique.values())
+    return _once(out), _once(invalid)
 
 
 def pareto(rows: list[dict]) -> list[dict]:
@@ -135,6 +259,30 @@ def _fmt(value, name: str = "", metric: str = "") -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _esc(value) -> str:
+    """``value`` as HTML text or a quoted attribute value."""
+    return html.escape(str(value), quote=True)
+
+
+def _md(value) -> str:
+    """``value`` as Markdown text in a table cell or heading: its HTML shown as text, ``|`` kept from splitting the
+    cell."""
+    return html.escape(str(value), quote=False).replace("|", "\\|")
+
+
+def _md_code(value) -> str:
+    """``value`` as a Markdown code span (HTML in it stays text), fenced by more backticks than any run it holds."""
+    text = str(value).replace("|", "\\|")
+    fence = "`" * (1 + max((len(run) for run in re.findall("`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _href(results: str, out: Path) -> str:
+    """The link from a page in ``out`` to a member's ``results.json``: relative, percent-encoded, no URL scheme."""
+    return quote(os.path.relpath(results, out), safe="/=,+")
+
+
 def leaders(mine: list[dict]) -> str:
     """``Leaders: 2 bits: `a` (+3.1 %), `b` (+4.0 %); 4 bits: ...``: the best two rows of each bit class of one panel
     (its rows as :func:`panels` sorts them), the reference left out."""
@@ -142,8 +290,9 @@ def leaders(mine: list[dict]) -> str:
     for r in mine:
         if not r["reference"] and r["class"] is not None:
             by_class.setdefault(r["class"], []).append(r)
-    parts = [f"{c} bits: " + ", ".join(f"`{r['option']}` ({_fmt(r['vs_reference'], 'vs_reference', r['metric_name'])})"
-                                       for r in best[:2]) for c, best in sorted(by_class.items())]
+    def named(r):
+        return f"{_md_code(r['option'])} ({_fmt(r['vs_reference'], 'vs_reference', r['metric_name'])})"
+    parts = [f"{c} bits: " + ", ".join(named(r) for r in best[:2]) for c, best in sorted(by_class.items())]
     return "Leaders: " + "; ".join(parts) + "." if parts else ""
 
 
@@ -203,22 +352,39 @@ def member_hours(directories: list[Path]) -> float:
     return seconds / 3600
 
 
-def markdown(rows: list[dict], hours: float | None = None) -> str:
+def _invalid_markdown(invalid: list[dict], out: Path) -> list[str]:
+    """The invalid rows' table (:func:`leaderboard_rows`), with the link to each one's ``results.json``."""
+    if not invalid:
+        return []
+    lines = ["### Invalid rows (not ranked)", "", "| " + " | ".join(INVALID_COLUMNS) + " | results |",
+             "|" + "---|" * (len(INVALID_COLUMNS) + 1)]
+    for r in invalid:
+        link = f"[{Path(r['results']).name}]({_href(r['results'], out)})" if r["results"] else ""
+        lines.append(f"| {_md(r['model'])} | {_md(r['panel'])} | {_md_code(r['option'])} | {_md(r['reason'])} "
+                     f"| {link} |")
+    return lines + [""]
+
+
+def markdown(rows: list[dict], hours: float | None = None, invalid: list[dict] = (), out: Path = Path(".")) -> str:
+    """The leaderboard as Markdown: member time, invalid rows, the across-model tables, then each panel's table."""
     lines = [f"Computed in {hours:.2f} hours of member time (the members' total_seconds summed).", ""] if hours else []
+    lines += _invalid_markdown(invalid, out)
     for panel, models, entries in across_models(rows):
-        lines += [f"### Across models: {panel}", "",
-                  "| codec | option | " + " | ".join(f"{m} bits | {m} vs reference | {m} class: place" for m in models) + " |",
+        lines += [f"### Across models: {_md(panel)}", "",
+                  "| codec | option | " + " | ".join(f"{_md(m)} bits | {_md(m)} vs reference | {_md(m)} class: place"
+                                                     for m in models) + " |",
                   "|" + "---|" * (2 + 3 * len(models))]
         for e in entries:
-            lines.append(f"| {e['codec']} | `{e['option']}` | " + " | ".join(c for m in models for c in _across_cells(e, m)) + " |")
+            lines.append(f"| {_md(e['codec'])} | {_md_code(e['option'])} | "
+                         + " | ".join(c for m in models for c in _across_cells(e, m)) + " |")
         lines.append("")
     for (model, panel), mine in panels(rows).items():
         front = {id(r) for r in pareto(mine)}
-        lines += [f"### {model}: {panel}", "", "| " + " | ".join(COLUMNS) + " | Pareto |",
+        lines += [f"### {_md(model)}: {_md(panel)}", "", "| " + " | ".join(COLUMNS) + " | Pareto |",
                   "|" + "---|" * (len(COLUMNS) + 1)]
         for r in mine:
-            cells = [_fmt(r[c], c, r["metric_name"]) for c in COLUMNS]
-            cells[2] = f"`{cells[2]}`" + (" (reference)" if r["reference"] else "")
+            cells = [_md(_fmt(r[c], c, r["metric_name"])) for c in COLUMNS]
+            cells[2] = _md_code(r["option"]) + (" (reference)" if r["reference"] else "")
             lines.append("| " + " | ".join(cells) + " | " + ("*" if id(r) in front else "") + " |")
         lines += ["", leaders(mine), ""] if leaders(mine) else [""]
     return "\n".join(lines)
@@ -250,7 +416,7 @@ def headline_png(rows: list[dict], model: str, path: Path) -> Path:
     found = [(panel, mine) for (m, panel), mine in panels(rows).items() if m == model and panel.startswith("perplexity")]
     if not found:
         models = sorted({m for m, _ in panels(rows)})
-        raise SystemExit(f"--headline {model}: no perplexity panel of that model; models: {', '.join(models)}")
+        raise LeaderboardError(f"--headline {model}: no perplexity panel of that model; models: {', '.join(models)}")
     panel, mine = found[0]
     fig = plot(mine, f"{model}: {panel}")
     import matplotlib.pyplot as plt
@@ -294,11 +460,16 @@ def plot(mine: list[dict], title: str):
         ax.set_ylim(top=top * 1.25)
     ax.set_xlabel("bits per value the cache holds (measured)")
     ax.set_ylabel(METRICS[mine[0]["metric_name"]])
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_literal(title), fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    spread_labels(ax, [(r["measured_bits"], y, r["option"]) for r, y in zip(placed, shown)])
+    spread_labels(ax, [(r["measured_bits"], y, _literal(r["option"])) for r, y in zip(placed, shown)])
     return fig
+
+
+def _literal(text: str) -> str:
+    """``text`` for a matplotlib label: its ``$`` drawn, not read as the start of math."""
+    return text.replace("$", r"\$")
 
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px;margin:.5em 0 2em}
@@ -311,30 +482,47 @@ return isNaN(n)?s:n};rows.sort((a,b)=>{const x=v(a),y=v(b);return (x>y?1:x<y?-1:
 rows.forEach(r=>t.tBodies[0].appendChild(r))}));"""
 
 
-def page(rows: list[dict], out: Path, reading: str = "") -> str:
-    """The self-contained HTML page: a reading, then per panel its plot and sortable table (rows link to their
-    ``results.json`` relative to ``out``)."""
+def _link(row: dict, out: Path) -> str:
+    """The ``results.json`` link of a row, empty where it has none."""
+    return f"<a href='{_esc(_href(row['results'], out))}'>{Path(row['results']).name}</a>" if row["results"] else ""
+
+
+def _invalid_html(invalid: list[dict], out: Path) -> list[str]:
+    """The invalid rows' table (:func:`leaderboard_rows`), none where there are none."""
+    if not invalid:
+        return []
+    head = "".join(f"<th>{c}</th>" for c in (*INVALID_COLUMNS, "results"))
+    body = "".join("<tr>" + "".join(f"<td class='l'>{_esc(r[c])}</td>" for c in INVALID_COLUMNS)
+                   + f"<td class='l'>{_link(r, out)}</td></tr>" for r in invalid)
+    note = "Their metric or bits are not a finite number in range: not ranked, not leaders, not on a Pareto front."
+    return [f"<h2>Invalid rows</h2><p>{note}</p><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"]
+
+
+def page(rows: list[dict], out: Path, reading: str = "", invalid: list[dict] = ()) -> str:
+    """The self-contained HTML page: a reading, the invalid rows, then per panel its plot and sortable table (rows
+    link to their ``results.json`` relative to ``out``). Everything from the rows is escaped."""
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>kvcomp leaderboard</title>",
-             f"<style>{STYLE}</style></head><body><h1>kvcomp leaderboard</h1>", reading]
+             f"<style>{STYLE}</style></head><body><h1>kvcomp leaderboard</h1>", reading,
+             *_invalid_html(invalid, out)]
     for panel, models, entries in across_models(rows):
-        parts.append(f"<h2>Across models: {html.escape(panel)}</h2><table><thead><tr><th>codec</th><th>option</th>"
-                     + "".join(f"<th>{html.escape(m)} {c}</th>" for m in models
+        parts.append(f"<h2>Across models: {_esc(panel)}</h2><table><thead><tr><th>codec</th><th>option</th>"
+                     + "".join(f"<th>{_esc(m)} {c}</th>" for m in models
                                for c in ("bits", "vs reference", "class: place")) + "</tr></thead><tbody>")
         for e in entries:
-            cells = "".join(f"<td>{html.escape(c)}</td>" for m in models for c in _across_cells(e, m))
-            parts.append(f"<tr><td class='l'>{html.escape(e['codec'])}</td><td class='l'>{html.escape(e['option'])}</td>"
-                         f"{cells}</tr>")
+            cells = "".join(f"<td>{_esc(c)}</td>" for m in models for c in _across_cells(e, m))
+            parts.append(f"<tr><td class='l'>{_esc(e['codec'])}</td><td class='l'>{_esc(e['option'])}</td>{cells}</tr>")
         parts.append("</tbody></table>")
     for (model, panel), mine in panels(rows).items():
         front = {id(r) for r in pareto(mine)}
-        parts.append(f"<h2>{html.escape(model)}: {html.escape(panel)}</h2>{plot_svg(mine, f'{model}: {panel}')}")
+        parts.append(f"<h2>{_esc(model)}: {_esc(panel)}</h2>{plot_svg(mine, f'{model}: {panel}')}")
         parts.append("<table><thead><tr>" + "".join(f"<th>{c}</th>" for c in COLUMNS) + "<th>results</th></tr></thead><tbody>")
         for r in mine:
             kind = " ".join(k for k, on in (("ref", r["reference"]), ("front", id(r) in front)) if on)
-            cells = "".join(f"<td class='{'l' if c in ('codec', 'option') else ''}' data-v='{'' if r[c] is None else r[c]}'>"
-                            f"{html.escape(_fmt(r[c], c, r['metric_name']))}</td>" for c in COLUMNS)
-            link = (f"<a href='{html.escape(os.path.relpath(r['results'], out))}'>results.json</a>" if r["results"] else "")
-            parts.append(f"<tr class='{kind}' title='{html.escape(r['describe'])}'>{cells}<td class='l'>{link}</td></tr>")
+            cells = "".join(f"<td class='{'l' if c in ('codec', 'option') else ''}' "
+                            f"data-v='{_esc('' if r[c] is None else r[c])}'>"
+                            f"{_esc(_fmt(r[c], c, r['metric_name']))}</td>" for c in COLUMNS)
+            parts.append(f"<tr class='{kind}' title='{_esc(r['describe'])}'>{cells}"
+                         f"<td class='l'>{_link(r, out)}</td></tr>")
         parts.append("</tbody></table>")
     parts.append(f"<script>{SORT}</script></body></html>")
     return "\n".join(parts)
@@ -349,9 +537,10 @@ def copy_results(directories: list[Path], runs: Path) -> list[Path]:
         source = Path(directory).resolve()
         target = runs / source.relative_to(source.parents[1])  # e.g. leaderboard/embedded
         if source == runs.resolve() or runs.resolve() in source.parents:
-            raise SystemExit(f"--copy-results: {directory} is already a copy below {runs}; render it without --copy-results")
+            raise LeaderboardError(f"--copy-results: {directory} is already a copy below {runs}; "
+                                   "render it without --copy-results")
         if target in copies:
-            raise SystemExit(f"--copy-results: two sweeps end in {target.relative_to(runs)}; rename one folder")
+            raise LeaderboardError(f"--copy-results: two sweeps end in {target.relative_to(runs)}; rename one folder")
         if target.is_dir():
             shutil.rmtree(target)
         for path in sorted(Path(directory).rglob("results.json")):
@@ -362,8 +551,66 @@ def copy_results(directories: list[Path], runs: Path) -> list[Path]:
     return copies
 
 
+def _read_reading(path: Path | None) -> str:
+    """The text of ``--reading``, empty without one."""
+    try:
+        return path.read_text() if path else ""
+    except (OSError, UnicodeDecodeError) as err:
+        raise LeaderboardError(f"--reading {path} cannot be read ({first_line(err)})") from err
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an ``--out`` that is a file."""
+    if out.exists() and not out.is_dir():
+        raise LeaderboardError(f"--out {out} is a file; name a folder (it is created if missing)")
+
+
+def _make_out(out: Path) -> None:
+    """Create the ``--out`` folder, naming it where it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LeaderboardError(f"--out {out} cannot be created ({first_line(err)})") from err
+
+
+def _warn(invalid: list[dict]) -> None:
+    """A line on stderr per invalid row."""
+    for r in invalid:
+        print(f"{PROG}: warning: {r['results'] or r['model']}: row {r['describe']!r} ({r['model']}, {r['panel']}) "
+              f"is invalid: {r['reason']}; listed under 'Invalid rows', not ranked", file=sys.stderr)
+
+
+def render(args: argparse.Namespace) -> list[Path]:
+    """Check the sweeps and ``--out``, then write the page, the Markdown, the CSV (and the headline); returns the
+    files written."""
+    _check_out(args.out)
+    reading = _read_reading(args.reading)
+    for directory in args.directories:
+        check_members(directory)
+    rows, invalid = leaderboard_rows(args.directories)
+    if not rows and not invalid:
+        raise LeaderboardError(f"no finished member with a metric ({', '.join(METRICS)}) below "
+                               f"{', '.join(map(str, args.directories))}")
+    _make_out(args.out)
+    directories = args.directories
+    if args.copy_results:
+        directories = copy_results(args.directories, args.out / "runs")
+        rows, invalid = leaderboard_rows(directories)  # linked to the copies
+    _warn(invalid)
+    written = [args.out / "index.html", args.out / "leaderboard.md", args.out / "leaderboard.csv"]
+    hours = member_hours(directories)
+    texts = (page(rows, args.out, reading, invalid), markdown(rows, hours, invalid, args.out), csv_text(rows))
+    for path, text in zip(written, texts):
+        write_text_atomic(path, text)
+    if args.headline:
+        written.append(headline_png(rows, args.headline, args.out / "headline.png"))
+    print(json.dumps({"rows": len(rows), "invalid": len(invalid), "panels": len(panels(rows)),
+                      "member_hours": round(hours, 2), "written": [str(p) for p in written]}))
+    return written
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("directories", type=existing_directory, nargs="+", help="sweep folders, e.g. multirun/leaderboard/embedded")
     parser.add_argument("--out", type=Path, required=True, help="folder for index.html, leaderboard.md and leaderboard.csv")
     parser.add_argument("--reading", type=Path, help="a Markdown or HTML file whose text opens the page (the written reading)")
@@ -373,19 +620,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--headline", metavar="MODEL",
                         help="also write OUT/headline.png, MODEL's first perplexity panel (the README's picture)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    directories = copy_results(args.directories, args.out / "runs") if args.copy_results else args.directories
-    rows = leaderboard_rows(directories)
-    reading = args.reading.read_text() if args.reading else ""
-    written = [args.out / "index.html", args.out / "leaderboard.md", args.out / "leaderboard.csv"]
-    hours = member_hours(directories)
-    for path, text in zip(written, (page(rows, args.out, reading), markdown(rows, hours), csv_text(rows))):
-        write_text_atomic(path, text)
-    if args.headline:
-        written.append(headline_png(rows, args.headline, args.out / "headline.png"))
-    print(json.dumps({"rows": len(rows), "panels": len(panels(rows)), "member_hours": round(hours, 2),
-                      "written": [str(p) for p in written]}))
-    return written
+    try:
+        return render(args)
+    except KVCompError as err:  # bad input: one line, no traceback
+        parser.exit(2, f"{PROG}: error: {err}\n")
 
 
 if __name__ == "__main__":

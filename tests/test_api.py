@@ -123,3 +123,22 @@ def test_a_preset_is_named_as_on_the_command_line(fresh_llama):
     preset = load_codec(fresh_llama, "kivi_4bit", group_size=16, residual_length=16)
     assert preset.name == "kivi" and preset.config.bits == 4 and preset.config.group_size == 16
     assert compose("codec=kivi_4bit").codec.bits == 4
+
+
+@pytest.mark.parametrize("other, message", [
+    ({"head_dim": 8}, r"codec uniform was built for llama, whose layer 0 has 2 KV heads of size 16, but this model's "
+                      r"keys are \(1, 2, 10, 8\)"),
+    ({"num_key_value_heads": 4}, r"2 KV heads of size 16, but this model's keys are \(1, 4, 10, 16\)"),
+    ({"num_hidden_layers": TINY["num_hidden_layers"] + 1},
+     rf"the cache has {TINY['num_hidden_layers']} layers \(its codec uniform was built for llama\), but this model "
+     rf"({TINY['num_hidden_layers'] + 1}|has a layer {TINY['num_hidden_layers']}):"),
+])
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_codec_built_for_another_model_is_named_at_the_first_forward(fresh_llama, other, message, installed):
+    codec = load_codec(fresh_llama, "uniform", bits=4, group_size=8)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **other})).eval()
+    if installed:
+        install(model)
+    cache = CompressedCache(codec, "simulated") if not installed else compressed_cache(model, codec)
+    with pytest.raises(ConfigError, match=message), torch.no_grad():
+        model(torch.randint(0, 50, (1, 10)), past_key_values=cache)

@@ -170,3 +170,35 @@ def test_render_csr_tables_names_the_valid_columns(tmp_path, monkeypatch, capsys
         runpy.run_path(str(ROOT / "scripts" / "render_csr_tables.py"), run_name="__main__")
     assert exit_.value.code == 2
     assert "unknown column 'ppl_nope'; valid choices: bits_per_value, codec, ppl_streaming" in capsys.readouterr().err
+
+
+def _last_line(text: str) -> str:
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["press=snapkv", "press.window_size=1000", "press.ratio=0.5", "benchmark.context_tokens=128"],
+     "press=snapkv needs prompts of at least 1001 tokens (its observation window of window_size=1000 tokens and one "
+     "before it), but the context (benchmark.context_tokens) is 128"),
+    pytest.param(["benchmark=ruler", "benchmark.lengths=[10]"], "no RULER task can be built at lengths [10]: ",
+                 marks=pytest.mark.integration),
+])
+def test_errors_after_composition_are_one_line_and_end_the_run_log(tmp_path, args, expected):
+    """Bad settings found once the run has started: one line, exit status 2, the same line ending ``run.log``; a
+    press's are found before the model loads."""
+    result = run_py(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert _last_line(result.stderr).startswith(f"kvcomp error: {expected}") and "Traceback" not in result.stderr
+    log = (tmp_path / "run.log").read_text()
+    assert f"kvcomp error: {expected}" in _last_line(log)
+    assert ("loading model" in log) == (args[0] != "press=snapkv")
+
+
+@pytest.mark.parametrize("where", ["file", "file/below"])
+def test_a_run_folder_hydra_cannot_create_is_one_line(tmp_path, where):
+    (tmp_path / "file").write_text("not a folder")
+    result = run_py(f"hydra.run.dir={tmp_path / where}", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"kvcomp error: cannot write the run folder {tmp_path / where} (")
+    assert "set hydra.run.dir" in line

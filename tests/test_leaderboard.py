@@ -5,6 +5,8 @@ of ``experiment=leaderboard/quick`` through ``run.py -m`` on the embedded model,
 import csv
 import io
 import json
+import math
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _module():
     return load_script("leaderboard")
+
+
+def _refused(capsys, module, *argv) -> str:
+    """The one stderr line of a run of the script that refuses ``argv`` with exit status 2."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        module.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("leaderboard.py: error: "), err
+    return err
 
 
 def _member(sweep, codec, bits, measured, ppl, acc, tokens, model="m"):
@@ -36,7 +48,7 @@ def _member(sweep, codec, bits, measured, ppl, acc, tokens, model="m"):
                                                          "timings": {"total_seconds": 600.0}}))
 
 
-def test_panels_classes_front_and_files(tmp_path):
+def test_panels_classes_front_and_files(tmp_path, capsys):
     module = _module()
     sweep = tmp_path / "sweep"
     sweep.mkdir()
@@ -46,8 +58,8 @@ def test_panels_classes_front_and_files(tmp_path):
     out = tmp_path / "page"
     module.main([str(sweep), "--out", str(out), "--headline", "m"])
     assert (out / "headline.png").read_bytes().startswith(b"\x89PNG")  # the model's perplexity panel
-    with pytest.raises(SystemExit, match="no perplexity panel of that model; models: m"):
-        module.main([str(sweep), "--out", str(tmp_path / "other"), "--headline", "nosuch"])
+    refusal = _refused(capsys, module, sweep, "--out", tmp_path / "other", "--headline", "nosuch")
+    assert "no perplexity panel of that model; models: m" in refusal
     text = (out / "leaderboard.md").read_text()
     assert text.count("### m: ") == 2 and "### m: perplexity:x / perplexity (chunked)" in text
     assert text.startswith("Computed in 1.00 hours of member time")  # 6 members of 10 minutes
@@ -68,12 +80,12 @@ def test_panels_classes_front_and_files(tmp_path):
     assert len(copied) == 6 and copied[0] == f"runs/{tmp_path.name}/sweep/benchmark=perplexity,codec=higgs,model=m/results.json"
     assert not (out / "runs" / tmp_path.name / "sweep" / "gone").exists() and (out / "runs" / "x" / "stale").exists()
     assert f"href='runs/{tmp_path.name}/sweep/benchmark=ruler,codec=kivi,model=m/results.json'" in (out / "index.html").read_text()
-    with pytest.raises(SystemExit, match="already a copy"):  # rendering the copies again would delete them
-        module.main([str(out / "runs" / tmp_path.name / "sweep"), "--out", str(out), "--copy-results"])
+    # rendering the copies again would delete them
+    copies = out / "runs" / tmp_path.name / "sweep"
+    assert "already a copy" in _refused(capsys, module, copies, "--out", out, "--copy-results")
     twin = tmp_path / "other" / tmp_path.name / "sweep"
     twin.mkdir(parents=True)
-    with pytest.raises(SystemExit, match="two sweeps end in"):
-        module.main([str(sweep), str(twin), "--out", str(out), "--copy-results"])
+    assert "two sweeps end in" in _refused(capsys, module, sweep, twin, "--out", out, "--copy-results")
 
 
 def test_panels_that_models_share_are_tabled_across_them(tmp_path):
@@ -120,3 +132,175 @@ def test_a_two_codec_slice_runs_and_renders(embedded, tmp_path):
     _module().main([str(sweep), "--out", str(tmp_path / "page")])
     text = (tmp_path / "page" / "leaderboard.md").read_text()
     assert "`kivi`" in text and "`turboquant_4bit`" in text and "(reference)" in text
+
+
+def _results(folder: Path, rows: list[dict], overrides: list[str]) -> Path:
+    """A member's ``results.json`` holding ``rows`` (its config names no press)."""
+    folder.mkdir(parents=True)
+    path = folder / "results.json"
+    member = {"config": {}, "overrides": overrides, "rows": rows, "timings": {"total_seconds": 60.0}}
+    path.write_text(json.dumps(member))
+    return path
+
+
+def _ppl(name: str, measured, ppl, model: str = "m", benchmark: str = "perplexity:x") -> list[dict]:
+    """The reference and one codec row of a perplexity member."""
+    reference = {"model": model, "codec": "fp16()", "bits_per_value": 16.0, "bits_per_value_measured": 32.0,
+                 "benchmark": benchmark, "ppl_chunked": 20.0, "reference_key": f"perplexity-{model}"}
+    return [reference, {"model": model, "codec": f"{name}(bits=2)", "bits_per_value": 2.0,
+                        "bits_per_value_measured": measured, "benchmark": benchmark, "ppl_chunked": ppl}]
+
+
+class _Tags(HTMLParser):
+    """Every start tag of a page: ``(name, attributes)``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+HOSTILE_CODEC = "x' onmouseover='alert(1)' y='("
+HOSTILE_MODEL = 'm"><script>alert(2)</script>'
+HOSTILE_BENCH = "ruler:<img src=x onerror=alert(3)>"
+HOSTILE_OPTION = 'codec.center="><script>alert(4)</script>'
+
+
+def test_hostile_rows_put_nothing_executable_on_the_page(tmp_path):
+    """Codec, option, model, benchmark and folder names holding quotes, tags and handlers: the page gets no tag, handler
+    or script they would add (counted against a plain render), attribute values keep them whole, the Markdown shows
+    them as text, and the plot draws a ``$...$`` option as it is."""
+    module = _module()
+    pages = {}
+    for kind, codec, model, bench, extra in (
+            ("plain", "kivi", "m", "perplexity:x", "codec.center=mean"),
+            ("hostile", HOSTILE_CODEC, HOSTILE_MODEL, HOSTILE_BENCH, HOSTILE_OPTION)):
+        sweep = tmp_path / kind
+        folder = sweep / ("member' onmouseover='alert(5)" if kind == "hostile" else "member")
+        overrides = [f"codec={codec}", extra, r"press.ratio=$\nosuch$ | `x`"]  # not math: drawn as it is
+        _results(folder, _ppl(codec, 2.2, 24.0, model, bench), overrides)
+        module.main([str(sweep), "--out", str(tmp_path / f"{kind}-page")])
+        pages[kind] = (tmp_path / f"{kind}-page" / "index.html").read_text()
+    plain, hostile = (_Tags(pages[k]).tags for k in ("plain", "hostile"))
+    assert not [(t, a) for t, a in hostile if any(name.startswith("on") for name in a)]
+    assert sorted({t for t, _ in hostile}) == sorted({t for t, _ in plain})  # no <img>, no new element
+    assert [t for t, _ in hostile].count("script") == [t for t, _ in plain].count("script") == 1
+    page = pages["hostile"]
+    assert "x&#x27; onmouseover=&#x27;alert(1)&#x27; y=&#x27;(" in page and "&lt;script&gt;alert(2)" in page
+    assert "&lt;img src=x onerror=alert(3)&gt;" in page
+    values = [a.get("data-v") for t, a in hostile if t == "td"]
+    option = f'{HOSTILE_CODEC} {HOSTILE_OPTION} press.ratio=$\\nosuch$ | `x`'
+    assert HOSTILE_CODEC.split("(")[0] in values and option in values  # each attribute holds its whole value
+    link = "../hostile/member%27%20onmouseover=%27alert%285%29/results.json"  # reference and row
+    assert [a["href"] for t, a in hostile if t == "a"] == [link] * 2
+    text = (tmp_path / "hostile-page" / "leaderboard.md").read_text()
+    assert "<img" not in text and "### m\"&gt;&lt;script&gt;alert(2)&lt;/script&gt;: ruler:&lt;img" in text
+    assert "`` " + option.replace("|", "\\|") + " ``" in text  # a code span: its HTML stays text
+
+
+def test_invalid_rows_are_listed_with_their_reason_and_never_ranked(tmp_path, capsys):
+    """Six members, one with a NaN perplexity and one with a string: four are ranked, two listed as invalid with the
+    reason and their results.json (page, Markdown, a warning each), none of them a leader or on the front."""
+    module = _module()
+    sweep = tmp_path / "sweep"
+    for name, measured, ppl in (("a", 2.1, math.nan), ("b", 2.0, "x"), ("c", 2.2, 24.0), ("d", 2.3, 25.0),
+                                ("e", 4.0, 22.0), ("f", 8.0, 21.0)):
+        _results(sweep / name, _ppl(name, measured, ppl), [f"codec={name}"])
+    out = tmp_path / "page"
+    module.main([str(sweep), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["invalid"] == 2
+    warnings = captured.err.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("leaderboard.py: warning: ") for w in warnings)
+    assert str(sweep / "a" / "results.json") in warnings[0] and "metric ppl_chunked is nan" in warnings[0]
+    assert str(sweep / "b" / "results.json") in warnings[1] and "metric ppl_chunked is a string 'x'" in warnings[1]
+    ranked = list(csv.DictReader(io.StringIO((out / "leaderboard.csv").read_text())))
+    assert sorted(r["codec"] for r in ranked if r["reference"] == "False") == ["c", "d", "e", "f"]
+    text = (out / "leaderboard.md").read_text()
+    invalid, panel = text.split("### m: ")
+    lead = "| m | perplexity:x / perplexity (chunked) |"
+    assert f"{lead} `a` | metric ppl_chunked is nan | [results.json](../sweep/a/results.json) |" in invalid
+    assert f"{lead} `b` | metric ppl_chunked is a string 'x' | [results.json](../sweep/b/results.json) |" in invalid
+    assert "Leaders: 2 bits: `c` (+20.0 %), `d` (+25.0 %); 4 bits: `e` (+10.0 %); 8 bits: `f` (+5.0 %)." in panel
+    assert "`a`" not in panel and "`b`" not in panel and "nan" not in panel
+    page = (out / "index.html").read_text()
+    assert "<h2>Invalid rows</h2>" in page and "metric ppl_chunked is a string &#x27;x&#x27;" in page
+    assert page.count("href='../sweep/b/results.json'") == 1  # listed once, in no panel
+
+
+def test_a_failed_member_is_listed_with_its_error_not_dropped(tmp_path, capsys):
+    from kvcomp.results import write_failure
+
+    sweep = tmp_path / "sweep"
+    _results(sweep / "c", _ppl("c", 2.2, 24.0), ["codec=c"])
+    config = {"model": {"name": "m"}, "codec": {"name": "kivi"}, "benchmark": {"name": "perplexity"}}
+    write_failure(sweep / "k", config, ["codec=kivi"], RuntimeError("out of memory\nmore"))
+    out = tmp_path / "page"
+    _module().main([str(sweep), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["invalid"] == 1 and "the member failed: RuntimeError: out of memory" in captured.err
+    text = (out / "leaderboard.md").read_text()
+    assert "| m | perplexity | `kivi` | the member failed: RuntimeError: out of memory | [error.json](../sweep/k/error.json) |" in text
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"ppl_chunked": math.inf}, "metric ppl_chunked is inf"),
+    ({"ppl_chunked": True}, "metric ppl_chunked is a boolean True"),
+    ({"ppl_chunked": 0.5}, "metric ppl_chunked is 0.5, below 1 (no perplexity is)"),
+    ({"bits_per_value_measured": -math.inf}, "bits_per_value_measured is -inf"),
+    ({"bits_per_value": [2]}, "bits_per_value is a list [2]"),
+    ({"bits_per_value_seen": 10 ** 400}, "bits_per_value_seen is 1000000000000000000000000000000000000..."),
+    ({"bits_per_value_measured": 1e308}, "bits_per_value_measured is 1e+308, outside (0, 1024] bits per value"),
+    ({"bits_per_value": 0}, "bits_per_value is 0, outside (0, 1024] bits per value"),
+])
+def test_a_row_whose_metric_or_bits_are_no_finite_number_is_invalid(change, reason):
+    row = {**_ppl("kivi", 2.2, 24.0)[1], **change}
+    assert _module()._row_problem(row, "ppl_chunked") == reason
+
+
+def test_an_infinite_bit_count_is_listed_invalid_not_plotted(tmp_path, capsys):
+    module = _module()
+    sweep = tmp_path / "sweep"
+    _results(sweep / "a", _ppl("a", math.inf, 24.0), ["codec=a"])
+    _results(sweep / "b", _ppl("b", 2.2, 24.0), ["codec=b"])
+    module.main([str(sweep), "--out", str(tmp_path / "page"), "--headline", "m"])
+    assert "bits_per_value_measured is inf" in capsys.readouterr().err
+    assert "| `a` | bits_per_value_measured is inf |" in (tmp_path / "page" / "leaderboard.md").read_text()
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("results.json", json.dumps({"config": {}, "overrides": []}), "has no 'rows' list"),
+    ("results.json", json.dumps({"rows": [{"model": "m", "ppl_chunked": 20.0}]}), "has a row 0 without 'codec'"),
+    ("results.json", json.dumps({"rows": [{"model": "m", "codec": 3}]}), "has a row 0 whose 'codec' is not a string"),
+    ("results.json", json.dumps([{"rows": []}]), "holds a list, not a JSON object"),
+    ("results.json", '{"rows": [', "is unreadable (JSONDecodeError: "),
+    ("results.json", json.dumps({"rows": [], "overrides": "codec=kivi"}), "has 'overrides' that are not a list"),
+    ("error.json", "[]", "holds a list, not a JSON object"),
+])
+def test_a_member_file_it_cannot_read_is_refused_in_one_line(tmp_path, capsys, name, content, message):
+    sweep = tmp_path / "sweep"
+    _results(sweep / "good", _ppl("kivi", 2.2, 24.0), ["codec=kivi"])
+    (sweep / "bad").mkdir()
+    (sweep / "bad" / name).write_text(content)
+    err = _refused(capsys, _module(), sweep, "--out", tmp_path / "page")
+    assert f"member file {sweep / 'bad' / name} {message}" in err and "fix or delete it" in err
+    assert not (tmp_path / "page").exists()  # refused before anything is written
+
+
+def test_an_out_that_is_a_file_no_results_and_a_missing_reading_are_refused_in_one_line(tmp_path, capsys):
+    module = _module()
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    assert f"no finished member with a metric (ppl_chunked, ppl_streaming, ppl_context, acc_avg) below {sweep}" in \
+        _refused(capsys, module, sweep, "--out", tmp_path / "page")
+    _results(sweep / "a", _ppl("a", 2.2, 24.0), ["codec=a"])
+    (tmp_path / "file").write_text("x")
+    refusal = _refused(capsys, module, sweep, "--out", tmp_path / "file")
+    assert f"--out {tmp_path / 'file'} is a file; name a folder" in refusal
+    assert f"--out {tmp_path / 'file' / 'page'} cannot be created (" in \
+        _refused(capsys, module, sweep, "--out", tmp_path / "file" / "page")
+    assert f"--reading {tmp_path / 'nosuch.html'} cannot be read (FileNotFoundError" in \
+        _refused(capsys, module, sweep, "--out", tmp_path / "page", "--reading", tmp_path / "nosuch.html")

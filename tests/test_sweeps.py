@@ -210,3 +210,42 @@ def test_labels_of_points_in_one_column_are_stacked_apart():
     assert all(b - a >= 7.0 - 1e-6 for a, b in zip(column, column[1:])) and offsets["alone"] == 1
     assert ax.yaxis.get_major_formatter().__class__.__name__ == "ScalarFormatter"
     plt.close(fig)
+
+
+def test_a_damaged_member_file_is_a_failed_member_and_no_member_file_is_skipped(tmp_path):
+    """A results.json that cannot be read, is no object or has no rows (a damaged or crafted file), and one whose
+    member failed since (its error.json): each a failed row; nothing stale is shown as ok."""
+    good = {"overrides": ["codec.bits=2"], "rows": [{**ROWS[1], "reference_key": None}]}
+    write_json_atomic(tmp_path / "codec.bits=2" / "results.json", good)
+    (tmp_path / "codec.bits=3").mkdir()
+    (tmp_path / "codec.bits=3" / "results.json").write_text('{"rows": [')
+    write_json_atomic(tmp_path / "codec.bits=4" / "results.json", [1, 2])
+    write_json_atomic(tmp_path / "codec.bits=5" / "results.json", {"overrides": []})
+    write_json_atomic(tmp_path / "codec.bits=6" / "results.json", {**good, "overrides": ["codec.bits=6"]})
+    write_failure(tmp_path / "codec.bits=6", {"codec": {"name": "kivi"}}, ["codec.bits=6"], RuntimeError("boom"))
+    assert aggregate(tmp_path) == 4
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        rows = {row["run_dir"]: row for row in csv.DictReader(handle)}
+    assert rows["codec.bits=2"]["status"] == "ok" and rows["codec.bits=6"]["error"] == "RuntimeError: boom"
+    assert "is unreadable (JSONDecodeError" in rows["codec.bits=3"]["error"]
+    for member in ("codec.bits=4", "codec.bits=5"):
+        assert rows[member]["status"] == "failed" and "is not a kvcomp results.json" in rows[member]["error"]
+
+
+def test_a_sweep_resumed_over_a_damaged_member_and_names_that_look_like_paths(tmp_path):
+    """``model.name=../../escaped`` names a member folder inside the sweep's (written ``..%2F..%2Fescaped``); a member
+    whose results.json is damaged fails, the summary says so, and the sweep exits 1."""
+    from tests.run_py import run_py
+
+    sweep = tmp_path / "a" / "b"
+    damaged = sweep / "codec.bits=2,codec=kivi,model.name=..%2F..%2Fescaped" / "results.json"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text('{"rows": [')
+    result = run_py("-m", "codec=kivi", "codec.bits=2,99", "model.name=../../escaped", f"hydra.sweep.dir={sweep}",
+                    cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert all(p.parts[:2] == ("a", "b") for p in written), written
+    summary = (sweep / "summary.md").read_text()
+    assert "results.json is unreadable (JSONDecodeError" in summary and "bits=99 is not supported" in summary
+    assert "kvcomp: 2 sweep member(s) failed" in result.stderr

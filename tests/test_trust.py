@@ -1,6 +1,7 @@
 """Results you can trust: content-keyed caches, checked artifacts, clear errors for bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,36 @@ def test_sweep_members_are_checked_before_they_run():
     }})
     members = sweep_members(config)
     assert len(members) == 4 and ["seed=0", "codec=kivi", "codec.bits=9"] in members
+
+
+STORAGE_FULL = 'Error while serializing: I/O error: No space left on device (os error 28)'
+
+
+def test_a_full_disk_names_the_folder_and_the_bytes_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """safetensors' own error on a full disk (after part of the file is written), and an OSError from a text
+    write: one :class:`ArtifactError` naming the folder, the file and the bytes it needs; nothing left behind."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from kvcomp.artifacts import write_text_atomic
+
+    def full(tensors, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise SafetensorError(STORAGE_FULL)
+
+    monkeypatch.setattr("kvcomp.codecs.base.save_file", full)
+    state = CodecState({"codebook": torch.zeros(2**18)}, {"codec": "x"})  # 1 MiB
+    folder = tmp_path / "calibration"
+    with pytest.raises(ArtifactError, match=rf"no space left in {folder} for x.safetensors: it needs 1.0 MiB, "
+                                            r"[\d.]+ MiB are free; free space there or write elsewhere") as error:
+        state.save(folder / "x.safetensors")
+    assert "\n" not in str(error.value) and list(folder.iterdir()) == []
+
+    def no_space(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", no_space)
+    with pytest.raises(ArtifactError, match=rf"no space left in {tmp_path} for results.json: it needs 0.0 MiB"):
+        write_text_atomic(tmp_path / "results.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration"]

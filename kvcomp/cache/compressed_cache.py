@@ -452,6 +452,14 @@ class CompressedCache(Cache, PaddedRows):
             parts.append(LayerPart(group, group.scope.schedule(layer_idx, positions.rope), positions))
         return parts
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' entry without kvcomp's attention; refuses a model with more layers than the codec's."""
+        if layer_idx >= len(self.layers):
+            raise ConfigError(f"the cache has {len(self.layers)} layers (its codec {self.codec.name} was built for "
+                              f"{self.codec.model.name}), but this model has a layer {layer_idx}: build the codec for "
+                              "this model (kvcomp.api.load_codec(model, ...))")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def group_rows(self, pads: list[int]) -> None:
         """Give each set of rows with the same left padding its own streams and scope (:mod:`kvcomp.cache.rows`),
         before the first forward: a row is then compressed as when it runs alone."""
