@@ -117,8 +117,9 @@ def table_columns(rows: list[dict], leading: list[str] = ()) -> list[tuple[str, 
     known = {key for key, _ in TABLE_COLUMNS}
     overrides = [(k, k) for k in leading if k not in known]
     extra = sorted({
-        k for row in rows for k in row if k not in known | set(leading) and k.startswith(("ppl_", "acc_", "score_"))
-    })
+        k for row in rows for k, v in row.items()
+        if k not in known | set(leading) and k.startswith(("ppl_", "acc_", "score_")) and not isinstance(v, (list, dict))
+    })  # intervals and per-window values stay in results.json
     failed = [("status", "status"), ("error", "error")] if any(row.get("status") == "failed" for row in rows) else []
     return standard[:2] + overrides + standard[2:] + [(k, k) for k in extra] + failed
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
 from kvcomp.benchmarks import build_benchmark
 from kvcomp.benchmarks.base import Benchmark
+from kvcomp.benchmarks.intervals import pair_with_reference
 from kvcomp.benchmarks.perplexity import context_length
 from kvcomp.cache import check_press, install
 from kvcomp.calibration import CalibrationData, calibrate, check_collection, check_windows
@@ -38,6 +39,7 @@ from kvcomp.progress import phase, quiet_library_bars
 from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, portable, versions
 
 log = logging.getLogger(__name__)
+REFERENCE_ROWS = 2  # what cached reference rows hold (2: perplexity's per-window NLL); older ones are recomputed
 
 
 @dataclass
@@ -224,7 +226,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
         with phase("uncompressed reference (cached across runs)", timings, "reference_seconds"):
             rows += _reference_rows(model, reference, benchmark, model_cfg, hardware, force)
     with phase(f"evaluating {codec.describe()}", timings, "evaluation_seconds"):
-        rows += _rows(model, codec, benchmark, model_cfg, press)
+        rows = pair_with_reference(rows + _rows(model, codec, benchmark, model_cfg, press))
     timings["total_seconds"] = round(time.perf_counter() - start, 2)
 
     results = portable({
@@ -388,6 +390,7 @@ def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, ha
             "device": hardware.device,
             "benchmark": benchmark.fingerprint(),
             "versions": {k: v for k, v in versions().items() if k in ("torch", "transformers", "kvcomp")},
+            "rows": REFERENCE_ROWS,
         },
         sort_keys=True,
         default=str,

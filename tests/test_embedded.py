@@ -65,7 +65,13 @@ def test_temporalkv_end_to_end_calibrates_once(embedded, tmp_path):
     assert temporal["paper_bits_per_value"] == 2.0 and temporal["bits_per_value"] == 2.0
     for protocol in ("streaming", "simulated"):
         assert fp16[f"ppl_{protocol}"] < temporal[f"ppl_{protocol}"] < 2 * fp16[f"ppl_{protocol}"]
+        for row in (fp16, temporal):  # intervals over the 2 windows, in results.json only
+            low, high = row[f"ppl_{protocol}_ci95"]
+            assert low <= row[f"ppl_{protocol}"] <= high and len(row[f"nll_{protocol}"]) == 2
+        low, high = temporal[f"ppl_{protocol}_vs_reference_ci95"]
+        assert low <= temporal[f"ppl_{protocol}"] / fp16[f"ppl_{protocol}"] - 1 <= high
     assert temporal["cache_bytes_per_window"] == pytest.approx(temporal["cache_bytes_expected"])
+    assert "ci95" not in first.stderr + first.stdout  # the printed table shows the point values
 
 
 def test_run_py_ruler_rows_per_length(embedded, tmp_path):

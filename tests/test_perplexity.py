@@ -75,3 +75,34 @@ def test_bad_chunk_tokens_and_unknown_protocols_are_config_errors(tiny_llama):
     codec = build_codec({"name": "fp16"}, info_of(tiny_llama))
     with pytest.raises(ConfigError, match="choose from streaming, simulated, chunked"):
         evaluate_perplexity(tiny_llama, codec, _windows(), PerplexityConfig(seq_len=SEQ_LEN, protocols=["aqua"]))
+
+
+def test_each_row_keeps_per_window_nll_and_a_bootstrap_interval_around_its_perplexity(tiny_llama):
+    """``nll_<protocol>`` sums to the perplexity; ``ppl_<protocol>_ci95`` contains it, narrows with more windows'
+    agreement and is reproducible (seeded); paired with the reference on the same windows, an uncompressed row's
+    change is exactly 0, and a 2-bit KIVI row's interval holds its change and is narrower than its own spread."""
+    from kvcomp.benchmarks.intervals import pair_with_reference, ppl_interval
+
+    config = PerplexityConfig(seq_len=SEQ_LEN, protocols=["streaming", "chunked"])
+    windows = _windows(8)
+    rows = []
+    for name, codec_config in (("fp16", {"name": "fp16"}), ("kivi", {**KIVI, "bits": 2})):
+        row = evaluate_perplexity(tiny_llama, build_codec(codec_config, info_of(tiny_llama)), windows, config)
+        rows.append({"benchmark": "same windows", "codec": name, **row})
+    reference, kivi = rows
+    for row in rows:
+        for protocol in config.protocols:
+            nll, low_high = row[f"nll_{protocol}"], row[f"ppl_{protocol}_ci95"]
+            assert len(nll) == 8 and row["tokens_per_window"] == [SEQ_LEN - 1] * 8
+            assert math.exp(sum(nll) / (8 * (SEQ_LEN - 1))) == pytest.approx(row[f"ppl_{protocol}"], rel=1e-9)
+            assert low_high[0] < row[f"ppl_{protocol}"] < low_high[1]
+            assert ppl_interval(nll, row["tokens_per_window"]) == low_high  # seeded: the same draws
+    assert ppl_interval([30.0] * 8, [10] * 8) == pytest.approx([math.exp(3)] * 2)  # identical windows: no spread
+    paired = pair_with_reference([{**reference, "reference_key": "r"}, kivi, {**reference, "codec": "fp16 again"}])
+    assert "ppl_streaming_vs_reference_ci95" not in paired[0]  # the reference itself
+    assert paired[2]["ppl_streaming_vs_reference_ci95"] == [0.0, 0.0]
+    low, high = paired[1]["ppl_chunked_vs_reference_ci95"]
+    change = kivi["ppl_chunked"] / reference["ppl_chunked"] - 1
+    assert low <= change <= high
+    own_low, own_high = kivi["ppl_chunked_ci95"]
+    assert high - low < (own_high - own_low) / kivi["ppl_chunked"]  # pairing removes the windows' own spread

@@ -18,7 +18,8 @@ completed it, so a single forward never reads its own blocks: for such codecs ``
 ``simulated`` would measure the uncompressed model, and :func:`protocols_for` replaces them by ``chunked``.
 
 ``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows (``context``: over the tokens
-after each window's context).
+after each window's context). Each row also keeps every window's summed NLL (``nll_<protocol>``) and the 95 %
+bootstrap interval over windows (``ppl_<protocol>_ci95``; paired with the reference: :mod:`kvcomp.benchmarks.intervals`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from kvcomp.benchmarks.base import Benchmark, example_summary, register
 from kvcomp.benchmarks.configs import PerplexityConfig
+from kvcomp.benchmarks.intervals import ppl_interval
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.codecs import Codec, expected_cache_bits
 from kvcomp.errors import ConfigError, unknown_choice
@@ -146,26 +148,32 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
     shortcut = codec_never_encodes(codec) and press is None
     for i, protocol in enumerate(config.protocols):
         if shortcut and i > 0:  # nothing is ever encoded: the protocols cannot differ
-            metrics[f"ppl_{protocol}"] = metrics[f"ppl_{config.protocols[0]}"]
+            first_protocol = config.protocols[0]
+            for key in ("ppl_{}", "ppl_{}_ci95", "nll_{}"):
+                metrics[key.format(protocol)] = metrics[key.format(first_protocol)]
             continue
         start = time.perf_counter()
-        nll, count = 0.0, 0
+        nll: list[float] = []  # summed NLL of each window
+        first = context if protocol == "context" else 1  # the first token scored
         bar = progress_bar(len(windows), f"perplexity {codec.name} ({protocol})", "window")
         for batch in windows.split(config.batch_size):
             batch = batch.to(device)
             logits, cache = _window_logits(model, codec, batch, protocol, config.chunk_tokens, context, press)
-            first = context if protocol == "context" else 1  # the first token scored
-            nll += F.cross_entropy(logits[:, first - 1:-1].flatten(0, 1), batch[:, first:].flatten(), reduction="sum").item()
-            count += batch[:, first:].numel()
+            token_nll = F.cross_entropy(logits[:, first - 1:-1].flatten(0, 1), batch[:, first:].flatten(), reduction="none")
+            nll += token_nll.view(batch.shape[0], -1).double().sum(-1).tolist()
             if not cache_stats:
                 cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype, press is None)
             if i == 0:
                 examples.append(codec.example_metrics(cache.statistics()))
             bar.update(batch.shape[0])
         bar.close()
-        metrics[f"ppl_{protocol}"] = math.exp(nll / count)
+        scored = windows.shape[1] - first
+        metrics[f"ppl_{protocol}"] = math.exp(sum(nll) / (scored * len(nll)))
+        metrics[f"ppl_{protocol}_ci95"] = ppl_interval(nll, [scored] * len(nll))
+        metrics[f"nll_{protocol}"] = nll
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
     metrics["tokens_scored"] = int(windows[:, (context if config.protocols == ["context"] else 1):].numel())
+    metrics["tokens_per_window"] = [metrics["tokens_scored"] // len(windows)] * len(windows)
     share = cache_stats["encoded_share"]
     if share < LOW_ENCODED_SHARE and not codec_never_encodes(codec):
         metrics["note"] = (f"only {share:.0%} of the cached values were encoded (the rest stayed in full precision): "
