@@ -39,7 +39,7 @@ from kvcomp.progress import phase, quiet_library_bars
 from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, portable, versions
 
 log = logging.getLogger(__name__)
-REFERENCE_ROWS = 2  # what cached reference rows hold (2: perplexity's per-window NLL); older ones are recomputed
+REFERENCE_ROWS = 2  # what cached reference rows hold (2: per-window NLL, per-sample RULER scores); older: recomputed
 
 
 @dataclass

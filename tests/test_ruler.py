@@ -242,6 +242,17 @@ def test_string_match_scores_hand_cases():
     assert score("niah_multivalue", ["1111111 2222222"], [["1111111", "2222222", "3333333", "4444444"]]) == 50.0
 
 
+def test_accuracy_intervals_wilson_and_paired():
+    from kvcomp.benchmarks.intervals import paired_mean_change_interval, wilson_interval
+
+    assert wilson_interval(100.0, 1) == pytest.approx([20.654, 100.0], abs=1e-3)  # one right answer says little
+    assert wilson_interval(50.0, 10) == pytest.approx([23.659, 76.341], abs=1e-3)
+    assert wilson_interval(0.0, 400)[1] < 1.0
+    assert paired_mean_change_interval([100.0, 0.0, 50.0], [100.0, 0.0, 50.0]) == [0.0, 0.0]
+    low, high = paired_mean_change_interval([0.0] * 20 + [100.0] * 20, [100.0] * 40)
+    assert low < -50 < high < 0 and paired_mean_change_interval([0.0] * 20 + [100.0] * 20, [100.0] * 40) == [low, high]
+
+
 # ------------------------------------------------------------------------------------------------
 # on the embedded model and corpus
 # ------------------------------------------------------------------------------------------------
@@ -279,6 +290,14 @@ def test_a_destructive_codec_collapses_niah(embedded):
     assert fp16["acc_niah_single_1"] >= 66 and fp16["acc_niah_single_2"] >= 66
     assert one_bit["acc_avg"] == 0.0
     assert fp16["length"] == 512 and len(fp16["predictions"]["niah_single_1"]) == 3
+    # per-sample scores, a Wilson interval per task and for the average, a paired interval of the change
+    from kvcomp.benchmarks.intervals import pair_with_reference, wilson_interval
+
+    assert sum(fp16["scores"]["niah_single_1"]) / 3 == fp16["acc_niah_single_1"]
+    assert fp16["acc_avg_ci95"] == wilson_interval(fp16["acc_avg"], 6) and one_bit["acc_avg_ci95"][0] == pytest.approx(0)
+    _, paired = pair_with_reference([{**fp16, "reference_key": "r"}, one_bit])
+    low, high = paired["acc_avg_vs_reference_ci95"]
+    assert low <= one_bit["acc_avg"] - fp16["acc_avg"] <= high < 0  # a significant loss
 
 
 @pytest.mark.integration

@@ -52,6 +52,7 @@ from kvcomp.benchmarks.base import Benchmark, example_summary, register
 from kvcomp.benchmarks.configs import RulerConfig
 from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
 from kvcomp.benchmarks.prefill import PREFILLS
+from kvcomp.benchmarks.intervals import wilson_interval
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
 
@@ -196,21 +197,27 @@ def postprocess_prediction(text: str) -> str:
     return re.sub(r"[\x00-\x1f]", "\n", text.strip()).strip()
 
 
+def match_all(prediction: str, references: list[str]) -> float:
+    """The share of references contained (case-insensitive) in the prediction, x100 (RULER's ``string_match_all``)."""
+    return 100 * sum(ref.lower() in prediction.lower() for ref in references) / len(references)
+
+
+def match_part(prediction: str, references: list[str]) -> float:
+    """100 if any reference is contained (case-insensitive) in the prediction, else 0 (RULER's QA metric)."""
+    return 100.0 * max(ref.lower() in prediction.lower() for ref in references)
+
+
 def string_match_all(predictions: list[str], references: list[list[str]]) -> float:
-    """Mean over samples of the share of references contained (case-insensitive) in the prediction, x100."""
-    scores = [
-        sum(ref.lower() in pred.lower() for ref in refs) / len(refs) for pred, refs in zip(predictions, references)
-    ]
-    return 100 * sum(scores) / len(scores)
+    """Mean over samples of :func:`match_all`."""
+    return sum(map(match_all, predictions, references)) / len(predictions)
 
 
 def string_match_part(predictions: list[str], references: list[list[str]]) -> float:
-    """Mean over samples of 1 if any reference is contained in the prediction, x100 (RULER's QA metric)."""
-    scores = [max(ref.lower() in pred.lower() for ref in refs) for pred, refs in zip(predictions, references)]
-    return 100 * sum(scores) / len(scores)
+    """Mean over samples of :func:`match_part`."""
+    return sum(map(match_part, predictions, references)) / len(predictions)
 
 
-METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+METRICS = {"string_match_all": match_all, "string_match_part": match_part}  # per sample
 
 
 # ------------------------------------------------------------------------------------------------
@@ -562,10 +569,15 @@ def _random_slots(rng: random.Random, count: int, n: int) -> list[int]:
     return sorted(rng.sample(slots, n) if len(slots) >= n else rng.choices(slots, k=n))
 
 
+def sample_scores(task: str, predictions: list[str], references: list[list[str]]) -> list[float]:
+    """RULER's metric of ``task`` for each cleaned prediction (0-100)."""
+    return [METRICS[TASKS[task].metric](postprocess_prediction(p), refs) for p, refs in zip(predictions, references)]
+
+
 def score(task: str, predictions: list[str], references: list[list[str]]) -> float:
-    """RULER's metric of ``task`` over cleaned predictions."""
-    cleaned = [postprocess_prediction(p) for p in predictions]
-    return METRICS[TASKS[task].metric](cleaned, references)
+    """RULER's metric of ``task``: the mean of :func:`sample_scores`."""
+    scores = sample_scores(task, predictions, references)
+    return sum(scores) / len(scores)
 
 
 
@@ -642,10 +654,15 @@ class RulerBenchmark(Benchmark):
                     )
                     predictions += [self.tokenizer.decode(_until_eos(row_ids, self.eos), skip_special_tokens=True) for row_ids in new.tolist()]
                     bar.update(len(batch))
-                row[f"acc_{task}"] = score(task, predictions, [s.answers for s in samples])
+                scores = sample_scores(task, predictions, [s.answers for s in samples])
+                row[f"acc_{task}"] = sum(scores) / len(scores)
+                row[f"acc_{task}_ci95"] = wilson_interval(row[f"acc_{task}"], len(scores))
                 row.setdefault("predictions", {})[task] = predictions
+                row.setdefault("scores", {})[task] = scores
             scored = [row[f"acc_{t}"] for t in c.tasks if t not in skipped]
             row["acc_avg"] = sum(scored) / len(scored) if scored else "n/a"
+            if scored:
+                row["acc_avg_ci95"] = wilson_interval(row["acc_avg"], len(scored) * c.num_samples)
             if skipped:
                 row["skipped"] = skipped
                 others = "; acc_avg over the others" if scored else ""
