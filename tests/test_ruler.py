@@ -8,6 +8,7 @@ import pytest
 
 from kvcomp.benchmarks.ruler import (
     TASKS,
+    LengthError,
     RulerGenerator,
     postprocess_prediction,
     read_hotpotqa,
@@ -187,6 +188,9 @@ def test_too_short_length_is_a_clear_error(generator):
         RulerGenerator(ByteTokenizer(), _haystack(), seed=7).sample("qa_1", 2000, 0)
     with pytest.raises(ConfigError, match="gold paragraphs do not fit"):
         generator.sample("qa_2", 600, 0)
+    for length in (10, 40):  # vt's in-context example gets no room for its chain (an IndexError before)
+        with pytest.raises(LengthError, match="cannot hold its needles"):
+            generator.sample("vt", length, 0)
 
 
 def test_qa_readers_keep_answerable_questions_and_their_own_paragraphs(qa_sets):
