@@ -46,6 +46,10 @@ TABLE_COLUMNS = [
     ("ppl_streaming", "PPL streaming"),
     ("ppl_simulated", "PPL simulated"),
     ("ppl_chunked", "PPL chunked"),
+    ("kld_mean_streaming", "KLD streaming"),
+    ("kld_mean_simulated", "KLD simulated"),
+    ("kld_mean_chunked", "KLD chunked"),
+    ("flag", "flag"),
     ("note", "note"),
 ]
 
@@ -118,7 +122,7 @@ def table_columns(rows: list[dict], leading: list[str] = ()) -> list[tuple[str, 
     overrides = [(k, k) for k in leading if k not in known]
     extra = sorted({
         k for row in rows for k, v in row.items()
-        if k not in known | set(leading) and k.startswith(("ppl_", "acc_", "score_")) and not isinstance(v, (list, dict))
+        if k not in known | set(leading) and k.startswith(("ppl_", "kld_mean_", "acc_", "score_")) and not isinstance(v, (list, dict))
     })  # intervals and per-window values stay in results.json
     failed = [("status", "status"), ("error", "error")] if any(row.get("status") == "failed" for row in rows) else []
     return standard[:2] + overrides + standard[2:] + [(k, k) for k in extra] + failed

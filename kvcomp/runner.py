@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file, save_file
 
-from kvcomp.artifacts import REFIT, ArtifactError, read_json, write_json_atomic
+from kvcomp.artifacts import (REFIT, ArtifactError, atomic_path, read_json, safetensors_problem, tensors_nbytes,
+                              write_json_atomic)
 from kvcomp.benchmarks import build_benchmark
 from kvcomp.benchmarks.base import Benchmark
+from kvcomp.benchmarks.gate import flag_degenerate
 from kvcomp.benchmarks.intervals import pair_with_reference
 from kvcomp.benchmarks.perplexity import context_length
 from kvcomp.cache import check_press, install
@@ -39,7 +42,7 @@ from kvcomp.progress import phase, quiet_library_bars
 from kvcomp.results import RESULTS_FILE, clear_failure, log_to_wandb, markdown_table, portable, versions
 
 log = logging.getLogger(__name__)
-REFERENCE_ROWS = 2  # what cached reference rows hold (2: per-window NLL, per-sample RULER scores); older: recomputed
+REFERENCE_ROWS = 3  # what cached reference rows hold (3: and the states the distribution metrics need); older: recomputed
 
 
 @dataclass
@@ -220,13 +223,13 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: list[str] | None = N
     calibration_report.update(codec.summary())
     if hardware.kernel_backend == "triton":
         _report_kernels(codec)
-    rows = []
+    rows, kept = [], None  # kept: what the reference evaluation keeps for the comparison
     if plan.benchmark.include_reference and (codec.name != "fp16" or press is not None):
         reference = build_codec({"name": "fp16", "compress_sliding": plan.codec.compress_sliding}, info)
         with phase("uncompressed reference (cached across runs)", timings, "reference_seconds"):
-            rows += _reference_rows(model, reference, benchmark, model_cfg, hardware, force)
+            rows, kept = _reference_rows(model, reference, benchmark, model_cfg, hardware, force)
     with phase(f"evaluating {codec.describe()}", timings, "evaluation_seconds"):
-        rows = pair_with_reference(rows + _rows(model, codec, benchmark, model_cfg, press))
+        rows = flag_degenerate(pair_with_reference(rows + _rows(model, codec, benchmark, model_cfg, press, kept)))
     timings["total_seconds"] = round(time.perf_counter() - start, 2)
 
     results = portable({
@@ -298,7 +301,13 @@ def calibration_data(model, tokenizer, calibration, force: bool = False) -> Cali
     return CalibrationData(model=model, tokenizer=tokenizer, windows=windows, config=calibration, force=force)
 
 
-def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg, press: Press | None = None) -> list[dict]:
+def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg, press: Press | None = None,
+          reference: dict | None = None) -> list[dict]:
+    return [_codec_columns(codec, model_cfg, press) | metrics
+            for metrics in benchmark.evaluate(model, codec, press, reference)]
+
+
+def _codec_columns(codec: Codec, model_cfg, press: Press | None = None) -> dict:
     codec_columns = {
         "model": model_cfg.name,
         "codec": codec.describe(),
@@ -308,7 +317,7 @@ def _rows(model, codec: Codec, benchmark: Benchmark, model_cfg, press: Press | N
     }
     if press is not None:
         codec_columns |= {"press": press.describe(), "press_ratio": press.config.ratio}
-    return [codec_columns | metrics for metrics in benchmark.evaluate(model, codec, press)]
+    return codec_columns
 
 
 def _group_defaults(group: str, values: dict) -> dict:
@@ -379,9 +388,11 @@ def check_benchmark_press(plan: RunPlan) -> None:
                           f"is {shortest}; lengthen them or change the press's settings")
 
 
-def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, hardware, force: bool) -> list[dict]:
-    """The uncompressed rows, cached across runs for the same model (fingerprint), dtype and benchmark
-    data. Each row carries ``reference_key`` so that a sweep summary lists a shared reference once."""
+def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, hardware,
+                    force: bool) -> tuple[list[dict], dict]:
+    """The uncompressed rows and the tensors later rows are compared with (:meth:`Benchmark.evaluate_reference`),
+    cached across runs for the same model (fingerprint), dtype and benchmark data. Each row carries ``reference_key``
+    so that a sweep summary lists a shared reference once."""
     key = json.dumps(
         {
             "model": reference.model.identity,
@@ -397,11 +408,26 @@ def _reference_rows(model, reference: Codec, benchmark: Benchmark, model_cfg, ha
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = cache_dir() / "reference" / f"{digest}.json"
+    tensors_path = path.with_suffix(".safetensors")
     if path.is_file() and not force:
         rows = read_json(path, "cached reference rows", REFIT)
-        if isinstance(rows, list) and all(isinstance(r, dict) and r.get("reference_key") == digest for r in rows):
-            return rows
-        raise ArtifactError(f"cached reference rows {path} do not hold this reference; {REFIT}")
-    rows = [{**row, "reference_key": digest} for row in _rows(model, reference, benchmark, model_cfg)]
-    write_json_atomic(path, rows)
-    return rows
+        if not (isinstance(rows, list) and all(isinstance(r, dict) and r.get("reference_key") == digest for r in rows)):
+            raise ArtifactError(f"cached reference rows {path} do not hold this reference; {REFIT}")
+        return rows, _kept_tensors(tensors_path)
+    reference_rows, kept = benchmark.evaluate_reference(model, reference)
+    rows = [{**_codec_columns(reference, model_cfg), **row, "reference_key": digest} for row in reference_rows]
+    if kept:
+        with atomic_path(tensors_path, tensors_nbytes(kept)) as tmp:
+            save_file({name: t.contiguous() for name, t in kept.items()}, str(tmp))
+    write_json_atomic(path, rows)  # last: rows without their tensors are never read as complete
+    return rows, kept
+
+
+def _kept_tensors(path: Path) -> dict:
+    """The tensors cached beside reference rows (none for benchmarks that keep none), refused when unreadable."""
+    if not path.exists():
+        return {}
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise ArtifactError(f"cached reference tensors {path} cannot be read ({problem}); {REFIT}")
+    return load_file(str(path))

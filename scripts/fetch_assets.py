@@ -2,7 +2,7 @@
 
     python scripts/fetch_assets.py          # what the default run needs: SmolLM2-135M, enwiki, lee
     python scripts/fetch_assets.py --all    # also the assets otherwise fetched on first use (Qwen2.5-Coder-0.5B,
-                                            # PTB, exllamav2's wiki / c4, RULER's essays and QA sets)
+                                            # Gemma-3-270M, PTB, exllamav2's wiki / c4, RULER's essays and QA sets)
 """
 
 import argparse
@@ -25,7 +25,7 @@ if __name__ == "__main__":
     models = [ensure_embedded_model().name]
     corpora = list(ensure_embedded_corpora())
     if args.all:
-        models.append(ensure_embedded_model("qwen25_coder_05b").name)
+        models += [ensure_embedded_model(key).name for key in ("qwen25_coder_05b", "gemma3_270m")]
         ensure_ptb()
         corpora += ["ptb", *ensure_exllama_corpora(), *ensure_ruler_data()]
     print(f"kvcomp assets ready in {cache_dir()} ({time.perf_counter() - start:.1f}s): models {', '.join(models)}, "

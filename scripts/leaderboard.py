@@ -13,12 +13,19 @@ both bits and metric. Every row links to its member's ``results.json``; the page
 models share open the page in one table across the models (each option's bits, change and place in its bit class per
 model), which is where a conclusion that holds on one model and not another shows.
 
+Where the rows carry them (runs that keep per-window NLLs and per-sample scores), a row also shows the metric's 95 %
+interval, its KL divergence from the reference and top-1 agreement on the panel's protocol, and its tie group: within
+a bit class, the rows whose paired-bootstrap difference from the group's first row is not significant
+(:func:`tie_groups`). A row the run's degenerate-output gate flagged (its ``flag``) is marked with the reason, stays
+ranked and is never named a leader.
+
 Everything a row carries is escaped where the page and the Markdown show it. A row whose metric or bits are not a
-finite number (NaN, inf, a string) or out of range (a perplexity below 1, bits per value outside (0, 1024]) is never
-ranked: it is listed under "Invalid rows" with its reason and a warning on stderr (the CSV holds the ranked rows
-only). A member file the page cannot read (garbled JSON, not an object, no
-``rows``, a row without ``model`` or ``codec``), an ``--out`` that is a file and sweeps without a finished member stop
-the script with one line naming the file or folder (exit status 2).
+finite number (NaN, inf, a string) or out of range (a perplexity below 1, bits per value outside (0, 1024]), whose
+interval is not finite or does not contain its metric, or whose ``flag`` is not a string is never ranked: it is
+listed under "Invalid rows" with its reason and a warning on stderr (the CSV holds the ranked rows only). A member
+file the page cannot read (garbled JSON, not an object, no ``rows``, a row without ``model`` or ``codec``), an
+``--out`` that is a file and sweeps without a finished member stop the script with one line naming the file or folder
+(exit status 2).
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 from kvcomp.artifacts import read_json, write_text_atomic
+from kvcomp.benchmarks.intervals import (
+    paired_change_interval,
+    paired_mean_change_interval,
+)
 from kvcomp.errors import KVCompError, existing_directory, first_line
 from kvcomp.plots import log_axis, spread_labels
 from kvcomp.results import ERROR_FILE, RESULTS_FILE, load_rows, parse_overrides
@@ -47,10 +58,13 @@ METRICS = {"ppl_chunked": "perplexity (chunked)", "ppl_streaming": "perplexity (
            "ppl_context": "perplexity after the context", "acc_avg": "RULER accuracy"}
 LOWER_IS_BETTER = {"ppl_chunked", "ppl_streaming", "ppl_context"}
 COLUMNS = ("class", "codec", "option", "measured_bits", "code_bits", "overhead_bits", "metric", "vs_reference",
-           "output_tokens")
+           "output_tokens", "ci95_low", "ci95_high", "tie_group", "kld_mean", "top1_agreement", "flag")
+AGAINST_REFERENCE = ("kld_mean", "top1_agreement")  # a compressed row's ``<name>_<protocol>``, measured against the reference
 BITS = ("bits_per_value_seen", "bits_per_value_measured", "bits_per_value")
 NUMBERS = (*BITS, "overhead_bits", "output_tokens")
 MOST_BITS = 1024  # bits per value no cache needs; beyond it a row's bits are garbage (and overflow the plot's axis)
+INTERVAL_SLACK = 1e-9  # relative: an interval's bounds and its row's value may differ by rounding (a single window)
+FLAG_MARK = "\u26a0"  # the warning sign before a flagged row's reason
 INVALID_COLUMNS = ("model", "panel", "option", "reason")
 JSON_KINDS = {str: "a string", bool: "a boolean", list: "a list", dict: "an object", type(None): "null"}
 REMEDY = "fix or delete it (a resumed sweep runs a deleted member again), or leave its sweep out"
@@ -70,6 +84,18 @@ def _metric(row: dict) -> str | None:
     return next((m for m in METRICS if row.get(m) is not None), None)
 
 
+def _protocol(metric: str) -> str | None:
+    """The perplexity protocol of ``metric`` (``ppl_chunked`` -> ``chunked``); None for an accuracy."""
+    return metric.removeprefix("ppl_") if metric in LOWER_IS_BETTER else None
+
+
+def _against_reference(metric: str) -> dict[str, str]:
+    """The row keys of the values measured against the reference on ``metric``'s protocol, by column
+    (``kld_mean`` -> ``kld_mean_chunked``); none for an accuracy."""
+    protocol = _protocol(metric)
+    return {name: f"{name}_{protocol}" for name in AGAINST_REFERENCE} if protocol else {}
+
+
 def _short(value) -> str:
     """``repr(value)``, cut at 40 characters."""
     text = repr(value)
@@ -85,17 +111,55 @@ def _number_problem(value) -> str | None:
     return None if abs(value) <= sys.float_info.max else f"is {_short(value)}"  # nan, inf, an int beyond a float
 
 
+def _finite(values) -> bool:
+    """Whether ``values`` is a list of finite numbers."""
+    return isinstance(values, list) and all(v is not None and _number_problem(v) is None for v in values)
+
+
 def _row_problem(row: dict, metric: str) -> str | None:
     """Why a row cannot be ranked (``metric ppl_chunked is nan``, ``bits_per_value is inf``, a perplexity below 1,
-    bits per value not above 0 or beyond :data:`MOST_BITS`), or None."""
-    for key in (metric, *NUMBERS):
+    bits per value not above 0 or beyond :data:`MOST_BITS`, an interval that is not finite or misses the metric, a
+    ``flag`` that is not a string), or None."""
+    for key in (metric, *NUMBERS, *_against_reference(metric).values()):
         problem = _number_problem(row.get(key))
         if problem:
             return f"{'metric ' if key == metric else ''}{key} {problem}"
     if metric in LOWER_IS_BETTER and row[metric] < 1:
         return f"metric {metric} is {row[metric]}, below 1 (no perplexity is)"
     wrong = next((key for key in BITS if row.get(key) is not None and not 0 < row[key] <= MOST_BITS), None)
-    return f"{wrong} is {row[wrong]}, outside (0, {MOST_BITS}] bits per value" if wrong else None
+    if wrong:
+        return f"{wrong} is {row[wrong]}, outside (0, {MOST_BITS}] bits per value"
+    if row.get("flag") is not None and not isinstance(row["flag"], str):
+        return f"flag is {_short(row['flag'])}, not a string"
+    return _interval_problem(row, metric)
+
+
+def _interval_problem(row: dict, metric: str) -> str | None:
+    """How the row's ``<metric>_ci95`` fails to be a finite ``[low, high]`` containing the metric, or None."""
+    key, interval = f"{metric}_ci95", row.get(f"{metric}_ci95")
+    if interval is None:
+        return None
+    if not _finite(interval) or len(interval) != 2:
+        return f"{key} is {_short(interval)}, not [low, high] of finite numbers"
+    slack = INTERVAL_SLACK * max(1.0, abs(row[metric]))
+    if not interval[0] - slack <= row[metric] <= interval[1] + slack:
+        return f"{key} {_short(interval)} does not contain {metric} {row[metric]}"
+    return None
+
+
+def _paired_data(row: dict, metric: str) -> tuple[tuple, list[float]] | None:
+    """What a paired test of ``metric`` needs: ``(shape, values)``, two rows being comparable where their shapes are
+    equal: each window's scored tokens and its summed NLL (perplexity), or each task with its sample count, in order,
+    and the per-sample scores pooled over the tasks (RULER). None where the row lacks them."""
+    protocol = _protocol(metric)
+    if protocol:
+        nll, tokens = row.get(f"nll_{protocol}"), row.get("tokens_per_window")
+        usable = _finite(nll) and _finite(tokens) and len(nll) == len(tokens) > 0 and min(tokens) > 0
+        return (tuple(tokens), nll) if usable else None
+    scores = row.get("scores")
+    if not isinstance(scores, dict) or not scores or not all(_finite(s) and s for s in scores.values()):
+        return None
+    return tuple((task, len(s)) for task, s in scores.items()), [x for s in scores.values() for x in s]
 
 
 def _member_problem(data, results: bool) -> str | None:
@@ -166,6 +230,9 @@ def _entry(directory: Path, row: dict, metric: str) -> dict:
     """A loaded row as the leaderboard shows it (its class and change from the reference apart)."""
     results = Path(directory) / row["run_dir"] / RESULTS_FILE if row.get("run_dir") else None
     family = str(row["codec"]).split("(", 1)[0]
+    flag = row.get("flag")
+    interval = row.get(f"{metric}_ci95")
+    low, high = interval if isinstance(interval, list) and len(interval) == 2 else (None, None)
     return {
         "model": row["model"], "panel": f"{_bench(row)} / {METRICS[metric]}", "metric_name": metric,
         "codec": family, "option": family if "reference_key" in row or results is None else _option(results, family),
@@ -176,6 +243,10 @@ def _entry(directory: Path, row: dict, metric: str) -> dict:
         "code_bits": row.get("bits_per_value"),
         "overhead_bits": row.get("overhead_bits"), "metric": row[metric],
         "output_tokens": row.get("output_tokens"), "results": str(results) if results else None,
+        "ci95_low": low, "ci95_high": high,
+        **dict.fromkeys(AGAINST_REFERENCE), **{name: row.get(key) for name, key in _against_reference(metric).items()},
+        "flag": (" ".join(flag.split()) or None) if isinstance(flag, str) else None,  # one line, None when empty
+        "paired": _paired_data(row, metric),
     }
 
 
@@ -224,7 +295,41 @@ def leaderboard_rows(directories: list[Path]) -> tuple[list[dict], list[dict]]:
         reference = next((r for r in out if r["reference"] and r["model"] == row["model"] and r["panel"] == row["panel"]), None)
         row["vs_reference"] = (row["metric"] / reference["metric"] - 1) if reference and row["metric_name"] in LOWER_IS_BETTER \
             else (row["metric"] - reference["metric"]) if reference else None
-    return _once(out), _once(invalid)
+    out = _once(out)
+    for mine in panels(out).values():
+        groups = tie_groups(mine)
+        for row in mine:
+            row["tie_group"] = groups.get(id(row))
+    return out, _once(invalid)
+
+
+def _tied(row: dict, leader: dict) -> bool:
+    """Whether the paired bootstrap interval of ``row``'s change from ``leader`` (comparable rows) contains 0."""
+    (shape, values), (_, leading) = row["paired"], leader["paired"]
+    low, high = paired_change_interval(values, leading, list(shape)) if row["metric_name"] in LOWER_IS_BETTER \
+        else paired_mean_change_interval(values, leading)
+    return low <= 0 <= high
+
+
+def tie_groups(mine: list[dict]) -> dict[int, int]:
+    """Each row's tie group within its bit class in one panel (its rows as :func:`panels` sorts them), by ``id``: the
+    best row leads group 1 and every row not significantly different from it (:func:`_tied`) joins it; the best row
+    left leads group 2, and so on. The reference takes part; a row without per-window data, or on other windows or
+    samples than its class's best row with them, gets none."""
+    groups = {}
+    for klass in dict.fromkeys(r["class"] for r in mine):
+        ranked = [r for r in mine if r["class"] == klass and r["paired"] is not None]
+        left = [r for r in ranked if r["paired"][0] == ranked[0]["paired"][0]]
+        number = 0
+        while left:
+            number += 1
+            leader, *others = left
+            groups[id(leader)] = number
+            for r in others:
+                if _tied(r, leader):
+                    groups[id(r)] = number
+            left = [r for r in others if id(r) not in groups]
+    return groups
 
 
 def pareto(rows: list[dict]) -> list[dict]:
@@ -256,6 +361,12 @@ def _fmt(value, name: str = "", metric: str = "") -> str:
         return ""
     if name == "vs_reference":
         return f"{100 * value:+.1f} %" if metric in LOWER_IS_BETTER else f"{value:+.1f} pts"
+    if name == "kld_mean":
+        return f"{value:.3g}"
+    if name == "top1_agreement":
+        return f"{value:.4f}"
+    if name == "flag":
+        return f"{FLAG_MARK} {value}"
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
@@ -284,16 +395,34 @@ def _href(results: str, out: Path) -> str:
 
 
 def leaders(mine: list[dict]) -> str:
-    """``Leaders: 2 bits: `a` (+3.1 %), `b` (+4.0 %); 4 bits: ...``: the best two rows of each bit class of one panel
-    (its rows as :func:`panels` sorts them), the reference left out."""
+    """``Leaders: 2 bits: `a` (+3.1 %), `b` (+4.0 %); 4 bits: `c` (+1.0 %) = `d` (+1.2 %), not significant; ...``:
+    the best two rows of each bit class of one panel (its rows as :func:`panels` sorts them), the reference and
+    flagged rows left out; ``=`` where the two share a tie group."""
     by_class: dict[int, list[dict]] = {}
     for r in mine:
-        if not r["reference"] and r["class"] is not None:
+        if not r["reference"] and not r["flag"] and r["class"] is not None:
             by_class.setdefault(r["class"], []).append(r)
     def named(r):
         return f"{_md_code(r['option'])} ({_fmt(r['vs_reference'], 'vs_reference', r['metric_name'])})"
-    parts = [f"{c} bits: " + ", ".join(named(r) for r in best[:2]) for c, best in sorted(by_class.items())]
+    def pair(best):
+        tied = len(best) == 2 and best[0]["tie_group"] is not None and best[0]["tie_group"] == best[1]["tie_group"]
+        return " = ".join(map(named, best)) + ", not significant" if tied else ", ".join(map(named, best))
+    parts = [f"{c} bits: " + pair(best[:2]) for c, best in sorted(by_class.items())]
     return "Leaders: " + "; ".join(parts) + "." if parts else ""
+
+
+def notes(rows: list[dict]) -> list[str]:
+    """What the page says of its intervals, tie groups and flags, where its rows need it."""
+    out = []
+    if any(r["tie_group"] is not None for r in rows):
+        out.append("tie_group: within a bit class, the rows whose paired-bootstrap difference from the group's first "
+                   "row is not significant (95 %).")
+    if any(r["paired"] is None for r in rows):
+        out.append("Rows without per-window data (runs that did not keep it) have no interval or tie group.")
+    if any(r["flag"] for r in rows):
+        out.append(f"{FLAG_MARK}: the run's degenerate-output gate flagged the row (the reason follows); it stays "
+                   "ranked and is never named a leader.")
+    return out
 
 
 def class_ranks(mine: list[dict]) -> dict[int, int]:
@@ -325,7 +454,8 @@ def across_models(rows: list[dict]) -> list[tuple[str, list[str], list[dict]]]:
             for r in mine:
                 if not r["reference"]:
                     entry = table.setdefault(r["option"], {"codec": r["codec"], "option": r["option"]})
-                    entry[model] = (r["measured_bits"], r["vs_reference"], r["class"], ranks.get(id(r)), r["metric_name"])
+                    entry[model] = (r["measured_bits"], r["vs_reference"], r["class"], ranks.get(id(r)),
+                                    r["metric_name"], r["flag"])
 
         def order(entry):
             first = next(entry[m] for m in models if m in entry)
@@ -335,11 +465,13 @@ def across_models(rows: list[dict]) -> list[tuple[str, list[str], list[dict]]]:
 
 
 def _across_cells(entry: dict, model: str) -> list[str]:
-    """``measured bits``, ``change`` and ``class: place`` of one model's row, empty where it has none."""
+    """``measured bits``, ``change`` and ``class: place`` (marked where the row is flagged) of one model's row, empty
+    where it has none."""
     if model not in entry:
         return ["", "", ""]
-    bits, change, klass, place, metric = entry[model]
-    return [_fmt(bits), _fmt(change, "vs_reference", metric), f"{klass}: {place}" if place else ""]
+    bits, change, klass, place, metric, flag = entry[model]
+    marked = f"{klass}: {place}" + (f" {FLAG_MARK}" if flag else "") if place else ""
+    return [_fmt(bits), _fmt(change, "vs_reference", metric), marked]
 
 
 def member_hours(directories: list[Path]) -> float:
@@ -366,8 +498,11 @@ def _invalid_markdown(invalid: list[dict], out: Path) -> list[str]:
 
 
 def markdown(rows: list[dict], hours: float | None = None, invalid: list[dict] = (), out: Path = Path(".")) -> str:
-    """The leaderboard as Markdown: member time, invalid rows, the across-model tables, then each panel's table."""
+    """The leaderboard as Markdown: member time, :func:`notes`, invalid rows, the across-model tables, then each
+    panel's table."""
     lines = [f"Computed in {hours:.2f} hours of member time (the members' total_seconds summed).", ""] if hours else []
+    said = notes(rows)
+    lines += [" ".join(_md(n) for n in said), ""] if said else []
     lines += _invalid_markdown(invalid, out)
     for panel, models, entries in across_models(rows):
         lines += [f"### Across models: {_md(panel)}", "",
@@ -474,7 +609,8 @@ def _literal(text: str) -> str:
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px;margin:.5em 0 2em}
 th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}th{background:#eee;cursor:pointer}td.l{text-align:left}
-tr.ref{color:#666;font-style:italic}tr.front td:first-child{border-left:4px solid #d62728}svg{max-width:900px;height:auto}"""
+tr.ref{color:#666;font-style:italic}tr.front td:first-child{border-left:4px solid #d62728}svg{max-width:900px;height:auto}
+tr.flagged td{background:#fff1d6}"""
 SORT = """document.querySelectorAll('th').forEach(th=>th.addEventListener('click',()=>{const t=th.closest('table');
 const i=[...th.parentNode.children].indexOf(th);const rows=[...t.tBodies[0].rows];const up=th.dataset.up!=='1';
 th.dataset.up=up?'1':'0';const v=r=>{const s=r.cells[i].dataset.v??r.cells[i].innerText;const n=parseFloat(s);
@@ -494,7 +630,8 @@ def _invalid_html(invalid: list[dict], out: Path) -> list[str]:
     head = "".join(f"<th>{c}</th>" for c in (*INVALID_COLUMNS, "results"))
     body = "".join("<tr>" + "".join(f"<td class='l'>{_esc(r[c])}</td>" for c in INVALID_COLUMNS)
                    + f"<td class='l'>{_link(r, out)}</td></tr>" for r in invalid)
-    note = "Their metric or bits are not a finite number in range: not ranked, not leaders, not on a Pareto front."
+    note = ("Their metric, bits or interval are not finite numbers in range, or their flag is not a string: not "
+            "ranked, not leaders, not on a Pareto front.")
     return [f"<h2>Invalid rows</h2><p>{note}</p><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"]
 
 
@@ -503,7 +640,7 @@ def page(rows: list[dict], out: Path, reading: str = "", invalid: list[dict] = (
     link to their ``results.json`` relative to ``out``). Everything from the rows is escaped."""
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>kvcomp leaderboard</title>",
              f"<style>{STYLE}</style></head><body><h1>kvcomp leaderboard</h1>", reading,
-             *_invalid_html(invalid, out)]
+             *[f"<p>{_esc(n)}</p>" for n in notes(rows)], *_invalid_html(invalid, out)]
     for panel, models, entries in across_models(rows):
         parts.append(f"<h2>Across models: {_esc(panel)}</h2><table><thead><tr><th>codec</th><th>option</th>"
                      + "".join(f"<th>{_esc(m)} {c}</th>" for m in models
@@ -517,8 +654,9 @@ def page(rows: list[dict], out: Path, reading: str = "", invalid: list[dict] = (
         parts.append(f"<h2>{_esc(model)}: {_esc(panel)}</h2>{plot_svg(mine, f'{model}: {panel}')}")
         parts.append("<table><thead><tr>" + "".join(f"<th>{c}</th>" for c in COLUMNS) + "<th>results</th></tr></thead><tbody>")
         for r in mine:
-            kind = " ".join(k for k, on in (("ref", r["reference"]), ("front", id(r) in front)) if on)
-            cells = "".join(f"<td class='{'l' if c in ('codec', 'option') else ''}' "
+            kind = " ".join(k for k, on in (("ref", r["reference"]), ("front", id(r) in front), ("flagged", r["flag"]))
+                            if on)
+            cells = "".join(f"<td class='{'l' if c in ('codec', 'option', 'flag') else ''}' "
                             f"data-v='{_esc('' if r[c] is None else r[c])}'>"
                             f"{_esc(_fmt(r[c], c, r['metric_name']))}</td>" for c in COLUMNS)
             parts.append(f"<tr class='{kind}' title='{_esc(r['describe'])}'>{cells}"

