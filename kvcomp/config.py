@@ -38,7 +38,7 @@ class ModelConfig:
 
     name: str = "smollm2_135m"
     source: str = "embedded"  # embedded | hub | path to a local folder
-    embedded: str | None = None  # with source=embedded: smollm2_135m (null: the default) | qwen25_coder_05b
+    embedded: str | None = None  # with source=embedded: smollm2_135m (null: the default) | qwen25_coder_05b | gemma3_270m
     hub_id: str | None = None
     dtype: str | None = None  # None: the hardware profile's dtype
     max_context: int = 8192

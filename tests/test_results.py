@@ -41,7 +41,8 @@ def test_the_readme_main_table_has_the_columns_the_main_job_prints():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     header = next(line for line in readme.splitlines() if line.startswith("| model | codec |"))
     metrics = {"benchmark": "b", "bits_per_value_measured": 6.6, "cache_bytes_per_window": 1, "ppl_streaming": 23.1,
-               "ppl_simulated": 34.5, "encoded_share": 0.75, "code_bits_per_value": 3.0, "eval_seconds_streaming": 1.0}
+               "ppl_simulated": 34.5, "encoded_share": 0.75, "code_bits_per_value": 3.0, "eval_seconds_streaming": 1.0,
+               "kld_mean_streaming": 0.13, "kld_mean_simulated": 0.56}
     rows = [{"model": "m", "codec": name, "bits_per_value": bits, "paper_bits_per_value": bits, "overhead_bits": 0,
              **metrics} for name, bits in (("fp16()", 16.0), ("kivi(bits=2)", 3.0))]
     assert markdown_table(rows).splitlines()[0] == header

@@ -88,7 +88,8 @@ def test_reference_rows_are_keyed_on_the_fingerprint(tmp_path, cache_home):
         torch.manual_seed(seed)
         model.model.layers[0].mlp.down_proj.weight.data.normal_()
         info = ModelInfo.from_hf_config(model.config, name="same", fingerprint=f"fp{seed}")
-        rows[seed] = _reference_rows(model, build_codec({"name": "fp16"}, info), benchmark, ModelConfig(), HardwareConfig(), False)
+        rows[seed], _ = _reference_rows(model, build_codec({"name": "fp16"}, info), benchmark, ModelConfig(),
+                                        HardwareConfig(), False)
     assert rows[0][0]["reference_key"] != rows[1][0]["reference_key"]
     assert rows[0][0]["ppl_streaming"] != rows[1][0]["ppl_streaming"]
     path = cache_home / "reference" / f"{rows[1][0]['reference_key']}.json"
@@ -98,7 +99,12 @@ def test_reference_rows_are_keyed_on_the_fingerprint(tmp_path, cache_home):
     with pytest.raises(ArtifactError, match=rf"{path.name} is unreadable.*force=true"):
         _reference_rows(model, reference, benchmark, ModelConfig(), HardwareConfig(), False)
     untimed = lambda rows: [{k: v for k, v in row.items() if not k.startswith("eval_seconds")} for row in rows]  # noqa: E731
-    assert untimed(_reference_rows(model, reference, benchmark, ModelConfig(), HardwareConfig(), True)) == untimed(rows[1])
+    recomputed, kept = _reference_rows(model, reference, benchmark, ModelConfig(), HardwareConfig(), True)
+    assert untimed(recomputed) == untimed(rows[1]) and kept["states_streaming"].shape == (2, 16, 64)
+    states = path.with_suffix(".safetensors")  # the states the distribution metrics compare with, beside the rows
+    states.write_bytes(states.read_bytes()[:40])
+    with pytest.raises(ArtifactError, match=rf"reference tensors .*{states.name} cannot be read.*force=true"):
+        _reference_rows(model, reference, benchmark, ModelConfig(), HardwareConfig(), False)
 
 
 def _fitted_artifact(cache_home, model=MODEL):

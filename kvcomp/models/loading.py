@@ -19,7 +19,7 @@ def load_model(source: str, *, hub_id: str | None = None, embedded: str | None =
     """Load ``(model, tokenizer)`` in eval mode.
 
     ``source``: ``"embedded"`` (the embedded model ``embedded`` from the kvcomp cache, fetched and
-    converted on first use: ``smollm2_135m`` or ``qwen25_coder_05b``),
+    converted on first use: ``smollm2_135m``, ``qwen25_coder_05b`` or ``gemma3_270m``),
     ``"hub"`` (the Hugging Face model ``hub_id``), or a local model folder. ``dtype``: one of
     ``float32``, ``bfloat16``, ``float16``, ``auto``. ``device_map`` (``auto``, ``balanced``,
     ``balanced_low_0``, ``sequential``) spreads whole decoder layers over the visible GPUs
