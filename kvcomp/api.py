@@ -24,6 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvcomp.benchmarks import build_benchmark
+from kvcomp.benchmarks.gate import flag_degenerate
+from kvcomp.benchmarks.intervals import pair_with_reference
 from kvcomp.cache import CompressedCache, Installation, install
 from kvcomp.cache.attention import installation
 from kvcomp.calibration import CalibrationConfig, CalibrationData, fit_state
@@ -172,12 +174,14 @@ def run(*overrides: str, output_dir: str | Path) -> dict:
 
 
 def evaluate(model, tokenizer, codec: str | Codec = "kivi", benchmark="perplexity", *, press: str | Press | None = None,
-             max_context: int | None = None, **options) -> list[dict]:
-    """Metric rows of one benchmark for ``codec`` on a model you loaded (no reference row: evaluate ``"fp16"`` for
-    it). ``benchmark``: a ``benchmark=`` name with its defaults, a mapping with ``name``, or a config dataclass
-    (:mod:`kvcomp.benchmarks.configs`), e.g. ``PerplexityConfig(num_windows=4)``; ``codec``, ``press`` and
-    ``options``: as :func:`compressed_cache`. ``max_context``: the longest input the benchmark may build (default:
-    the model's ``max_position_embeddings``)."""
+             max_context: int | None = None, reference: bool = False, **options) -> list[dict]:
+    """Metric rows of one benchmark for ``codec`` on a model you loaded. ``benchmark``: a ``benchmark=`` name with its
+    defaults, a mapping with ``name``, or a config dataclass (:mod:`kvcomp.benchmarks.configs`), e.g.
+    ``PerplexityConfig(num_windows=4)``; ``codec``, ``press`` and ``options``: as :func:`compressed_cache`.
+    ``max_context``: the longest input the benchmark may build (default: the model's ``max_position_embeddings``).
+    ``reference``: the uncompressed reference's rows first (``reference_key`` set), then the codec's, compared with
+    it as a run compares them (KL divergence and top-1 agreement, paired intervals, the degenerate-output ``flag``);
+    computed here, not cached."""
     if isinstance(benchmark, str):
         benchmark = {"name": benchmark}
     name = benchmark["name"] if isinstance(benchmark, dict) else getattr(benchmark, "name", None)
@@ -195,7 +199,12 @@ def evaluate(model, tokenizer, codec: str | Codec = "kivi", benchmark="perplexit
     runnable.check(model_cfg)
     _installed(model)
     runnable.prepare(model, tokenizer, model_cfg)
-    return runnable.evaluate(model, codec, press)
+    if not reference:
+        return runnable.evaluate(model, codec, press)
+    reference_rows, kept = runnable.evaluate_reference(model, build_codec(
+        {"name": "fp16", "compress_sliding": codec.config.compress_sliding}, codec.model))
+    rows = [{**row, "reference_key": "api"} for row in reference_rows] + runnable.evaluate(model, codec, press, kept)
+    return flag_degenerate(pair_with_reference(rows))
 
 
 __all__ = ["attention", "compose", "compressed_cache", "evaluate", "load_codec", "load_press", "run"]

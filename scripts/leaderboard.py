@@ -7,7 +7,10 @@ A panel is one model on one benchmark and its data (perplexity's or RULER's metr
 member, each with the bits per value the cache measured (codes, scales, windows, sinks, boundary layers, per-sequence
 state: the rank axis), the codec's code bits, its model-level overhead apart, the metric, its change from the
 uncompressed reference of the same data, and (RULER) the mean output length. A row with a press (token eviction)
-is placed by the bits per value of every token seen, evicted ones included. Rows fall into the bit class nearest
+is placed by the bits per value of every token seen, evicted ones included. A model with sliding-window layers (Gemma 3)
+gets each panel twice: placed by the bits of every layer (its sliding-window layers hold their window in the model's
+dtype), and by the bits of its full-attention layers (``· bits of the full-attention layers``), the layers a codec
+compresses by default. Rows fall into the bit class nearest
 their measured bits (1, 2, 3, 4, 8, 16), not their name. The Pareto front of a panel: the rows no other row beats on
 both bits and metric. Every row links to its member's ``results.json``; the page needs no network. Panels that several
 models share open the page in one table across the models (each option's bits, change and place in its bit class per
@@ -62,6 +65,8 @@ COLUMNS = ("class", "codec", "option", "measured_bits", "code_bits", "overhead_b
 AGAINST_REFERENCE = ("kld_mean", "top1_agreement")  # a compressed row's ``<name>_<protocol>``, measured against the reference
 BITS = ("bits_per_value_seen", "bits_per_value_measured", "bits_per_value")
 NUMBERS = (*BITS, "overhead_bits", "output_tokens")
+FULL_ATTENTION_BITS, SLIDING_BITS = "bits_per_value_full_attention", "bits_per_value_sliding_attention"
+FULL_ATTENTION_PANEL = "· bits of the full-attention layers"  # a hybrid model's second reading (_full_attention_reading)
 MOST_BITS = 1024  # bits per value no cache needs; beyond it a row's bits are garbage (and overflow the plot's axis)
 INTERVAL_SLACK = 1e-9  # relative: an interval's bounds and its row's value may differ by rounding (a single window)
 FLAG_MARK = "\u26a0"  # the warning sign before a flagged row's reason
@@ -250,6 +255,19 @@ def _entry(directory: Path, row: dict, metric: str) -> dict:
     }
 
 
+def _full_attention_reading(row: dict, entry: dict) -> list[dict]:
+    """A hybrid model's row (sliding-window layers beside full-attention ones, each kind's bits measured) once more,
+    in a panel of its own placed by the full-attention layers' bits: the sliding-window layers hold their last window
+    in the model's dtype whatever the codec (unless it compresses them, ``codec.compress_sliding=true``), which puts
+    every row of the every-layer reading near the same bits. No second reading for a press's row (its axis counts
+    every token seen)."""
+    bits = row.get(FULL_ATTENTION_BITS)
+    if not isinstance(row.get(SLIDING_BITS), (int, float)) or not isinstance(bits, (int, float)) \
+            or "bits_per_value_seen" in row:
+        return []
+    return [{**entry, "panel": f"{entry['panel']} {FULL_ATTENTION_PANEL}", "measured_bits": bits}]
+
+
 def _failed(directory: Path, row: dict) -> dict:
     """A failed member as an invalid row: its error is the reason, its folder's ``error.json`` the link."""
     error = Path(directory) / row["run_dir"] / ERROR_FILE
@@ -288,7 +306,7 @@ def leaderboard_rows(directories: list[Path]) -> tuple[list[dict], list[dict]]:
             if reason:
                 invalid.append({**entry, "reason": reason})
             else:
-                out.append(entry)
+                out += [entry, *_full_attention_reading(row, entry)]
     for row in out:
         bits = row["measured_bits"] if row["measured_bits"] is not None else row["code_bits"]
         row["class"] = bit_class(bits) if bits is not None else None

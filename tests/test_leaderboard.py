@@ -441,3 +441,26 @@ def test_an_interval_that_misses_its_value_makes_the_row_invalid(tmp_path):
     text, _, rows = _render(tmp_path, {"a": [reference, bad], "b": [reference, _windowed("b", 2.2, BASE_NLL)]})
     assert f"| `a` | ppl_chunked_ci95 [1.0, 2.0] does not contain ppl_chunked {bad['ppl_chunked']} |" in text
     assert [r["codec"] for r in rows] == ["fp16", "b"]
+
+
+def test_a_hybrid_models_rows_get_a_second_panel_by_their_full_attention_layers_bits(tmp_path):
+    """Gemma-like rows: every layer's bits put both codecs near 28 (the sliding-window layers hold their window in
+    the model's dtype); the second panel places them by the full-attention layers' bits, in their own classes. A
+    model without sliding-window layers gets one panel."""
+    module = _module()
+
+    def hybrid(row: dict, full: float) -> dict:
+        return {**row, "bits_per_value_full_attention": full, "bits_per_value_sliding_attention": 32.0}
+
+    reference, a = _ppl("a", 27.8, 24.0, model="g")
+    _, b = _ppl("b", 28.5, 23.0, model="g")
+    members = {"a": [hybrid(reference, 32.0), hybrid(a, 2.2)], "b": [hybrid(reference, 32.0), hybrid(b, 7.9)],
+               "plain": _ppl("plain", 2.2, 22.0)}
+    _, _, rows = _render(tmp_path, members)
+    panels = {(r["model"], r["panel"]) for r in rows}
+    second = f"perplexity:x / perplexity (chunked) {module.FULL_ATTENTION_PANEL}"
+    assert panels == {("g", "perplexity:x / perplexity (chunked)"), ("g", second),
+                      ("m", "perplexity:x / perplexity (chunked)")}
+    classes = {(r["codec"], r["panel"] == second): r["class"] for r in rows if r["model"] == "g"}
+    assert classes == {("fp16", False): "16", ("a", False): "16", ("b", False): "16",
+                       ("fp16", True): "16", ("a", True): "2", ("b", True): "8"}

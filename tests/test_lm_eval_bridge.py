@@ -9,6 +9,7 @@ from kvcomp.benchmarks.lm_eval_bridge import FIXTURES, fixture_task_spec, hub_re
 from kvcomp.config import LMEvalConfig
 from kvcomp.errors import ConfigError
 
+
 @pytest.fixture(scope="module")
 def task_manager():
     from lm_eval.tasks import TaskManager
@@ -214,3 +215,186 @@ def test_hub_only_benchmark_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HubUnavailableError, match="benchmark=ruler"):
         LMEvalBenchmark(_preset("ruler_lmeval")).prepare(None, None, ModelConfig())
+
+
+# ------------------------------------------------------------------------------------------------
+# per-doc values, paired with the reference row
+# ------------------------------------------------------------------------------------------------
+ARC_DOCS = [  # arc_easy's hub format (allenai/ai2_arc)
+    {"id": "q1", "question": "Which gas do plants take in from the air to make their food?",
+     "choices": {"text": ["oxygen", "carbon dioxide", "helium"], "label": ["A", "B", "C"]}, "answerKey": "B"},
+    {"id": "q2", "question": "At what temperature in degrees Celsius does water boil at sea level?",
+     "choices": {"text": ["50", "100", "200"], "label": ["A", "B", "C"]}, "answerKey": "B"},
+]
+LAMBADA_DOCS = [  # lambada_openai's (EleutherAI/lambada_openai): its last word is the continuation
+    {"text": "She opened the door and the cold wind blew into the room, so she quickly closed the door"},
+    {"text": "The river flows north through the desert for many miles until it finally reaches the sea"},
+]
+
+
+@pytest.fixture(scope="module")
+def per_doc_rows(embedded, task_manager, tmp_path_factory):
+    """``(benchmark, reference, fp16, one_bit)``: rows of fp16 as the runner's reference, fp16 again and a 1-bit cache,
+    on two docs each of a generation task (aime24's fixture), a multiple-choice one (arc_easy) and a loglikelihood one
+    (lambada_openai, whose first metric is a perplexity), the last two on local files."""
+    from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
+    from kvcomp.codecs import ModelInfo, build_codec
+    from kvcomp.config import ModelConfig
+
+    model, tokenizer = embedded
+    folder = tmp_path_factory.mktemp("lm_eval_docs")
+    for name, docs in (("arc_easy", ARC_DOCS), ("lambada_openai", LAMBADA_DOCS)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    benchmark = LMEvalBenchmark(LMEvalConfig(
+        tasks=["aime24", "arc_easy", "lambada_openai"], data="fixtures", limit=2, max_gen_toks=4, max_length=512,
+        fixtures={"aime24": "aime/aime24.jsonl", "arc_easy": str(folder / "arc_easy.jsonl"),
+                  "lambada_openai": str(folder / "lambada_openai.jsonl")},
+    ))
+    benchmark.task_manager = task_manager  # lm-eval's task index, built once for the module
+    benchmark.prepare(model, tokenizer, ModelConfig())
+    info = ModelInfo.from_hf_config(model.config)
+    reference, fp16, one_bit = (benchmark.evaluate(model, build_codec(spec, info))[0]
+                                for spec in ({"name": "fp16"}, {"name": "fp16"}, {"name": "uniform", "bits": 1}))
+    return benchmark, {**reference, "reference_key": "fp16"}, fp16, one_bit
+
+
+@pytest.mark.integration
+def test_rows_keep_per_doc_values(per_doc_rows):
+    """Per task and doc: the first metric's score where the task averages it (not lambada's perplexity), the
+    generation's length and repetition rate (generation tasks), the gold's log-probability (every task); their means
+    with intervals."""
+    _, reference, _, one_bit = per_doc_rows
+    for row in (reference, one_bit):
+        assert {task: len(values) for task, values in row["scores"].items()} == {"aime24": 2, "arc_easy": 2}
+        assert {task: len(values) for task, values in row["answer_logps"].items()} == {
+            "aime24": 2, "arc_easy": 2, "lambada_openai": 2}
+        assert row["output_lengths"].keys() == row["repetition_rates"].keys() == {"aime24"}
+        for task in row["scores"]:
+            assert sum(row["scores"][task]) / 2 == pytest.approx(row[f"score_{task}"])
+        assert all(n > 0 for n in row["output_lengths"]["aime24"])
+        assert all(0 <= r <= 1 for r in row["repetition_rates"]["aime24"])
+        logps = [v for values in row["answer_logps"].values() for v in values]
+        assert all(v < 0 for v in logps) and row["answer_logp"] == pytest.approx(sum(logps) / len(logps))
+        for name, per_doc in (("answer_logp", "answer_logps"), ("output_tokens", "output_lengths"),
+                              ("repetition_rate", "repetition_rates")):
+            pooled = [v for values in row[per_doc].values() for v in values]
+            low, high = row[f"{name}_ci95"]
+            assert min(pooled) <= low <= row[name] <= high <= max(pooled)
+
+
+@pytest.mark.integration
+def test_per_doc_values_pair_with_the_reference(per_doc_rows):
+    """fp16 repeats the reference doc by doc (a paired change of 0, in its interval); a 1-bit cache lowers the gold's
+    log-probability, the paired interval below 0."""
+    from kvcomp.benchmarks.intervals import pair_with_reference
+
+    _, reference, fp16, one_bit = per_doc_rows
+    for name in ("scores", "answer_logps", "output_lengths", "repetition_rates"):
+        assert fp16[name] == reference[name]
+    _, same, destroyed = pair_with_reference([reference, fp16, one_bit])
+    low, high = same["answer_logp_vs_reference_ci95"]
+    assert same["answer_logp_vs_reference"] == 0 and low <= 0 <= high
+    assert same["score_avg_vs_reference_ci95"] == [0, 0] and same["output_tokens_vs_reference"] == 1
+    low, high = destroyed["answer_logp_vs_reference_ci95"]
+    assert destroyed["answer_logp_vs_reference"] == pytest.approx(one_bit["answer_logp"] - reference["answer_logp"])
+    assert low <= destroyed["answer_logp_vs_reference"] <= high < 0
+    assert {"score_avg_vs_reference_ci95", "repetition_rate_vs_reference_ci95",
+            "output_tokens_vs_reference_ci95"} <= set(destroyed)
+
+
+@pytest.mark.integration
+def test_gold_answers_are_teacher_forced_after_their_prompts(per_doc_rows, embedded):
+    """fp16's gold log-probabilities are those of a plain forward: aime24's answer after its prompt (and a space:
+    the prompt ends in ``Answer:``), arc_easy's gold choice and lambada's last word over their tokens."""
+    from kvcomp.benchmarks.lm_eval_bridge import load_tasks
+
+    benchmark, reference, _, _ = per_doc_rows
+    model, tokenizer = embedded
+    _, tasks = load_tasks(benchmark.task_manager, benchmark.tasks)
+
+    def mean_logp(context: str, continuation: str) -> float:
+        ids = tokenizer(context, return_tensors="pt").input_ids
+        answer = tokenizer(continuation, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            logits = model(torch.cat([ids, answer], 1)).logits[:, ids.shape[1] - 1:-1]
+        return logits.float().log_softmax(-1).gather(-1, answer[..., None]).mean().item()
+
+    pairs = {
+        "aime24": [(d["Problem"], f" {d['Answer']}") for d in list(tasks["aime24"].test_docs())[:2]],
+        "arc_easy": [(d["question"], d["choices"]["text"][d["choices"]["label"].index(d["answerKey"])])
+                     for d in ARC_DOCS],
+        "lambada_openai": [tuple(d["text"].rsplit(" ", 1)) for d in LAMBADA_DOCS],
+    }
+    contexts = {"aime24": "Question: {}\nAnswer:", "arc_easy": "Question: {}\nAnswer:", "lambada_openai": "{}"}
+    for task, docs in pairs.items():
+        expected = [mean_logp(contexts[task].format(context), gold if gold[0] == " " else " " + gold)
+                    for context, gold in docs]
+        assert reference["answer_logps"][task] == pytest.approx(expected, abs=1e-4), task
+
+
+@pytest.mark.integration
+def test_gold_answers_follow_the_prompt_as_generation_truncates_it(embedded, task_manager, monkeypatch):
+    """With ``truncation: middle``, the gold answer is scored after the very tokens the generation was prefilled
+    with: the prompt's two ends, leaving room for the budget."""
+    from lm_eval.models.huggingface import HFLM
+
+    from kvcomp.benchmarks import lm_eval_bridge
+    from kvcomp.benchmarks.lm_eval_bridge import LMEvalBenchmark
+    from kvcomp.codecs import ModelInfo, build_codec
+    from kvcomp.config import ModelConfig
+
+    model, tokenizer = embedded
+    prompts, generate, score = [], HFLM._model_generate, lm_eval_bridge.answer_logprob
+    monkeypatch.setattr(HFLM, "_model_generate",
+                        lambda self, context, *a, **k: prompts.append(context) or generate(self, context, *a, **k))
+    monkeypatch.setattr(lm_eval_bridge, "answer_logprob",
+                        lambda model, codec, ids, *a, **k: prompts.append(ids) or score(model, codec, ids, *a, **k))
+    benchmark = LMEvalBenchmark(LMEvalConfig(tasks=["longbench_trec"], data="fixtures", limit=1, max_gen_toks=4,
+                                             max_length=160, truncation="middle",
+                                             fixtures={"longbench_trec": "longbench/trec.jsonl"}))
+    benchmark.task_manager = task_manager
+    benchmark.prepare(model, tokenizer, ModelConfig())
+    (row,) = benchmark.evaluate(model, build_codec({"name": "fp16"}, ModelInfo.from_hf_config(model.config)))
+    generated, scored = prompts
+    assert generated.tolist() == scored.tolist() and scored.shape == (1, 156)
+    assert tokenizer.decode(scored[0, :6]).startswith("Please determine")  # the prompt's start, kept
+    assert len(row["answer_logps"]["longbench_trec"]) == 1
+
+
+def test_gold_answers_of_each_target_form():
+    """Generation golds as lm-eval compares them (a choice by index, the first of a list, a number as text); the gold
+    choice of a multiple-choice doc (an index, a choice's text, the first of several, a context's index)."""
+    from types import SimpleNamespace
+
+    from kvcomp.benchmarks.lm_eval_bridge import choice_index, generation_gold
+
+    plain = SimpleNamespace(config=SimpleNamespace(doc_to_choice=None))
+    assert [generation_gold(plain, {}, t) for t in ("286", ["Paris", "the capital"], 8, "", " ", [], None)] == [
+        "286", "Paris", "8", None, None, None, None]
+    indexed = SimpleNamespace(config=SimpleNamespace(doc_to_choice="{{options}}"),
+                              doc_to_choice=lambda doc: doc["options"])
+    assert generation_gold(indexed, {"options": ["no", "yes"]}, 1) == "yes"
+    choices = SimpleNamespace(multiple_input=0, doc_to_choice=lambda doc: ["red", "green", "blue"])
+    assert [choice_index(choices, {}, t) for t in (2, "green", [1, 2], 3, "purple", [])] == [2, 1, 1, None, None, None]
+    contexts = SimpleNamespace(multiple_input=2, doc_to_text=lambda doc: doc["gold"],
+                               doc_to_choice=lambda doc: ["a", "b"])
+    assert choice_index(contexts, {"gold": 1}, " continuation") == 1
+
+
+def test_sample_means_of_what_a_row_holds():
+    from kvcomp.benchmarks.intervals import sample_means
+
+    means = sample_means({"answer_logps": {"a": [-1.0, -3.0], "b": [-2.0]}})
+    assert set(means) == {"answer_logp", "answer_logp_ci95"} and means["answer_logp"] == -2.0
+    assert -3.0 <= means["answer_logp_ci95"][0] <= -2.0 <= means["answer_logp_ci95"][1] <= -1.0
+    assert sample_means({"scores": {"a": [1.0]}}) == {}
+
+
+def test_groups_are_evaluated_whole_and_their_tasks_named(task_manager):
+    from kvcomp.benchmarks.lm_eval_bridge import load_tasks
+
+    specs = [fixture_task_spec(task_manager, t, FIXTURES / "aime" / f"{t}.jsonl") for t in ("aime24", "aime25")]
+    group = {"group": "aime_both", "task": specs}
+    items, tasks = load_tasks(task_manager, [group, specs[0] | {"task": "aime24_again"}])
+    assert [getattr(item, "name", None) or item.task_name for item in items] == ["aime_both", "aime24_again"]
+    assert list(tasks) == ["aime24", "aime25", "aime24_again"]

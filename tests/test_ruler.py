@@ -281,12 +281,16 @@ def test_real_tokenizer_prompts_are_exact_with_the_chat_template(embedded):
 
 
 @pytest.mark.integration
-def test_a_destructive_codec_collapses_niah(embedded):
+def test_a_destructive_codec_collapses_niah(embedded, monkeypatch):
     """fp16 finds single needles at 512 tokens; a 1-bit cache loses them: the benchmark reads the compressed cache."""
+    from kvcomp.benchmarks import ruler
+    from kvcomp.benchmarks.prefill import PrefillMemo
     from kvcomp.codecs import ModelInfo, build_codec
 
     model, tokenizer = embedded
-    benchmark, model_cfg = _ruler(["niah_single_1", "niah_single_2"], [512], 3, max_new_tokens=12)  # 7 digits
+    # each prompt prefilled once and replayed (into both codecs' caches, and before each gold answer), as in a run
+    monkeypatch.setattr(ruler, "PREFILLS", PrefillMemo(budget=10**9, by_object=True))
+    benchmark, model_cfg = _ruler(["niah_single_1", "niah_single_2"], [512], 3, max_new_tokens=12, batch_size=1)  # 7 digits
     benchmark.prepare(model, tokenizer, model_cfg)
     info = ModelInfo.from_hf_config(model.config)
     (fp16,) = benchmark.evaluate(model, build_codec({"name": "fp16"}, info))

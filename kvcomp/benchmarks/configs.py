@@ -87,6 +87,7 @@ class LMEvalConfig:
     metadata: dict[str, Any] = field(default_factory=dict)  # TaskManager metadata (RULER: max_seq_lengths)
     protocol: str = "exact_prefill"
     compress_generated: bool = True
+    score_answers: bool = True  # each doc's gold teacher-forced after its compressed prompt (generation: one more prefill)
     include_reference: bool = True
 
     def __post_init__(self):

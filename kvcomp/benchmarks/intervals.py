@@ -17,7 +17,8 @@ tokens`` (:func:`ratio_interval`), a quantile (``kld_median``, ``kld_p99``) of t
 **Accuracies** (RULER): ``acc_<task>_ci95`` and ``acc_avg_ci95`` are Wilson score intervals (Wilson 1927) of the mean
 score, each sample's score (a share in [0, 1], x100) counted as one trial; a compressed row's
 ``acc_avg_vs_reference_ci95`` is the paired bootstrap interval of its mean change in points, the samples of every
-task pooled and resampled together (so that one sample per task still gives an interval). The per-sample means
+task pooled and resampled together (so that one sample per task still gives an interval); an lm-eval row's is
+``score_avg_vs_reference_ci95``, over its per-doc ``scores``. The per-sample means
 (the gold answer's log-probability, the repetition rate, the output length) get bootstrap intervals over samples, and
 compressed rows their paired changes (``<metric>_vs_reference``, the output length's as a ratio of totals).
 """
@@ -102,8 +103,9 @@ def _paired(row: dict, reference: dict) -> dict:
                 paired[f"ppl_{key.removeprefix('nll_')}_vs_reference_ci95"] = paired_change_interval(
                     row[key], reference[key], row["tokens_per_window"])
     if _same_samples(row, reference, "scores"):
-        paired["acc_avg_vs_reference_ci95"] = paired_mean_change_interval(_pooled(row, "scores"),
-                                                                           _pooled(reference, "scores"))
+        average = "acc_avg" if "acc_avg" in row else "score_avg"  # RULER's headline, or lm-eval's
+        paired[f"{average}_vs_reference_ci95"] = paired_mean_change_interval(_pooled(row, "scores"),
+                                                                             _pooled(reference, "scores"))
     for name, per_sample in (("answer_logp", "answer_logps"), ("repetition_rate", "repetition_rates")):
         if _same_samples(row, reference, per_sample):
             mine, theirs = _pooled(row, per_sample), _pooled(reference, per_sample)
@@ -127,10 +129,27 @@ def _pooled(row: dict, name: str) -> list[float]:
     return [value for values in row[name].values() for value in values]
 
 
+SAMPLE_MEANS = (("answer_logp", "answer_logps"), ("repetition_rate", "repetition_rates"), ("output_tokens", "output_lengths"))
+
+
+def sample_means(row: dict) -> dict:
+    """A generation row's means over every sample (or doc) of its tasks of the per-sample values it holds (task ->
+    list): the gold answer's mean log-probability per token (``answer_logp``), the repetition rate
+    (``repetition_rate``), the output length (``output_tokens``), each with its 95 % bootstrap interval over samples
+    (``_ci95``)."""
+    means = {}
+    for name, per_sample in SAMPLE_MEANS:
+        pooled = _pooled(row, per_sample) if isinstance(row.get(per_sample), dict) else []
+        if pooled:
+            means |= {name: sum(pooled) / len(pooled), f"{name}_ci95": ratio_interval(pooled, [1] * len(pooled))}
+    return means
+
+
 def pair_with_reference(rows: list[dict]) -> list[dict]:
-    """``rows`` with the paired intervals (``ppl_<protocol>_vs_reference_ci95``, ``acc_avg_vs_reference_ci95``) added
-    to each compressed row whose reference row (one with a ``reference_key``, of the same benchmark label: the same
-    windows or samples) kept the per-window NLLs or per-sample scores."""
+    """``rows`` with the paired intervals (``ppl_<protocol>_vs_reference_ci95``, ``acc_avg_vs_reference_ci95`` or
+    ``score_avg_vs_reference_ci95``, the per-sample means' changes) added to each compressed row whose reference row
+    (one with a ``reference_key``, of the same benchmark label: the same windows or samples) kept the per-window NLLs
+    or per-sample values."""
     references = {row["benchmark"]: row for row in rows if row.get("reference_key") and "benchmark" in row}
     out = []
     for row in rows:

@@ -10,6 +10,10 @@ its ``generate`` builds its own cache. :class:`CompressedCacheLM` fixes both:
   compressed context exactly as if the text had been fed token by token. A model-scope codec (kvtc)
   encodes a block only after the forward that completes it, so its requests are fed one compression
   event (``every`` tokens) per forward through an ``exact_prefill`` cache instead.
+- per doc, from lm-eval's logged samples: the first metric's score, the generation's length and repetition rate,
+  and the gold continuation's log-probability after the compressed prompt (:func:`answer_logp`; generation tasks
+  pay one more prefill per doc for it), so that the runner pairs the row with the reference's doc by doc
+  (:mod:`kvcomp.benchmarks.intervals`) and the degenerate-output gate reads it (:mod:`kvcomp.benchmarks.gate`).
 - ``truncation: middle`` keeps the first and last halves of an over-long context (LongBench's
   reference; lm-eval cuts on the left).
 - a press (``press=...``, :mod:`kvcomp.presses`): generation tasks only (``generate_until``), each prompt pressed
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 import re
 import time
@@ -55,10 +60,12 @@ import torch
 
 from kvcomp.benchmarks.base import Benchmark, register
 from kvcomp.benchmarks.configs import LMEvalConfig
-from kvcomp.benchmarks.generation import GenerationProtocol
+from kvcomp.benchmarks.generation import GenerationProtocol, answer_logprob, repetition_rate
+from kvcomp.benchmarks.intervals import sample_means
 from kvcomp.cache import CompressedCache, with_cache
 from kvcomp.data import HubUnavailableError, dataset_download_command, hub_offline
 from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.progress import progress
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DATA_SOURCES = ("auto", "hub", "fixtures")
@@ -66,7 +73,7 @@ TRUNCATIONS = ("left", "middle")
 SPLIT_FIELDS = ("training_split", "validation_split", "test_split", "fewshot_split")
 DATASET_FIELDS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset"}
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
+LIKELIHOOD_TYPES = ("loglikelihood", "multiple_choice")  # request types whose gold continuation lm-eval scores
 log = logging.getLogger(__name__)
 
 
@@ -84,6 +91,7 @@ def hub_reachable(timeout: float = 5.0) -> bool:
 def _lm_class():
     """``CompressedCacheLM``, defined on first use (importing lm-eval takes seconds)."""
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.utils import normalize_gen_kwargs
 
     class CompressedCacheLM(HFLM):
         """``HFLM`` whose every request reads a fresh compressed cache (see the module docstring)."""
@@ -130,6 +138,13 @@ def _lm_class():
             ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
             mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
             return ids, mask
+
+        def prompt_ids(self, context: str, gen_kwargs: dict) -> torch.Tensor:
+            """``context`` as :meth:`generate_until` feeds it ``[1, T]``: tokenized, truncated to leave room for the
+            request's generation budget (``gen_kwargs``, as capped)."""
+            budget = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)["max_gen_toks"]
+            return self.tok_batch_encode([context], left_truncate_len=self.max_length - budget,
+                                         truncation=self.truncation)[0]
 
     return CompressedCacheLM
 
@@ -281,10 +296,99 @@ def point_task_at(task_manager, task: str, snapshot: Path) -> None:
     task_manager.task_index[task] = dataclasses.replace(entry, yaml_path=None, cfg=spec)
 
 
+def load_tasks(task_manager, specs: list) -> tuple[list, dict]:
+    """lm-eval's tasks built once from ``specs`` (names or configs): what to evaluate (each spec's groups and the tasks
+    outside them, in order) and every task by name, the objects the evaluation runs (:func:`per_doc_values` reads
+    their gold answers)."""
+    items, tasks = [], {}
+    for spec in specs:
+        loaded = task_manager.load(spec)
+        inner = {name for group in loaded["groups"].values() for name in group.child_names}
+        items += [item for name, item in (*loaded["groups"].items(), *loaded["tasks"].items()) if name not in inner]
+        tasks |= loaded["tasks"]
+    return items, tasks
+
+
+def per_doc_values(lm, task, samples: list[dict], metric_key: str, *, answers: bool) -> dict[str, list[float]]:
+    """One task's per-doc values, in doc order, from lm-eval's logged ``samples`` (those of the filter of
+    ``metric_key``, lm-eval's ``metric,filter``):
+
+    - ``scores``: the metric's value per doc, when every doc has a number and the task averages them (their mean is
+      ``score_<task>``; a corpus-level metric such as BLEU has none);
+    - ``output_lengths``, ``repetition_rates`` (generation tasks): the raw generation (lm-eval's ``resps``, before any
+      filter) in tokens, and its :func:`~kvcomp.benchmarks.generation.repetition_rate`;
+    - ``answer_logps`` (with ``answers``): :func:`answer_logp` of each doc that has one (absent when none has)."""
+    from lm_eval.api.metrics import mean
+
+    metric, filter_key = metric_key.split(",", 1)
+    docs = sorted((s for s in samples if s["filter"] == filter_key), key=lambda s: s["doc_id"])
+    values, out = [s.get(metric) for s in docs], {}
+    if task.aggregation().get(metric, mean) is mean and all(isinstance(v, numbers.Real) for v in values):
+        out["scores"] = [float(v) for v in values]
+    if task.OUTPUT_TYPE == "generate_until":
+        outputs = [lm.tok_encode(s["resps"][0][0], add_special_tokens=False) for s in docs]
+        out["output_lengths"] = [len(ids) for ids in outputs]
+        out["repetition_rates"] = [repetition_rate(ids) for ids in outputs]
+    logps = [logp for s in docs if (logp := answer_logp(lm, task, s)) is not None] if answers else []
+    return out | ({"answer_logps": logps} if logps else {})
+
+
+def answer_logp(lm, task, sample: dict) -> float | None:
+    """A doc's gold continuation, its mean log-probability per token after the prompt as the compressed cache holds
+    it; None where there is none (a rolling-loglikelihood task, an empty context, no usable gold).
+
+    - generation: :func:`~kvcomp.benchmarks.generation.answer_logprob` of :func:`generation_gold` after the
+      request's context, tokenized and truncated as for its generation (``lm.prompt_ids``) and prefilled under the
+      same protocol and press; the gold after a space (as RULER's golds follow its answer prefixes) unless either
+      brings its own whitespace, cut to what fits in ``max_length``. One more prefill per doc.
+    - likelihood (``loglikelihood``, ``multiple_choice``): lm-eval's own log-likelihood of the gold continuation
+      (:func:`choice_index`), read through the compressed cache, over its tokens as lm-eval split them."""
+    if task.OUTPUT_TYPE == "generate_until":
+        context, gen_kwargs = sample["arguments"][0]
+        gold = generation_gold(task, sample["doc"], sample["target"])
+        if gold is None:
+            return None
+        ids = lm.prompt_ids(context, gen_kwargs)
+        text = gold if context[-1:].isspace() or gold[:1].isspace() else " " + gold
+        answer = lm.tok_encode(text, add_special_tokens=False)[: lm.max_length - ids.shape[1]]
+        return answer_logprob(lm.model, lm.codec, ids, answer, protocol=lm.protocol)
+    if task.OUTPUT_TYPE not in LIKELIHOOD_TYPES:
+        return None
+    gold = 0 if task.OUTPUT_TYPE == "loglikelihood" else choice_index(task, sample["doc"], sample["target"])
+    if gold is None or not sample["arguments"][gold][0]:
+        return None
+    (loglikelihood, _), *_ = sample["resps"][gold]
+    return loglikelihood / len(lm._encode_pair(*sample["arguments"][gold])[1])
+
+
+def generation_gold(task, doc: dict, target) -> str | None:
+    """The gold answer of a generation doc (``target``: lm-eval's ``doc_to_target``), as lm-eval compares it: the
+    choice it indexes when the task has choices, the first of several, a number as text; None when empty."""
+    if task.config.doc_to_choice is not None and isinstance(target, int):
+        target = task.doc_to_choice(doc)[target]
+    if isinstance(target, list):
+        target = target[0] if target else None
+    text = str(target) if isinstance(target, (str, int)) else None
+    return text if text and text.strip() else None
+
+
+def choice_index(task, doc: dict, target) -> int | None:
+    """The gold choice of a multiple-choice doc as lm-eval finds it (the first of several); None when out of range."""
+    gold = task.doc_to_text(doc) if task.multiple_input else target
+    if isinstance(gold, list):
+        gold = gold[0] if gold else None
+    choices = task.doc_to_choice(doc)
+    if isinstance(gold, str):
+        gold = choices.index(gold) if gold in choices else None
+    return gold if isinstance(gold, int) and 0 <= gold < len(choices) else None
+
+
 @register
 class LMEvalBenchmark(Benchmark):
     """lm-eval tasks with every request through the compressed cache: one row, ``score_<task>`` (each
-    task's first metric) and ``score_avg``; every metric lm-eval reports is kept under ``lm_eval``."""
+    task's first metric) and ``score_avg``; every metric lm-eval reports is kept under ``lm_eval``. Per task and doc
+    (:func:`per_doc_values`): ``scores``, ``output_lengths``, ``repetition_rates`` and ``answer_logps``, and over
+    every doc ``answer_logp``, ``repetition_rate`` and ``output_tokens`` with their ``_ci95``, as RULER's rows."""
 
     names = ("lm_eval", "longbench", "aime", "ruler_lmeval")  # lm_eval and its presets (conf/benchmark/)
     config_class = LMEvalConfig
@@ -412,6 +516,9 @@ class LMEvalBenchmark(Benchmark):
                               "the context; choose generation tasks (LongBench, AIME) or press=none")
 
     def evaluate(self, model, codec, press=None, reference=None) -> list[dict]:
+        """One row (the class docstring); lm-eval's logged samples give each task's per-doc values
+        (:func:`per_doc_values`), paired with the reference row's by the runner, and their means
+        (:func:`~kvcomp.benchmarks.intervals.sample_means`)."""
         import lm_eval
 
         c = self.config
@@ -423,9 +530,10 @@ class LMEvalBenchmark(Benchmark):
             batch_size=c.batch_size, max_length=self.max_length, device=str(next(model.parameters()).device),
         )
         start = time.perf_counter()
+        items, tasks = load_tasks(self.task_manager, self.tasks)
         output = lm_eval.simple_evaluate(
-            model=lm, tasks=self.tasks, task_manager=self.task_manager, limit=c.limit, num_fewshot=c.num_fewshot,
-            apply_chat_template=c.chat_template, metadata=self.metadata or None, log_samples=False,
+            model=lm, tasks=items, task_manager=self.task_manager, limit=c.limit, num_fewshot=c.num_fewshot,
+            apply_chat_template=c.chat_template, metadata=self.metadata or None, log_samples=True,
         )
         metrics = {
             task: {k: v for k, v in values.items() if k not in ("alias", "sample_len") and "stderr" not in k and isinstance(v, (int, float))}
@@ -438,5 +546,12 @@ class LMEvalBenchmark(Benchmark):
                 row[f"score_{task}"] = next(iter(values.values()))
         scores = [v for k, v in row.items() if k.startswith("score_")]
         row["score_avg"] = sum(scores) / len(scores) if scores else None
+        answers = c.score_answers
+        for task, samples in progress(output["samples"].items(), f"{c.name} per-doc values", unit="task"):
+            if metrics.get(task):
+                first = next(iter(metrics[task]))
+                for name, values in per_doc_values(lm, tasks[task], samples, first, answers=answers).items():
+                    row.setdefault(name, {})[task] = values
+        row |= sample_means(row)
         row["eval_seconds"] = round(time.perf_counter() - start, 2)
         return [row]

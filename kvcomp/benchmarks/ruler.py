@@ -51,8 +51,8 @@ import torch
 from kvcomp.benchmarks.base import Benchmark, example_summary, register
 from kvcomp.benchmarks.configs import RulerConfig
 from kvcomp.benchmarks.generation import GenerationProtocol, answer_logprob, eos_ids, generate_greedy, repetition_rate
+from kvcomp.benchmarks.intervals import sample_means, wilson_interval
 from kvcomp.benchmarks.prefill import PREFILLS
-from kvcomp.benchmarks.intervals import ratio_interval, wilson_interval
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.progress import progress_bar
 
@@ -688,19 +688,6 @@ class RulerBenchmark(Benchmark):
         tasks that need all of them, the first for those that need one (QA's alternatives)."""
         answers = sample.answers if TASKS[task].metric == "string_match_all" else sample.answers[:1]
         return self.tokenizer(" " + ", ".join(answers), add_special_tokens=False)["input_ids"]
-
-
-def sample_means(row: dict) -> dict:
-    """A RULER row's means over every sample of its tasks, with 95 % bootstrap intervals over samples: the gold
-    answer's mean log-probability per token (``answer_logp``) and the repetition rate (``repetition_rate``); the
-    interval of the mean output length (``output_tokens``, from the generation metrics)."""
-    pooled = {name: [v for values in row[name].values() for v in values]
-              for name in ("answer_logps", "repetition_rates", "output_lengths")}
-    means = {name: sum(pooled[per_sample]) / len(pooled[per_sample])
-             for name, per_sample in (("answer_logp", "answer_logps"), ("repetition_rate", "repetition_rates"))}
-    return means | {f"{name}_ci95": ratio_interval(pooled[per_sample], [1] * len(pooled[per_sample]))
-                    for name, per_sample in (("answer_logp", "answer_logps"), ("repetition_rate", "repetition_rates"),
-                                             ("output_tokens", "output_lengths"))}
 
 
 def ruler_haystack(name: str) -> tuple[list[str], bool]:
