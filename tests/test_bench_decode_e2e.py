@@ -1,16 +1,16 @@
-"""scripts/bench_decode_e2e.py --smoke: the end-to-end decode benchmark's code path (speed rows, the largest
+"""python -m benchmarks.bench_decode_e2e --smoke: the end-to-end decode benchmark's code path (speed rows, the largest
 batch search, the teacher-forced fused vs torch comparison) on a tiny model under the Triton interpreter."""
 
-import pytest
+from importlib import import_module
 
-from tests.conftest import load_script
+import pytest
 
 pytest.importorskip("triton")
 
 
 def test_end_to_end_benchmark_runs_and_the_fused_path_agrees(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    module = load_script("bench_decode_e2e")
+    module = import_module("benchmarks.bench_decode_e2e")
     table = module.main(["--smoke", "--rows", "DynamicCache", "kivi-2"])
     speed, batches, agreement = table.split("\n\n")[0], table.split("real allocations")[1], table.split("teacher-forced")[1]
     assert "| 2 | 192 | DynamicCache |" in speed and "| 2 | 192 | kivi-2 |" in speed
@@ -24,7 +24,7 @@ def test_end_to_end_benchmark_runs_and_the_fused_path_agrees(monkeypatch):
 @pytest.mark.parametrize("guess", [None, 2, 30, 37, 38, 45, 500, 4096])
 def test_the_largest_batch_search_finds_the_boundary_from_any_estimate(guess):
     """The search returns the largest batch that fits whatever the estimate, in few tries where it is close."""
-    module = load_script("bench_decode_e2e")
+    module = import_module("benchmarks.bench_decode_e2e")
     tries = []
 
     def fits(batch):
@@ -39,7 +39,7 @@ def test_the_largest_batch_search_finds_the_boundary_from_any_estimate(guess):
 
 
 def test_the_estimate_fills_the_capacity_from_what_two_batches_hold():
-    module = load_script("bench_decode_e2e")
+    module = import_module("benchmarks.bench_decode_e2e")
     assert module._estimate((3.5, 4.0), 16.0, 4096) == 26  # 3 GiB besides 0.5 GiB a sequence: (16 - 3) / 0.5
     assert module._estimate((3.5, 4.0), 16.0, 20) == 20
     assert module._estimate((float("nan"), float("nan")), 16.0, 4096) is None  # a CPU: nothing measured

@@ -1,10 +1,10 @@
-"""scripts/bench_decode_overhead.py --smoke: the decode-step overhead benchmark runs and fills its table."""
+"""python -m benchmarks.bench_decode_overhead --smoke: the decode-step overhead benchmark runs and fills its table."""
 
-from tests.conftest import load_script
+from importlib import import_module
 
 
 def _script():
-    return load_script("bench_decode_overhead")
+    return import_module("benchmarks.bench_decode_overhead")
 
 
 def test_smoke_table_has_baseline_and_fp16_rows_with_positive_times():

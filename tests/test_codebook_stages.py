@@ -103,7 +103,7 @@ def test_outliers_keep_the_most_extreme_entries_per_token_exactly():
 def test_normalize_moves_nothing_from_the_cpu_to_the_device_of_its_input(mode, monkeypatch):
     """With the statistics on the input's device, normalising a block copies no CPU tensor to that device: on
     a GPU each such copy synchronises the host (16 per decode step of ChannelKV on an H200,
-    ``scripts/bench_decode_e2e.py``).
+    ``benchmarks/bench_decode_e2e.py``).
     The meta device stands in for the GPU."""
     x = torch.randn(2, 3, 8, 16)
     stats = ChannelStats(*(t.to("meta") for t in vars(ChannelStats.of(x)).values()))

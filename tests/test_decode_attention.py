@@ -2,6 +2,8 @@
 (under TRITON_INTERPRET=1 on the CPU), the payload readers against the codecs' own decode, and the
 attention path that serves decode steps from the payloads."""
 
+from importlib import import_module
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from kvcomp.kernels.valid_tokens import SPAN, ValidTokens
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.packing import packed_length
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
-from tests.conftest import info_of, load_script
+from tests.conftest import info_of
 from tests.test_codebook_codecs import fitted
 from tests.test_qjl_kernel import QJL_FUSED
 
@@ -1011,10 +1013,10 @@ def test_streaming_prefill_then_fused_decode(tiny_llama):
 
 
 def test_gpu_benchmark_script_runs_on_the_interpreter():
-    """scripts/bench_decode_attention.py --smoke: the GPU benchmark's code path on a tiny CPU shape, with the
+    """python -m benchmarks.bench_decode_attention --smoke: the GPU benchmark's code path on a tiny CPU shape, with the
     kernel checked inside the script against the float64 reference on fresh inputs (bf16 outputs). QJL's fused step
     runs in ``bench_qjl_decode.py``'s own check (tests/test_qjl_kernel.py)."""
-    module = load_script("bench_decode_attention")
+    module = import_module("benchmarks.bench_decode_attention")
     table = module.main(["--smoke", "--codecs", "kivi-2", "temporalkv-2", "--step-mask"])
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 160 |")]
     assert [row[2] for row in rows][1:] == ["kivi-2", "kivi-2 (mask)", "temporalkv-2", "temporalkv-2 (mask)"]
@@ -1028,7 +1030,7 @@ def test_a_smoke_run_with_a_failing_row_is_an_error(monkeypatch, capsys):
     """On a GPU a failing format is a row of the table and the others are measured; ``--smoke``, the script's check,
     exits with an error naming it (under Triton 3.6 without the interpreter's scalar index, every row failed and the
     check passed)."""
-    module = load_script("bench_decode_attention")
+    module = import_module("benchmarks.bench_decode_attention")
 
     def failing(name, *args, **kwargs):
         raise RuntimeError(f"{name} cannot run here")
@@ -1040,8 +1042,8 @@ def test_a_smoke_run_with_a_failing_row_is_an_error(monkeypatch, capsys):
 
 
 def test_decode_call_profile_runs_on_the_interpreter():
-    """scripts/profile_decode_call.py --smoke: one call's host time, its Python functions and torch operators."""
-    report = load_script("profile_decode_call").main(["--smoke", "--codecs", "kivi-2", "--top", "5"])
+    """python -m benchmarks.profile_decode_call --smoke: one call's host time, its Python functions and torch operators."""
+    report = import_module("benchmarks.profile_decode_call").main(["--smoke", "--codecs", "kivi-2", "--top", "5"])
     host = float(report.split("host ms per call, median of 2: ")[1].split()[0])
     assert report.startswith("=== kivi-2 at 1 x 160") and host > 0
     assert "function calls" in report.split("--- torch operators")[0]  # cProfile timed the calls
@@ -1049,9 +1051,9 @@ def test_decode_call_profile_runs_on_the_interpreter():
 
 
 def test_launch_configuration_sweep_runs_on_the_interpreter():
-    """scripts/sweep_decode_kernel.py --smoke: each configuration (here the default tl.dot launch and the register
+    """python -m benchmarks.sweep_decode_kernel --smoke: each configuration (here the default tl.dot launch and the register
     path with 8 warps) runs, is timed and is checked against the float64 reference inside the script."""
-    module = load_script("sweep_decode_kernel")
+    module = import_module("benchmarks.sweep_decode_kernel")
     table = module.main(["--smoke", "--codecs", "kivi-2", "--configs", "0", "2"])
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| kivi-2 | 1 x 160 |")]
     assert [row[2] for row in rows] == list(module.CONFIGS)[0:3:2]
@@ -1112,7 +1114,7 @@ def test_default_tile_is_wide_only_for_the_formats_measured_faster_with_it():
     from kvcomp.codecs import needs_calibration
     from kvcomp.kernels.decode_attention_triton import decode_launches, payload_launch_inputs
 
-    bench = load_script("bench_decode_attention")
+    bench = import_module("benchmarks.bench_decode_attention")
     wide = {"kivi-2", "kivi-4", "int4-token-head", "eden-2", "nvfp4", "kvarn", "turboquant-k3v4-nc"}
     for name, config in bench.CODECS.items():
         codec = build_codec(config, ModelInfo("llama31_8b", 1, 2, 128))

@@ -208,7 +208,7 @@ def test_user_errors_print_one_line_and_bugs_keep_tracebacks(tmp_path):
 
 @pytest.mark.integration
 def test_prefill_memo_benchmark_runs_and_agrees(embedded):
-    from tests.conftest import load_script
+    from importlib import import_module
 
-    body = load_script("bench_prefill_memo").main(["--tokens", "48", "--new", "3", "--codecs", "fp16", "kivi"])
+    body = import_module("benchmarks.bench_prefill_memo").main(["--tokens", "48", "--new", "3", "--codecs", "fp16", "kivi"])
     assert body.count("| yes |") == 2 and "| NO |" not in body

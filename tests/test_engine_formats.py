@@ -72,7 +72,8 @@ def test_e2m1_rounds_to_the_nearest_magnitude_ties_to_the_even_code(x, expected)
 
 def test_nvfp4_copies_its_e2m1_grid_to_a_device_once(monkeypatch):
     """Each decode step encodes its token: a host-to-device copy of the e2m1 grid per encode made the host wait for
-    the GPU twice per layer and step (``host syncs per step`` 8 on 4 layers, ``bench_decode_e2e.py`` on an H100)."""
+    the GPU twice per layer and step (``host syncs per step`` 8 on 4 layers, ``benchmarks/bench_decode_e2e.py`` on an
+    H100)."""
     from kvcomp.stages import minifloat
 
     copies = []

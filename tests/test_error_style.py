@@ -137,27 +137,33 @@ def test_wandb_files_hold_no_install_paths(tmp_path, monkeypatch):
     ("ppl_spread.py", ["--codec", "nosuch"], "argument --codec: invalid choice: 'nosuch'"),
     ("ppl_spread.py", ["--copies", "0"], "argument --copies: must be at least 1, got 0"),
     ("qjl_distortion.py", ["--ratios", "4", "-1"], "argument --ratios: must be at least 1, got -1"),
-    ("bench_calibration.py", ["--codecs", "kvtc,nosuch"], "unknown codec family 'nosuch'; valid choices: aquakv,"),
-    ("bench_calibration.py", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
-    ("bench_cache_memory.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
-    ("kernel_resources.py", ["--context", "-5"], "argument --context: must be at least 1, got -5"),
-    ("bench_qjl_decode.py", ["--reps", "0"], "argument --reps: must be at least 1, got 0"),
-    ("bench_decode_e2e.py", ["--layers", "0"], "argument --layers: must be at least 1, got 0"),
-    ("bench_decode_attention.py", ["--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
-    ("bench_decode_overhead.py", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
-    ("bench_decode_overhead.py", ["--repeats", "x"], "argument --repeats: invalid int value: 'x'"),
+    ("benchmarks.bench_calibration", ["--codecs", "kvtc,nosuch"], "unknown codec family 'nosuch'; valid choices: aquakv,"),
+    ("benchmarks.bench_calibration", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    ("benchmarks.bench_cache_memory", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    ("tools.kernel_resources", ["--context", "-5"], "argument --context: must be at least 1, got -5"),
+    ("benchmarks.bench_qjl_decode", ["--reps", "0"], "argument --reps: must be at least 1, got 0"),
+    ("benchmarks.bench_decode_e2e", ["--layers", "0"], "argument --layers: must be at least 1, got 0"),
+    ("benchmarks.bench_decode_attention", ["--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
+    ("benchmarks.bench_decode_overhead", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    ("benchmarks.bench_decode_overhead", ["--repeats", "x"], "argument --repeats: invalid int value: 'x'"),
     ("render_csr_tables.py", ["{missing}"], "is not a directory"),
     ("render_csr_tables.py", ["{tmp}", "--summary"], "summary.csv is missing"),
 ])
 def test_scripts_refuse_bad_arguments_before_any_work(script, args, expected, tmp_path, monkeypatch, capsys):
-    """argparse's usage error (exit status 2), not a traceback from inside the work."""
+    """argparse's usage error (exit status 2), not a traceback from inside the work. ``script``: a file of
+    ``scripts/`` (run as ``python scripts/<script>``) or a module of ``benchmarks``/``tools`` (run from the repository
+    root as ``python -m <module>``)."""
     import runpy
 
     args = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in args]
     monkeypatch.setattr(sys, "argv", [script, *args])
-    monkeypatch.setattr(sys, "path", [str(ROOT / "scripts"), *sys.path])  # as `python scripts/<script>` runs
     with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+        if script.endswith(".py"):
+            monkeypatch.setattr(sys, "path", [str(ROOT / "scripts"), *sys.path])  # as `python scripts/<script>` runs
+            runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+        else:
+            monkeypatch.delitem(sys.modules, script, raising=False)  # imported by another test: run it afresh
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
     assert exit_.value.code == 2 and expected in capsys.readouterr().err
 
 

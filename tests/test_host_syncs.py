@@ -1,7 +1,7 @@
 """A decode step makes the host wait for the device nowhere: no synchronising operation in kvcomp (fused
 path under the Triton interpreter, torch path), nor in transformers' own step on the kvcomp attention
 (its mask function does not read the padding mask on the host). Found on the CPU by
-:class:`~kvcomp.cache.host_syncs.HostSyncs`; ``scripts/bench_decode_e2e.py`` counts them on a GPU."""
+:class:`~kvcomp.cache.host_syncs.HostSyncs`; ``benchmarks/bench_decode_e2e.py`` counts them on a GPU."""
 
 import pytest
 import torch

@@ -6,13 +6,14 @@ import shutil
 import subprocess
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvcomp.kernels import static_model as sm
-from tests.conftest import load_script
+from kvcomp.kernels import decode_attention_triton
+from tools import static_model as sm
 
 SASS = """
         /*0000*/                   S2R R0, SR_TID.X ;
@@ -77,9 +78,9 @@ def test_skipped_source_functions_leave_their_branch_out(tmp_path):
 def test_a_cubin_compiled_from_another_checkout_is_read_with_this_packages_sources():
     """Triton's cache holds kernels by source and first line, not path: a worktree's kernel, cached and then met
     here after the worktree was removed, names its files; their functions are this package's."""
-    elsewhere = "/removed/worktree/kvcomp/kernels/static_model.py"
-    assert sm._source(elsewhere) == Path(sm.__file__).resolve()
-    assert any(name == "tile_instructions" for _, _, name in sm._functions(elsewhere))
+    elsewhere = "/removed/worktree/kvcomp/kernels/decode_attention_triton.py"
+    assert sm._source(elsewhere) == Path(decode_attention_triton.__file__).resolve()
+    assert any(name == "decode_launches" for _, _, name in sm._functions(elsewhere))
     assert sm._functions("/nonexistent/k.py") == []
 
 
@@ -305,9 +306,9 @@ def _nvidia_tools() -> bool:
 
 COMPILE_ONE = """
 import torch
-from kvcomp.kernels import static_model as sm
+from tools import static_model as sm
 from kvcomp.kernels.decode_attention_triton import decode_launches
-from kvcomp.kernels.resources import compile_launch
+from tools.resources import compile_launch
 h, d, t = 2, 128, 64
 kv = [torch.randn(1, h, t, d, dtype=torch.bfloat16)]
 _, launches = decode_launches(torch.randn(1, 2 * h, d, dtype=torch.bfloat16), kv, kv, d ** -0.5)
@@ -328,9 +329,9 @@ def test_model_runs_on_one_compiled_launch():
 
 COMPILE_OPERANDS = """
 import torch
-from kvcomp.kernels import static_model as sm
+from tools import static_model as sm
 from kvcomp.kernels.decode_attention_triton import decode_launches
-from kvcomp.kernels.resources import compile_launch, kernel_resources
+from tools.resources import compile_launch, kernel_resources
 h, d, t = 2, 128, 64
 kv = [torch.randn(1, h, t, d, dtype=torch.bfloat16)]
 for operands in ("float32", "bfloat16"):
@@ -403,9 +404,9 @@ def test_layout_lanes_and_a_conflicting_shared_load():
 
 
 def _script():
-    """scripts/kernel_model.py as a module."""
+    """tools/kernel_model.py as a module."""
     pytest.importorskip("triton")
-    return load_script("kernel_model")
+    return import_module("tools.kernel_model")
 
 
 def test_todays_measured_times_are_compared_only_with_the_machine_code_they_timed():
@@ -422,12 +423,12 @@ def test_todays_measured_times_are_compared_only_with_the_machine_code_they_time
 def test_measured_sweep_keeps_each_cards_rows_apart(tmp_path):
     model = _script()
     row = "| kivi-2 | 16 x 32768 | {} | {} | 0.2x | 100 | 3% | 1.00x | 0.0014 |"
-    text = "\n".join([model.SWEEP_SECTION, "", "Command: `python scripts/sweep_decode_kernel.py` ... Device: NVIDIA H200", "",
+    text = "\n".join([model.SWEEP_SECTION, "", "Command: `python -m benchmarks.sweep_decode_kernel` ... Device: NVIDIA H200", "",
                       row.format("tl.dot, 4 warps, 128 tokens", 3.0), "", "### H100", "",
-                      "Command: `python scripts/sweep_decode_kernel.py` ... Device: NVIDIA H100 80GB HBM3", "",
+                      "Command: `python -m benchmarks.sweep_decode_kernel` ... Device: NVIDIA H100 80GB HBM3", "",
                       row.format("tl.dot, 4 warps, 128 tokens", 2.8), row.format(model.FORMER_TILE_DEFAULT, 2.9),
                       "| kvarn | 16 x 32768 | default | failed: X | | | | | |", "",
-                      "Then `python scripts/sweep_decode_kernel.py --configs 0 10` (H100):", "",
+                      "Then `python -m benchmarks.sweep_decode_kernel --configs 0 10` (H100):", "",
                       row.format("tl.dot, 4 warps, 128 tokens", 2.7), "", "## Next section", row.format("default", 9.9)])
     path = tmp_path / "BENCHMARKS.md"
     path.write_text(text)
@@ -460,8 +461,8 @@ def kernel(x, y, N: tl.constexpr):
 LOCATE = """
 import torch
 from kvcomp.kernels import Launch
-from kvcomp.kernels import static_model as sm
-from kvcomp.kernels.resources import compile_launch
+from tools import static_model as sm
+from tools.resources import compile_launch
 from multi import kernel
 
 launch = Launch(kernel, (1,), dict(x=torch.zeros(64), y=torch.zeros(64), N=64))
@@ -495,10 +496,7 @@ def test_ranking_counts_the_pairs_measured_apart():
 
 
 MODEL_ROTATED = """
-import importlib.util
-spec = importlib.util.spec_from_file_location("kernel_model", "scripts/kernel_model.py")
-model = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(model)
+from tools import kernel_model as model
 result = model.today_step("int4-token-head", [(1, 4096)])
 seconds, bound = result["shapes"][(1, 4096)]
 print(seconds, bound, result["host"], len(result["launches"]))
@@ -525,7 +523,7 @@ def test_the_host_time_under_cuda_graphs_is_that_of_a_call_replayed_by_its_input
     captured): no timed call builds one. What is counted, not how long it took (host times swing on a loaded CPU)."""
     from kvcomp.kernels import decode_attention_triton as kernels
 
-    model = load_script("kernel_model")
+    model = import_module("tools.kernel_model")
     built = []
     setup_launches = kernels.setup_launches
     monkeypatch.setattr(kernels, "setup_launches", lambda *args, **kw: built.append(1) or setup_launches(*args, **kw))

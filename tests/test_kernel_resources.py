@@ -1,5 +1,5 @@
-"""Static resources of the decode kernels compiled for sm_90 without a GPU (kvcomp.kernels.resources,
-scripts/kernel_resources.py), and the whole-wave split plan."""
+"""Static resources of the decode kernels compiled for sm_90 without a GPU (:mod:`tools.resources`,
+``python -m tools.kernel_resources``), and the whole-wave split plan."""
 
 import os
 import shutil
@@ -12,7 +12,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from kvcomp.kernels.decode_plan import _splits  # noqa: E402
-from kvcomp.kernels.resources import occupancy  # noqa: E402
+from tools.resources import occupancy  # noqa: E402
 
 
 def _ptxas_available() -> bool:
@@ -43,14 +43,14 @@ def test_splits_fill_whole_waves_where_the_interval_is_long_enough():
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's ptxas is not available")
 def test_every_decode_launch_compiles_for_sm90_within_its_register_cap():
     """The default launches at batch 16 (tl.dot, 32-token tiles) compile for sm_90a at 128 registers per thread:
-    per-group codebooks at 4 warps (the fastest measured on an H200, ``scripts/sweep_decode_kernel.py``), four programs
+    per-group codebooks at 4 warps (the fastest measured on an H200, ``benchmarks/sweep_decode_kernel.py``), four programs
     per multiprocessor, spilling a few hundred bytes per thread at most (1.13-1.33x faster all the same on the H200:
     136-260 bytes for TemporalKV-2 under Triton 3.6 and 3.9); packed ints at 2 warps, eight programs, spilling 48-72
-    bytes (predicted faster by the static model, ``scripts/kernel_model.py``; not measured), stored before the tile
+    bytes (predicted faster by the static model, ``tools/kernel_model.py``; not measured), stored before the tile
     loop and reloaded in it by a few loads."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite interprets kernels
-    table = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--codecs", "kivi-2", "temporalkv-2",
+    table = subprocess.run([sys.executable, "-m", "tools.kernel_resources", "--codecs", "kivi-2", "temporalkv-2",
                             "--context", "512", "--no-qjl", "--ratios", "4"], env=env, capture_output=True, text=True, check=True, cwd=root).stdout
     rows = [line.split(" | ")[1:] for line in table.splitlines() if line.startswith(("| 4 | kivi-2", "| 4 | temporalkv-2"))]
     formats = {row[1] for row in rows}
@@ -71,7 +71,7 @@ def test_every_decode_launch_compiles_for_sm90_within_its_register_cap():
 
 def test_sdpa_without_cudnn_leaves_flash_memory_efficient_and_math():
     """Decode steps on a GPU avoid cuDNN's SDPA, which builds a plan per sequence length
-    (``scripts/profile_decode_step.py``)."""
+    (``benchmarks/profile_decode_step.py``)."""
     import torch
 
     from kvcomp.kernels import sdpa_without_cudnn

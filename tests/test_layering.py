@@ -1,15 +1,29 @@
 """The package's layering: no import cycle between kvcomp's packages nor between the modules inside one (every
 import statement counts, those inside functions too), every import goes down the layer order, and everything below :mod:`kvcomp.config`
-(the codecs, the cache, the kernels, calibration, the benchmarks' base) imports without omegaconf or Hydra."""
+(the codecs, the cache, the kernels, calibration, the benchmarks' base) imports without omegaconf or Hydra.
+
+Above the package sit the repository's ``benchmarks`` (speed and memory benchmarks, profilers) and ``tools`` (the
+static performance model, the kernels' compiled resources): they import :mod:`kvcomp`, never the reverse, and each
+other as packages (run from the repository root as ``python -m benchmarks.<name>``), never through ``sys.path``;
+``kvcomp/`` holds what a model run executes, no module named like a benchmark, a profiler or a static model."""
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvcomp"
+# the top-level packages of the repository, lowest first: a package imports those of its own layer or below
+REPOSITORY_LAYERS = [{"kvcomp"}, {"benchmarks", "tools"}]
+ABOVE_THE_PACKAGE = [ROOT / name for layer in REPOSITORY_LAYERS[1:] for name in sorted(layer)]
+# a benchmark, a profiler or a static model by its module's name (kvcomp.benchmarks, the evaluation a run executes,
+# and kvcomp.sweep, a run's sweep, are not)
+NOT_RUNTIME = re.compile(r"(^|\.)(bench_\w+|benchmarking|profile_\w+|profil(er|ing)|sweep_decode\w*|static_model|kernel_model"
+                         r"|kernel_resources)$|^kvcomp\.kernels\.resources$")
 
 # Lowest first; a unit may import units of its own layer or of layers below it, never above.
 LAYERS = [
@@ -224,3 +238,102 @@ def test_the_command_line_is_checked_before_transformers_model_stack_is_imported
     done = subprocess.run([sys.executable, "-c", code, *MODEL_STACK], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+def repository_modules() -> dict[str, Path]:
+    """``{module: path}`` of every module of the repository's packages: kvcomp, benchmarks and tools."""
+    return {module_name(path): path for directory in (PACKAGE, *ABOVE_THE_PACKAGE) for path in sorted(directory.rglob("*.py"))}
+
+
+def repository_imports(source: str, module: str, is_package: bool) -> set[str]:
+    """The top-level packages of the repository (:data:`REPOSITORY_LAYERS`) that ``source`` imports."""
+    packages = set().union(*REPOSITORY_LAYERS)
+    return {m.split(".")[0] for m in imported_modules(source, module, is_package)} & packages
+
+
+def upward_imports() -> list[str]:
+    """Every import of a higher top-level package (``kvcomp.kernels.x -> tools``), as ``module -> package``."""
+    rank = {name: i for i, layer in enumerate(REPOSITORY_LAYERS) for name in layer}
+    found = []
+    for module, path in repository_modules().items():
+        for target in repository_imports(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if rank[target] > rank[module.split(".")[0]]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def edits_sys_path(source: str) -> bool:
+    """Whether ``source`` changes ``sys.path`` (an assignment, ``insert``/``append``/``extend``, ``+=``)."""
+    def is_sys_path(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) and node.value.id == "sys"
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_sys_path(t) or (isinstance(t, ast.Subscript) and is_sys_path(t.value)) for t in targets):
+                return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            if node.func.attr in ("insert", "append", "extend", "remove", "pop", "clear"):
+                return True
+    return False
+
+
+def test_the_repository_layer_checks_find_what_they_look_for():
+    assert repository_imports("from tools.static_model import count", "kvcomp.kernels.x", False) == {"tools"}
+    assert repository_imports("def f():\n    import benchmarks.benchmarking", "kvcomp.cache.x", False) == {"benchmarks"}
+    assert repository_imports("from .benchmarks import base\nfrom kvcomp import benchmarks", "kvcomp.x", False) == {"kvcomp"}
+    assert edits_sys_path("import sys\nsys.path.insert(0, 'x')") and edits_sys_path("import sys\nsys.path[:0] = ['x']")
+    assert edits_sys_path("import sys\nsys.path += ['x']") and not edits_sys_path("import sys\nprint(sys.path)")
+    assert all(NOT_RUNTIME.search(name) for name in (
+        "kvcomp.kernels.static_model", "kvcomp.kernels.resources", "kvcomp.kernels.benchmarking", "kvcomp.bench_decode_e2e",
+        "kvcomp.cache.profile_decode_step", "kvcomp.kernels.sweep_decode_kernel", "kvcomp.kernel_model"))
+    assert not any(NOT_RUNTIME.search(name) for name in (
+        "kvcomp.benchmarks", "kvcomp.benchmarks.perplexity", "kvcomp.sweep", "kvcomp.kernels.decode_plan", "kvcomp.cache.memory"))
+
+
+def test_the_package_holds_only_what_a_run_executes():
+    """No module of ``kvcomp/`` is a benchmark, a profiler or a static model: those are ``benchmarks/`` and
+    ``tools/``."""
+    named = sorted(module for module in repository_modules() if module.startswith("kvcomp") and NOT_RUNTIME.search(module))
+    assert not named, f"move {named} out of kvcomp/ (to benchmarks/ or tools/)"
+    assert (ROOT / "benchmarks" / "benchmarking.py").is_file() and (ROOT / "tools" / "static_model.py").is_file()
+
+
+def test_benchmarks_and_tools_sit_above_the_package():
+    """kvcomp never imports benchmarks or tools (at any depth, inside functions too); they import kvcomp."""
+    upward = upward_imports()
+    assert not upward, "imports of a higher layer of the repository:\n" + "\n".join(upward)
+    modules = repository_modules()
+    for package in ("benchmarks", "tools"):
+        imported = set().union(*(repository_imports(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
+                                 for module, path in modules.items() if module.startswith(package + ".")))
+        assert "kvcomp" in imported, package
+
+
+def test_benchmarks_and_tools_import_each_other_as_packages():
+    """No module of benchmarks/ or tools/ edits ``sys.path`` or imports a sibling file by its bare name (which only
+    a ``sys.path`` edit or a run as ``python benchmarks/x.py`` finds); their modules form no import cycle."""
+    modules = repository_modules()
+    siblings = {path.stem for directory in ABOVE_THE_PACKAGE for path in directory.glob("*.py")} - {"__init__"}
+    graph, wrong = {}, []
+    for module, path in modules.items():
+        if module.split(".")[0] == "kvcomp":
+            continue
+        source = path.read_text(encoding="utf-8")
+        if edits_sys_path(source):
+            wrong.append(f"{module} edits sys.path")
+        found = imported_modules(source, module, path.name == "__init__.py")
+        bare = sorted(m for m in found if m.split(".")[0] in siblings)
+        if bare:
+            wrong.append(f"{module} imports {bare} by bare name: import them as benchmarks.<name> or tools.<name>")
+        graph[module] = {m for m in found if m in modules and m != module and not m.startswith("kvcomp")}
+    assert not wrong, "\n".join(wrong)
+    assert {"benchmarks.benchmarking", "tools.static_model", "tools.kernel_model"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle {' -> '.join(cycle)}"
+
+
+def test_only_the_package_is_installed():
+    """benchmarks and tools run from the checkout (``python -m``): setuptools' package find includes kvcomp alone."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["kvcomp*"], find

@@ -2,6 +2,7 @@
 exactly, in memory and through a safetensors file, and the next turn sees the same cache."""
 
 import json
+from importlib import import_module
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from kvcomp.errors import ConfigError
 from kvcomp.codecs import build_codec
 from kvcomp.calibration import CalibrationData, calibrate
 from tests.codec_matrix import CALIBRATION, MATRIX, calibration_windows, make_codec
-from tests.conftest import info_of, load_script
+from tests.conftest import info_of
 
 
 pytestmark = pytest.mark.usefixtures("session_cache")
@@ -271,7 +272,7 @@ def test_a_decompression_bomb_in_a_kvtc_row_is_refused_at_restore(tiny_llama, tm
 
 @pytest.mark.parametrize("args", [["--prompt", "0"], ["--turn", "1"], ["--cr", "0"], ["--repeats", "0"]])
 def test_the_multiturn_script_refuses_bad_arguments_before_loading(args, capsys):
-    script = load_script("bench_multiturn")
+    script = import_module("benchmarks.bench_multiturn")
     with pytest.raises(SystemExit) as exit_:
         script.main(args)
     assert exit_.value.code == 2 and f"{args[0]} must be at least" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """The Triton QJL score kernel against its torch reference (under TRITON_INTERPRET=1 on the CPU), and the
 attention path that serves decode steps from the key payload."""
 
+from importlib import import_module
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from kvcomp.kernels.formats import SketchedKeys
 from kvcomp.kernels.qjl_scores import qjl_scores, qjl_scores_reference
 from kvcomp.stages.jl_sketch import channel_mask, group_outlier_channels, jl_projection, sign_sketch
 from tests.codec_matrix import QJL_TINY
-from tests.conftest import info_of, load_script, reads_taken
+from tests.conftest import info_of, reads_taken
 
 pytest.importorskip("triton")
 
@@ -124,8 +126,8 @@ def test_install_rejects_an_unknown_backend(tiny_llama):
 
 
 def test_gpu_benchmark_script_runs_on_the_interpreter():
-    """scripts/bench_qjl_decode.py --smoke: the GPU benchmark's code path on a tiny CPU shape."""
-    module = load_script("bench_qjl_decode")
+    """python -m benchmarks.bench_qjl_decode --smoke: the GPU benchmark's code path on a tiny CPU shape."""
+    module = import_module("benchmarks.bench_qjl_decode")
     table = module.main(["--smoke"])
     assert table.count("| qjl scores (Triton) |") == 2
     fused = next(line for line in table.splitlines() if "qjl step, fused" in line)  # the authors' sketch is fused

@@ -9,7 +9,7 @@ innermost frame of a ``kvcomp`` module on the stack (:attr:`HostSync.where`), or
 not on the stack (transformers' own step); operations inside a Triton launch (the CPU interpreter's own
 copies) are left out. It sees what goes through torch's dispatcher from Python: ``tensor.tolist()``,
 copies to the host and synchronisation inside a C++ operator are not seen, so
-``scripts/bench_decode_e2e.py`` counts with the debug mode on a GPU.
+``benchmarks/bench_decode_e2e.py`` counts with the debug mode on a GPU.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`held_nbytes` (the bytes of every distinct tensor storage reachable from an object) checks that a
 cache's reported bytes (storage + bookkeeping + working memory) are what it holds (``tests/test_memory.py``)
-and measures caches (``scripts/bench_cache_memory.py``). :func:`check_fits` refuses a reservation larger
+and measures caches (``benchmarks/bench_cache_memory.py``). :func:`check_fits` refuses a reservation larger
 than the memory its device has available (:func:`available_bytes`) with the numbers, before allocating.
 """
 

@@ -11,10 +11,11 @@ against (under ``TRITON_INTERPRET=1`` on a CPU).
   ``valid_tokens``: a step's mask and each sequence's span of valid tokens, which the kernels read instead;
 - ``codebook_encode`` (dispatch) / ``codebook_encode_triton``: nearest-centroid coding fused with
   packing (reference: :meth:`kvcomp.stages.codebook.CodebookQuantizer.encode`);
-- ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits;
-- ``benchmarking``: timing and L2 rotation shared by the GPU benchmarks in ``scripts/``;
-- ``resources``: registers, spills, shared memory and occupancy of a launch compiled for sm_90 without a GPU;
-  ``static_model``: a decode step's time on an H100 predicted from the compiled code.
+- ``qjl_scores`` / ``qjl_scores_triton``: QJL attention logits from packed sign bits.
+
+Outside the package, above it: the GPU benchmarks and their shared timing in ``benchmarks/``; a launch's registers,
+spills, shared memory and occupancy compiled for sm_90 without a GPU (``tools.resources``) and a decode step's time
+on an H100 predicted from the compiled code (``tools.static_model``) in ``tools/``.
 """
 
 import contextlib
@@ -31,7 +32,7 @@ KERNEL_BACKENDS = ("torch", "triton")  # "torch": the references; "triton": the 
 @dataclass
 class Launch:
     """One Triton kernel launch, built but not run: the jitted function, its grid and its arguments by name
-    (run it with ``launch()``; :mod:`kvcomp.kernels.resources` compiles it for a GPU that need not be here)."""
+    (run it with ``launch()``; :mod:`tools.resources` compiles it for a GPU that need not be here)."""
 
     kernel: object  # a triton.JITFunction
     grid: tuple
@@ -62,7 +63,7 @@ def sdpa_without_cudnn():
     """A context in which SDPA picks among its flash, memory-efficient and math kernels only. On an H200
     with torch 2.11, SDPA dispatches bf16 decode steps to cuDNN, which builds a plan for every new sequence
     length: 37 ms per decode step of a 4-layer Llama-3.1-8B-shaped model at batch 8 x 16K, against 3.4 ms
-    with flash (``scripts/profile_decode_step.py``)."""
+    with flash (``benchmarks/profile_decode_step.py``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

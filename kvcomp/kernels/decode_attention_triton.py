@@ -42,12 +42,12 @@ float32: :data:`OPERANDS`), with 4 warps and 32-token tiles, 128 for payloads re
 and registers per thread as the payloads cap them (:meth:`~kvcomp.kernels.formats.PayloadReader.register_cap`); packed
 ints and natively read payloads in narrow tiles take 2 warps where the grid gives a multiprocessor eight programs or
 more (:func:`_launch_shape`: predicted, not measured).
-Measured on an H200 and an H100 (``scripts/sweep_decode_kernel.py``), that is the fastest configuration tried for
+Measured on an H200 and an H100 (``benchmarks/sweep_decode_kernel.py``), that is the fastest configuration tried for
 codebook payloads and, at batch 1, for packed ints; KIVI-2 at batch 16 x 32K ran faster with one register-path
 warp (2.14 ms against 3.12 on the H200) but slower at batch 1. QJL's sketched keys take the ``tl.dot`` path too, the
 signs as exact bfloat16 operands against two-part ``y`` (:func:`~kvcomp.kernels.formats.sketch_triton.dot_scores`),
 predicted 4.8 ms at 16 x 32K against 10.9 for the register path (one query row at a time, each a ``[BLOCK_T, C]``
-product reduced in registers: :func:`~kvcomp.kernels.formats.tiles_triton.row_scores`) by ``scripts/kernel_model.py``;
+product reduced in registers: :func:`~kvcomp.kernels.formats.tiles_triton.row_scores`) by ``tools/kernel_model.py``;
 not measured. Channels are processed as two halves ``[0, D/2)`` and
 ``[D/2, D)``, which is what RoPE pairs: ``k_lo' = k_lo cos - k_hi sin``, ``k_hi' = k_hi cos + k_lo sin`` (both from one
 argument reduction: :func:`~kvcomp.kernels.formats.tiles_triton.cos_sin`).
@@ -99,7 +99,7 @@ from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, field_major, o
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LOG2E = 1.4426950408889634
 # Launch defaults, measured on an H200 and an H100 (BENCHMARKS.md, "Launch configurations of the fused decode
-# kernel", scripts/sweep_decode_kernel.py): 4 warps per split program (2 for some payloads on a crowded grid, predicted:
+# kernel", benchmarks/sweep_decode_kernel.py): 4 warps per split program (2 for some payloads on a crowded grid, predicted:
 # :func:`_launch_shape`); ``tl.dot`` for scores and P V (QJL's sketched keys too: predicted, see the module
 # docstring); 32-token tiles, or 128 where every payload is read without a per-group table (:func:`default_tile`).
 # 16 warps with 16-token tiles on the register path are 3-10x slower: their per-tile reductions cross 16 warps.
@@ -108,7 +108,7 @@ TILE = 32
 WIDE_TILE = 128
 # ``tl.dot``'s operands (``operands``; accumulation is float32 either way), by default the query's type, as
 # FlashAttention's: bf16 or fp16 MMAs for a bf16 or fp16 model, TF32 for float32. Measured on an H200
-# (``scripts/sweep_decode_kernel.py``): bf16 operands against TF32 at 16 x 32K, KIVI-2 1.62x and KIVI-4 1.56x
+# (``benchmarks/sweep_decode_kernel.py``): bf16 operands against TF32 at 16 x 32K, KIVI-2 1.62x and KIVI-4 1.56x
 # faster, the codebook formats 1.05-1.11x, with the same error against the float64 reference; the static model
 # predicted KIVI-2's 1.68x from the halved shared-memory staging of the operands.
 OPERANDS = {"float32": tl.float32, "bfloat16": tl.bfloat16, "float16": tl.float16}
@@ -321,7 +321,7 @@ def _split_kernel(
 
     Each tile branches at run time on the piece of each stream that holds it, also where a stream in the launch is its
     payload alone (always the payload): the branch keeps the scheduler from interleaving the key and the value tile,
-    which Triton 3.6 compiles with fewer spills (``scripts/kernel_resources.py``: EDEN-2, 128-token tiles, 136 bytes per
+    which Triton 3.6 compiles with fewer spills (``tools/kernel_resources.py``: EDEN-2, 128-token tiles, 136 bytes per
     thread against 788 straight-line; NVFP4 0 against 404)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -577,13 +577,13 @@ def _kv_heads(segment: Segment) -> int:
 
 def default_tile(segments: list[Segment], narrow: bool = False) -> int:
     """Tokens per tile by default: :data:`WIDE_TILE` where each payload is packed ints, a block float or codes of
-    one shared codebook, which an H100 sweep (``scripts/sweep_decode_kernel.py``) measured 1.3-1.7x faster at
+    one shared codebook, which an H100 sweep (``benchmarks/sweep_decode_kernel.py``) measured 1.3-1.7x faster at
     16 x 32K (KVarN, vLLM's int4 and NVFP4, EDEN-2, TurboQuant k3v4; KIVI-2 unchanged at 1 and 16 x 32K and 1 x 4K);
     else :data:`TILE`, which per-group codebooks (TemporalKV, ChannelKV, KVQuant: 0.3-0.6x with 128) and QJL's sketches need, and
     which float8 and int8 payloads keep (not measured with 128). A launch that rotates keys or their offset in
     registers (the angles of every token of a tile), or scores a residual sketch (a ``[tokens, d]`` tile of signs), keeps
     :data:`TILE` too (``narrow``): EDEN-2 with ``center`` spills 744 B per thread at 128 tokens under Triton 3.6, 16 B
-    at 32 (``scripts/kernel_resources.py``)."""
+    at 32 (``tools/kernel_resources.py``)."""
     wide = all(isinstance(s, torch.Tensor) or s.wide_tile for s in segments)
     return WIDE_TILE if wide and not narrow else TILE
 
@@ -616,7 +616,7 @@ def _register_cap(payloads: list[PayloadReader], tile: int, num_warps: int, per_
     payload, or its grid gives a multiprocessor (``per_multiprocessor`` programs, the busiest's) no more programs than
     it holds at any register count (two of 4 warps at 255): there the cap could only spill. On the H200 the cap cost
     TemporalKV-2 0.209 against 0.177 ms of device time at 1 x 32K (two programs per multiprocessor) and saved 2.488 ->
-    1.870 at 16 x 32K (``scripts/sweep_decode_kernel.py``)."""
+    1.870 at 16 x 32K (``benchmarks/sweep_decode_kernel.py``)."""
     caps = [payload.register_cap(tile <= TILE, num_warps) for payload in payloads]
     return min(caps) if caps and all(caps) and _crowded(per_multiprocessor, num_warps) else 0
 
@@ -773,7 +773,7 @@ def decode_launches(
     registers: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer and the launches of :func:`decode_attention_triton`, without running them
-    (``scripts/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
+    (``tools/kernel_resources.py`` compiles them for a GPU that need not be present). ``key_rope``: the
     rotation of encoded keys of pre-RoPE codecs. ``num_splits``: slices per launch (default:
     :func:`~kvcomp.kernels.decode_plan._splits`, whole waves over the GPU's multiprocessors). ``dot``: ``tl.dot`` for
     scores and ``P V`` (default; ``False``: the register path, one query row at a time); ``block_tokens``: tokens per tile (default by format, :func:`default_tile`; fewer where a
@@ -790,7 +790,7 @@ def decode_launches(
     ``step``: the forward's :class:`~kvcomp.kernels.decode_plan.DecodeStep` (its plan, made once for every layer,
     and its workspace, whose scratch region ``region`` takes the partial outputs; default: a step of its own).
     Only the slice counts depend on
-    the device (its multiprocessors): ``scripts/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
+    the device (its multiprocessors): ``tools/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
     step = step or DecodeStep()
     setup = call_setup(query, key_segments, value_segments, valid, step, region, key_rope, num_splits, block_tokens, dot,
                        num_warps, operands, key_offset, key_residual)
@@ -997,7 +997,7 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
     TurboQuant-prod). First the payload's, which takes the query rotated (``q rotation_k^T``) where its keys are
     rotated and adds a key offset's score (``key_rope``: every cached token's position) and a residual sketch's; then the
     values' residual sketch over the same keys, if any (``adds``); then, if any, the other segments', which take the
-    query as it is (``scripts/kernel_resources.py`` compiles the first)."""
+    query as it is (``tools/kernel_resources.py`` compiles the first)."""
     options = options or {}
     at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, OWN_LAUNCHES)}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
@@ -1054,7 +1054,7 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
 def payload_launch_inputs(query, key_segments, value_segments, valid, key_rope, options) -> tuple:
     """``(query, keys, values, valid, key_rope, options)`` of :func:`decode_launches` for the launches that read the
     payload: the payload group's (:func:`launch_groups`) where it is rotated or stored less an offset, else as given
-    (``scripts/kernel_resources.py`` and ``scripts/kernel_model.py`` compile them)."""
+    (``tools/kernel_resources.py`` and ``tools/kernel_model.py`` compile them)."""
     if not any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
         return query, key_segments, value_segments, valid, key_rope, options
     group = launch_groups(query, key_segments, value_segments, valid, key_rope, options)[0]

@@ -8,7 +8,7 @@ for all of them. A program computes what the fused decode kernel computes for on
 ``u = S[:, O_g] q_{O_g}`` enters by associativity, ``<u, sign> = <S[:, O_g], sign> . q_{O_g}``, so that every
 product over the sketch's rows has the signs on one side; the signs are exact bfloat16 operands against the two
 bfloat16 parts of ``y = S q`` and of the group's columns of ``S`` (rows of ``S^T``) on tensor cores. (Building ``u``
-per tile from strided columns of ``S`` and multiplying in float32 FMAs is slower: ``scripts/kernel_model.py`` predicts
+per tile from strided columns of ``S`` and multiplying in float32 FMAs is slower: ``tools/kernel_model.py`` predicts
 that form 16.5 ms at 16 x 32K.)
 """
 

@@ -65,9 +65,9 @@ class CodebookReader(PayloadReader):
     def register_cap(self, narrow: bool, num_warps: int) -> int:
         """Four programs per multiprocessor in narrow tiles: per-channel-group codebooks (TemporalKV, ChannelKV,
         KVQuant) then spill, and still run 1.13-1.33x faster than at the compiler's 168-255 registers (H200, 16 x 32K,
-        device time, ``scripts/sweep_decode_kernel.py``); a single codebook read in narrow tiles beside a residual
+        device time, ``benchmarks/sweep_decode_kernel.py``); a single codebook read in narrow tiles beside a residual
         sketch or a key offset (TurboQuant-prod, EDEN with ``center``) is predicted 10-12 % faster capped (static
-        model, ``scripts/kernel_model.py``; not measured). Wide tiles keep the compiler's choice."""
+        model, ``tools/kernel_model.py``; not measured). Wide tiles keep the compiler's choice."""
         return four_programs(num_warps) if narrow else 0
 
     @property

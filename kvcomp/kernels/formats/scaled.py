@@ -45,7 +45,7 @@ class ScaledReader(PayloadReader):
         """2 in ``narrow`` tiles at a head_dim of at most 128, as packed ints
         (:meth:`~kvcomp.kernels.formats.uniform.UniformReader.crowded_warps`): vLLM's fp8 at 16 x 32K is predicted
         0.610 ms of device time against 0.758 with 4 warps, int8 per token-head 0.580 against 0.758 (static model,
-        ``scripts/kernel_model.py``; not measured)."""
+        ``tools/kernel_model.py``; not measured)."""
         return 2 if narrow and self.head_dim <= 128 else 0
 
     def kernel_args(self, query: CallQuery) -> tuple[ScaledArgs, ScaledConstants]:

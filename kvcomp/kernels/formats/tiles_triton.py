@@ -64,7 +64,7 @@ def cos_sin(x):
     """``cos x`` and ``sin x`` of float32 ``x`` (RoPE angles, ``|x|`` up to about 1e6) with one reduction for both:
     ``x = k pi/2 + r``, ``|r| <= pi/4``, by three fused multiply-adds (Cody and Waite), polynomials in ``r`` (:data:`SIN3`,
     :data:`COS4`) and the quadrant ``k mod 4``. ``tl.cos`` and ``tl.sin`` reduce twice and branch per value to
-    libdevice's path for huge arguments: about three times the instructions (``scripts/kernel_model.py``)."""
+    libdevice's path for huge arguments: about three times the instructions (``tools/kernel_model.py``)."""
     k = tl.floor(x * TWO_OVER_PI + 0.5)
     r = fma(-k, PIO2_1, x)
     r = fma(-k, PIO2_2, r)
@@ -86,7 +86,7 @@ def row_scores(q, k, rows, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
     """``q [BLOCK_R, C] . k [BLOCK_T, C]^T`` one query row at a time: each row's products are a
     ``[BLOCK_T, C]`` tile reduced in registers, so the live products do not grow with the query rows
     (a ``[BLOCK_R, BLOCK_T, C]`` broadcast needs twice the registers per token, see
-    ``scripts/kernel_resources.py``)."""
+    ``tools/kernel_resources.py``)."""
     s = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
     for r in tl.static_range(BLOCK_R):
         pick = rows[:, None] == r

@@ -91,13 +91,13 @@ class UniformReader(PayloadReader):
         the 2 warps of :meth:`crowded_warps`): KIVI-2's launch of 4 warps (keys scored in their stored layout, bf16
         operands) then compiles to 118-123 registers without spilling, where the compiler takes 136-138 and three
         programs fit; of 2 warps to 128 with 144 bytes of spills per thread under Triton 3.6, where the compiler takes
-        244 and four fit (``scripts/kernel_resources.py``). In wide tiles the cap spills (vLLM's int4: 860 bytes)."""
+        244 and four fit (``tools/kernel_resources.py``). In wide tiles the cap spills (vLLM's int4: 860 bytes)."""
         return four_programs(max(4, num_warps)) if narrow else 0
 
     def crowded_warps(self, narrow: bool) -> int:
         """2 in ``narrow`` tiles of codes that fill bytes (1, 2, 4, 8 bits) at a head_dim of at most 128: KIVI-2's
         launch at 16 x 32K, eight programs of 2 warps per multiprocessor, is predicted 0.608 ms of device time against
-        0.794 for four programs of 4 (static model, ``scripts/kernel_model.py``; not measured): a warp of two
+        0.794 for four programs of 4 (static model, ``tools/kernel_model.py``; not measured): a warp of two
         decodes twice the values per tile, and the tile's reductions, layout conversions and operand arrangement, which
         every warp repeats, are shared by two warps instead of four (1,156 instructions per tile and warp against 707,
         2,312 per tile against 2,828). Codes straddling bytes and wider heads keep 4: at 2 warps and 128 registers they

@@ -12,7 +12,7 @@ from kvcomp.kernels.formats.uniform import UniformArgs, UniformConstants
 # bits in each half) puts each code in the low mantissa bits of 128 (bf16) or 1024 (fp16), exact; subtracting the magic
 # leaves the codes, and one fused multiply-add per pair applies the scales and zero-points (pairs packed as the codes:
 # ``$3``, ``$4``). Four instructions per two values, where a code's shift, mask, int-to-float conversion, float32 FMA
-# and half a packing conversion take five or more per value (static model, ``scripts/kernel_model.py``).
+# and half a packing conversion take five or more per value (static model, ``tools/kernel_model.py``).
 _PAIR_ASM = "{ .reg .b32 t, m; lop3.b32 t, $2, MASK, MAGIC, 0xea; mov.b32 m, MAGIC; sub.rn.TYPE t, t, m; " \
             "fma.rn.TYPE t, t, $3, $4; mov.b32 {$0, $1}, t; }"
 PAIR_BF16_4 = tl.constexpr(_PAIR_ASM.replace("MASK", "0x000f000f").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2"))
@@ -163,7 +163,7 @@ def paired_keys(C, DOT, OPERAND, D):
     bf16 or fp16 operands; each field's sub-vector (``D * BITS / 16`` channels, :func:`pair_channels`) at least 16 long,
     groups of a power of two tokens, at least 16 (each tile then lies in one group:
     :meth:`~.uniform.UniformReader.tile_limit`), rows of codes at 4-byte boundaries (:func:`~.uniform.word_aligned`).
-    Predicted with bf16 operands (static model, ``scripts/kernel_model.py``; not measured): KIVI-2's step 9 %
+    Predicted with bf16 operands (static model, ``tools/kernel_model.py``; not measured): KIVI-2's step 9 %
     less device time at 16 x 32K and 128K, 4 % more at 16 x 4K (4 warps: its operands staged through more shared-memory
     loads), within 1 % at batch 1; KIVI-4's 4-8 % less at batch 16."""
     C = UniformConstants(*C)  # (Triton's interpreter hands a named tuple of constants over as a plain tuple)

@@ -1,16 +1,16 @@
 """Where the host time of one layer's fused decode call goes (GPU diagnosis).
 
-``scripts/bench_decode_attention.py`` reports each call's host ms (the wall clock until the call returns). On an
+``benchmarks/bench_decode_attention.py`` reports each call's host ms (the wall clock until the call returns). On an
 H200 machine that was 0.24-0.31 ms at batch 1 x 4K and 0.5 ms at 16 x 32K for KIVI-2, where this CPU takes
-0.12 ms at either batch with the launches bound but not sent (``scripts/kernel_model.py``'s host term). For each
+0.12 ms at either batch with the launches bound but not sent (``tools/kernel_model.py``'s host term). For each
 codec and shape this script makes the call as that benchmark times it (one step's plan and workspace, a fresh query
 each call), warms it up, then over ``--calls`` calls prints: the host ms per call (median), the Python functions with
 the most own time (``cProfile``: time spent in a C call, such as a launch or a torch operator, counts as its caller's),
 and the torch operators with the most own host time per call (``torch.profiler``). ``--cuda-graphs``: the same for
 the call captured in CUDA graphs (:mod:`kvcomp.kernels.decode_graphs`).
 
-    python scripts/profile_decode_call.py --codecs kivi-2 --shapes 1x4096 16x32768 --cuda-graphs
-    TRITON_INTERPRET=1 python scripts/profile_decode_call.py --smoke   # tiny CPU run that checks the script
+    python -m benchmarks.profile_decode_call --codecs kivi-2 --shapes 1x4096 16x32768 --cuda-graphs
+    TRITON_INTERPRET=1 python -m benchmarks.profile_decode_call --smoke   # tiny CPU run that checks the script
 """
 
 from __future__ import annotations
@@ -21,21 +21,18 @@ import io
 import itertools
 import pstats
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import CODECS, LLAMA31_8B, cache_state, synthetic_state  # noqa: E402
+from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
+from kvcomp.errors import at_least
+from kvcomp.kernels.decode_attention import decode_attention
+from kvcomp.kernels.decode_graphs import DecodeGraphs
+from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 
-from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
-from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import SMOKE_SHAPE, batch_by_context, script_device  # noqa: E402
-from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
-from kvcomp.kernels.decode_graphs import DecodeGraphs  # noqa: E402
-from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace  # noqa: E402
+from benchmarks.bench_decode_attention import CODECS, LLAMA31_8B, cache_state, synthetic_state
+from benchmarks.benchmarking import SMOKE_SHAPE, batch_by_context, script_device
 
 
 def sync(device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU kernel benchmarks in ``scripts/`` (timing, L2 rotation, BENCHMARKS.md sections)."""
+"""Shared pieces of the GPU kernel benchmarks in this package (timing, L2 rotation, BENCHMARKS.md sections)."""
 
 from __future__ import annotations
 
@@ -164,5 +164,5 @@ def publish(section: str, body: str, write: bool) -> str:
     """Print a benchmark's tables and, with ``write``, replace its section of the checkout's BENCHMARKS.md."""
     print(body)
     if write:
-        write_section(Path(__file__).resolve().parents[2] / "BENCHMARKS.md", section, body)
+        write_section(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", section, body)
     return body

@@ -22,8 +22,8 @@ they exceed twice the L2 cache.
 - memory: K/V cache bytes per sequence over the 32 layers (exact bit accounting) and how many sequences
   fit next to the bf16 weights (16.06 GB) in the device memory.
 
-    python scripts/bench_decode_attention.py --write                  # on a CUDA GPU
-    TRITON_INTERPRET=1 python scripts/bench_decode_attention.py --smoke   # CPU check of the script itself
+    python -m benchmarks.bench_decode_attention --write                  # on a CUDA GPU
+    TRITON_INTERPRET=1 python -m benchmarks.bench_decode_attention --smoke   # CPU check of the script itself
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, check_smoke, device_name,
-                                         l2_cache_bytes, publish, revision, script_device)
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
 from kvcomp.kernels.formats import BlockFloatReader, ScaledReader, RotaryPositions
 from kvcomp.kernels.valid_tokens import ValidTokens
+
+from benchmarks.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, check_smoke, device_name,
+                                     l2_cache_bytes, publish, revision, script_device)
 
 SECTION = "## Fused decode attention over compressed caches"
 CODECS = {  # name -> codec config at 2 bits per value (and KIVI-4, and QJL)
@@ -147,7 +148,7 @@ def sdpa_step(q, k, v):
 
 def fastest_sdpa(timer: Timer, inputs) -> tuple[float, str, float, float]:
     """Median ms of the faster of SDPA's flash and memory-efficient kernels (math only if neither runs), its name, its
-    host ms and its device ms (:attr:`~kvcomp.kernels.benchmarking.Timer.host_ms`, ``device_ms``)."""
+    host ms and its device ms (:attr:`~benchmarks.benchmarking.Timer.host_ms`, ``device_ms``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     timings = []
@@ -365,7 +366,7 @@ def main(argv=None) -> str:
     encode_rows = bench_encode(codecs, encode_tokens, throughput, device)
     context_mem = max(contexts)
     mem_rows = memory_rows({name: CODECS[name] for name in args.codecs}, context_mem, memory_gb * 1e9)
-    command = " ".join(["python scripts/bench_decode_attention.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m benchmarks.bench_decode_attention", *(argv if argv is not None else sys.argv[1:])])
     body = tables(decode_rows, copy_gbps, encode_rows, mem_rows, context_mem, device_name(device), memory_gb, timer, command)
     published = publish(SECTION, body, args.write and not args.smoke)
     check_smoke(args.smoke, [f"{r['method']}: {r['failed']}" for r in decode_rows if "failed" in r])

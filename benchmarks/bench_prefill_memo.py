@@ -2,8 +2,8 @@
 whether each codec's new tokens and metrics are the same, and the seconds per prompt of both (writes the "Prefill
 memo" section of BENCHMARKS.md).
 
-    python scripts/bench_prefill_memo.py --write
-    python scripts/bench_prefill_memo.py --model qwen25_coder_05b --tokens 4096 --codecs fp16 kivi
+    python -m benchmarks.bench_prefill_memo --write
+    python -m benchmarks.bench_prefill_memo --model qwen25_coder_05b --tokens 4096 --codecs fp16 kivi
 
 Each codec runs one prompt of ``--tokens`` random token ids through a fresh cache under ``exact_prefill``, then
 greedily ``--new`` tokens: first without the memo, then with it (the first codec records the prompt, the others
@@ -25,9 +25,10 @@ from kvcomp.cache import install
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
 from kvcomp.codecs.registry import CODECS
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import write_section
 from kvcomp.models import load_model
 from kvcomp.models.fingerprint import model_fingerprint
+
+from benchmarks.benchmarking import write_section
 
 SECTION = "## Prefill memo (RULER on a CPU)"
 DEFAULT_CODECS = ("fp16", "kivi", "turboquant", "nvfp4", "int_token_head")
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> str:
         (plain, plain_metrics, plain_s), (memoed, memo_metrics, memo_s) = runs
         rows.append(f"| {name} | {plain_s:.1f} | {memo_s:.1f} | {plain_s / memo_s:.1f}x | "
                     f"{'yes' if torch.equal(plain, memoed) and plain_metrics == memo_metrics else 'NO'} |")
-    body = (f"`python scripts/bench_prefill_memo.py --model {args.model} --tokens {args.tokens} --new {args.new} "
+    body = (f"`python -m benchmarks.bench_prefill_memo --model {args.model} --tokens {args.tokens} --new {args.new} "
             f"--threads {args.threads}` on this machine's CPU (float32): one prompt of {args.tokens} random tokens, "
             f"at most {args.new} new tokens per codec; seconds per prompt without and with the memo (the first "
             "codec's memo run records the prompt, the others replay it).\n\n"

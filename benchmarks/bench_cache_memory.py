@@ -13,7 +13,7 @@ Paths: ``torch`` (decode each block once, keep the decoded copy), ``decode_per_s
 every step decodes every block). The fused kernels' path holds what ``decode_per_step`` holds (no
 decoded copy; ``tests/test_memory.py`` walks it); it needs a GPU to run at this size.
 
-    python scripts/bench_cache_memory.py --write
+    python -m benchmarks.bench_cache_memory --write
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.cache.memory import held_nbytes, model_storages
 from kvcomp.codecs import Codec, ModelInfo, build_codec
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import write_section
+
+from benchmarks.benchmarking import write_section
 
 SECTION = "## Memory held by the compressed cache"
 MODEL = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     rows = measure(args.prompt, args.steps)
     text = "\n".join([
-        f"Command: `python scripts/bench_cache_memory.py{' --write' if args.write else ''}` (prompt {args.prompt} "
+        f"Command: `python -m benchmarks.bench_cache_memory{' --write' if args.write else ''}` (prompt {args.prompt} "
         f"tokens, {args.steps} decode steps; bytes, so the CPU measures them exactly).", "",
         table(rows), "",
         "Per-sequence state is 0 for these codecs. Reported = storage + bookkeeping + working memory; it "

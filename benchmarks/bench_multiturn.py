@@ -6,8 +6,8 @@ the embedded Wikipedia evaluation split: a prompt, then turns of new tokens (tea
 calibrated as ``run.py`` calibrates it (cached: the same artifact). See
 :mod:`kvcomp.benchmarks.multiturn` for the protocol.
 
-    python scripts/bench_multiturn.py --write                 # kvtc 16x, 4 conversations, BENCHMARKS.md
-    python scripts/bench_multiturn.py --cr 8 --prompt 4096 --turns 4 --no-flush
+    python -m benchmarks.bench_multiturn --write                 # kvtc 16x, 4 conversations, BENCHMARKS.md
+    python -m benchmarks.bench_multiturn --cr 8 --prompt 4096 --turns 4 --no-flush
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from kvcomp.calibration import calibrate
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.config import CalibrationConfig, group_file, typed
 from kvcomp.data import load_corpus, token_windows
-from kvcomp.kernels.benchmarking import write_section
 from kvcomp.models.fingerprint import model_fingerprint
 from kvcomp.models.loading import load_model
 from kvcomp.runner import calibration_data
+
+from benchmarks.benchmarking import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Multi-turn store/restore with kvtc"
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> str:
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     flags = " ".join(a for a in (argv if argv is not None else __import__("sys").argv[1:]))
     text = "\n".join([
-        f"Command: `python scripts/bench_multiturn.py {flags}` at revision {revision}.",
+        f"Command: `python -m benchmarks.bench_multiturn {flags}` at revision {revision}.",
         f"Machine: {info['device']} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads); "
         f"torch {torch.__version__}.", "",
         f"{info['codec'].describe()} on the embedded SmolLM2-135M; {args.conversations} conversations from the embedded "

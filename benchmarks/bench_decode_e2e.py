@@ -23,10 +23,10 @@ give the bytes a sequence adds, the search starts at the batch that fills the me
 each try decodes fewer sequences. ``--agreement``: teacher-forced decoding through the fused path and through the torch
 path of the same codec, fed the same tokens: relative error of the logits and greedy agreement.
 
-    python scripts/bench_decode_e2e.py --write                       # on a CUDA GPU (about 10 minutes)
-    python scripts/bench_decode_e2e.py --max-batch --agreement --write
-    python scripts/bench_decode_e2e.py --shapes 16x32768 --rows DynamicCache kivi-2 --max-batch --max-batch-gib 16
-    TRITON_INTERPRET=1 python scripts/bench_decode_e2e.py --smoke    # CPU check of the script itself
+    python -m benchmarks.bench_decode_e2e --write                       # on a CUDA GPU (about 10 minutes)
+    python -m benchmarks.bench_decode_e2e --max-batch --agreement --write
+    python -m benchmarks.bench_decode_e2e --shapes 16x32768 --rows DynamicCache kivi-2 --max-batch --max-batch-gib 16
+    TRITON_INTERPRET=1 python -m benchmarks.bench_decode_e2e --smoke    # CPU check of the script itself
 """
 
 from __future__ import annotations
@@ -42,18 +42,17 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import CODECS as KERNEL_CODECS  # noqa: E402
-from bench_decode_attention import synthetic_state  # noqa: E402
-from bench_decode_overhead import machine  # noqa: E402
+from kvcomp.cache import CompressedCache, install, with_cache
+from kvcomp.cache.host_syncs import HostSyncs
+from kvcomp.codecs import ModelInfo, build_codec
+from kvcomp.codecs.codebook import CodebookCodec
+from kvcomp.errors import at_least
+from kvcomp.kernels import sdpa_without_cudnn
 
-from kvcomp.cache import CompressedCache, install, with_cache  # noqa: E402
-from kvcomp.cache.host_syncs import HostSyncs  # noqa: E402
-from kvcomp.codecs import ModelInfo, build_codec  # noqa: E402
-from kvcomp.codecs.codebook import CodebookCodec  # noqa: E402
-from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels import sdpa_without_cudnn  # noqa: E402
-from kvcomp.kernels.benchmarking import (  # noqa: E402
+from benchmarks.bench_decode_attention import CODECS as KERNEL_CODECS
+from benchmarks.bench_decode_attention import synthetic_state
+from benchmarks.bench_decode_overhead import machine
+from benchmarks.benchmarking import (
     SDPA_BACKENDS, batch_by_context, check_smoke, revision, script_device, write_section,
 )
 
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> str:
         agree_rows = agreement(setting, models, args.rows, device, log) if args.agreement or args.smoke else []
     body = tables(speed_rows, batch_rows, agree_rows, setting)
     if not args.smoke:
-        command = "python scripts/bench_decode_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m benchmarks.bench_decode_e2e " + " ".join(argv if argv is not None else sys.argv[1:])
         body = "\n".join([f"Command: `{command.strip()}` at revision {revision()}.", f"Machine: {machine(device)}.", "",
                           f"Random-weight Llama, Llama-3.1-8B layer shapes, {layers} layers, bf16; SDPA {SDPA_BACKENDS}.",
                           "", body])

@@ -3,17 +3,17 @@ the current kernels, and the kernels of an earlier commit (``--commit``) beside 
 (:data:`MEASURED`, :data:`QJL_MEASURED`).
 
 Each launch is compiled once for sm_90a at a small cache (batch 1, 2,048 tokens; a launch's code does not
-depend on the cache length) with :mod:`kvcomp.kernels.resources`, its tile loop counted and the time of
-each shape predicted by :mod:`kvcomp.kernels.static_model` from the launch geometry of that shape. A step
+depend on the cache length) with :mod:`tools.resources`, its tile loop counted and the time of
+each shape predicted by :mod:`tools.static_model` from the launch geometry of that shape. A step
 is its split launches plus the merge (the merge's loop over slices counted the same way). The earlier
 commit's kernels are read with ``git show`` from ``--repo`` and launched through a recorder (their host code is
 run on CPU tensors; its kernels are compiled, never run).
 
-    PYTHONPATH="$T36" python scripts/kernel_model.py          # Triton 3.6, as on the GPU machine (see
-                                                              # scripts/kernel_resources.py for $T36)
-    python scripts/kernel_model.py --codecs kivi-2 --no-old   # the current KIVI-2 only
-    PYTHONPATH="$T36" python scripts/kernel_model.py --no-old --operands float32   # with TF32 tl.dot operands
-    PYTHONPATH="$T36" python scripts/kernel_model.py --sweep BENCHMARKS.md   # every measured launch configuration
+    PYTHONPATH="$T36" python -m tools.kernel_model          # Triton 3.6, as on the GPU machine (see
+                                                              # tools/kernel_resources.py for $T36)
+    python -m tools.kernel_model --codecs kivi-2 --no-old   # the current KIVI-2 only
+    PYTHONPATH="$T36" python -m tools.kernel_model --no-old --operands float32   # with TF32 tl.dot operands
+    PYTHONPATH="$T36" python -m tools.kernel_model --sweep BENCHMARKS.md   # every measured launch configuration
 """
 
 from __future__ import annotations
@@ -25,36 +25,34 @@ import importlib.util
 import math
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa: E402
-from sweep_decode_kernel import CONFIGS as SWEEP_CONFIGS  # noqa: E402
-from sweep_decode_kernel import SECTION as SWEEP_SECTION  # noqa: E402
+from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
+from kvcomp.codecs.base import Request
+from kvcomp.kernels import Launch
+from kvcomp.kernels import decode_attention_triton as today
+from kvcomp.kernels.decode_graphs import DecodeGraphs
+from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace, plan_decode
+from kvcomp.kernels.qjl_scores_triton import qjl_score_launch
+from kvcomp.kernels.decode_attention import decode_attention
+from kvcomp.kernels.valid_tokens import ValidTokens
 
-from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
-from kvcomp.codecs.base import Request  # noqa: E402
-from kvcomp.kernels import Launch  # noqa: E402
-from kvcomp.kernels import decode_attention_triton as today  # noqa: E402
-from kvcomp.kernels.decode_graphs import DecodeGraphs  # noqa: E402
-from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace, plan_decode  # noqa: E402
-from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
-from kvcomp.kernels.decode_attention import decode_attention  # noqa: E402
-from kvcomp.kernels.valid_tokens import ValidTokens  # noqa: E402
-from kvcomp.kernels.resources import compile_launch, kernel_resources, static_target  # noqa: E402
-from kvcomp.kernels.static_model import (  # noqa: E402
+from benchmarks.bench_decode_attention import CODECS, cache_state, synthetic_state
+from benchmarks.sweep_decode_kernel import CONFIGS as SWEEP_CONFIGS
+from benchmarks.sweep_decode_kernel import SECTION as SWEEP_SECTION
+from tools.resources import compile_launch, kernel_resources, static_target
+from tools.static_model import (
     HOST_FACTOR, L1_BYTES, LOCAL, SMS, Geometry, accesses, bounds, count, disassemble, host_seconds, load_cycles,
     local_cycles, parse_sass, record_global_accesses, step_seconds, tile_instructions)
 
 H, D, R, SMALL = 8, 128, 4, 2048  # Llama-3.1-8B: 8 KV heads, head_dim 128, 4 query heads per KV head
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (16, 131072)]
 OLD_SHAPES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, 131072)]
-MEASURED = {  # ms of the --commit kernels on an H100 (scripts/bench_decode_attention.py), in OLD_SHAPES' order
+MEASURED = {  # ms of the --commit kernels on an H100 (benchmarks/bench_decode_attention.py), in OLD_SHAPES' order
     name: dict(zip(OLD_SHAPES, times)) for name, times in {
         "kivi-2": (0.4439, 0.6958, 2.2242, 1.6259, 10.0309, 38.5568),
         "kivi-4": (0.3398, 0.8104, 2.6744, 1.6640, 9.8794, 37.6079),
@@ -64,7 +62,7 @@ MEASURED = {  # ms of the --commit kernels on an H100 (scripts/bench_decode_atte
     }.items()
 }
 QJL_MEASURED = {(1, 8192): 0.3391, (1, 32768): 0.9060, (1, 65536): 1.6459, (4, 8192): 0.8973, (4, 32768): 3.0805,
-                (4, 65536): 5.9251}  # the same H100 (scripts/bench_qjl_decode.py), authors' general layer, scores only
+                (4, 65536): 5.9251}  # the same H100 (benchmarks/bench_qjl_decode.py), authors' general layer, scores only
 QJL_LAYER = 31  # a general layer: the authors' 256 + 256 sign bits
 # The current kernels' times measured on an H200 (MEASURED_TODAY_AT): KIVI's and QJL's from BENCHMARKS.md's "Fused
 # decode attention" and "QJL decode-step scores" tables, the codebook kernels with their register cap from a launch
@@ -136,7 +134,7 @@ def stream_bounds(codec, context: int):
 
 
 def step_time(parts: list[tuple[dict, Geometry]], host: float) -> tuple[float, str]:
-    """A step's predicted seconds (:func:`~kvcomp.kernels.static_model.step_seconds`) and its largest part: ``host``
+    """A step's predicted seconds (:func:`~tools.static_model.step_seconds`) and its largest part: ``host``
     (this CPU's ``host`` seconds on the GPU machine's), or the largest term of its first launch."""
     found = [bounds(a["counts"], g) for a, g in parts]
     seconds = step_seconds(found, host)
@@ -369,19 +367,19 @@ def separated_pairs(predicted: dict, measured: dict) -> tuple[int, int]:
 
 def measured_sweep(path: Path) -> dict:
     """``{(card, run, codec, batch, context): {configuration: ms}}`` from the launch-configuration section of
-    BENCHMARKS.md (``scripts/sweep_decode_kernel.py --write`` on a GPU; the card: the last H100 or H200 named above
+    BENCHMARKS.md (``python -m benchmarks.sweep_decode_kernel --write`` on a GPU; the card: the last H100 or H200 named above
     the row; the run: how many commands of the sweep script were named above it)."""
     text = path.read_text()
     start = text.find(SWEEP_SECTION)
     if start < 0:
-        raise SystemExit(f"{path} has no section {SWEEP_SECTION!r}: run scripts/sweep_decode_kernel.py --write on a GPU first")
+        raise SystemExit(f"{path} has no section {SWEEP_SECTION!r}: run python -m benchmarks.sweep_decode_kernel --write on a GPU first")
     end = text.find("\n## ", start + len(SWEEP_SECTION))
     out, card, run = {}, None, 0
     for line in text[start : end if end >= 0 else len(text)].splitlines():
         if not line.startswith("|"):
             named = [c for c in ("H100", "H200") if c in line]
             card = named[-1] if named else card
-            run += "sweep_decode_kernel.py" in line
+            run += "sweep_decode_kernel" in line
             continue
         cells = [c.strip() for c in line.strip(" |").split(" | ")]
         if len(cells) in (9, 10) and cells[1][:1].isdigit() and not cells[3].startswith("failed"):  # 10: with device ms
@@ -417,9 +415,9 @@ def sweep_options(label: str, name: str) -> dict:
 
 
 def sweep_check(path: Path) -> list[str]:
-    """The model's prediction of every measured launch configuration (``scripts/sweep_decode_kernel.py``)."""
+    """The model's prediction of every measured launch configuration (``benchmarks/sweep_decode_kernel.py``)."""
     measured = measured_sweep(path)
-    lines = [f"Launch configurations measured by `scripts/sweep_decode_kernel.py` ({path.name}) against the model (an "
+    lines = [f"Launch configurations measured by `benchmarks/sweep_decode_kernel.py` ({path.name}) against the model (an "
              "H100's figures; these kernels are not DRAM-bound, and both cards have 132 SMs at up to 1.98 GHz):",
              "", "| card | codec | batch x context | configuration | predicted ms | bound | measured ms | ratio |",
              "|---|---|---|---|---:|---|---:|---:|"]

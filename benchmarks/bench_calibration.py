@@ -5,10 +5,11 @@ For each codec: the activation collection (forward passes, plus backward passes 
 disk afterwards, so it is timed cold once per kind) and ``Codec.fit`` on it. Then one k-means fit of
 TemporalKV-2 (layer 0 keys: 48 codebooks of 6048 4-token chunks, 256 centroids), the median of ``--repeats``.
 
-    python scripts/bench_calibration.py              # every family, about 15 minutes on 2 cores
-    python scripts/bench_calibration.py --write        # and replace its section of BENCHMARKS.md
-    python scripts/bench_calibration.py --codecs none  # only the k-means fit (e.g. at an older commit:
-        git worktree add ../old <commit> && PYTHONPATH=../old python scripts/bench_calibration.py --codecs none)
+    python -m benchmarks.bench_calibration               # every family, about 15 minutes on 2 cores
+    python -m benchmarks.bench_calibration --write       # and replace its section of BENCHMARKS.md
+    python -m benchmarks.bench_calibration --codecs none # only the k-means fit (e.g. of an older commit's kvcomp,
+        # -P: the current folder not first on the path, so kvcomp is imported from the worktree:
+        git worktree add ../old <commit> && PYTHONPATH=../old:. python -P -m benchmarks.bench_calibration --codecs none)
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from kvcomp.cache import install
 from kvcomp.calibration import CalibrationConfig, CalibrationData
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.errors import at_least, unknown_choice
-from kvcomp.kernels.benchmarking import write_section
 from kvcomp.models import load_model
 from kvcomp.runner import calibration_data
 from kvcomp.stages.normalization import ChannelStats
+
+from benchmarks.benchmarking import write_section
 
 FAMILIES = ("temporalkv", "kvquant", "channelkv", "aquakv", "kvtc", "csr")
 SECTION = "## Calibration per codec family on 2 CPU cores"
@@ -92,7 +94,7 @@ def main() -> None:
     body = (
         f"Embedded SmolLM2-135M, calibration `enwiki` ({calibration.num_samples} windows of {calibration.seq_len} "
         f"tokens), {args.threads} threads, torch {torch.__version__}; nothing else running.\n\n"
-        "    python scripts/bench_calibration.py --write\n\n"
+        "    python -m benchmarks.bench_calibration --write\n\n"
         "| codec (its defaults) | activations collected, s | fit, s |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n" + kmeans
     )
     print(body)

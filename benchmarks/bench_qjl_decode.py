@@ -15,8 +15,8 @@ Every repetition uses a fresh random query and rotates between several independe
 whose total size exceeds the L2 cache, so small shapes are not flattered. Payload bytes per key token are
 printed beside each row. ``--write`` replaces the QJL section of BENCHMARKS.md with the table.
 
-    python scripts/bench_qjl_decode.py --write          # on a CUDA GPU
-    TRITON_INTERPRET=1 python scripts/bench_qjl_decode.py --smoke   # CPU check of the script itself
+    python -m benchmarks.bench_qjl_decode --write          # on a CUDA GPU
+    TRITON_INTERPRET=1 python -m benchmarks.bench_qjl_decode --smoke   # CPU check of the script itself
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.base import Request
 from kvcomp.errors import at_least
-from kvcomp.kernels.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, device_name, l2_cache_bytes,
-                                         publish, revision, script_device)
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
+
+from benchmarks.benchmarking import (LLAMA31_8B, SMOKE_SHAPE, Timer, buffer_sets, device_name, l2_cache_bytes,
+                                     publish, revision, script_device)
 
 SECTION = "## QJL decode-step scores"
 SETTINGS = {  # name -> codec config (head_dim 128)
@@ -150,7 +151,7 @@ def main(argv=None) -> str:
     l2_bytes, name = l2_cache_bytes(device), device_name(device)
     info = ModelInfo("llama31_8b", 1, shape["kv_heads"], shape["head_dim"])
     sections = [
-        f"Command: `{' '.join(['python scripts/bench_qjl_decode.py', *(argv if argv is not None else sys.argv[1:])])}` "
+        f"Command: `{' '.join(['python -m benchmarks.bench_qjl_decode', *(argv if argv is not None else sys.argv[1:])])}` "
         f"at revision {revision()} (CUDA events, median of "
         f"{timer.reps} after {timer.warmup} warm-up calls, fresh query each call, K/V sets rotated beyond L2)."
     ]

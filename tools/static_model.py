@@ -1,6 +1,6 @@
 """A static performance model of the decode kernels on an H100, from their SASS (no GPU needed).
 
-A launch compiled for sm_90a (:mod:`kvcomp.kernels.resources`) is disassembled with Triton's bundled
+A launch compiled for sm_90a (:mod:`tools.resources`) is disassembled with Triton's bundled
 ``nvdisasm`` (with source lines). The tile loop is the body of the kernel's outermost backward branch;
 where a tile can take several paths (the split kernel picks a full-precision piece or the encoded
 payload per tile), the blocks whose instructions come mostly from ``skip`` source functions or that hold their
@@ -24,7 +24,7 @@ are bounds of their own, and the launch takes the largest of the three:
   are read through Triton's own conversion to linear layouts (:func:`_mma_bases`). Elsewhere (``convert_layout``
   scratch, spills) the minimum: ``ceil(32 w / 128)`` for ``w``
   bytes per lane, 1 per 8x8 matrix of LDSM, 1 per shuffle (SHFL, counted in the LSU pipe by ncu). ncu
-  profiles of the earlier split and QJL kernels that ``scripts/kernel_model.py --commit`` reads found them
+  profiles of the earlier split and QJL kernels that ``python -m tools.kernel_model --commit`` reads found them
   L1/TEX-bound at 95-99.5 %;
 - **special functions**: MUFU (exp2, sin, cos, reciprocal) at 16 lanes per cycle per SM, 2 cycles per warp
   instruction;
@@ -62,7 +62,7 @@ The square root is fitted, not derived. It over-predicts a kernel that saturates
 scores, L1 99.5 % busy: 1.0-1.4x).
 
 Cycles become seconds at ``CLOCK_HZ``; each launch adds ``LAUNCH_S``. A step's device time is the sum of its
-launches'. A step as ``scripts/bench_decode_attention.py`` times it (its CUDA events recorded on an idle device,
+launches'. A step as ``benchmarks/bench_decode_attention.py`` times it (its CUDA events recorded on an idle device,
 around one call) takes its **host** time plus its device time: the device waits for the call's Python work (the
 launcher building its arguments, Triton binding them and finding the compiled kernel) before its first launch runs,
 and that work is nearly all before the first launch (the merge's binding overlaps the split kernel). The host term
@@ -77,7 +77,7 @@ Constants and their sources:
 - ``CLOCK_HZ = 1.755e9``: the H100 SXM boosts to 1.98 GHz; ncu ran the earlier commit's kernels at 1.45-1.59 GHz
   (its locked clock); their bench times over the ncu durations (KIVI-2 10.0 / 12.2 ms, TemporalKV-2
   7.27 / 8.37 ms) put the benchmark's clock near 1.75 GHz.
-- ``COPY_BYTES_PER_S = 2970e9``: the H100's measured copy bandwidth (as ``scripts/bench_decode_attention.py``
+- ``COPY_BYTES_PER_S = 2970e9``: the H100's measured copy bandwidth (as ``benchmarks/bench_decode_attention.py``
   measures it).
 - ``L1_WAVEFRONTS_PER_CYCLE = 1``: 128 B per cycle per SM (shared memory: 32 banks x 4 B).
 - ``BANKS = 32``, ``BANK_BYTES = 4``, ``LINE_BYTES = 128``: shared-memory banks and L1 cache lines of
@@ -95,10 +95,10 @@ Constants and their sources:
 - ``L1_BYTES = 256 KiB``: the L1 / shared-memory array of an H100 SM (less the programs' shared memory).
 - ``LAUNCH_S = 3e-6``: a kernel launch's fixed cost, on the device and in the driver.
 - ``HOST_FACTOR = 1.9``: the GPU machine's host time of a call over this CPU's. On an H200 machine the median host
-  ms of one call at 1 x 4K (``scripts/bench_decode_attention.py``'s host column,
+  ms of one call at 1 x 4K (``benchmarks/bench_decode_attention.py``'s host column,
   which includes the driver's launches, about 10 us each by ``torch.profiler``) was 0.239-0.278 for the five seed
   formats, 1.6-2.1x (mean 1.9) this CPU's fastest of ``HOST_REPEATS`` (0.125-0.151 ms). That CPU varies more than
-  this one: the same KIVI-2 call took 0.26, 0.36 and 0.41 ms in three runs (``scripts/profile_decode_call.py``).
+  this one: the same KIVI-2 call took 0.26, 0.36 and 0.41 ms in three runs (``benchmarks/profile_decode_call.py``).
 - ``HOST_REPEATS = 200``: calls timed for the host term, the fastest kept (other processes only add time).
 """
 
@@ -117,6 +117,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
+
+import kvcomp
 
 SMS, SCHEDULERS, CLOCK_HZ, COPY_BYTES_PER_S = 132, 4, 1.755e9, 2970e9
 L1_WAVEFRONTS_PER_CYCLE, MUFU_CYCLES, LAUNCH_S, HOST_FACTOR = 1.0, 2.0, 3e-6, 1.9
@@ -245,14 +247,14 @@ def _functions(path: str) -> list[tuple[int, int, str]]:
 
 
 def _source(path: str) -> Path:
-    """The file a SASS line names, with a file of kvcomp read from this package: Triton's cache is keyed by the
-    kernels' sources and first lines, not by their paths, so a cubin compiled from another checkout (a worktree,
-    since removed or changed) names that checkout's files for this package's lines."""
+    """The file a SASS line names, with a file of kvcomp read from the imported kvcomp package: Triton's cache is
+    keyed by the kernels' sources and first lines, not by their paths, so a cubin compiled from another checkout (a
+    worktree, since removed or changed) names that checkout's files for this package's lines."""
     parts = Path(path).parts
     if "kvcomp" not in parts:
         return Path(path)
     package = len(parts) - 1 - parts[::-1].index("kvcomp")
-    return Path(__file__).resolve().parent.parent.joinpath(*parts[package + 1:])
+    return Path(kvcomp.__file__).resolve().parent.joinpath(*parts[package + 1:])
 
 
 def _reachable(start: set[int], edges: dict[int, set[int]], allowed: set[int]) -> set[int]:

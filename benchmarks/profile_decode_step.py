@@ -1,4 +1,4 @@
-"""Where the time of one decode step goes, for rows of ``scripts/bench_decode_e2e.py`` (GPU diagnosis).
+"""Where the time of one decode step goes, for rows of ``benchmarks/bench_decode_e2e.py`` (GPU diagnosis).
 
 For each row the model of ``bench_decode_e2e.py`` (random weights, Llama-3.1-8B layer shapes) prefills a
 random prompt, runs warm-up steps, times steps with CUDA events, and profiles two more with
@@ -6,22 +6,19 @@ random prompt, runs warm-up steps, times steps with CUDA events, and profiles tw
 time. For ``DynamicCache`` it then times steps with each SDPA backend forced (flash, memory-efficient,
 cuDNN, math), to show which one transformers' ``sdpa`` attention dispatches to and what each costs.
 
-    python scripts/profile_decode_step.py --rows DynamicCache fp16 kivi-2 --batch 8 --context 16384
+    python -m benchmarks.profile_decode_step --rows DynamicCache fp16 kivi-2 --batch 8 --context 16384
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_e2e import ROWS, SETTINGS, build_models, new_cache, prefill, step_ms  # noqa: E402
+from kvcomp.errors import at_least
 
-from kvcomp.errors import at_least  # noqa: E402
+from benchmarks.bench_decode_e2e import ROWS, SETTINGS, build_models, new_cache, prefill, step_ms
 
 
 def steps(model, cache, token, device, count: int) -> tuple[float, torch.Tensor]:

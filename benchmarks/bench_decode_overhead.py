@@ -22,8 +22,8 @@ median over the repeats of the per-repeat ratio to DynamicCache (target: fp16 <=
   vocabulary 32000, 4 layers, bf16, batch 8, a 16,384-token prompt prefilled in 2,048-token chunks, 24
   timed steps after 4 warm-up steps, ``exact_prefill``.
 
-    python scripts/bench_decode_overhead.py --write     # CPU; CPU and GPU rows where CUDA is available
-    python scripts/bench_decode_overhead.py --smoke     # a few seconds: checks the script (a test runs it)
+    python -m benchmarks.bench_decode_overhead --write     # CPU; CPU and GPU rows where CUDA is available
+    python -m benchmarks.bench_decode_overhead --smoke     # a few seconds: checks the script (a test runs it)
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.errors import at_least
 from kvcomp.kernels import sdpa_without_cudnn
-from kvcomp.kernels.benchmarking import SDPA_BACKENDS, revision, write_section
+
+from benchmarks.benchmarking import SDPA_BACKENDS, revision, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Decode-step overhead of the compressed cache"
@@ -238,11 +239,11 @@ def unmeasured(name: str, args) -> str:
             SUBSECTIONS[name], "",
             "Not measured yet: no GPU run is recorded. On a CUDA machine the same command adds this "
             "subsection:", "",
-            "    python scripts/bench_decode_overhead.py --write", "",
+            "    python -m benchmarks.bench_decode_overhead --write", "",
             describe(name, args) + " CUDA events, device synchronised around each step.",
         ])
     return "\n".join([SUBSECTIONS[name], "", "Not measured yet:", "",
-                      "    python scripts/bench_decode_overhead.py --device cpu --write"])
+                      "    python -m benchmarks.bench_decode_overhead --device cpu --write"])
 
 
 def kept_subsection(path: Path, name: str) -> str | None:
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> str:
         return body
     if "cuda" in args.device and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU")
-    command = "python scripts/bench_decode_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.bench_decode_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     path = ROOT / "BENCHMARKS.md"
     parts = []
     for name in ("cpu", "cuda"):

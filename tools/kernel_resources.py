@@ -5,38 +5,36 @@ Each kernel launch that :func:`kvcomp.kernels.decode_attention_triton.decode_lau
 decode step over a codec's cache (Llama-3.1 heads: 8 KV heads, head_dim 128, ``--ratios`` query heads
 per KV head, 4 for 8B and 8 for 70B; sinks, payload and tail as the codec's schedule leaves them; random payload), and the QJL
 score kernel, is compiled by Triton for ``cuda`` capability 9.0 through a stand-in driver and assembled
-with Triton's ptxas (:mod:`kvcomp.kernels.resources`). Every distinct launch (key format x value format
+with Triton's ptxas (:mod:`tools.resources`). Every distinct launch (key format x value format
 x compile-time constants) is one row. These are static facts of the compiled code, not timings.
 
-    python scripts/kernel_resources.py --write
-    python scripts/kernel_resources.py --block-tokens 16 32 64 --warps 4 8   # other tile shapes
+    python -m tools.kernel_resources --write
+    python -m tools.kernel_resources --block-tokens 16 32 64 --warps 4 8   # other tile shapes
     # the GPU machine's Triton 3.6 (one section per Triton version):
     # (T36: a folder outside the checkout)
     pip download --no-deps --only-binary=:all: triton==3.6.0 -d "$T36"
     python -m zipfile -e "$T36"/triton-3.6.0-*.whl "$T36" && chmod +x "$T36"/triton/backends/nvidia/bin/*
-    PYTHONPATH="$T36" python scripts/kernel_resources.py --write
+    PYTHONPATH="$T36" python -m tools.kernel_resources --write
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import CODECS, cache_state, synthetic_state  # noqa: E402
+from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
+from kvcomp.codecs.base import Request
+from kvcomp.errors import at_least
+from kvcomp.kernels.decode_attention_triton import decode_launches, payload_launch_inputs
+from kvcomp.kernels.qjl_scores_triton import qjl_score_launch
 
-from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
-from kvcomp.codecs.base import Request  # noqa: E402
-from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import LLAMA31_8B, write_section  # noqa: E402
-from kvcomp.kernels.decode_attention_triton import decode_launches, payload_launch_inputs  # noqa: E402
-from kvcomp.kernels.qjl_scores_triton import qjl_score_launch  # noqa: E402
-from kvcomp.kernels.resources import compile_launch, kernel_resources  # noqa: E402
-from kvcomp.kernels.static_model import disassemble, loop_local_accesses  # noqa: E402
+from benchmarks.bench_decode_attention import CODECS, cache_state, synthetic_state
+from benchmarks.benchmarking import LLAMA31_8B, write_section
+from tools.resources import compile_launch, kernel_resources
+from tools.static_model import disassemble, loop_local_accesses
 
 SECTION = f"## Decode kernel resources on sm_90, Triton {triton.__version__} (static, compiled without a GPU)"
 BATCH = 16  # sequences per step (the launches' code does not depend on it, their register cap does)
@@ -126,7 +124,7 @@ def main(argv=None) -> str:
             _, launch = qjl_score_launch(torch.randn(1, h, ratio, d), codec.sketched_keys(payload, QJL_LAYER))
             rows += rows_for(launch, "qjl scores", args.warps, ratio)
     ptxas = "Triton " + triton.__version__
-    body = (f"Static resources of every distinct decode launch (`python scripts/kernel_resources.py --write` with {ptxas} "
+    body = (f"Static resources of every distinct decode launch (`python -m tools.kernel_resources --write` with {ptxas} "
             "first on the path, see the script's docstring; "
             f"its ptxas, target sm_90a; head_dim 128; Llama-3.1 heads). Occupancy: resident warps "
             "over 64 by the sm_90 rules (64 K registers per SM in 256-register warp units, 228 KB shared memory, 1 KB "

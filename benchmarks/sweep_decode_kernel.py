@@ -1,35 +1,33 @@
 """Launch configurations of the fused decode-attention kernel on a GPU: warps per program, tokens per tile,
 register path or ``tl.dot`` (writes its section of BENCHMARKS.md).
 
-For each codec of ``scripts/bench_decode_attention.py`` and each batch x context, one decode step of the
+For each codec of ``benchmarks/bench_decode_attention.py`` and each batch x context, one decode step of the
 split + merge kernels is timed for every configuration (CUDA-event medians, fresh query per call, caches
 rotated beyond twice the L2 cache), beside PyTorch SDPA on bf16 K/V, and each configuration's output is
 checked against the float64 torch reference on a fresh random cache (``||out - ref|| / ||ref||``).
 
-    python scripts/sweep_decode_kernel.py --write                      # on a CUDA GPU
-    TRITON_INTERPRET=1 python scripts/sweep_decode_kernel.py --smoke   # CPU check of the script itself
+    python -m benchmarks.sweep_decode_kernel --write                      # on a CUDA GPU
+    TRITON_INTERPRET=1 python -m benchmarks.sweep_decode_kernel --smoke   # CPU check of the script itself
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_sdpa, synthetic_state  # noqa: E402
+from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
+from kvcomp.errors import at_least
+from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error
+from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+from kvcomp.kernels.decode_plan import DecodeStep
 
-from kvcomp.codecs import ModelInfo, build_codec, needs_calibration  # noqa: E402
-from kvcomp.errors import at_least  # noqa: E402
-from kvcomp.kernels.benchmarking import (  # noqa: E402
+from benchmarks.bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_sdpa, synthetic_state
+from benchmarks.benchmarking import (
     LLAMA31_8B, SMOKE_SHAPE, Timer, batch_by_context, buffer_sets, check_smoke, device_name, l2_cache_bytes, publish,
     revision, script_device,
 )
-from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error  # noqa: E402
-from kvcomp.kernels.decode_attention_triton import decode_attention_triton  # noqa: E402
-from kvcomp.kernels.decode_plan import DecodeStep  # noqa: E402
 
 SECTION = "## Launch configurations of the fused decode kernel"
 # label -> options of decode_attention_triton; the first is the library's default (tl.dot, 4 warps, or 2 where the grid
@@ -161,7 +159,7 @@ def main(argv=None) -> str:
                 synthetic_state(codec, generator)
             rows += sweep(codec, name, batch, context, timer, device, l2_bytes, configs, log, hq)
     body = "\n".join([
-        f"Command: `{' '.join(['python scripts/sweep_decode_kernel.py', *(argv if argv is not None else sys.argv[1:])])}` "
+        f"Command: `{' '.join(['python -m benchmarks.sweep_decode_kernel', *(argv if argv is not None else sys.argv[1:])])}` "
         f"at revision {revision()}. Device: {device_name(device)}; measured copy bandwidth {copy_gbps:.0f} GB/s. "
         f"One decode step of one layer (split + merge kernels), Llama-3.1-8B heads; CUDA events, median of {timer.reps} "
         f"after {timer.warmup} warm-up calls; SDPA: the faster of flash and memory-efficient on bf16 K/V.", "",
