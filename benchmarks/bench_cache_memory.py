@@ -11,7 +11,7 @@ cache's). ``DynamicCache`` is measured the same way.
 
 Paths: ``torch`` (decode each block once, keep the decoded copy), ``decode_per_step`` (no decoded copy,
 every step decodes every block). The fused kernels' path holds what ``decode_per_step`` holds (no
-decoded copy; ``tests/test_memory.py`` walks it); it needs a GPU to run at this size.
+decoded copy; ``tests/cache/test_memory.py`` walks it); it needs a GPU to run at this size.
 
     python -m benchmarks.bench_cache_memory --write
 """
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> str:
         f"tokens, {args.steps} decode steps; bytes, so the CPU measures them exactly).", "",
         table(rows), "",
         "Per-sequence state is 0 for these codecs. Reported = storage + bookkeeping + working memory; it "
-        "equals the walk (`tests/test_memory.py` checks this within 1 % for every codec and path).",
+        "equals the walk (`tests/cache/test_memory.py` checks this within 1 % for every codec and path).",
     ])
     if args.write:
         write_section(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", SECTION, text)

@@ -5,7 +5,7 @@ the others live beside the code they configure and are gathered here: codec conf
 
 The YAML files under ``conf/`` set only fields of their group's dataclass. A codec's base file sets only its
 ``name`` and a preset only what differs from its base, so every codec default is stated once, in its
-dataclass (``tests/test_config.py`` checks). :func:`register_configs` puts the schemas in Hydra's
+dataclass (``tests/usage/test_config.py`` checks). :func:`register_configs` puts the schemas in Hydra's
 ConfigStore and :func:`typed` validates a group against its dataclass (unknown or mistyped fields are
 errors that name the group).
 """

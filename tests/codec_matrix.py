@@ -1,6 +1,6 @@
 """The codec test matrix: one entry per registered codec, read by every test that runs all codecs.
 
-A new codec joins with one entry here (``tests/test_codec_matrix.py`` fails until it does); it is then
+A new codec joins with one entry here (``tests/codecs/test_codec_matrix.py`` fails until it does); it is then
 checked for the round trip through the cache, formula vs measured bytes, state save/load and the
 mismatch error, batch maps and beam search (``test_codec_matrix.py``), generation with left padding on
 tiny Llama / Qwen2 / Mistral (``test_left_padding.py``), the memory walk on the torch, fused and
@@ -15,13 +15,15 @@ import torch
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.codecs import build_codec
 from kvcomp.config import CalibrationConfig
-from tests.conftest import info_of
+from tests.helpers import info_of
 
 QJL_TINY = {
     "name": "qjl", "sketch_dim": 32, "outlier_sketch_dim": 16, "initial_layers": 1, "initial_sketch_dim": 48,
     "initial_outlier_sketch_dim": 8, "outlier_channels": 2, "group_size": 4, "key_buffer": 8,
     "value_group_size": 8, "value_window": 6,
 }
+# power-of-two sketches and 16-token groups: the fused decode-attention kernel reads the sign bits
+QJL_FUSED = {**QJL_TINY, "initial_sketch_dim": 64, "group_size": 16, "key_buffer": 16}
 CALIBRATION = CalibrationConfig(num_samples=8, seq_len=72)
 
 
@@ -72,4 +74,12 @@ def make_codec(model, name: str, path=None, **overrides):
         torch.manual_seed(0)  # fits that draw from the global generator (k-means inits) give one artifact, whoever fits first
         windows = calibration_windows()
         calibrate(codec, CALIBRATION, lambda: CalibrationData(model, None, windows, None).activations(codec), path)
+    return codec
+
+
+def fitted(model, name, **overrides):
+    """Codebook codec ``name`` (KVQuant, ChannelKV, TemporalKV) calibrated on ``model``, 10 k-means iterations."""
+    codec = build_codec({"name": name, "kmeans_iters": 10, **overrides}, info_of(model))
+    windows = calibration_windows()
+    calibrate(codec, CALIBRATION, lambda: CalibrationData(model, None, windows, None).activations(codec))
     return codec

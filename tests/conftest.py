@@ -1,9 +1,7 @@
-"""Shared fixtures: tiny random models of two families, and the embedded model when it is set up."""
+"""Shared fixtures: tiny random models of three families, and the embedded model when it is set up."""
 
-import contextlib
 import dataclasses
 import os
-from unittest import mock
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on CPU tensors; must precede any triton import
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -11,17 +9,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import (  # noqa: E402
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from kvcomp.cache import install  # noqa: E402
-from kvcomp.codecs import ModelInfo  # noqa: E402
+from tests.helpers import FAMILIES, build_tiny  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -89,31 +80,6 @@ def _skip_the_discarded_overflow_checks() -> None:
 _patch_the_language_once_per_kernel()
 _skip_the_discarded_overflow_checks()
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-
-
-def _tiny(config_cls, model_cls, **extra):
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**TINY, **extra)).eval()
-    install(model)
-    return model
-
-
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),  # q/k/v biases
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-}
-
-
 @pytest.fixture
 def session_cache(tmp_path_factory, monkeypatch):
     """``KVCOMP_CACHE`` in the session's temporary folder (one per xdist worker, shared by the modules that use it,
@@ -127,56 +93,12 @@ def session_cache(tmp_path_factory, monkeypatch):
 def tiny_model(request):
     """A tiny random model (GQA 2:1, head_dim 16) of each family, kvcomp attention installed."""
     config_cls, model_cls, extra = FAMILIES[request.param]
-    return _tiny(config_cls, model_cls, **extra)
+    return build_tiny(config_cls, model_cls, **extra)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    return _tiny(LlamaConfig, LlamaForCausalLM)
-
-
-@contextlib.contextmanager
-def reads_taken():
-    """``(layer index, what update_in_step returned)`` of every compressed layer's forward in the block: ``tuple``
-    (plain SDPA), ``Streaming``, ``FromSegments`` or ``FusedDecode`` (:mod:`kvcomp.cache.reads`); a layer whose
-    rows are grouped by padding (:class:`~kvcomp.cache.rows.ByRows`) gives one entry per row group."""
-    from kvcomp.cache.compressed_cache import CompressedLayer
-    from kvcomp.cache.rows import ByRows
-
-    taken, original = [], CompressedLayer.update_in_step
-
-    def spy(self, key_states, value_states, step, query=None):
-        read = original(self, key_states, value_states, step, query)
-        parts = [r for _, r, _ in read.parts] if isinstance(read, ByRows) else [read]
-        taken.extend((self.layer_idx, type(r).__name__) for r in parts)
-        return read
-
-    with mock.patch.object(CompressedLayer, "update_in_step", spy):
-        yield taken
-
-
-def encode_with_torch(monkeypatch) -> None:
-    """Codebook encodes take the torch path under ``kernel_backend="triton"`` (the Triton interpreter would take
-    minutes; ``test_decode_attention.py`` checks the kernel against it)."""
-    import kvcomp.codecs.codebook as codebook
-
-    original = codebook.encode_codebook
-    monkeypatch.setattr(codebook, "encode_codebook", lambda quantizer, z, codebooks, backend="torch": original(quantizer, z, codebooks))
-
-
-def load_script(name: str):
-    """``scripts/{name}.py`` as a module (the scripts are not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def info_of(model) -> ModelInfo:
-    return ModelInfo.from_hf_config(model.config)
+    return build_tiny(LlamaConfig, LlamaForCausalLM)
 
 
 @pytest.fixture(scope="session")

@@ -3,4 +3,4 @@
 (:mod:`tools.resources`, run by ``python -m tools.kernel_resources``).
 
 Not part of the installed package: run from the repository root (``python -m tools.<name>``). These modules may
-import :mod:`kvcomp`; :mod:`kvcomp` never imports them (``tests/test_layering.py``)."""
+import :mod:`kvcomp`; :mod:`kvcomp` never imports them (``tests/usage/test_layering.py``)."""

@@ -8,7 +8,7 @@ on a CPU, once per prompt: :class:`PrefillMemo` records the first codec's prefil
 each layer received, the last logits) and replays it into the next codecs' caches, layer by layer, as the forward
 would have (the same :meth:`~kvcomp.cache.step.StepLayer.update_in_step` calls with the same tensors, strides
 included), then generation continues from the recorded logits. The tokens, the cache's bytes and every metric are
-those of running the prefill (``tests/test_prefill_memo.py`` compares them codec by codec).
+those of running the prefill (``tests/benchmarks/test_prefill_memo.py`` compares them codec by codec).
 
 A recording is kept while the memo's byte budget allows (a quarter of the available host memory, at most 3 GB: the
 13 prompts of the leaderboard's RULER at 4K on SmolLM2 take 2.4 GB in float32; none on a GPU, where a prefill is

@@ -1,7 +1,7 @@
 """Memory: what a cache object really holds, and whether a reservation can fit before it is made.
 
 :func:`held_nbytes` (the bytes of every distinct tensor storage reachable from an object) checks that a
-cache's reported bytes (storage + bookkeeping + working memory) are what it holds (``tests/test_memory.py``)
+cache's reported bytes (storage + bookkeeping + working memory) are what it holds (``tests/cache/test_memory.py``)
 and measures caches (``benchmarks/bench_cache_memory.py``). :func:`check_fits` refuses a reservation larger
 than the memory its device has available (:func:`available_bytes`) with the numbers, before allocating.
 """
