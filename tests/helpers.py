@@ -47,7 +47,7 @@ def reads_taken():
     """``(layer index, what update_in_step returned)`` of every compressed layer's forward in the block: ``tuple``
     (plain SDPA), ``Streaming``, ``FromSegments`` or ``FusedDecode`` (:mod:`kvcomp.cache.reads`); a layer whose
     rows are grouped by padding (:class:`~kvcomp.cache.rows.ByRows`) gives one entry per row group."""
-    from kvcomp.cache.compressed_cache import CompressedLayer
+    from kvcomp.cache.layer import CompressedLayer
     from kvcomp.cache.rows import ByRows
 
     taken, original = [], CompressedLayer.update_in_step

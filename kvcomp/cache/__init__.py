@@ -4,7 +4,9 @@ import functools
 import inspect
 
 from kvcomp.cache.attention import ATTENTION_NAME, Installation, compressed_attention, install
-from kvcomp.cache.compressed_cache import PROTOCOLS, CompressedCache, CompressedLayer, check_press
+from kvcomp.cache.compressed_cache import PROTOCOLS, CompressedCache
+from kvcomp.cache.eviction import check_press
+from kvcomp.cache.layer import CompressedLayer
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,6 @@
-"""Finiteness checks of one cache layer (:class:`~kvcomp.cache.CompressedCache`'s ``check_finite``): NaN/Inf
-in the K/V a forward brings, and in what the layer's codec decoded from them."""
+"""Checks of what one cache layer is given: K/V of the shape its codec was built for (:func:`check_kv_shape`), and
+finiteness (:class:`~kvcomp.cache.CompressedCache`'s ``check_finite``): NaN/Inf in the K/V a forward brings, and in
+what the layer's codec decoded from them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ def finite(*tensors: torch.Tensor) -> torch.Tensor:
     """Device bool: no NaN/Inf in ``tensors`` (summed in float64, which no sum of finite float32, bfloat16 or
     float16 values overflows)."""
     return torch.isfinite(sum(t.sum(dtype=torch.float64) for t in tensors))
+
+
+def check_kv_shape(codec, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Refuse keys and values of another shape than ``codec`` was built for (at a layer's first forward)."""
+    model = codec.model
+    for kind, x in (("keys", key_states), ("values", value_states)):
+        if x.dim() != 4 or (x.shape[1], x.shape[3]) != (model.num_kv_heads, model.head_dim):
+            raise ConfigError(f"codec {codec.name} was built for {model.name}, whose layer {layer_idx} has "
+                              f"{model.num_kv_heads} KV heads of size {model.head_dim}, but this model's {kind} are "
+                              f"{tuple(x.shape)} [batch, heads, tokens, head_dim]: build the codec for this model "
+                              "(kvcomp.api.load_codec(model, ...))")
 
 
 def _span(first: int, count: int) -> str:
@@ -105,7 +117,7 @@ class FiniteChecks:
         :meth:`~kvcomp.cache.growing.GrowingTensor.keep`) is checked whole again."""
         fresh, checked = [], []
         for i, stream in enumerate(streams):
-            copy = stream.decoded
+            copy = stream.decoded.tensor
             seen, generation, count = self.checked[i] if i < len(self.checked) else (None, 0, 0)
             start = count if seen is copy and generation == copy.generation else 0
             checked.append((copy, copy.generation, copy.length))

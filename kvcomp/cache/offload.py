@@ -31,7 +31,7 @@ import torch
 from kvcomp.cache.compressed_cache import CompressedCache
 from kvcomp.cache.scopes import make_scope
 from kvcomp.cache.stored_checks import check_layout, check_structure
-from kvcomp.cache.stream import Block, PayloadStore
+from kvcomp.cache.payload_store import Block, PayloadStore
 from kvcomp.codecs.base import Codec, Payload, calibration_identity
 from kvcomp.artifacts import ArtifactError, atomic_path
 from kvcomp.errors import ConfigError
@@ -213,7 +213,7 @@ def restore(stored: StoredCache, codec: Codec, device: str | torch.device = "cpu
             if f"{prefix}.tail" in tensors:
                 stream.tail_buffer.append(tensors[f"{prefix}.tail"].to(device))
             stream.blocks = [Block(*b) for b in s["blocks"]]
-            stream.pending = list(stream.blocks)  # decoded when attention first reads them
+            stream.decoded.pending = list(stream.blocks)  # decoded when attention first reads them
             _take_store(stream.store, s["store"], f"{prefix}.store", tensors, device)
     if cache.scope.shared_store is not None:
         _take_store(cache.scope.shared_store, meta["model_unit"], "model_unit", tensors, device)

@@ -14,7 +14,7 @@ the earlier states as extra key/value columns and masks every column to the quer
 seen it, which gives exactly the logits of feeding the tokens one by one.
 
 Decode steps read the payloads directly when ``install(model, kernel_backend="triton")`` selected kernels
-(:meth:`~kvcomp.cache.compressed_cache.CompressedLayer.fused_decode`): the layer returns its key and
+(:func:`payload_read`): the layer returns its key and
 value segments (sinks, payload, tail, plus the fresh token under ``exact_prefill``) and
 
 - codecs with a payload reader (:class:`~kvcomp.codecs.base.FusedPayload`: uniform/KIVI, the codebook codecs, QJL,
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcomp.cache.step import Step
+from kvcomp.cache.step import LayerStep, Step
 from kvcomp.cache.stream import FreshlyEncoded
-from kvcomp.codecs.base import Codec, Payload, SequenceState
+from kvcomp.codecs.base import Codec, Payload, SequenceState, reads_fused, scores_from_payload, values_from_payload
 from kvcomp.kernels.decode_attention import decode_attention
 from kvcomp.kernels.formats import RotaryPositions
 
@@ -112,6 +112,28 @@ class FusedDecode(Reads):
                                self.key_rope, self.kernel_backend, step=step.decode)
         return out[:, None], None
 
+
+
+def payload_read(codec: Codec, layer_idx: int, part, step: LayerStep | None) -> str | None:
+    """How a decode step reads a row group's streams (``part``, a :class:`~kvcomp.cache.layer.LayerPart`):
+    ``"attention"``: the fused decode-attention kernel reads both payloads (``kernel_backend="triton"``;
+    :class:`~kvcomp.codecs.base.FusedPayload`; pre-RoPE keys need fixed RoPE frequencies and every token's
+    position); ``"scores"`` (where the kernel cannot read the format): the codec's kernel scores the key payload
+    (:class:`~kvcomp.codecs.base.PayloadScores`), values are decoded; ``"values"`` (any backend,
+    :class:`~kvcomp.codecs.base.PayloadValues`): keys are decoded, the codec weights the value payload; ``None``: the
+    torch path (also without kvcomp's attention, ``step`` None). Keys with a rotated offset are read by the fused
+    kernel only (it adds the offset's score, with the same needs as pre-RoPE keys)."""
+    if step is None or part.prefix is not None:
+        return None
+    if values_from_payload(codec):
+        return "values"
+    if step.kernel_backend != "triton":
+        return None
+    if (not part.streams[0].rotates or part.positions.recomputed) and reads_fused(codec, layer_idx):
+        return "attention"
+    if part.streams[0].rotation.offset is not None:
+        return None
+    return "scores" if scores_from_payload(codec) else None
 
 def _attention_from_segments(read: "FromSegments", query, keys, values, attention_mask, scaling):
     """Attention over key and value segments in cache order (full-precision tensors: sinks, decoded blocks, tail,

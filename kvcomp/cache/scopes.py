@@ -10,9 +10,9 @@ The cache makes one :class:`Scope` per row group (:func:`make_scope`) and asks i
 :class:`Schedule`, which owns that layer's key and value streams. When blocks are encoded and decoded, and where
 per-sequence state lives, is decided here. A few callers outside ``codecs/`` also ask about the scope or the state:
 
-- :mod:`kvcomp.cache.compressed_cache`: :func:`~kvcomp.cache.compressed_cache.check_press` refuses a press beside
-  a codec that is not stream-scope, pressing while decoding needs a codec without per-sequence state
-  (``keeps_state``), and the byte counts read :attr:`Scope.shared_store` (a model-scope codec's payloads);
+- :mod:`kvcomp.cache.eviction`: :func:`~kvcomp.cache.eviction.check_press` refuses a press beside a codec that is
+  not stream-scope, and pressing while decoding needs a codec without per-sequence state (``keeps_state``);
+- :mod:`kvcomp.cache.accounting`: the byte counts read :attr:`Scope.shared_store` (a model-scope codec's payloads);
 - :mod:`kvcomp.cache.offload` stores and restores :attr:`Scope.shared_store` (after
   :meth:`Scope.check_storable`);
 - the benchmarks ask :meth:`~kvcomp.codecs.base.Codec.encodes_after_forward` (model scope): perplexity's protocols
@@ -26,7 +26,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kvcomp.cache.stream import Block, FreshlyEncoded, KVStream, PayloadStore
+from kvcomp.cache.payload_store import Block, PayloadStore
+from kvcomp.cache.stream import FreshlyEncoded, KVStream
 from kvcomp.codecs.base import KINDS, Codec, Request, SequenceState, Unit, keeps_state
 
 Fresh = tuple[FreshlyEncoded | None, FreshlyEncoded | None]
@@ -76,7 +77,7 @@ class Schedule(ABC):
     def state_nbytes(self) -> int:
         """Bytes of per-sequence state held for this layer (its streams' and its own)."""
         own = 0 if self.state is None else self.state.nbytes
-        return own + sum(s.state_nbytes for s in self.streams)
+        return own + sum(s.state.nbytes for s in self.streams if s.state is not None)
 
     def select_rows(self, index: torch.Tensor) -> None:
         for stream in self.streams:

@@ -121,7 +121,28 @@ class LayerStep:
 class StepLayer(CacheLayerMixin):
     """A cache layer that stores a forward's keys and values with its :class:`LayerStep` and says what
     attention reads; the kvcomp attention function calls :meth:`update_in_step` instead of transformers'
-    ``update`` (which such a layer still serves when the model's attention is not kvcomp's)."""
+    ``update`` (which such a layer still serves when the model's attention is not kvcomp's). It holds every token
+    given (``length``, left padding included): unbounded, and never cropped."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.20 name of get_max_length
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a compressed cache cannot drop encoded tokens (no assisted decoding)")
 
     @abstractmethod
     def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep,

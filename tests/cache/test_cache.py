@@ -274,7 +274,7 @@ def test_exact_prefill_sees_its_own_tokens_uncompressed_and_later_ones_stored(ti
     tiny_llama(ids, past_key_values=streaming)
     assert cache.nbytes == streaming.nbytes
     exact, streamed = cache.layers[0], streaming.layers[0]  # deeper layers' inputs differ by design
-    assert torch.equal(exact.key_stream.decoded_blocks(), streamed.key_stream.decoded_blocks())
+    assert torch.equal(exact.key_stream.materialize(), streamed.key_stream.materialize())
 
 
 @torch.no_grad()
@@ -297,7 +297,8 @@ def test_decoded_blocks_equal_decoding_the_whole_payload(tiny_llama, schedule):
     layer = cache.layers[1]
     for stream in (layer.key_stream, layer.value_stream):
         whole = codec.decode(stream.payload, Request(1, stream.kind, dtype=torch.float32))
-        if stream.pre_rope:
+        if stream.rotation.pre_rope:
             lo, hi = stream.num_sinks, stream.num_sinks + stream.num_encoded
             whole = apply_rope(whole, *layer.positions.rope(lo, hi - lo))
-        assert torch.allclose(stream.decoded_blocks(), whole, atol=1e-6)
+        stream.parts()  # the torch path's read: every block decoded once, into the stream's decoded copy
+        assert torch.allclose(stream.decoded.view, whole, atol=1e-6)

@@ -7,6 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
+from kvcomp.cache.accounting import layer_bytes
+from kvcomp.cache.eviction import drops_in_place
 from kvcomp.cache.memory import held_nbytes, model_storages
 from kvcomp.codecs import Codec, ModelInfo, build_codec
 from kvcomp.errors import ConfigError
@@ -446,7 +448,7 @@ def test_pressing_a_per_token_codec_while_decoding_drops_payload_rows_without_qu
                     position_ids=torch.tensor([[position]]))
         # the kept rows moved to the front of the same buffers (this one-step forward fits their spare capacity)
         assert {name: g.buffer.data_ptr() for name, g in layer.key_stream.store.tensors.items()} == buffers
-        assert layer.key_stream.drops_in_place and layer.key_stream.length <= 16 + 3
+        assert drops_in_place(layer.key_stream) and layer.key_stream.length <= 16 + 3
         for held, earlier in zip((layer.key_stream.materialize()[0, :, :-1], layer.value_stream.materialize()[0, :, :-1]),
                                  before):
             matches = (held[:, :, None] == earlier[:, None]).all(-1)  # [H, now, before]
@@ -674,7 +676,7 @@ def test_adakv_decode_steps_equal_attention_with_each_heads_evicted_tokens_maske
         handle.remove()
     assert masked == [41, 42, 43]
     torch.testing.assert_close(pressed[:, 0], torch.cat(logits), rtol=1e-5, atol=1e-5)
-    assert cache.layers[0].full_precision_nbytes == 2 * 4 * (40 + 3 * 2) * 16
+    assert layer_bytes(cache.layers[0]).full_precision == 2 * 4 * (40 + 3 * 2) * 16
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcomp.cache import CompressedCache, install
 from kvcomp.cache.attention import _INSTALLED
-from kvcomp.cache.compressed_cache import CompressedLayer
+from kvcomp.cache.layer import CompressedLayer
 from kvcomp.cache.reads import Reads
 from kvcomp.cache.step import LayerStep, Step
 from kvcomp.cache.stream import FreshlyEncoded

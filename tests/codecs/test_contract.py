@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvcomp.cache import CompressedCache
+from kvcomp.cache.accounting import layer_bytes
 from kvcomp.codecs.base import ModelInfo, Request, StreamPolicy
 from kvcomp.errors import ConfigError
 from kvcomp.stages.rope import apply_rope
@@ -61,11 +62,11 @@ def test_layer_scope_prediction_matters(tiny_llama):
     codec = make_toy(PredictiveLayerCodec, tiny_llama)
     _, cache = _generate(tiny_llama, codec)
     layer = cache.layers[1]
-    key_block, value_block = layer.schedule.blocks[2]  # row 0's first block, after its 2 sinks
+    key_block, value_block = layer.parts[0].schedule.blocks[2]  # row 0's first block, after its 2 sinks
     payloads = layer.key_stream.store.block(key_block), layer.value_stream.store.block(value_block)
     first = cache.layers[0]
-    k0, v0 = codec.decode((first.key_stream.store.block(first.schedule.blocks[2][0]),
-                           first.value_stream.store.block(first.schedule.blocks[2][1])), Request(0, dtype=torch.float32))
+    k0, v0 = codec.decode((first.key_stream.store.block(first.parts[0].schedule.blocks[2][0]),
+                           first.value_stream.store.block(first.parts[0].schedule.blocks[2][1])), Request(0, dtype=torch.float32))
     right = codec.decode(payloads, Request(1, previous=(k0, v0), dtype=torch.float32))
     wrong = codec.decode(payloads, Request(1, previous=(torch.zeros_like(k0), v0), dtype=torch.float32))
     assert not torch.allclose(right[0], wrong[0], atol=1e-3)
@@ -84,7 +85,7 @@ def test_model_scope_stores_variable_length_blocks_and_measures_them(tiny_model)
         lengths = [len(row) for p in unit.store.payloads for row in p.ragged["deflated"]]
         assert len(set(lengths)) > 1  # entropy coded: rows and blocks differ in size
         assert unit.store.nbytes == sum(lengths) + sum(t.numel() * 2 for p in unit.store.payloads for t in p.tensors.values())
-    assert all(layer.payload_nbytes == 0 for layer in cache.layers)  # the payloads are the model unit's
+    assert all(layer_bytes(layer).payload == 0 for layer in cache.layers)  # the payloads are the model unit's
     breakdown = cache.bits_breakdown()
     assert 0 < breakdown["code_bits_per_value"] < 16 and breakdown["state_bits_per_value"] == 0
 
@@ -116,8 +117,7 @@ def test_stateful_codec_state_is_held_counted_and_reordered(tiny_llama):
     stream = cache.layers[1].key_stream
     before = stream.materialize()
     cache.reorder_cache(torch.tensor([1, 0, 3, 2]))
-    stream.decoded = type(stream.decoded)(2)  # force decoding again from the reordered payload and state
-    stream.pending = list(stream.blocks)
+    stream.forget_decoded()  # force decoding again from the reordered payload and state
     torch.testing.assert_close(stream.materialize(), before.flip(0))
     cache.reorder_cache(torch.tensor([2, 3, 0, 1]))  # rows move between groups: the groups follow them
     assert [g.rows for g in cache.groups] == [[2, 3], [0, 1]]

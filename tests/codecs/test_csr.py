@@ -8,9 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
-from kvcomp.cache.growing import GrowingTensor
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.codecs.base import Request, Unit
+from kvcomp.codecs.base import Request, Unit, values_from_payload
 from kvcomp.errors import ConfigError
 from kvcomp.stages.layer_merging import PAPER_GROUPS, jensen_shannon, layer_divergence, merge_layers
 from kvcomp.stages.neuraldict import DictTraining, diversity_loss, pursuit_loss, relative_mse, train_dictionaries
@@ -200,8 +199,7 @@ def test_online_bank_holds_the_last_prompt_tokens_and_moves_with_beam_reorder(ti
     cache.reorder_cache(order)
     for s, bank, x in zip(streams, banks, before):
         assert torch.equal(s.state.tensors["bank"], bank[order])
-        s.decoded = GrowingTensor(2)  # decode again from the reordered payloads and banks
-        s.pending = list(s.blocks)
+        s.forget_decoded()  # decode again from the reordered payloads and banks
         assert torch.allclose(s.materialize(), x[order], atol=1e-5)
 
 
@@ -245,7 +243,7 @@ def test_fused_desparse_decodes_like_the_dense_path_and_keeps_no_decoded_values(
     logits = {}
     for mode in ("dense", "fused"):
         codec = make_codec(tiny_model, "csr", desparse=mode)
-        assert codec.values_from_payload == (mode == "fused")
+        assert values_from_payload(codec) == (mode == "fused")
         cache = CompressedCache(codec, "exact_prefill")
         steps = []
         with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcomp.cache import CompressedCache
-from kvcomp.cache.compressed_cache import CompressedLayer
+from kvcomp.cache.layer import CompressedLayer
 from kvcomp.codecs.base import Request
 from kvcomp.errors import NonFiniteKVError
 from tests.codec_matrix import MATRIX, make_codec
