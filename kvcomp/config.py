@@ -118,11 +118,14 @@ def typed(group: str, config, schema: type | None = None):
 
 def group_file(path) -> dict:
     """One group file (``conf/<group>/<name>.yaml``) as a plain dict without its defaults list, for scripts that
-    build a run by hand (a preset's base file is not merged in)."""
+    build a run by hand (a preset's base file is not merged in; a codec's base file, which names only its schema,
+    gets the schema's name)."""
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(OmegaConf.load(path))
-    config.pop("defaults", None)
+    schemas = [str(d).removeprefix("schema_") for d in config.pop("defaults", None) or [] if str(d).startswith("schema_")]
+    if schemas and "name" not in config:
+        config["name"] = schemas[0]
     return config
 
 

@@ -11,14 +11,12 @@ import importlib
 import pkgutil
 
 from kvcomp.benchmarks.base import BENCHMARKS, Benchmark
-from kvcomp.errors import unknown_choice
 
 for _module in pkgutil.iter_modules(__path__):  # importing a module registers the benchmarks it defines
     importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def build_benchmark(config) -> Benchmark:
-    """The benchmark for a validated benchmark config (``config.name`` picks it)."""
-    if config.name not in BENCHMARKS:
-        raise unknown_choice("benchmark", config.name, BENCHMARKS)
+    """The benchmark for a validated benchmark config (``config.name`` picks it; an unknown one is a
+    :class:`~kvcomp.errors.ConfigError`)."""
     return BENCHMARKS[config.name](config)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from kvcomp.registry import Registry
+
 
 class Benchmark(ABC):
     """One benchmark; ``@register`` makes it buildable under each of :attr:`names`."""
@@ -54,11 +56,5 @@ def example_summary(examples: list[dict]) -> dict:
     return out
 
 
-BENCHMARKS: dict[str, type[Benchmark]] = {}
-
-
-def register(cls: type[Benchmark]) -> type[Benchmark]:
-    """Class decorator: make ``cls`` buildable under each of its ``names``."""
-    for name in cls.names:
-        BENCHMARKS[name] = cls
-    return cls
+BENCHMARKS = Registry("benchmark", names=lambda cls: cls.names)
+register = BENCHMARKS.register  # class decorator: make a benchmark buildable under each of its ``names``

@@ -1,5 +1,5 @@
-"""Codecs: one file per method family, each registered by name in :data:`CODECS` (its ``@register``) when
-this package imports every module beside ``base`` and ``registry``."""
+"""Codecs: one file per method family, each registered in :data:`CODECS` under its config's ``name`` default (its
+``@register``) when this package imports every module beside ``base`` and ``registry``."""
 
 import importlib
 import pkgutil

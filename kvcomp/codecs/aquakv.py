@@ -118,7 +118,6 @@ class AquaKVConfig(HiggsConfig):
 
 @register
 class AquaKVCodec(Codec, Calibrated):
-    name = "aquakv"
     config_class = AquaKVConfig
     quiet_defaults = {**Codec.quiet_defaults, "center": "none", "damping_basis": "uncentred"}
     scope = "layer"

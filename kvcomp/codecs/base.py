@@ -19,6 +19,11 @@ activations), :class:`Stateful` (per-sequence state, e.g. CSR's dictionary of at
 made by :meth:`Stateful.init_state` at a unit's first encode, held, counted and batch-reordered by the cache,
 and passed to every encode and decode), :class:`FusedPayload` (read by the fused decode-attention kernel),
 :class:`PayloadScores` and :class:`PayloadValues` (attention from the payload with the codec's own code).
+A codec declares a capability by inheriting its mixin. Where its configuration decides whether the capability is
+used, the mixin has one method saying so, True unless the codec overrides it with its rule:
+:meth:`Calibrated.calibrates`, :meth:`Stateful.keeps_state`, :meth:`FusedPayload.fused_attention_supported`
+(per layer) and :meth:`PayloadValues.uses_payload_values`; callers ask :func:`needs_calibration`,
+:func:`keeps_state`, :func:`reads_fused` and :func:`values_from_payload`, which check the mixin too.
 
 Payloads are stored as a list of blocks; appending never copies what is stored. With
 ``payload_layout = "tokens"`` their tensors have tokens on dim 2 and consecutive blocks read as one
@@ -411,9 +416,10 @@ def fit_layer_by_layer(activations: Activations, fit_layer) -> list:
 
 
 class Codec(ABC):
-    """Base class of every codec. Subclasses set ``name`` and ``config_class`` and register themselves."""
+    """Base class of every codec. Subclasses set ``config_class`` and register themselves with
+    :func:`~kvcomp.codecs.registry.register`, which sets ``name`` from the config's ``name`` default."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # ``config_class.name``'s default, set by ``@register``
     config_class: ClassVar[type[CodecConfig]]
     scope: ClassVar[str] = "stream"  # see SCOPES and the module docstring
     payload_layout: ClassVar[str] = "tokens"  # see PAYLOAD_LAYOUTS
@@ -535,17 +541,21 @@ class Codec(ABC):
 class Calibrated(ABC):
     """Capability: a codec fitted on calibration activations (:mod:`kvcomp.calibration`). :meth:`fit` learns from
     the windows' :class:`Activations` (never the model) and returns a :class:`CodecState`, saved as a checked
-    artifact and installed by :meth:`load_state`; ``needs_calibration`` False: this configuration fits
-    nothing (kvtc's per-prompt PCA). ``inference_only_fields``: config fields a fitted state does not
+    artifact and installed by :meth:`load_state`; :meth:`calibrates` False: this configuration fits nothing
+    (kvtc's per-prompt PCA). ``inference_only_fields``: config fields a fitted state does not
     depend on; ``needs_fisher``: collect Fisher weights (a backward pass per window); ``needs_queries``: the queries'
     second moments (:attr:`Activations.query_moments`, a forward pass per window);
     ``calibration_drop_first``: leading tokens of every window left out (attention sinks)."""
 
-    needs_calibration: bool = True
     inference_only_fields: ClassVar[tuple[str, ...]] = ()
     needs_fisher: bool = False
     needs_queries: bool = False
     calibration_drop_first: int = 0
+
+    def calibrates(self) -> bool:
+        """Whether this configuration is fitted (the runner calibrates it first); codecs whose config decides
+        override this with their rule."""
+        return True
 
     @abstractmethod
     def fit(self, activations: Activations) -> CodecState | None:
@@ -573,10 +583,12 @@ class Calibrated(ABC):
 class Stateful(ABC):
     """Capability: per-sequence state (:class:`SequenceState`, e.g. CSR's dictionary of atoms sampled from the
     prompt) per encoding unit, made by :meth:`init_state` at the unit's first encode, held (counted, batch-
-    reordered) by the cache and passed as ``state`` to every encode and decode; ``stateful`` False: this
-    configuration keeps none."""
+    reordered) by the cache and passed as ``state`` to every encode and decode."""
 
-    stateful: bool = True
+    def keeps_state(self) -> bool:
+        """Whether this configuration keeps per-sequence state; codecs whose config decides override this with
+        their rule."""
+        return True
 
     @abstractmethod
     def init_state(self, unit: Unit, held: dict[tuple[int, str], torch.Tensor]) -> SequenceState:
@@ -590,6 +602,8 @@ class FusedPayload(ABC):
     says."""
 
     def fused_attention_supported(self, layer_idx: int) -> bool:
+        """Whether the kernel reads layer ``layer_idx``'s payloads in this configuration (and on this machine);
+        codecs whose config decides override this with their rule."""
         return True
 
     @abstractmethod
@@ -633,10 +647,12 @@ class PayloadScores(ABC):
 
 class PayloadValues(ABC):
     """Capability: decode steps weight the encoded values without decoding them (e.g. CSR's ``D u``); decode
-    steps then keep no decoded copy of the values. ``values_from_payload`` False: this configuration decodes
-    them."""
+    steps then keep no decoded copy of the values."""
 
-    values_from_payload: bool = True
+    def uses_payload_values(self) -> bool:
+        """Whether decode steps of this configuration weight the values from their payload (else they decode
+        them); codecs whose config decides override this with their rule."""
+        return True
 
     @abstractmethod
     def payload_values(self, weights: torch.Tensor, payload: Payload, layer_idx: int,
@@ -646,11 +662,11 @@ class PayloadValues(ABC):
 
 
 def needs_calibration(codec: "Codec | type[Codec]") -> bool:
-    """Whether the runner calibrates ``codec`` (an instance; or a class, which says so only when no config can
-    change it: ``needs_calibration`` a property means it depends on the config)."""
+    """Whether the runner calibrates ``codec`` (:meth:`Calibrated.calibrates`); a class says so only when no config
+    can change it, i.e. it keeps the mixin's rule."""
     if isinstance(codec, type):
-        return issubclass(codec, Calibrated) and codec.needs_calibration is True
-    return isinstance(codec, Calibrated) and codec.needs_calibration
+        return issubclass(codec, Calibrated) and codec.calibrates is Calibrated.calibrates
+    return isinstance(codec, Calibrated) and codec.calibrates()
 
 
 def calibration_identity(codec: "Codec") -> str | None:
@@ -659,21 +675,25 @@ def calibration_identity(codec: "Codec") -> str | None:
 
 
 def keeps_state(codec: "Codec") -> bool:
-    """Whether ``codec`` keeps per-sequence state (:class:`Stateful`)."""
-    return isinstance(codec, Stateful) and codec.stateful
+    """Whether ``codec`` keeps per-sequence state (:meth:`Stateful.keeps_state`)."""
+    return isinstance(codec, Stateful) and codec.keeps_state()
 
 
 def reads_fused(codec: "Codec", layer_idx: int) -> bool:
-    """Whether the fused decode-attention kernel reads layer ``layer_idx``'s payloads (:class:`FusedPayload`)."""
+    """Whether the fused decode-attention kernel reads layer ``layer_idx``'s payloads
+    (:meth:`FusedPayload.fused_attention_supported`)."""
     return isinstance(codec, FusedPayload) and codec.fused_attention_supported(layer_idx)
 
 
 def scores_from_payload(codec: "Codec") -> bool:
+    """Whether decode steps score ``codec``'s keys from their payload (:class:`PayloadScores`, in every
+    configuration)."""
     return isinstance(codec, PayloadScores)
 
 
 def values_from_payload(codec: "Codec") -> bool:
-    return isinstance(codec, PayloadValues) and codec.values_from_payload
+    """Whether decode steps weight ``codec``'s values from their payload (:meth:`PayloadValues.uses_payload_values`)."""
+    return isinstance(codec, PayloadValues) and codec.uses_payload_values()
 
 
 def expected_cache_bits(codec: Codec, num_tokens: int, batch: int, fp_bits: int) -> float:

@@ -31,7 +31,6 @@ class ChannelKVConfig(CodebookConfig):
 
 @register
 class ChannelKVCodec(CodebookCodec):
-    name = "channelkv"
     config_class = ChannelKVConfig
 
     def schemes(self, kind: str, layer_idx: int) -> dict[str, Scheme]:

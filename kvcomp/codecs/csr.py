@@ -105,7 +105,6 @@ class CSRConfig(CodecConfig):
 
 @register
 class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
-    name = "csr"
     config_class = CSRConfig
     inference_only_fields = ("sparsity", "key_sparsity", "value_sparsity", "coder", "online_atoms", "online_sampling",
                              "guard_fraction", "guard_quantile", "sinks", "recent_window", "desparse")
@@ -151,12 +150,11 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         self.report: dict = {}
         self._on_device: dict[tuple[str, int, torch.device], torch.Tensor] = {}
 
-    @property
-    def stateful(self) -> bool:
+    def keeps_state(self) -> bool:
+        """With ``online_atoms``: each sequence's atoms sampled from its prompt."""
         return self.config.online_atoms > 0
 
-    @property
-    def values_from_payload(self) -> bool:
+    def uses_payload_values(self) -> bool:
         """``desparse=fused``: decode steps weight the coded values as ``D u`` (:meth:`payload_values`)."""
         return self.config.desparse == "fused"
 

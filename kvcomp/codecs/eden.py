@@ -57,7 +57,6 @@ class EdenConfig(CodecConfig):
 class EdenCodec(RotatedCodec):
     """EDEN keys and values with the biased (MSE-optimal) or unbiased scale (module docstring)."""
 
-    name = "eden"
     config_class = EdenConfig
     inference_only_fields = fitted_fields(EdenConfig)
 

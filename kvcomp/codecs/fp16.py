@@ -19,7 +19,6 @@ class FullPrecisionConfig(CodecConfig):
 
 @register
 class FullPrecisionCodec(Codec):
-    name = "fp16"
     config_class = FullPrecisionConfig
 
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:

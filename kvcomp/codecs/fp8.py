@@ -79,12 +79,11 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
     """Float8 keys and values with a per-tensor or a per-token-head scale (calibrated only with
     ``tensor_scale=calibrated``); the fused decode kernel loads the float8 values natively."""
 
-    name = "fp8"
     config_class = FP8Config
     inference_only_fields = ("skip_layers",)
 
-    @property
-    def needs_calibration(self) -> bool:
+    def calibrates(self) -> bool:
+        """``scale=tensor`` with ``tensor_scale=calibrated``: the per-tensor scales."""
         return self.config.scale == "tensor" and self.config.tensor_scale == "calibrated"
 
     def validate(self) -> None:

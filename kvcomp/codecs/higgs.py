@@ -111,13 +111,12 @@ class HiggsCodec(Codec, Calibrated):
     """Per-token HIGGS of keys and values (stream scope; calibrated only with ``center``: the grids depend on
     nothing)."""
 
-    name = "higgs"
     config_class = HiggsConfig
     inference_only_fields = ("sinks", "buffer")
     quiet_defaults = {**Codec.quiet_defaults, "center": "none"}
 
-    @property
-    def needs_calibration(self) -> bool:
+    def calibrates(self) -> bool:
+        """With ``center``: the offsets."""
         return self.config.center != "none"
 
     def validate(self) -> None:

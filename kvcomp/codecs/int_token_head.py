@@ -67,7 +67,6 @@ class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
     the fused decode kernel loads int8 codes natively and reads int4 payloads in the rotated basis (the query
     rotated, the output un-rotated)."""
 
-    name = "int_token_head"
     config_class = IntTokenHeadConfig
 
     def validate(self) -> None:

@@ -31,7 +31,6 @@ class KIVIConfig(CodecConfig):
 
 @register
 class KIVICodec(UniformCodec):
-    name = "kivi"
     config_class = KIVIConfig
 
     def check_schedule(self) -> None:

@@ -69,7 +69,6 @@ class KVarNCodec(Codec, FusedPayload):
     """Hadamard + Sinkhorn-normalised asymmetric RTN per tile; keys per channel, values per token; the fused decode
     kernel reads the packed codes and their parameters in the rotated basis."""
 
-    name = "kvarn"
     config_class = KVarNConfig
 
     def validate(self) -> None:

@@ -31,7 +31,6 @@ class KVQuantConfig(CodebookConfig):
 
 @register
 class KVQuantCodec(CodebookCodec):
-    name = "kvquant"
     config_class = KVQuantConfig
     outliers_change_schemes = True  # normalisation switches to quantile ranges with outliers
 

@@ -109,7 +109,6 @@ class KVTCConfig(CodecConfig):
 
 @register
 class KVTCCodec(Codec, Calibrated, Stateful):
-    name = "kvtc"
     config_class = KVTCConfig
     scope = "model"
     payload_layout = "blocks"
@@ -160,12 +159,11 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         size = self.config.layers_per_group or layers
         return [range(a, min(a + size, layers)) for a in range(0, layers, size)]
 
-    @property
-    def needs_calibration(self) -> bool:
+    def calibrates(self) -> bool:
+        """``pca_source=calibration``: the PCA bases and bit allocation (per-prompt PCA fits nothing)."""
         return self.config.pca_source == "calibration"
 
-    @property
-    def stateful(self) -> bool:
+    def keeps_state(self) -> bool:
         """Per-prompt PCA keeps each sequence's basis and mean, ``deflate_scope=sequence`` its DEFLATE windows, as
         per-sequence state (counted in its bytes)."""
         return self.config.pca_source == "prompt" or self.config.deflate_scope == "sequence"

@@ -66,12 +66,11 @@ class NVFP4Codec(EngineFormatCodec, Calibrated, FusedPayload):
     """e2m1 keys and values in blocks of 16 with an e4m3 scale each and a float32 scale per layer and stream
     (calibrated only with ``global_scale=calibrated``); the fused decode kernel reads the codes and block scales."""
 
-    name = "nvfp4"
     config_class = NVFP4Config
     inference_only_fields = ("four_over_six", "skip_layers")
 
-    @property
-    def needs_calibration(self) -> bool:
+    def calibrates(self) -> bool:
+        """``global_scale=calibrated``: the per-layer and stream scales."""
         return self.config.global_scale == "calibrated"
 
     def validate(self) -> None:

@@ -89,7 +89,6 @@ def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
 class OscarCodec(Codec, Calibrated, FusedPayload):
     """Fitted rotation, clipped INT2 per token, full-precision sinks and window (stream scope, post-RoPE keys)."""
 
-    name = "oscar"
     config_class = OscarConfig
     needs_queries = True
     inference_only_fields = ("bits", "group_size", "key_clip_ratio", "value_clip_ratio", "param_dtype", "sinks",

@@ -110,12 +110,11 @@ class LayerSketch:
 class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
     """QJL keys and KIVI values (stream scope; calibrated only with ``center``)."""
 
-    name = "qjl"
     config_class = QJLConfig
     quiet_defaults = {**Codec.quiet_defaults, "center": "none"}
 
-    @property
-    def needs_calibration(self) -> bool:
+    def calibrates(self) -> bool:
+        """With ``center``: the key offsets."""
         return self.config.center != "none"
 
     def validate(self) -> None:

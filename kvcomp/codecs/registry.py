@@ -1,17 +1,20 @@
 """Maps codec config names to codec classes."""
 
-from kvcomp.errors import unknown_choice
+from kvcomp.registry import Registry
 
-CODECS: dict[str, type] = {}
+CODECS = Registry("codec")
 
 
 def register(cls):
-    """Class decorator: make ``cls`` buildable by its ``name``."""
-    CODECS[cls.name] = cls
-    return cls
+    """Class decorator: make ``cls`` buildable by its config's ``name`` default, the one place a codec's name is
+    written, and set ``cls.name`` from it."""
+    if "name" in vars(cls):
+        raise TypeError(f"{cls.__qualname__} sets name; a registered codec is named by its config's name default "
+                        f"({cls.config_class.__qualname__}.name) only")
+    cls.name = cls.config_class.name
+    return CODECS.register(cls)
 
 
 def codec_class(name: str):
-    if name not in CODECS:
-        raise unknown_choice("codec", name, CODECS)
+    """The codec class registered as ``name`` (an unknown name is a :class:`~kvcomp.errors.ConfigError`)."""
     return CODECS[name]

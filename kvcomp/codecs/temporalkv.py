@@ -41,7 +41,6 @@ class TemporalKVConfig(CodebookConfig):
 
 @register
 class TemporalKVCodec(CodebookCodec):
-    name = "temporalkv"
     config_class = TemporalKVConfig
 
     def validate(self) -> None:

@@ -119,8 +119,8 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
 
     quiet_defaults = {**Codec.quiet_defaults, "center": "none"}
 
-    @property
-    def needs_calibration(self) -> bool:
+    def calibrates(self) -> bool:
+        """With ``center``: the offsets."""
         return self.config.center != "none"
 
     @property
@@ -287,7 +287,6 @@ class TurboQuantConfig(CodecConfig):
 class TurboQuantCodec(RotatedCodec):
     """TurboQuant-mse / -prod keys and values, or vLLM's presets (module docstring)."""
 
-    name = "turboquant"
     config_class = TurboQuantConfig
     inference_only_fields = fitted_fields(TurboQuantConfig)
 

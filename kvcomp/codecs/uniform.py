@@ -35,7 +35,6 @@ class UniformConfig(CodecConfig):
 class UniformCodec(Codec, FusedPayload):
     """Asymmetric min-max quantization; ``x_hat = round((x - z) / s) * s + z`` per group."""
 
-    name = "uniform"
     config_class = UniformConfig
 
     def validate(self) -> None:

@@ -20,17 +20,13 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvcomp.codecs.base import ModelInfo
-from kvcomp.errors import ConfigError, unknown_choice
+from kvcomp.errors import ConfigError
+from kvcomp.registry import Registry
 from kvcomp.schema import structured
 
-PRESSES: dict[str, type] = {}
+PRESSES = Registry("press")
+register = PRESSES.register  # class decorator: make a press buildable by its ``name``
 HEAD_BUDGETS = ("uniform", "adakv")
-
-
-def register(cls):
-    """Class decorator: make ``cls`` buildable by its ``name``."""
-    PRESSES[cls.name] = cls
-    return cls
 
 
 @dataclass
@@ -198,8 +194,7 @@ def kept_first(scores: torch.Tensor, count: int, at_end: bool) -> torch.Tensor:
 
 
 def press_class(name: str) -> type:
-    if name not in PRESSES:
-        raise unknown_choice("press", name, PRESSES)
+    """The press class registered as ``name`` (an unknown name is a :class:`ConfigError`)."""
     return PRESSES[name]
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvcomp.codecs import CODECS, CodecState, ModelInfo, build_codec, expected_cache_bits
+from kvcomp.codecs import CODECS, CodecConfig, CodecState, ModelInfo, build_codec, expected_cache_bits
 from kvcomp.codecs.base import Request
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 
@@ -105,6 +105,51 @@ def test_config_errors_name_the_problem(config, message):
 
 def test_registry_has_the_foundation_codecs():
     assert {"fp16", "uniform", "kivi"} <= set(CODECS)
+
+
+def test_a_codec_is_named_once_by_its_config():
+    """``@register`` names the class after its config's ``name`` default and refuses a class that names itself."""
+    from dataclasses import dataclass
+
+    from kvcomp.codecs.fp16 import FullPrecisionCodec
+    from kvcomp.codecs.registry import register
+
+    assert all(cls.name == cls.config_class.name == name for name, cls in CODECS.items())
+
+    @dataclass
+    class NamedTwiceConfig(CodecConfig):
+        name: str = "named_twice"
+
+    class NamedTwice(FullPrecisionCodec):
+        name = "named_twice"
+        config_class = NamedTwiceConfig
+
+    with pytest.raises(TypeError, match="named by its config's name default"):
+        register(NamedTwice)
+    assert "named_twice" not in CODECS
+
+
+def test_registries_refuse_a_taken_name_and_list_the_known_ones():
+    from kvcomp.registry import Registry
+
+    class A:
+        name = "a"
+
+    class B:
+        name = "a"
+
+    class C:
+        names = ("b", "c")
+
+    registry = Registry("thing")
+    assert registry.register(A) is A and registry.register(A) is A  # again: the same class
+    with pytest.raises(TypeError, match="thing 'a' is taken by"):
+        registry.register(B)
+    with pytest.raises(ConfigError, match="unknown thing 'z'; valid choices: a$"):
+        registry["z"]
+    several = Registry("thing", names=lambda cls: cls.names)
+    several.register(C)
+    assert several["b"] is several["c"] is C
 
 
 def test_pre_rope_codec_rejects_model_without_rope():

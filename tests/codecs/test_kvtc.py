@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcomp.cache import CompressedCache
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import Request, keeps_state, needs_calibration
 from kvcomp.codecs.kvtc import packed_stream_nbytes
 from kvcomp.stages.transform_coding import decode_rows, encode_rows, inflate
 from tests.codec_matrix import make_codec
@@ -146,7 +146,7 @@ def test_per_prompt_pca_is_per_sequence_state(tiny_llama):
     with pytest.raises(ConfigError, match="quantization=truncate"):
         build_codec({**config, "quantization": "dp"}, info_of(tiny_llama))
     codec = build_codec({**config, "cr": 1}, info_of(tiny_llama))  # every coefficient kept (fp16): near lossless
-    assert codec.stateful and not codec.needs_calibration
+    assert keeps_state(codec) and not needs_calibration(codec)
     cache = CompressedCache(codec, "exact_prefill")
     ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(2))
     tiny_llama(ids, past_key_values=cache, use_cache=True)

@@ -7,7 +7,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from kvcomp.codecs import CODECS, ModelInfo, build_codec, codec_config
-from kvcomp.config import BENCHMARKS, GROUPS, register_configs, typed
+from kvcomp.config import BENCHMARKS, GROUPS, group_file, register_configs, typed
 from kvcomp.errors import ConfigError
 from tests.helpers import CONF, compose_config
 
@@ -37,8 +37,8 @@ def test_every_option_composes_and_matches_its_dataclass(group):
         if any(not str(entry).startswith(("schema", "_self_")) for entry in raw.get("defaults", [])):
             # a preset (e.g. codec/qjl_3bit): a few overrides on top of another option of the group
             assert yaml_keys < fields and set(node) == fields, f"{group}/{option}.yaml vs {schema.__name__}"
-        elif group == "codec":  # a codec's base file names it; its dataclass holds every default
-            assert yaml_keys == {"name"} and set(node) == fields, f"{group}/{option}.yaml vs {schema.__name__}"
+        elif group == "codec":  # a codec's base file names its schema; the dataclass holds every default, the name too
+            assert not yaml_keys and set(node) == fields, f"{group}/{option}.yaml vs {schema.__name__}"
         else:
             assert yaml_keys == fields, f"{group}/{option}.yaml vs {schema.__name__}"
         parsed = codec_config(node) if group == "codec" else typed(group, node, schema)
@@ -59,16 +59,22 @@ def _codec_files() -> tuple[list[str], dict[str, str]]:
     return bases, presets
 
 
-def test_base_codec_files_hold_only_the_name():
+def test_base_codec_files_hold_only_the_schema():
+    """A base file names its schema and nothing else: the codec's name is its dataclass's ``name`` default, which
+    ``@register`` also gives the class, so the composed ``codec.name`` is the file's."""
     bases, _ = _codec_files()
     assert sorted(bases) == sorted(CODECS), "every codec has one base file conf/codec/<name>.yaml"
     errors = []
     for option in bases:
         raw = OmegaConf.to_container(OmegaConf.load(CONF / "codec" / f"{option}.yaml"))
-        if raw.get("defaults") != [f"schema_{option}", "_self_"] or raw.get("name") != option:
-            errors.append(f"codec/{option}.yaml: needs defaults: [schema_{option}, _self_] and name: {option}")
+        if raw.get("defaults") != [f"schema_{option}", "_self_"]:
+            errors.append(f"codec/{option}.yaml: needs defaults: [schema_{option}, _self_]")
         errors += [f"codec/{option}.yaml: {key}: the default belongs in {CODECS[option].config_class.__name__}, "
-                   f"not in the YAML" for key in sorted(set(raw) - {"defaults", "name"})]
+                   f"not in the YAML" for key in sorted(set(raw) - {"defaults"})]
+        if compose_config(f"codec={option}").codec.name != option or CODECS[option].name != option:
+            errors.append(f"codec/{option}.yaml does not compose codec.name={option}")
+        if group_file(CONF / "codec" / f"{option}.yaml") != {"name": option}:  # what scripts build a codec from
+            errors.append(f"group_file(codec/{option}.yaml) does not name {option}")
     assert not errors, "\n".join(errors)
 
 

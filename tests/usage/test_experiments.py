@@ -113,11 +113,13 @@ def test_experiment_composes_and_its_sweep_parses(name):
 
 
 def _codec_of(option: str) -> str:
-    """The codec a ``conf/codec`` option composes: its ``name``, or that of the preset it extends."""
+    """The codec a ``conf/codec`` option composes: the one whose schema its base file names, or that of the preset
+    it extends."""
     node = OmegaConf.load(CONF / "codec" / f"{option}.yaml")
-    if "name" in node:
-        return node.name
-    return _codec_of(next(d for d in node.defaults if d != "_self_" and not str(d).startswith("schema_")))
+    schema = [str(d).removeprefix("schema_") for d in node.defaults if str(d).startswith("schema_")]
+    if schema:
+        return schema[0]
+    return _codec_of(next(d for d in node.defaults if d != "_self_"))
 
 
 def test_thesis_sweeps_cover_the_thesis_tables():

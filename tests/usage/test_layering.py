@@ -27,7 +27,8 @@ NOT_RUNTIME = re.compile(r"(^|\.)(bench_\w+|benchmarking|profile_\w+|profil(er|i
 
 # Lowest first; a unit may import units of its own layer or of layers below it, never above.
 LAYERS = [
-    {"kvcomp", "kvcomp.errors", "kvcomp.artifacts", "kvcomp.paths", "kvcomp.schema", "kvcomp.progress", "kvcomp.parallel"},
+    {"kvcomp", "kvcomp.errors", "kvcomp.registry", "kvcomp.artifacts", "kvcomp.paths", "kvcomp.schema", "kvcomp.progress",
+     "kvcomp.parallel"},
     {"kvcomp.stages"},
     {"kvcomp.kernels"},
     {"kvcomp.codecs"},
