@@ -80,20 +80,9 @@ from kvcomp.kernels import valid_tokens
 from kvcomp.kernels.valid_tokens import ValidTokens
 from kvcomp.kernels.decode_graphs import DecodeGraphs
 from kvcomp.kernels.decode_plan import DecodeStep
-from kvcomp.kernels.formats import (
-    CallQuery,
-    OffsetReader,
-    PayloadReader,
-    ResidualSketchReader,
-    RotaryPositions,
-    RotatedReader,
-    Segment,
-    SignReader,
-    SketchReader,
-    segment_length,
-)
-from kvcomp.kernels.formats.base import Strided, unrotated
-from kvcomp.kernels.formats.kernels_triton import KERNEL_FORMATS, kernel_format
+from kvcomp.kernels.formats import CallQuery, PayloadReader, RotaryPositions, Segment, segment_length
+from kvcomp.kernels.formats.base import Strided, stored, unrotated
+from kvcomp.kernels.formats.kernels_triton import kernel_format, residual_format
 from kvcomp.kernels.formats.tiles_triton import at, cos_sin, dot, field_major, operand, row_scores, row_values
 
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -113,7 +102,6 @@ WIDE_TILE = 128
 # predicted KIVI-2's 1.68x from the halved shared-memory staging of the operands.
 OPERANDS = {"float32": tl.float32, "bfloat16": tl.bfloat16, "float16": tl.float16}
 QUERY_OPERANDS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # the default by query dtype; else float32
-OWN_LAUNCHES = (RotatedReader, OffsetReader, ResidualSketchReader)  # payloads read in launches of their own
 # where a launch's row of bounds holds what (decode_plan.ROW)
 LO, HI, TILES, SLOT0, SLOTS, VALID_S_B, POS_S_B, K_FIRST, K_LENGTH, V_FIRST, V_LENGTH, K_LOWS, K_CUTS, V_LOWS, V_CUTS = (
     tl.constexpr(getattr(decode_plan, name)) for name in ("LO", "HI", "TILES", "SLOT0", "SLOTS", "VALID_S_B", "POS_S_B",
@@ -571,6 +559,11 @@ def _stream_args(prefix: str, segments: list[Segment], indices: tuple, query: Ca
             f"{upper}_AT": payload_at}
 
 
+def _own_launches(segments: list[Segment]) -> bool:
+    """Whether a payload among ``segments`` wraps another (read in launch groups of its own: :func:`launch_groups`)."""
+    return any(not isinstance(s, torch.Tensor) and s.own_launches for s in segments)
+
+
 def _kv_heads(segment: Segment) -> int:
     return segment.kv_heads if isinstance(segment, PayloadReader) else segment.shape[1]
 
@@ -661,33 +654,70 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @dataclass
-class CallSetup:
-    """What one call fixes before its launches' arguments (:func:`call_setup`): its shapes and launch options, its plan,
-    the workspace's scratch for it and the step's rows of bounds (copied once per step), and ``common``: what every
-    launch reads besides its streams (the step's mask, the rotation's positions, a key offset)."""
+class CallShape:
+    """A call's sizes: sequences ``b``, query heads ``hq``, head_dim ``d``, KV heads ``h`` and query rows per KV head
+    ``r``; ``q``: its query as ``[B, H, R, D]``."""
 
     b: int
     hq: int
     d: int
     h: int
     r: int
-    q: torch.Tensor  # the query as [B, H, R, D]
+    q: torch.Tensor
+
+
+@dataclass
+class LaunchOptions:
+    """How a call's split launches are shaped: ``tl.dot`` or the register path, query rows per program, tokens per tile
+    of the plan, warps (``None``: each launch's by its payloads and grid, :func:`_launch_shape`) and ``tl.dot``'s
+    operands (a key of :data:`OPERANDS`)."""
+
     dot: bool
     block_r: int
     block_tokens: int
-    num_warps: int | None  # None: each launch's by its payloads and grid (_launch_shape)
+    num_warps: int | None
     operands: str
-    key_bounds: list
-    key_encoded: tuple
-    value_bounds: list
-    value_encoded: tuple
-    plan: decode_plan.DecodePlan
-    partial: torch.Tensor | None  # None where the plan has no launch
+
+
+@dataclass
+class StreamLayout:
+    """One stream's segments as the plan and the kernel see them: their boundaries, which of them are payloads, and
+    its full-precision pieces as the kernel reads them, by segment index (:func:`_buffer_view`)."""
+
+    bounds: list
+    encoded: tuple
+    pieces: dict
+
+
+@dataclass
+class CallBuffers:
+    """The device tensors a call's split launches write and read besides its streams (``None`` where the plan has no
+    launch): the workspace's partial outputs and log-sum-exps for it, the step's rows of bounds (copied once per step),
+    and ``common``, what every launch reads (the step's mask, the rotation's positions, a key offset)."""
+
+    partial: torch.Tensor | None
     lse: torch.Tensor | None
     bounds: torch.Tensor | None
     common: dict
+
+
+@dataclass
+class CallSetup:
+    """What one call fixes before its launches' arguments (:func:`call_setup`): its sizes, launch options, streams,
+    plan and buffers, and the rotary positions of its encoded keys (pre-RoPE) or of their offset."""
+
+    shape: CallShape
+    options: LaunchOptions
+    keys: StreamLayout
+    values: StreamLayout
+    plan: decode_plan.DecodePlan
+    buffers: CallBuffers
     rotary: RotaryPositions | None
-    pieces: tuple  # per stream, its full-precision pieces as the kernel reads them, by segment index (_buffer_view)
+
+    @property
+    def pieces(self) -> tuple[dict, dict]:
+        """Each stream's full-precision pieces as the kernel reads them (:attr:`StreamLayout.pieces`)."""
+        return self.keys.pieces, self.values.pieces
 
 
 def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, region: int = 0, key_rope=None,
@@ -702,7 +732,7 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
     operands = operands or QUERY_OPERANDS.get(query.dtype, "float32")
     if operands not in OPERANDS:
         raise ValueError(f"decode kernel: operands={operands!r}; choose one of {sorted(OPERANDS)}")
-    if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
+    if _own_launches(key_segments + value_segments):
         raise ValueError("decode kernel: a rotated, offset or residual-sketch payload takes its own launches "
                          "(decode_attention_triton)")
     if key_rope is not None and key_offset is not None:
@@ -711,7 +741,7 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
     r = hq // h
     q = query.reshape(b, h, r, d).contiguous()
     device = query.device
-    if any(isinstance(segment, SignReader) for segment in key_segments):
+    if any(not isinstance(segment, torch.Tensor) and segment.values_only for segment in key_segments):
         raise ValueError("decode kernel: sign bits are read as values, or as a key payload's residual (key_residual)")
     if dot is None:
         dot = True
@@ -725,9 +755,10 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
     value_encoded = tuple(not isinstance(s, torch.Tensor) for s in value_segments)
     plan = step.plan(tuple(key_bounds), key_encoded, tuple(value_bounds), value_encoded, b * h, _multiprocessors(device),
                      block_tokens, num_splits)
+    shape, launch_options = CallShape(b, hq, d, h, r, q), LaunchOptions(dot, block_r, block_tokens, num_warps, operands)
     if plan.slots == 0:  # nothing cached: no launch (the caller's output is zeros)
-        return CallSetup(b, hq, d, h, r, q, dot, block_r, block_tokens, num_warps, operands, key_bounds, key_encoded,
-                         value_bounds, value_encoded, plan, None, None, None, {}, None, ({}, {}))
+        return CallSetup(shape, launch_options, StreamLayout(key_bounds, key_encoded, {}),
+                         StreamLayout(value_bounds, value_encoded, {}), plan, CallBuffers(None, None, None, {}), None)
     partial, lse = step.workspace.scratch(device, region, b * h, plan.slots, r, d)
     common = {}  # what every launch of the step reads besides its streams
     valid_s_b = pos_s_b = 0
@@ -750,8 +781,9 @@ def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, reg
     (key_pieces, key_shifts), (value_pieces, value_shifts) = _pieces(key_segments), _pieces(value_segments)
     shifts = (key_shifts, value_shifts) if any(key_shifts) or any(value_shifts) else ((), ())
     bounds = step.bounds(plan, device, region, valid_s_b, pos_s_b, shifts)
-    return CallSetup(b, hq, d, h, r, q, dot, block_r, block_tokens, num_warps, operands, key_bounds, key_encoded,
-                     value_bounds, value_encoded, plan, partial, lse, bounds, common, rotary, (key_pieces, value_pieces))
+    return CallSetup(shape, launch_options, StreamLayout(key_bounds, key_encoded, key_pieces),
+                     StreamLayout(value_bounds, value_encoded, value_pieces), plan, CallBuffers(partial, lse, bounds, common),
+                     rotary)
 
 
 def decode_launches(
@@ -767,7 +799,7 @@ def decode_launches(
     num_warps: int | None = None,
     operands: str | None = None,
     key_offset: tuple[torch.Tensor | None, torch.Tensor, RotaryPositions] | None = None,
-    key_residual: tuple[torch.Tensor | None, torch.Tensor, SignReader] | None = None,
+    key_residual: tuple[torch.Tensor | None, torch.Tensor, PayloadReader] | None = None,
     step: DecodeStep | None = None,
     region: int = 0,
     registers: int | None = None,
@@ -806,11 +838,13 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
     """The output buffer and the launches of a call (:func:`decode_launches`) from its :class:`CallSetup`, and the
     call's query with what its payloads derived from it; without ``merge``, the split launches alone and no output
     (a launch group's, whose partial outputs are merged with the other groups')."""
-    b, hq, d, h, r, q, dot, block_r = setup.b, setup.hq, setup.d, setup.h, setup.r, setup.q, setup.dot, setup.block_r
-    block_tokens, num_warps, operands, plan = setup.block_tokens, setup.num_warps, setup.operands, setup.plan
-    key_bounds, key_encoded, value_bounds, value_encoded = (setup.key_bounds, setup.key_encoded, setup.value_bounds,
-                                                            setup.value_encoded)
-    partial, lse, bounds, common, rotary = setup.partial, setup.lse, setup.bounds, setup.common, setup.rotary
+    shape, options, buffers, plan, rotary = setup.shape, setup.options, setup.buffers, setup.plan, setup.rotary
+    b, hq, d, h, r, q = shape.b, shape.hq, shape.d, shape.h, shape.r, shape.q
+    dot, block_r, block_tokens, num_warps, operands = (options.dot, options.block_r, options.block_tokens,
+                                                       options.num_warps, options.operands)
+    key_bounds, key_encoded, value_bounds, value_encoded = (setup.keys.bounds, setup.keys.encoded, setup.values.bounds,
+                                                            setup.values.encoded)
+    partial, lse, bounds, common = buffers.partial, buffers.lse, buffers.bounds, buffers.common
     half_pad = max(16, triton.next_power_of_2(d // 2)) if dot else triton.next_power_of_2(d // 2)
     call_query = CallQuery(q)  # the call's query, and what payloads derive from it (QJL's S q), for all its launches
     launches = []
@@ -825,8 +859,8 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
                       next((value_bounds[j] for j in planned.values if value_encoded[j]), 0))
         args = dict(q_ptr=q, part_ptr=partial, lse_ptr=lse, bounds=bounds[i], H=h, R=r, unit=block_tokens,
                     qk_scale=scale * LOG2E, valid=common.get("valid", ()), rope=(), offset=(), residual=(),
-                    **_stream_args("k", key_segments, planned.keys, call_query, setup.pieces[0]),
-                    **_stream_args("v", value_segments, planned.values, call_query, setup.pieces[1]),
+                    **_stream_args("k", key_segments, planned.keys, call_query, setup.keys.pieces),
+                    **_stream_args("v", value_segments, planned.values, call_query, setup.values.pieces),
                     D=d, HALF_PAD=half_pad, BLOCK_R=block_r, BLOCK_T=tile, DOT=dot,
                     OPERAND=OPERANDS[operands],
                     PACKED_K=keys is not None and keys.packed_scores(d, dot) and key_rope is None,
@@ -843,7 +877,7 @@ def setup_launches(setup: CallSetup, dtype: torch.dtype, key_segments, value_seg
             if key_residual is not None:
                 rotation, projection, signs = key_residual
                 args["residual"], args["RESIDUAL"] = signs.residual_args(call_query, rotation, projection)
-                args["RESIDUAL_FORMAT"] = KERNEL_FORMATS[SketchReader]  # scored as sketched keys without outliers
+                args["RESIDUAL_FORMAT"] = residual_format(signs)
         launches.append(Launch(_split_kernel, (b * h, planned.splits), args))
     if not merge:
         return None, launches, call_query
@@ -869,9 +903,10 @@ def decode_attention_triton(query: torch.Tensor, key_segments: list[Segment], va
     mask is read per token only where the span is not exact.
     ``options`` (``key_rope``, ``num_splits``, ``block_tokens``, ``dot``, ``num_warps``, ``operands``, ``step``): see
     :func:`decode_launches`.
-    A :class:`RotatedReader`, :class:`OffsetReader` or :class:`ResidualSketchReader` payload is read in its own launches
-    (:func:`_with_payload_group`; ``key_rope`` then gives the positions of a rotated key offset)."""
-    if any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
+    A payload that wraps another (:attr:`~kvcomp.kernels.formats.PayloadReader.own_launches`: rotated, offset,
+    residual sketch) is read in its own launches (:func:`_with_payload_group`; ``key_rope`` then gives the positions of
+    a rotated key offset)."""
+    if _own_launches(key_segments + value_segments):
         return _with_payload_group(query, key_segments, value_segments, scale, valid, **options)
     step = options.get("step")
     if step is not None and step.workspace.graphs is not None:
@@ -900,14 +935,15 @@ def _graphed_launches(graphs: DecodeGraphs, setup: CallSetup, key_segments, valu
     captured, else built and run (captured the second time they read the same tensors); with the merge and its output
     (``merge``), or the split launches alone, whose partial outputs stay in the setup's scratch (a launch group's)."""
     encoded = [s for s in key_segments + value_segments if not isinstance(s, torch.Tensor)]  # (pieces: setup.pieces)
-    inputs = (encoded, setup.pieces, scale, options, registers, region, setup.partial, setup.lse, setup.bounds,
-              setup.common)
-    with launch_device(setup.q.device):
-        key = graphs.inputs_key(setup.q, inputs)
-        replayed = graphs.replay(key, setup.q)
+    buffers, q = setup.buffers, setup.shape.q
+    inputs = (encoded, setup.pieces, scale, options, registers, region, buffers.partial, buffers.lse, buffers.bounds,
+              buffers.common)
+    with launch_device(q.device):
+        key = graphs.inputs_key(q, inputs)
+        replayed = graphs.replay(key, q)
         if replayed is not None:
             return replayed.out
-        out, launches, call_query = setup_launches(setup, setup.q.dtype, key_segments, value_segments, scale,
+        out, launches, call_query = setup_launches(setup, q.dtype, key_segments, value_segments, scale,
                                                    options.get("key_rope"), options.get("key_residual"), registers, merge)
         return graphs.run(launches, call_query, out, key, inputs)
 
@@ -915,16 +951,16 @@ def _graphed_launches(graphs: DecodeGraphs, setup: CallSetup, key_segments, valu
 @dataclass
 class LaunchGroup:
     """The segments one group of split launches reads, and what is done to their partial outputs: ``rotation`` un-rotates
-    them, ``offset`` (an :class:`OffsetReader` of values) adds its ``c_v``; ``options`` of :func:`decode_launches`.
+    them, ``offset`` (a value offset ``c_v`` ``[H, D]``) is added to them; ``options`` of :func:`decode_launches`.
     ``adds``: the group reads the previous group's keys in the same slices (the same log-sum-exps) and its partial
-    outputs are added to that group's (a :class:`ResidualSketchReader`'s value sketch)."""
+    outputs are added to that group's (a value residual's sketch)."""
 
     query: torch.Tensor
     keys: list[Segment]
     values: list[Segment]
     valid: ValidTokens | None
     rotation: torch.Tensor | None
-    offset: OffsetReader | None
+    offset: torch.Tensor | None
     options: dict
     adds: bool = False
 
@@ -945,15 +981,15 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
             if setup is None:  # nothing of this group cached
                 continue
             merged = setup
-            partial = setup.partial
+            partial = setup.buffers.partial
             h = partial.shape[0] // b
             if group.rotation is not None:  # [B*H, slots, R, D] by each KV head's rotation ([D, D] or [1 or H, D, D])
                 rotation = group.rotation.float().reshape(-1, 1, d, d)
                 partial = (partial.view(b, h, *partial.shape[1:]) @ rotation).view(partial.shape)
             if group.offset is not None:  # each slot's output is a softmax average: + c_v of its KV head
-                c_v = group.offset.offset.float().to(partial.device).view(1, h, 1, 1, d)
+                c_v = group.offset.float().to(partial.device).view(1, h, 1, 1, d)
                 partial = (partial.view(b, h, *partial.shape[1:]) + c_v).view(partial.shape)
-            slices = [(planned.splits, setup.block_tokens) for planned in setup.plan.launches]  # (the token counts)
+            slices = [(planned.splits, setup.options.block_tokens) for planned in setup.plan.launches]  # (the token counts)
             if group.adds:  # the same keys and slices as the previous group: its share of the same softmax
                 if slices != sliced:
                     raise ValueError("decode kernel: a value sketch's launches must slice the payload as its keys'")
@@ -961,12 +997,12 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
                 continue
             partials.append(partial)
             sliced = slices
-            lses.append(setup.lse)
+            lses.append(setup.buffers.lse)
         if merged is None:  # nothing cached
             return torch.zeros_like(query)
         out = torch.empty_like(query)  # the merge writes every row
         partial, lse = torch.cat(partials, 1), torch.cat(lses, 1)
-        _merge_launch(partial, lse, out, step.count(query.device, 0, partial.shape[1]), merged.r, merged.block_r)()
+        _merge_launch(partial, lse, out, step.count(query.device, 0, partial.shape[1]), merged.shape.r, merged.options.block_r)()
     return out
 
 
@@ -983,7 +1019,7 @@ def _group_partials(group: LaunchGroup, scale: float, step: DecodeStep, region: 
         _graphed_launches(step.workspace.graphs, setup, group.keys, group.values, scale, options, registers, region,
                           merge=False)
     else:
-        _, launches, _ = setup_launches(setup, setup.q.dtype, group.keys, group.values, scale, options.get("key_rope"),
+        _, launches, _ = setup_launches(setup, setup.shape.q.dtype, group.keys, group.values, scale, options.get("key_rope"),
                                         options.get("key_residual"), registers, merge=False)
         for launch in launches:
             launch()
@@ -992,32 +1028,30 @@ def _group_partials(group: LaunchGroup, scale: float, step: DecodeStep, region: 
 
 def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None, options=None) -> list[LaunchGroup]:
     """The launch groups of a cache whose payload is stored in a rotated basis or less an offset: one segment of the
-    keys and one of the values over the same tokens, either or both a :class:`RotatedReader` (vLLM's TurboQuant presets
-    rotate only the keys), nested as ``OffsetReader(ResidualSketchReader(RotatedReader(...)))`` where present (``center``;
-    TurboQuant-prod). First the payload's, which takes the query rotated (``q rotation_k^T``) where its keys are
-    rotated and adds a key offset's score (``key_rope``: every cached token's position) and a residual sketch's; then the
-    values' residual sketch over the same keys, if any (``adds``); then, if any, the other segments', which take the
-    query as it is (``tools/kernel_resources.py`` compiles the first)."""
+    keys and one of the values over the same tokens, either or both wrapped (vLLM's TurboQuant presets rotate only the
+    keys), as ``OffsetReader(ResidualSketchReader(RotatedReader(...)))`` where all are present (``center``;
+    TurboQuant-prod), each wrapper saying what it adds (:meth:`~kvcomp.kernels.formats.PayloadReader.unwrap`,
+    :class:`~kvcomp.kernels.formats.base.Wrapped`). First the payload's, which takes the query rotated
+    (``q rotation_k^T``) where its keys are rotated and adds a key offset's score (``key_rope``: every cached token's
+    position) and a residual sketch's; then the values' residual sketch over the same keys, if any (``adds``); then, if
+    any, the other segments', which take the query as it is (``tools/kernel_resources.py`` compiles the first)."""
     options = options or {}
-    at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if isinstance(s, OWN_LAUNCHES)}
+    at = {i for segments in (key_segments, value_segments) for i, s in enumerate(segments) if _own_launches([s])}
     key_bounds, value_bounds = _boundaries(key_segments), _boundaries(value_segments)
     i = min(at)
     if len(at) != 1 or i >= min(len(key_segments), len(value_segments)) or key_bounds[i: i + 2] != value_bounds[i: i + 2]:
         raise ValueError("decode kernel: a rotated or offset payload must be one post-RoPE segment of the keys and of the "
                          "values, over the same tokens")
     lo, hi = key_bounds[i], key_bounds[i + 1]
-    keys, values = key_segments[i], value_segments[i]
-    key_offset, value_offset = (s if isinstance(s, OffsetReader) else None for s in (keys, values))
-    keys, values = (s.inner if isinstance(s, OffsetReader) else s for s in (keys, values))
-    if key_offset is not None and not key_offset.rotated or value_offset is not None and value_offset.rotated:
+    (keys, key_wrapped), (values, value_wrapped) = stored(key_segments[i]), stored(value_segments[i])
+    key_offset, value_offset = key_wrapped.offset, value_wrapped.offset
+    if key_offset is not None and not key_wrapped.offset_rotated or value_offset is not None and value_wrapped.offset_rotated:
         raise ValueError("decode kernel: a key offset is rotated to each token's position, a value offset is not")
     if (key_rope is None) != (key_offset is None):
         raise ValueError("decode kernel: a rotated payload's keys are post-RoPE; key_rope gives the positions of a "
                          "key offset, and only of one")
-    key_sketch, value_sketch = (s if isinstance(s, ResidualSketchReader) else None for s in (keys, values))
-    keys, values = (s.inner if isinstance(s, ResidualSketchReader) else s for s in (keys, values))
-    key_rotation, value_rotation = (s.rotation if isinstance(s, RotatedReader) else None for s in (keys, values))
-    keys, values = (s.inner if isinstance(s, RotatedReader) else s for s in (keys, values))
+    key_sketch, value_sketch = key_wrapped.sketch, value_wrapped.sketch
+    key_rotation, value_rotation = key_wrapped.rotation, value_wrapped.rotation
     b, hq, d = query.shape
     h = _kv_heads(keys)
     rotated = query
@@ -1028,7 +1062,7 @@ def launch_groups(query, key_segments, value_segments, valid=None, key_rope=None
         if key_rope.first != lo:
             raise ValueError(f"decode kernel: key_rope starts at cached token {key_rope.first}, the payload at {lo}")
         positions = key_rope.positions[:, lo:hi]  # the payload's tokens, from 0
-        payload_options["key_offset"] = (key_rotation, key_offset.offset,
+        payload_options["key_offset"] = (key_rotation, key_offset,
                                          RotaryPositions(positions, 0, key_rope.inv_freq, key_rope.scaling, key_rope.dtype))
     if key_sketch is not None:  # scored against y = S q of the model's query, which each call derives from its own
         payload_options["key_residual"] = (key_rotation, key_sketch.projection.to(query.device, torch.float32),
@@ -1055,7 +1089,7 @@ def payload_launch_inputs(query, key_segments, value_segments, valid, key_rope, 
     """``(query, keys, values, valid, key_rope, options)`` of :func:`decode_launches` for the launches that read the
     payload: the payload group's (:func:`launch_groups`) where it is rotated or stored less an offset, else as given
     (``tools/kernel_resources.py`` and ``tools/kernel_model.py`` compile them)."""
-    if not any(isinstance(s, OWN_LAUNCHES) for s in key_segments + value_segments):
+    if not _own_launches(key_segments + value_segments):
         return query, key_segments, value_segments, valid, key_rope, options
     group = launch_groups(query, key_segments, value_segments, valid, key_rope, options)[0]
     return group.query, group.keys, group.values, group.valid, None, group.options

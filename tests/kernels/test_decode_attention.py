@@ -157,6 +157,51 @@ def test_rotated_payloads_are_read_by_rotating_the_query_and_the_output():
         decode_attention_triton(query, [readers[0], readers[0]], [readers[1], readers[1]], d**-0.5)
 
 
+def test_a_new_wrapper_is_read_by_what_it_says_it_adds():
+    """A wrapper defined outside the formats (here: a payload stored in one basis shared by every head, less a value
+    offset) is read in launch groups of its own by what its ``unwrap`` records, the launcher unchanged; wrappers nest
+    only as ``Wrapped.NESTING`` orders them."""
+    from dataclasses import dataclass
+
+    from kvcomp.kernels.decode_attention_triton import decode_attention_triton
+    from kvcomp.kernels.formats import OffsetReader, PayloadReader, RotatedReader
+    from kvcomp.kernels.formats.base import Wrapped
+
+    @dataclass
+    class SharedBasis(PayloadReader):
+        inner: PayloadReader
+        basis: torch.Tensor
+        offset: torch.Tensor
+        own_launches = True
+
+        @property
+        def kv_heads(self) -> int:
+            return self.inner.kv_heads
+
+        def unwrap(self, wrapped: Wrapped) -> PayloadReader:
+            wrapped.add("offset", offset=self.offset, offset_rotated=False)
+            wrapped.add("rotation", rotation=self.basis)
+            return self.inner
+
+        def dequantize_unrotated(self) -> torch.Tensor:
+            return self.inner.dequantize_unrotated() @ self.basis + self.offset[None, :, None, :]
+
+    gen = torch.Generator().manual_seed(13)
+    b, h, r, d, n = 2, 2, 4, 32, 48
+    basis = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]
+    keys, _ = _uniform(torch.randn(b, h, n, d, generator=gen), 4, d, "per_token")
+    inner, _ = _uniform(torch.randn(b, h, n, d, generator=gen), 4, d, "per_token")
+    values = SharedBasis(n, d, inner, basis, torch.randn(h, d, generator=gen))
+    sinks = torch.randn(b, h, 3, d, generator=gen)
+    query = torch.randn(b, h * r, d, generator=gen)
+    reference = decode_attention_reference(query, [sinks, keys], [sinks, values], d**-0.5)
+    torch.testing.assert_close(decode_attention_triton(query, [sinks, keys], [sinks, values], d**-0.5), reference,
+                               rtol=1e-5, atol=1e-5)
+    misnested = RotatedReader(n, d, OffsetReader(n, d, inner, values.offset, False), basis)  # an offset inside a rotation
+    with pytest.raises(ValueError, match="wrappers nest as offset"):
+        decode_attention_triton(query, [keys], [misnested], d**-0.5)
+
+
 @pytest.mark.parametrize("global_scale", [1.0, 0.37])
 def test_nvfp4_codes_are_read_with_their_block_scales(global_scale):
     """NVFP4 (:class:`BlockFloatReader`): e2m1 codes looked up in the kernel (times the global scale) and scaled per

@@ -15,13 +15,16 @@ tells the split kernel how to read it in registers:
   per program where a launch's grid crowds the multiprocessors;
 - :meth:`~PayloadReader.packed_scores`, :meth:`~PayloadReader.packed_values` and :attr:`~PayloadReader.sign_scores`:
   whether it is read in its stored layout, and whether its keys are scored from sign bits (values then stay off the
-  field-major path above 4 query rows).
+  field-major path above 4 query rows);
+- :attr:`~PayloadReader.values_only`: whether it is refused as keys (sign bits, read as values or as a key residual);
+- :attr:`~PayloadReader.own_launches` and :meth:`~PayloadReader.unwrap`: a reader that wraps another
+  (:mod:`~kvcomp.kernels.formats.wrappers`: rotated, offset, residual sketch) is read in launch groups of its own,
+  and says what it adds to them (:class:`Wrapped`).
 
 The launcher (:mod:`kvcomp.kernels.decode_attention_triton`) asks a payload reader these, and finds its device
-functions by the reader's class. It tests a segment's type only to tell full-precision tensors from payloads, to give
-the wrapping readers (:mod:`~kvcomp.kernels.formats.wrappers`: rotated, offset, residual sketch) launches of their
-own and unwrap them, to refuse sign-bit keys (:class:`~kvcomp.kernels.formats.sketch.SignReader`), and to score a
-key residual with the device functions of :class:`~kvcomp.kernels.formats.sketch.SketchReader`.
+functions by the reader's class (a key residual's too:
+:func:`~kvcomp.kernels.formats.kernels_triton.residual_format`). It tests a segment's type only to tell
+full-precision tensors from payloads.
 """
 
 from __future__ import annotations
@@ -159,6 +162,39 @@ def four_programs(num_warps: int) -> int:
     return 65536 // (4 * 32 * num_warps)
 
 
+class Wrapped:
+    """What the readers wrapping a stored payload add to the launches of one stream (:meth:`PayloadReader.unwrap`,
+    outermost first), which read the payload as it is stored, ``x = stored @ rotation + sketch + offset``:
+
+    - ``rotation``: stored in a rotated basis (``[D, D]`` or ``[1 or H, D, D]``): keys are scored against the query
+      rotated by ``rotation^T``, values' partial outputs are un-rotated (``@ rotation``);
+    - ``offset``: stored less ``c`` ``[H, D]``, rotated to each token's position where ``offset_rotated`` (keys): the
+      kernel adds a key offset's score ``q . R_p c``, and a value offset's ``c`` is added to the partial outputs;
+    - ``sketch``: plus the sign sketch of the residual, an object with ``residual`` (a reader with ``residual_args``:
+      scored beside the keys in the kernel; values: read in launches of their own over the same keys),
+      ``projection`` (``S``) and ``basis`` (what takes the sketch's partial outputs back to the vectors' basis).
+
+    Each term is set at most once, and only outside the terms after it in :attr:`NESTING` (an offset wraps a sketch,
+    which wraps a rotation)."""
+
+    NESTING = ("offset", "sketch", "rotation")  # outermost first
+
+    def __init__(self):
+        self.rotation = None
+        self.offset = None
+        self.offset_rotated = False
+        self.sketch = None
+
+    def add(self, term: str, **fields) -> None:
+        """Set ``term``'s ``fields``: refused where ``term`` or one it must wrap is set (by a wrapper outside this
+        one, unwrapped before it)."""
+        if any(getattr(self, name) is not None for name in self.NESTING[self.NESTING.index(term):]):
+            raise ValueError(f"decode kernel: a payload's wrappers nest as {'('.join(self.NESTING)}(payload"
+                             f"{')' * len(self.NESTING)}, each at most once")
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
 @dataclass
 class PayloadReader:
     """What a kernel needs to read one encoded segment; subclasses define the format."""
@@ -168,6 +204,13 @@ class PayloadReader:
     wide_tile = False  # whether the kernel's wide tiles suit it (read without a per-group table: default_tile)
     chunk_tokens = 1  # tokens the kernel reads as one unit: a tile of the payload starts at a multiple of them
     sign_scores = False  # keys scored from sign bits, a [tokens, sketch rows] tile in registers (QJL's sketch)
+    values_only = False  # refused as keys (sign bits: read as values, or as a key payload's residual)
+    own_launches = False  # wraps another reader (unwrap): read in launch groups of its own
+
+    def unwrap(self, wrapped: Wrapped) -> PayloadReader:
+        """The reader this one wraps, having added to ``wrapped`` what it adds to the launches (:class:`Wrapped`); a
+        reader of what is stored, itself (the default; wrappers set :attr:`own_launches`)."""
+        return self
 
     def dequantize_unrotated(self) -> torch.Tensor:
         raise NotImplementedError
@@ -215,6 +258,19 @@ class PayloadReader:
 
 
 Segment = torch.Tensor | PayloadReader
+
+
+def stored(segment: Segment) -> tuple[Segment, Wrapped]:
+    """The segment as it is stored, its wrappers unwrapped (:meth:`PayloadReader.unwrap`), and what they add to its
+    launches."""
+    wrapped = Wrapped()
+    if isinstance(segment, torch.Tensor):
+        return segment, wrapped
+    while True:
+        inner = segment.unwrap(wrapped)
+        if inner is segment:
+            return segment, wrapped
+        segment = inner
 
 
 def segment_length(segment: Segment) -> int:

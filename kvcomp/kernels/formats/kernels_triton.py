@@ -20,6 +20,8 @@ KERNEL_FORMATS = {
     SignReader: SIGNS,
     ScaledReader: SCALED,
 }
+# the device functions that score a key payload's residual, by the residual's reader class (its ``residual_args``)
+RESIDUAL_FORMATS = {SignReader: SKETCH}  # scored as sketched keys without outliers
 
 
 def kernel_format(reader):
@@ -27,4 +29,12 @@ def kernel_format(reader):
     found = KERNEL_FORMATS.get(type(reader))
     if found is None:
         raise NotImplementedError(f"the fused decode kernel cannot read a {type(reader).__name__} payload")
+    return found
+
+
+def residual_format(reader):
+    """The :class:`~kvcomp.kernels.formats.base.KernelFormat` that scores a reader as a key payload's residual."""
+    found = RESIDUAL_FORMATS.get(type(reader))
+    if found is None:
+        raise NotImplementedError(f"the fused decode kernel cannot score a {type(reader).__name__} as a key residual")
     return found

@@ -207,6 +207,7 @@ class SignReader(PayloadReader):
 
     signs: torch.Tensor
     norm: torch.Tensor
+    values_only = True
 
     @property
     def kv_heads(self) -> int:
@@ -220,7 +221,8 @@ class SignReader(PayloadReader):
     def residual_args(self, query: CallQuery, rotation: torch.Tensor | None,
                       projection: torch.Tensor) -> tuple[SketchArgs, SketchConstants]:
         """The kernel's arguments for these bits as the residual sketch of keys, scored against ``y = S q`` ``[B, H, R,
-        d]`` of the model's query ``q`` (``projection``: ``S``): those of a :class:`SketchReader` without outliers.
+        d]`` of the model's query ``q`` (``projection``: ``S``): those of a :class:`SketchReader` without outliers
+        (its device functions: :func:`~kvcomp.kernels.formats.kernels_triton.residual_format`).
         ``y`` is derived from the call's query (the model's rotated by ``rotation^T`` where given: ``q = query
         rotation``) once per call, and remade from a CUDA graph's own query at every replay."""
         m = projection.shape[0]

@@ -1,6 +1,7 @@
 """Payloads read in split launches of their own (:func:`~kvcomp.kernels.decode_attention_triton.launch_groups`): a
 payload stored in a rotated basis, less an offset, or with the sign sketch of its residual. Each wraps the reader of
-what is stored; none has device functions of its own."""
+what is stored and says what it adds to the launches that read it (:meth:`~kvcomp.kernels.formats.base.PayloadReader.unwrap`);
+none has device functions of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.kernels.formats.base import PayloadReader, RotaryPositions
+from kvcomp.kernels.formats.base import PayloadReader, RotaryPositions, Wrapped
 from kvcomp.kernels.formats.sketch import SignReader
 from kvcomp.stages.jl_sketch import estimator_scale
 from kvcomp.stages.rope import apply_rope
@@ -25,10 +26,16 @@ class ResidualSketchReader(PayloadReader):
     inner: PayloadReader
     residual: SignReader
     projection: torch.Tensor
+    own_launches = True
 
     @property
     def kv_heads(self) -> int:
         return self.inner.kv_heads
+
+    def unwrap(self, wrapped: Wrapped) -> PayloadReader:
+        """Its sketch (this reader: its ``residual``, ``projection`` and ``basis``)."""
+        wrapped.add("sketch", sketch=self)
+        return self.inner
 
     @property
     def basis(self) -> torch.Tensor:
@@ -49,10 +56,16 @@ class RotatedReader(PayloadReader):
 
     inner: PayloadReader
     rotation: torch.Tensor
+    own_launches = True
 
     @property
     def kv_heads(self) -> int:
         return self.inner.kv_heads
+
+    def unwrap(self, wrapped: Wrapped) -> PayloadReader:
+        """Its rotation."""
+        wrapped.add("rotation", rotation=self.rotation)
+        return self.inner
 
     def dequantize_unrotated(self) -> torch.Tensor:
         return self.inner.dequantize_unrotated() @ self.rotation
@@ -68,10 +81,16 @@ class OffsetReader(PayloadReader):
     inner: PayloadReader
     offset: torch.Tensor
     rotated: bool
+    own_launches = True
 
     @property
     def kv_heads(self) -> int:
         return self.inner.kv_heads
+
+    def unwrap(self, wrapped: Wrapped) -> PayloadReader:
+        """Its offset, and whether it is rotated to each token's position."""
+        wrapped.add("offset", offset=self.offset, offset_rotated=self.rotated)
+        return self.inner
 
     def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
         x = self.inner.dequantize()
