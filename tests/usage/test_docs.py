@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_py import THREADS
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 # pages whose Python blocks run on tiny random models (no embedded assets needed)
@@ -25,12 +27,12 @@ def python_blocks(page: Path) -> list[str]:
 
 def run_blocks(page: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     """Every Python block of ``page`` in order, as one script run from a scratch folder (the repository on the path,
-    the Triton interpreter on: a kernel example runs on the CPU)."""
+    the Triton interpreter on: a kernel example runs on the CPU; one thread beside the other pytest workers)."""
     blocks = python_blocks(page)
     assert blocks, f"{page.relative_to(ROOT)} shows no Python block"
     script = tmp_path / f"{page.stem}.py"
     script.write_text("\n\n".join(blocks), encoding="utf-8")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": THREADS}
     return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
