@@ -71,11 +71,12 @@ def encode_with_torch(monkeypatch) -> None:
     monkeypatch.setattr(codebook, "encode_codebook", lambda quantizer, z, codebooks, backend="torch": original(quantizer, z, codebooks))
 
 
-def load_script(name: str):
-    """``scripts/{name}.py`` as a module (the scripts are not a package)."""
+def load_script(path: str):
+    """The script at ``path`` from the repository root (``scripts/*.py``, ``experiments/*/render.py``: not a package)
+    as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():
-    return load_script("leaderboard")
+    return load_script("scripts/leaderboard.py")
 
 
 def _refused(capsys, module, *argv) -> str:

@@ -221,7 +221,7 @@ def test_guard_atoms_code_outliers_exactly(tiny_llama):
 
 
 def _renderer():
-    return load_script("render_csr_tables")
+    return load_script("experiments/csr/render.py")
 
 
 def test_render_dictionary_table(tmp_path):

@@ -146,8 +146,9 @@ def test_wandb_files_hold_no_install_paths(tmp_path, monkeypatch):
     ("benchmarks.bench_decode_attention", ["--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
     ("benchmarks.bench_decode_overhead", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
     ("benchmarks.bench_decode_overhead", ["--repeats", "x"], "argument --repeats: invalid int value: 'x'"),
-    ("render_csr_tables.py", ["{missing}"], "is not a directory"),
-    ("render_csr_tables.py", ["{tmp}", "--summary"], "summary.csv is missing"),
+    ("render_tables.py", ["nosuch"], "argument experiment: invalid choice: 'nosuch' (choose from 'baselines_2026', 'csr',"),
+    ("render_tables.py", ["csr", "{missing}"], "is not a directory"),
+    ("render_tables.py", ["csr", "{tmp}", "--summary"], "summary.csv is missing"),
 ])
 def test_scripts_refuse_bad_arguments_before_any_work(script, args, expected, tmp_path, monkeypatch, capsys):
     """argparse's usage error (exit status 2), not a traceback from inside the work. ``script``: a file of
@@ -171,9 +172,9 @@ def test_render_csr_tables_names_the_valid_columns(tmp_path, monkeypatch, capsys
     import runpy
 
     (tmp_path / "summary.csv").write_text("codec,bits_per_value,ppl_streaming\nkivi,3,10\n")
-    monkeypatch.setattr(sys, "argv", ["render_csr_tables.py", str(tmp_path), "--summary", "--columns", "ppl_nope"])
+    monkeypatch.setattr(sys, "argv", ["render_tables.py", "csr", str(tmp_path), "--summary", "--columns", "ppl_nope"])
     with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(ROOT / "scripts" / "render_csr_tables.py"), run_name="__main__")
+        runpy.run_path(str(ROOT / "scripts" / "render_tables.py"), run_name="__main__")
     assert exit_.value.code == 2
     assert "unknown column 'ppl_nope'; valid choices: bits_per_value, codec, ppl_streaming" in capsys.readouterr().err
 

@@ -176,7 +176,7 @@ def test_thesis_tables_transcription():
 # the renderer
 # ------------------------------------------------------------------------------------------------
 def _renderer():
-    return load_script("render_temporalkv_tables")
+    return load_script("experiments/temporalkv/render.py")
 
 
 FP16_ROW = {"model": "smollm2_135m", "codec": "fp16()", "benchmark": "perplexity:enwiki/evaluation 32x512",
@@ -288,7 +288,7 @@ def test_render_gives_each_outlier_rule_its_own_table(tmp_path):
 
 
 def test_render_baselines_ranks_by_class_then_perplexity(tmp_path):
-    module = load_script("render_baselines_2026")
+    module = load_script("experiments/baselines_2026/render.py")
     fp16 = {"model": "m", "codec": "fp16()", "ppl_chunked": 20.0}
 
     def member(option, bits, ppl, center=None):
@@ -311,7 +311,7 @@ def test_render_baselines_ranks_by_class_then_perplexity(tmp_path):
 
 
 def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(tmp_path):
-    module = load_script("render_eviction")
+    module = load_script("experiments/eviction/render.py")
     fp16 = {"model": "m", "codec": "fp16()", "ppl_context": 20.0, "bits_per_value_measured": 32.0}
 
     def member(name, codec, press, ratio, seen, held, ppl, budgets="uniform"):
@@ -339,7 +339,7 @@ def test_render_eviction_puts_presses_codecs_and_compositions_on_one_byte_axis(t
 
 
 def test_render_baselines_ranks_ruler_rows_best_first_in_points(tmp_path):
-    module = load_script("render_baselines_2026")
+    module = load_script("experiments/baselines_2026/render.py")
     fp16 = {"model": "m", "codec": "fp16()", "acc_avg": 40.0}
     for option, bits, acc in (("kivi", 3.0, 20.0), ("turboquant", 3.25, 30.0)):
         folder = tmp_path / option

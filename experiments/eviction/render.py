@@ -1,7 +1,7 @@
 """The eviction experiment as Markdown and one rate-distortion plot per model: presses alone, codecs alone
 and their compositions on one axis, the bits per value of every token the window brought (evicted ones included).
 
-    python scripts/render_eviction.py multirun/eviction [--out FILE] [--plot-dir DIR]
+    python scripts/render_tables.py eviction multirun/eviction [--out FILE] [--plot-dir DIR]
 
 Reads every perplexity ``results.json`` below the folder (finished members of every eviction sweep; a sweep still
 running renders the rows it has). A row is named by its press (name and ratio) and codec option; its rate is

@@ -1,6 +1,6 @@
 """Our measured runs beside the TemporalKV thesis' Tables 2, 4, 6, 7, 8 and 9, as Markdown.
 
-    python scripts/render_temporalkv_tables.py multirun/temporalkv/table6_7_embedded --table 6 --table 7 [--out FILE]
+    python scripts/render_tables.py temporalkv multirun/temporalkv/table6_7_embedded --table 6 --table 7 [--out FILE]
 
 Reads every ``results.json`` below the directory. A run enters a thesis table when its codec config has
 the table's fixed values (Tables 6-9: fisher=true, sinks=8) and its key, e.g. (name, bits, outliers),

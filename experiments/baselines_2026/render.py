@@ -1,7 +1,7 @@
 """The 2026-baselines comparison as Markdown: one table per model, rows by bit class then perplexity (or RULER's
 average accuracy, best first).
 
-    python scripts/render_baselines_2026.py multirun/baselines_2026/perplexity [--out FILE]
+    python scripts/render_tables.py baselines_2026 multirun/baselines_2026/perplexity [--out FILE]
 
 Reads every ``results.json`` below the sweep folder (finished members only; a sweep still running renders the
 rows it has, and says how many). Each row is named by the codec option the member swept (``codec=...``, e.g.

@@ -5,9 +5,9 @@ mean over layer groups, per run and kind, after the k-means initialisation, afte
 kept dictionaries, with epochs run and training time. ``--summary``: the sweep's summary.csv with short codec
 names (CSR-s plus the options that differ from the defaults, KIVI-b) and the chosen columns.
 
-    python scripts/render_csr_tables.py multirun/csr/embedded_ldiv
-    python scripts/render_csr_tables.py multirun/csr/embedded_ldiv --out experiments/csr/results/embedded_ldiv_mse.md
-    python scripts/render_csr_tables.py multirun/csr/embedded_perplexity --summary
+    python scripts/render_tables.py csr multirun/csr/embedded_ldiv
+    python scripts/render_tables.py csr multirun/csr/embedded_ldiv --out experiments/csr/results/embedded_ldiv_mse.md
+    python scripts/render_tables.py csr multirun/csr/embedded_perplexity --summary
 """
 
 from __future__ import annotations

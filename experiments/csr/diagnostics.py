@@ -9,7 +9,7 @@
 
 The codec is calibrated as ``run.py codec=csr`` calibrates it (the cached dictionaries are reused).
 
-    python scripts/csr_diagnostics.py
+    python experiments/csr/diagnostics.py
 """
 
 from __future__ import annotations
