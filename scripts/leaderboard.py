@@ -558,7 +558,8 @@ def plot_svg(mine: list[dict], title: str) -> str:
     import matplotlib.pyplot as plt
 
     buffer = io.StringIO()
-    fig.savefig(buffer, format="svg", metadata={"Date": None})  # no timestamp: the page is the same for the same rows
+    with plt.rc_context({"svg.hashsalt": "kvcomp"}):  # ids from a fixed salt, no timestamp: the same rows, the same page
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
     plt.close(fig)
     svg = buffer.getvalue()
     return svg[svg.index("<svg"):]
@@ -604,8 +605,8 @@ def plot(mine: list[dict], title: str):
         if r["reference"]:
             ax.axhline(r["metric"], color="grey", linestyle="--", label="uncompressed")
     ax.set_xscale("log", base=2)
-    bits = [r["measured_bits"] for r in placed]
-    if bits:
+    bits = [r["measured_bits"] for r in placed] or [r["measured_bits"] or 16.0 for r in mine if r["reference"]]
+    if bits:  # a panel of the reference alone is placed around the reference's bits
         ax.set_xlim(min(bits) / 1.15, max(bits) * 1.9)  # room for the labels of the last column
     if lower:
         log_axis(ax)

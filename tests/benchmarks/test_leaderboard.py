@@ -464,3 +464,20 @@ def test_a_hybrid_models_rows_get_a_second_panel_by_their_full_attention_layers_
     classes = {(r["codec"], r["panel"] == second): r["class"] for r in rows if r["model"] == "g"}
     assert classes == {("fp16", False): "16", ("a", False): "16", ("b", False): "16",
                        ("fp16", True): "16", ("a", True): "2", ("b", True): "8"}
+
+
+def test_the_same_rows_give_the_same_page_and_a_panel_of_the_reference_alone_renders(tmp_path):
+    """The page's SVG ids come from a fixed salt (two renderings of one sweep are byte-equal), and a panel whose only
+    placed row is the reference (every codec invalid or failed) still draws."""
+    module = _module()
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    _member(sweep, "kivi", 3.0, 4.8, 25.0, 40.0, 30.0)
+    pages = []
+    for out in (tmp_path / "a", tmp_path / "b"):
+        module.main([str(sweep), "--out", str(out)])
+        pages.append((out / "index.html").read_text())
+    assert pages[0] == pages[1] and pages[0].count("<svg") == 2
+    reference = {"metric_name": "ppl_chunked", "measured_bits": 32.0, "reference": True, "metric": 20.0,
+                 "option": "fp16"}
+    assert module.plot_svg([reference], "m: perplexity").startswith("<svg")
