@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcomp.cache.compressed_cache import PROTOCOLS
 from kvcomp.codecs.base import KINDS, Codec, Payload, Request
 from kvcomp.errors import ConfigError
 
@@ -183,6 +184,8 @@ def _layout(r: _Reader) -> tuple[list[dict], list[Payload] | None]:
     """Every layer's streams (as :func:`_check_stream` reads them) and a model-scope codec's shared payloads."""
     meta = r.meta
     layers, unit = meta.get("layers"), meta.get("model_unit")
+    if meta.get("protocol") not in PROTOCOLS:
+        r.fail(f"protocol {meta.get('protocol')!r}; valid: {', '.join(PROTOCOLS)}")
     if not isinstance(layers, list) or not layers:
         r.fail(f"it holds {len(layers) if isinstance(layers, list) else 'no'} layers")
     shared = unit is not None

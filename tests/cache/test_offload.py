@@ -171,6 +171,7 @@ def _saved(crafted, path):
 
 @pytest.mark.parametrize("change, message", [
     (lambda m, t: m.update(layers=[]), "holds 0 layers"),
+    (lambda m, t: m.update(protocol="nosuch"), "protocol 'nosuch'; valid: streaming, simulated, exact_prefill"),
     (lambda m, t: m["layers"][0].update(dtype="__class__"), r"layers\[0\].dtype '__class__'; valid"),
     (lambda m, t: m["layers"][1]["streams"]["value"].update(length=10**12), "but length 1000000000000"),
     (lambda m, t: m["layers"][0]["streams"]["key"].update(num_encoded=-1), "must be counts"),
