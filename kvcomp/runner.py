@@ -271,10 +271,11 @@ def _report_kernels(codec) -> None:
 
 def calibration_texts(calibration: CalibrationConfig, tokenizer) -> list[str]:
     """The calibration corpus's documents, refused when ``num_samples`` windows of ``seq_len`` tokens do not fit
-    in it side by side (:func:`~kvcomp.calibration.check_windows`; its token ids are cached for the windows)."""
+    in it side by side (:func:`~kvcomp.calibration.check_windows`; its token ids are cached for the windows). The
+    documents are always the split disjoint from evaluation's (seed 0); ``calibration.seed`` places the windows."""
     from kvcomp.data import load_corpus, tokenize_documents
 
-    texts = load_corpus(calibration.name, "calibration", seed=calibration.seed)
+    texts = load_corpus(calibration.name, "calibration")
     check_windows(tokenize_documents(texts, tokenizer, cache_tag=_tokens_tag(calibration)).numel(), calibration)
     return texts
 

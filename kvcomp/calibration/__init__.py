@@ -39,7 +39,7 @@ class CalibrationConfig:
     name: str = "enwiki"
     num_samples: int = 16
     seq_len: int = 512
-    seed: int = 0
+    seed: int = 0  # where the windows start, within the calibration documents (always those disjoint from evaluation's)
     artifact: str | None = None  # a fitted codec state to use instead of the cache's (refused if fitted for another model)
     oversample: bool = False  # allow more windows than the corpus holds side by side (they then overlap)
 

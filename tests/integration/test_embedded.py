@@ -98,3 +98,18 @@ def test_prefill_memo_benchmark_runs_and_agrees(embedded):
 
     body = import_module("benchmarks.bench_prefill_memo").main(["--tokens", "48", "--new", "3", "--codecs", "fp16", "kivi"])
     assert body.count("| yes |") == 2 and "| NO |" not in body
+
+
+def test_calibration_documents_never_meet_the_evaluation_split_whatever_the_seed(embedded):
+    """``calibration.seed`` moves the calibration windows, never the documents: those stay the split disjoint from
+    the evaluation documents perplexity reads."""
+    from kvcomp.calibration import CalibrationConfig
+    from kvcomp.data import load_corpus, token_windows
+    from kvcomp.runner import calibration_texts
+
+    _, tokenizer = embedded
+    evaluation = set(load_corpus("enwiki", "evaluation"))
+    texts = {seed: calibration_texts(CalibrationConfig(seed=seed, num_samples=2, seq_len=64), tokenizer) for seed in (0, 3)}
+    assert texts[0] == texts[3] and not set(texts[0]) & evaluation
+    windows = [token_windows(texts[0], tokenizer, 64, 2, seed=seed, mode="random") for seed in (0, 3)]
+    assert not torch.equal(*windows)  # the seed still places the windows
