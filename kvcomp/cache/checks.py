@@ -9,7 +9,6 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from kvcomp.errors import ConfigError, NonFiniteKVError
-from kvcomp.stages.ranges import deferred_range_checks
 
 CHECK_FINITE = (True, False, "deferred")
 T = TypeVar("T")
@@ -78,16 +77,17 @@ class FiniteChecks:
         """Forget the last forward (the cache was reset)."""
         self.pending, self.checked = None, []
 
-    def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int, store: Callable[[], T],
-               streams: Callable[[], Sequence]) -> T:
-        """``store()`` (which stores the forward's K/V from cache position ``first`` on into ``streams()``, the
-        layer's :class:`~kvcomp.cache.stream.KVStream` s, read after the store: a press may rebuild them), checked by
-        the mode."""
+    def around(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int,
+               store: Callable[[list | None], T], streams: Callable[[], Sequence]) -> T:
+        """``store(range_checks)`` (which stores the forward's K/V from cache position ``first`` on into ``streams()``,
+        the layer's :class:`~kvcomp.cache.stream.KVStream` s, read after the store: a press may rebuild them), checked
+        by the mode. ``range_checks`` is what its encodes' requests carry (:mod:`kvcomp.stages.ranges`): a list the
+        mode ``"deferred"`` reads one forward later, else None (checked on the host)."""
         if not self.mode:
-            return store()
+            return store(None)
         if self.mode is True:
             self._check_incoming(key_states, value_states, first)
-            out = self._stored(store, streams)
+            out = self._stored(store, None, streams)
             decoded = self._newly_decoded(streams())
             if decoded and not finite(*(x for _, x in decoded)):
                 bad = {kind: x for kind, x in decoded if not finite(x)}
@@ -95,19 +95,18 @@ class FiniteChecks:
             return out
         self.raise_pending()  # the previous forward's verdicts, long computed
         ranges = []
-        with deferred_range_checks(ranges):
-            out = self._stored(store, streams)
+        out = self._stored(store, ranges, streams)
         decoded = self._newly_decoded(streams())
         verdicts = [finite(key_states, value_states), *ranges, *(finite(x) for _, x in decoded)]
         self.pending = (DeviceFlag(torch.stack(verdicts)), first, key_states.shape[2], tuple(kind for kind, _ in decoded),
                         streams()[0].codec.name)
         return out
 
-    def _stored(self, store: Callable[[], T], streams: Callable[[], Sequence]) -> T:
-        """``store()``; a codec's own refusal of values it cannot store (:class:`NonFiniteKVError`) names the layer
-        and the codec."""
+    def _stored(self, store: Callable[[list | None], T], range_checks: list | None, streams: Callable[[], Sequence]) -> T:
+        """``store(range_checks)``; a codec's own refusal of values it cannot store (:class:`NonFiniteKVError`) names
+        the layer and the codec."""
         try:
-            return store()
+            return store(range_checks)
         except NonFiniteKVError as error:
             raise NonFiniteKVError(f"layer {self.layer_idx}, codec {streams()[0].codec.name}: {error}") from error
 

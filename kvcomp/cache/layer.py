@@ -143,14 +143,15 @@ class CompressedLayer(StepLayer):
         first = self.length
         self.length += key_states.shape[2]
         return self.checks.around(key_states, value_states, first,
-                                  lambda: self._store_rows(key_states, value_states, step, first == 0, query),
+                                  lambda checks: self._store_rows(key_states, value_states, step, first == 0, query,
+                                                                  checks),
                                   lambda: self.streams)
 
     def _store_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
-                    first_forward: bool, query: torch.Tensor | None):
+                    first_forward: bool, query: torch.Tensor | None, range_checks: list | None):
         whole, eviction = self.parts[0].group, self.eviction
         if len(self.parts) == 1 and whole.rows is None and not whole.pads and eviction is None:
-            return self._store(self.parts[0], key_states, value_states, step, first_forward, query)
+            return self._store(self.parts[0], key_states, value_states, step, range_checks, first_forward, query)
         if step is None:
             raise RuntimeError("a cache whose rows are grouped by their padding, or pressed, is read by kvcomp's "
                                "attention only")
@@ -161,7 +162,8 @@ class CompressedLayer(StepLayer):
         queries = [None if query is None else part.group.tokens(query, first_forward, 2) for part in self.parts]
         read = ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
                                                 part.group.tokens(value_states, first_forward, 2),
-                                                part.group.layer_step(step, first_forward), first_forward, group_query),
+                                                part.group.layer_step(step, first_forward), range_checks, first_forward,
+                                                group_query),
                         evicted)
                        for part, evicted, group_query in zip(self.parts, dropped, queries)], first_forward)
         if eviction is not None:
@@ -169,14 +171,15 @@ class CompressedLayer(StepLayer):
         return read
 
     def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
-               first_forward: bool = False, query: torch.Tensor | None = None):
+               range_checks: list | None, first_forward: bool = False, query: torch.Tensor | None = None):
         """One row group's forward: store its K/V and return what its attention reads (a pressed prompt: every
-        token, exactly, as it stores the kept ones)."""
+        token, exactly, as it stores the kept ones); ``range_checks``: what its encodes' requests carry
+        (:mod:`kvcomp.stages.ranges`)."""
         if self.eviction is not None and first_forward and key_states.shape[2] > 1:
             pressed = self.eviction.prompt(part, key_states, value_states, step, query)
             if pressed is not None:
                 if pressed:
-                    self._store(part, *pressed)
+                    self._store(part, *pressed, range_checks)
                 return key_states, value_states
         n = key_states.shape[2]
         key_stream, value_stream = part.streams
@@ -195,12 +198,12 @@ class CompressedLayer(StepLayer):
         key_stream.append(key_states)
         value_stream.append(value_states)
         backend = "torch" if step is None else step.kernel_backend
-        fresh = part.schedule.encode_ready(backend)
+        fresh = part.schedule.encode_ready(backend, range_checks)
         if history:
             keys, values = [*key_history, key_states], [*value_history, value_states]
         else:
             keys, values = key_view(key_stream), value_view(value_stream)
-        part.schedule.after_views(backend)
+        part.schedule.after_views(backend, range_checks)
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             for stream in part.streams:
                 stream.freeze()

@@ -57,15 +57,15 @@ class Schedule(ABC):
         return self.key_stream, self.value_stream
 
     @abstractmethod
-    def encode_ready(self, kernel_backend: str) -> Fresh:
-        """Encode what the streams' policies allow now (``kernel_backend``: the step's); what moved from the tails,
-        per stream."""
+    def encode_ready(self, kernel_backend: str, range_checks: list | None) -> Fresh:
+        """Encode what the streams' policies allow now (``kernel_backend``: the step's; ``range_checks``: the
+        forward's deferred range checks, :mod:`kvcomp.stages.ranges`); what moved from the tails, per stream."""
 
     @abstractmethod
     def decode(self, kind: str, block: Block) -> torch.Tensor:
         """One stream's block decoded (pre-RoPE keys un-rotated)."""
 
-    def after_views(self, kernel_backend: str) -> None:
+    def after_views(self, kernel_backend: str, range_checks: list | None) -> None:
         """Called once attention's view of a forward is taken."""
 
     @property
@@ -89,10 +89,11 @@ class Schedule(ABC):
 class StreamSchedule(Schedule):
     """Stream scope: each stream encodes and decodes its blocks alone, with its own state."""
 
-    def encode_ready(self, kernel_backend: str) -> Fresh:
-        return self._encode(self.key_stream, kernel_backend), self._encode(self.value_stream, kernel_backend)
+    def encode_ready(self, kernel_backend: str, range_checks: list | None) -> Fresh:
+        return (self._encode(self.key_stream, kernel_backend, range_checks),
+                self._encode(self.value_stream, kernel_backend, range_checks))
 
-    def _encode(self, stream: KVStream, kernel_backend: str) -> FreshlyEncoded | None:
+    def _encode(self, stream: KVStream, kernel_backend: str, range_checks: list | None) -> FreshlyEncoded | None:
         count = stream.ready()
         if not count:
             return None
@@ -101,7 +102,7 @@ class StreamSchedule(Schedule):
             stream.state = self.codec.init_state(Unit(self.layer_idx, stream.kind), held)
         first, chunk, x = stream.take(count)
         payload = self.codec.encode(Request(self.layer_idx, stream.kind, tokens=x, state=stream.state,
-                                            kernel_backend=kernel_backend))
+                                            kernel_backend=kernel_backend, range_checks=range_checks))
         return stream.add_block(stream.store.append(payload, first), chunk)
 
     def decode(self, kind: str, block: Block) -> torch.Tensor:
@@ -151,7 +152,7 @@ class LayerSchedule(JointSchedule):
     def state(self) -> SequenceState | None:
         return self.own_state
 
-    def encode_ready(self, kernel_backend: str) -> Fresh:
+    def encode_ready(self, kernel_backend: str, range_checks: list | None) -> Fresh:
         keys, values = self.streams
         count = keys.ready()
         if count != values.ready():
@@ -164,7 +165,8 @@ class LayerSchedule(JointSchedule):
         first, key_chunk, k = keys.take(count)
         _, value_chunk, v = values.take(count)
         encoding = self.codec.encode(Request(self.layer_idx, keys=k, values=v, previous=self._handed("encode", first),
-                                             state=self.own_state, kernel_backend=kernel_backend))
+                                             state=self.own_state, kernel_backend=kernel_backend,
+                                             range_checks=range_checks))
         if not self.is_last:
             self.encode_handoff[first] = (encoding.keys, encoding.values)
         key_block, value_block = keys.store.append(encoding.key, first), values.store.append(encoding.value, first)
@@ -202,8 +204,9 @@ class ModelUnit:
         self.state: SequenceState | None = None
         self.schedules: list[ModelSchedule] = []
 
-    def encode_ready(self, kernel_backend: str = "torch", flush: bool = False) -> None:
-        """Encode the block every stream has ready (``flush``: every tail token, e.g. before storing the cache)."""
+    def encode_ready(self, kernel_backend: str, range_checks: list | None, flush: bool = False) -> None:
+        """Encode the block every stream has ready (``flush``: every tail token, e.g. before storing the cache;
+        ``range_checks``: :mod:`kvcomp.stages.ranges`)."""
         streams = [s for schedule in self.schedules for s in schedule.streams]
         counts = {s.num_tail if flush else s.ready() for s in streams}
         if len(counts) > 1:
@@ -217,7 +220,8 @@ class ModelUnit:
         device = taken[0][2].device  # the first layer's: layers may live on several devices (device_map)
         payload = self.codec.encode(Request(keys=[t[2].to(device) for t in taken[0::2]],
                                             values=[t[2].to(device) for t in taken[1::2]], state=self.state,
-                                            encoded_before=self.store.num_tokens, kernel_backend=kernel_backend))
+                                            encoded_before=self.store.num_tokens, kernel_backend=kernel_backend,
+                                            range_checks=range_checks))
         block = self.store.append(payload, taken[0][0])
         for stream, (_, chunk, _) in zip(streams, taken):
             stream.add_block(block, chunk)
@@ -242,12 +246,12 @@ class ModelSchedule(JointSchedule):
         self.unit = unit
         super().__init__(codec, layer_idx, rope, decode_per_step, capacity)
 
-    def encode_ready(self, kernel_backend: str) -> Fresh:
+    def encode_ready(self, kernel_backend: str, range_checks: list | None) -> Fresh:
         return None, None
 
-    def after_views(self, kernel_backend: str) -> None:
+    def after_views(self, kernel_backend: str, range_checks: list | None) -> None:
         if self.is_last:  # every layer has appended the block
-            self.unit.encode_ready(kernel_backend)
+            self.unit.encode_ready(kernel_backend, range_checks)
 
     def decode_both(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.codec.decode(self.unit.store.block(block), Request(self.layer_idx, state=self.unit.state,
@@ -338,7 +342,7 @@ class ModelScope(Scope):
         self.unit.select_rows(index)
 
     def flush(self) -> None:
-        self.unit.encode_ready(flush=True)
+        self.unit.encode_ready("torch", None, flush=True)  # stored next: checked on the host
 
 
 SCOPE_CLASSES = {"stream": Scope, "layer": LayerScope, "model": ModelScope}

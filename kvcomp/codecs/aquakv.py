@@ -61,8 +61,8 @@ class TokenQuanto:
         self.quantizer, self.head_dim = GroupQuantizer(bits, group, "per_token"), head_dim
         self.quantizer.validate(head_dim, owner)
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.quantizer.encode(x)
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
+        return self.quantizer.encode(x, range_checks)
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.quantizer.decode(tensors, self.head_dim, torch.float32)
@@ -74,7 +74,7 @@ class TokenQuanto:
 class BFloat16:
     """Layer 0 kept in 16 bits (Table D's "Keep in BF16")."""
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
         return {"x": x.to(torch.bfloat16)}
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -167,10 +167,11 @@ class AquaKVCodec(Codec, Calibrated):
     def _quantizer(self, layer_idx: int):
         return self.first if layer_idx == 0 else self.residual
 
-    def _step(self, x: torch.Tensor, layer_idx: int, kind: str, predicted: torch.Tensor | None, dtype: torch.dtype):
+    def _step(self, x: torch.Tensor, layer_idx: int, kind: str, predicted: torch.Tensor | None, dtype: torch.dtype,
+              range_checks: list | None = None):
         """Store ``Q(x - predicted - c)``: ``(payload tensors, reconstruction in dtype)``."""
         residual = x.float() if predicted is None else x.float() - predicted
-        tensors = self._quantizer(layer_idx).encode(self.offsets.remove(residual, layer_idx, kind))
+        tensors = self._quantizer(layer_idx).encode(self.offsets.remove(residual, layer_idx, kind), range_checks)
         return tensors, self._reconstruct(self._decoded(tensors, layer_idx, kind), predicted, dtype)
 
     def _decoded(self, tensors: dict[str, torch.Tensor], layer_idx: int, kind: str) -> torch.Tensor:
@@ -197,8 +198,10 @@ class AquaKVCodec(Codec, Calibrated):
     def encode(self, request: Request) -> LayerEncoding:
         keys, values, layer_idx, previous = request.keys, request.values, request.layer, request.previous
         dtype = keys.dtype
-        key, k_hat = self._step(keys, layer_idx, "key", self._predict("key", layer_idx, None, previous), dtype)
-        value, v_hat = self._step(values, layer_idx, "value", self._predict("value", layer_idx, k_hat, previous), dtype)
+        checks = request.range_checks
+        key, k_hat = self._step(keys, layer_idx, "key", self._predict("key", layer_idx, None, previous), dtype, checks)
+        value, v_hat = self._step(values, layer_idx, "value", self._predict("value", layer_idx, k_hat, previous), dtype,
+                                  checks)
         return LayerEncoding(Payload(key, keys.shape[2]), Payload(value, keys.shape[2]), k_hat, v_hat)
 
     def decode(self, payload: tuple[Payload, Payload], request: Request) -> tuple[torch.Tensor, torch.Tensor]:

@@ -286,7 +286,9 @@ class Request:
       sequence earlier blocks encoded; decode: ``layer``, the layer to reconstruct.
 
     ``state``: the unit's per-sequence state (:class:`Stateful` codecs; None otherwise); decode: ``dtype`` of
-    what it returns; encode: ``kernel_backend`` (``"triton"``: the codec may encode with its kernel)."""
+    what it returns; encode: ``kernel_backend`` (``"triton"``: the codec may encode with its kernel) and
+    ``range_checks``, which the codec passes to every range check of the block (:mod:`kvcomp.stages.ranges`): None
+    checks on the host, a list (``check_finite="deferred"``) gets the device verdicts the cache reads later."""
 
     layer: int | None = None
     kind: str | None = None
@@ -298,6 +300,7 @@ class Request:
     encoded_before: int = 0
     dtype: torch.dtype | None = None
     kernel_backend: str = "torch"
+    range_checks: list | None = None
 
 
 @dataclass

@@ -169,13 +169,14 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
             key.pop("outlier_rule")
         return key
 
-    def _encode_with(self, scheme, kind, x, stats, codebooks, outliers: bool = True, backend: str = "torch") -> dict:
+    def _encode_with(self, scheme, kind, x, stats, codebooks, outliers: bool = True, backend: str = "torch",
+                     range_checks: list | None = None) -> dict:
         stored: dict[str, torch.Tensor] = {}
         if outliers and self.config.outliers > 0:
             stored.update(self.outlier_selector.select(x, stats, kind))
             if self.config.clamp_outliers:
                 x = self._clamped(x, stats, stored)
-        z, _, params = scheme.normalizer.normalize(x, stats)
+        z, _, params = scheme.normalizer.normalize(x, stats, range_checks)
         stored.update(params)
         stored["codes"] = encode_codebook(scheme.quantizer, z, codebooks, backend)
         return stored
@@ -196,7 +197,8 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         x, kind, layer_idx = request.tokens, request.kind, request.layer
         stats = self._stats(layer_idx, kind, x.device)
         codebooks = self._codebooks(layer_idx, kind, x.device)
-        stored = self._encode_with(self.scheme(kind, layer_idx), kind, x, stats, codebooks, backend=request.kernel_backend)
+        stored = self._encode_with(self.scheme(kind, layer_idx), kind, x, stats, codebooks, backend=request.kernel_backend,
+                                   range_checks=request.range_checks)
         return Payload(stored, num_tokens=x.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:

@@ -327,7 +327,7 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         if state is not None and "guard_used" in state.tensors:
             self._guard(vectors, index, coefficient, atoms, state)
         return Payload({"index": index.to(torch.int16).view(b, h, t, c * s),
-                        "coefficient": stored_in(coefficient, torch.float16).view(b, h, t, c * s)}, t)
+                        "coefficient": stored_in(coefficient, torch.float16, request.range_checks).view(b, h, t, c * s)}, t)
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         """``D r`` (Eq. 12) of every coded vector, ``[B, H, T, D]`` in ``request.dtype``."""

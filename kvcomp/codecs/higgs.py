@@ -67,9 +67,9 @@ class TokenHiggs:
     def __init__(self, quantizer: HiggsQuantizer, model: ModelInfo):
         self.quantizer, self.heads, self.head_dim = quantizer, model.num_kv_heads, model.head_dim
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
         b, h, t, d = x.shape
-        tensors = self.quantizer.encode(x.transpose(1, 2).reshape(b, t, h * d))
+        tensors = self.quantizer.encode(x.transpose(1, 2).reshape(b, t, h * d), range_checks)
         return {k: v.unsqueeze(1) for k, v in tensors.items()}
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -144,7 +144,7 @@ class HiggsCodec(Codec, Calibrated):
 
     def encode(self, request: Request) -> Payload:
         x = self.offsets.remove(request.tokens, request.layer, request.kind)
-        return Payload(self.tokens.encode(x), request.tokens.shape[2])
+        return Payload(self.tokens.encode(x, request.range_checks), request.tokens.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         return saturated(self.offsets.restore(self.tokens.decode(payload.tensors), request.layer, request.kind),

@@ -110,7 +110,7 @@ class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
         y = fwht(x * self._rotation(x.device)[0])
         lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
         scale = ((hi - lo) / LEVELS4).clamp_min(SCALE_FLOOR)
-        if not range_fits(torch.isfinite(scale).all()):
+        if not range_fits(torch.isfinite(scale).all(), request.range_checks):
             raise NonFiniteKVError(
                 f"{self.name}: a rotated key or value head's range (max - min) overflows float32 (the unnormalised "
                 f"Hadamard rotation multiplies magnitudes by up to head_dim={self.model.head_dim}; largest input "

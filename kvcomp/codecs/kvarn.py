@@ -127,8 +127,8 @@ class KVarNCodec(Codec, FusedPayload):
     def encode(self, request: Request) -> Payload:
         b, h, t, d = request.tokens.shape
         g, bits = self.config.tile, self.bits(request.kind)
-        rotated = self._rotate(request.tokens)
-        if not range_fits(torch.isfinite(rotated).all()):
+        rotated, checks = self._rotate(request.tokens), request.range_checks
+        if not range_fits(torch.isfinite(rotated).all(), checks):
             raise NonFiniteKVError(f"the Hadamard rotation of the {request.kind}s overflows float32 "
                                    f"(largest input magnitude {request.tokens.abs().max().item():.3g})")
         tiles = rotated.view(b, h, t // g, g, d)
@@ -140,8 +140,9 @@ class KVarNCodec(Codec, FusedPayload):
         step = ((hi - lo) / levels).clamp_min(MIN_STEP)
         q = torch.round((balanced - lo) / step).clamp_(0, levels).to(torch.uint8)
         dtype = PARAM_DTYPES[self.config.param_dtype]
-        row_scale, row_zero = stored_in(s_row * step, dtype).squeeze(-1), stored_in(s_row * lo, dtype).squeeze(-1)
-        col_scale = stored_in(s_col, dtype).squeeze(-2)
+        row_scale = stored_in(s_row * step, dtype, checks).squeeze(-1)
+        row_zero = stored_in(s_row * lo, dtype, checks).squeeze(-1)
+        col_scale = stored_in(s_col, dtype, checks).squeeze(-2)
         if keys:  # rows are channels [.., D], columns tokens [.., G]
             q = q.transpose(-1, -2)
             tensors = {"chan_scale": row_scale, "chan_zero": row_zero, "token_scale": col_scale.reshape(b, h, t)}

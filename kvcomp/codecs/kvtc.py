@@ -294,7 +294,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         sinks = self.fp8_sinks(keys[0].shape[2], encoded_before)
         for kind, layers in (("key", keys), ("value", values)):
             if sinks:
-                codes, scale = fp8_absmax(torch.stack([x[:, :, :sinks] for x in layers], dim=1))
+                codes, scale = fp8_absmax(torch.stack([x[:, :, :sinks] for x in layers], dim=1), request.range_checks)
                 tensors |= {f"sink.{kind}": codes.view(torch.uint8), f"sink.{kind}.scale": scale}
             layers = [x[:, :, sinks:] for x in layers]
             batch, tokens = layers[0].shape[0], layers[0].shape[2]
@@ -446,10 +446,11 @@ class KVTCCodec(Codec, Calibrated, Stateful):
                 "pca_mib": self.overhead_bits() / 8 / 2**20}
 
 
-def fp8_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_absmax(x: torch.Tensor, range_checks: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes of ``x [..., d]`` scaled by an fp16 absmax per vector (K11; float32 in a block whose scales
-    float16 cannot hold), and the scales ``[...]``."""
-    scale = stored_in(x.float().abs().amax(-1) / FP8_MAX, torch.float16).clamp_min(torch.finfo(torch.float16).tiny)
+    float16 cannot hold), and the scales ``[...]`` (``range_checks``: :mod:`kvcomp.stages.ranges`)."""
+    scale = stored_in(x.float().abs().amax(-1) / FP8_MAX, torch.float16, range_checks)
+    scale = scale.clamp_min(torch.finfo(torch.float16).tiny)
     return (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

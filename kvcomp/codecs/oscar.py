@@ -172,11 +172,11 @@ class OscarCodec(Codec, Calibrated, FusedPayload):
     def encode(self, request: Request) -> Payload:
         x = request.tokens
         rotated = x.float() @ self.rotation(request.layer, request.kind, x.device)
-        if not range_fits(torch.isfinite(rotated).all()):
+        if not range_fits(torch.isfinite(rotated).all(), request.range_checks):
             raise NonFiniteKVError(f"{self.name}: the rotated {request.kind}s hold NaN or Inf (NaN or Inf in the input, "
                                    "or magnitudes near float32's max, which a rotation may exceed)")
         clipped = clip_rows(rotated, getattr(self.config, f"{request.kind}_clip_ratio"))
-        return Payload(self.quantizer.encode(clipped), num_tokens=x.shape[2])
+        return Payload(self.quantizer.encode(clipped, request.range_checks), num_tokens=x.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         rotated = self.quantizer.decode(payload.tensors, self.model.head_dim, torch.float32)

@@ -194,7 +194,7 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
     def encode(self, request: Request) -> Payload:
         x = request.tokens
         if request.kind == "value":
-            return Payload(self.value_quantizer.encode(x), num_tokens=x.shape[2])
+            return Payload(self.value_quantizer.encode(x, request.range_checks), num_tokens=x.shape[2])
         cfg, sketch = self.config, self.sketch(request.layer)
         projection = sketch.on(x.device)
         keys = x.float()
@@ -204,10 +204,10 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
             outlier_part = keys * channel_mask(channels, self.model.head_dim, cfg.group_size)
             keys = keys - outlier_part
             tensors["outlier_signs"] = sign_sketch(outlier_part, projection[: sketch.outlier_sketch_dim])
-            tensors["outlier_norm"] = stored_in(stable_norm(outlier_part), self.norm_dtype)
+            tensors["outlier_norm"] = stored_in(stable_norm(outlier_part), self.norm_dtype, request.range_checks)
             tensors["outlier_channels"] = channels.to(torch.uint8)
         tensors["signs"] = sign_sketch(keys, projection)
-        tensors["inlier_norm"] = stored_in(stable_norm(keys), self.norm_dtype)
+        tensors["inlier_norm"] = stored_in(stable_norm(keys), self.norm_dtype, request.range_checks)
         return Payload(tensors, num_tokens=x.shape[2])
 
     def sketched_keys(self, payload: Payload, layer_idx: int) -> SketchedKeys:

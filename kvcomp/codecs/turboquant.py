@@ -84,7 +84,7 @@ class FP8Keys:
     def __init__(self, dim: int):
         self.dim = dim
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
         return {"codes": to_float8(x.float(), FLOAT8["e4m3"])}
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -102,8 +102,8 @@ class UniformValues:
     def __init__(self, bits: int, dim: int, param_dtype: torch.dtype):
         self.quantizer, self.dim = GroupQuantizer(bits, dim, "per_token", param_dtype), dim
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.quantizer.encode(x)
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
+        return self.quantizer.encode(x, range_checks)
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.quantizer.decode(tensors, self.dim, torch.float32)
@@ -188,7 +188,7 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
         x = request.tokens
         if request.kind == "value":
             x = self.offsets.remove(x, request.layer, "value")
-        return Payload(self.coders[request.kind].encode(x), num_tokens=request.tokens.shape[2])
+        return Payload(self.coders[request.kind].encode(x, request.range_checks), num_tokens=request.tokens.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         x = self.coders[request.kind].decode(payload.tensors)

@@ -68,7 +68,8 @@ class UniformCodec(Codec, FusedPayload):
         return StreamPolicy(self.config.sinks, self.quantizers[kind].block_multiple, self.config.window)
 
     def encode(self, request: Request) -> Payload:
-        return Payload(self.quantizers[request.kind].encode(request.tokens), num_tokens=request.tokens.shape[2])
+        return Payload(self.quantizers[request.kind].encode(request.tokens, request.range_checks),
+                       num_tokens=request.tokens.shape[2])
 
     def decode(self, payload: Payload, request: Request) -> torch.Tensor:
         return self.quantizers[request.kind].decode(payload.tensors, self.model.head_dim, request.dtype)

@@ -56,10 +56,11 @@ class HiggsQuantizer:
         scale_bits = torch.finfo(self.scale_dtype).bits
         return (8 * packed_length(self.num_codes(dim), self.code_bits) + scale_bits * groups) / dim
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{"codes": uint8 [..., bytes], "scale": [..., m]}`` of ``x [..., D]``."""
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
+        """``{"codes": uint8 [..., bytes], "scale": [..., m]}`` of ``x [..., D]`` (``range_checks``:
+        :mod:`kvcomp.stages.ranges`)."""
         groups, _ = grouped(x.float(), self.group)
-        scale = stored_in(stable_norm(groups), self.scale_dtype)  # checked later with check_finite="deferred"
+        scale = stored_in(stable_norm(groups), self.scale_dtype, range_checks)
         u = fwht(groups) / scale.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]
         d = self.grid.shape[1]
         index = nearest(u.reshape(*u.shape[:-2], -1, d), self.grid_on(u.device))

@@ -198,7 +198,7 @@ class RotatedScalarQuantizer:
             self.on_device[device] = (self.codebook.centroids.to(device), self.codebook.boundaries.to(device))
         return self.on_device[device]
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
         centroids, boundaries = self._tables(x.device)
         norm = stable_norm(x)
         u = self.rotation.forward(x.float() / norm.clamp_min(TINY)[..., None])
@@ -208,7 +208,7 @@ class RotatedScalarQuantizer:
             norm = norm * (u * c).sum(-1) / c.square().sum(-1).clamp_min(TINY)
         elif self.scale == "unbiased":
             norm = norm / (u * c).sum(-1).clamp_min(TINY)  # u_j c_j >= 0: Q keeps each coordinate's sign
-        return {"codes": pack_bits(index.to(torch.uint8), self.bits), "scale": stored_in(norm, self.scale_dtype)}
+        return {"codes": pack_bits(index.to(torch.uint8), self.bits), "scale": stored_in(norm, self.scale_dtype, range_checks)}
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 ``[..., dim]`` reconstruction."""
@@ -250,11 +250,11 @@ class ProdQuantizer:
             self.on_device[device] = self.projection.to(device)
         return self.on_device[device]
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        tensors = self.mse.encode(x)
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
+        tensors = self.mse.encode(x, range_checks)
         residual = x.float() - self.mse.decode(tensors)
         tensors["signs"] = sign_sketch(residual, self._projection(x.device))
-        tensors["residual_norm"] = stored_in(stable_norm(residual), self.mse.scale_dtype)
+        tensors["residual_norm"] = stored_in(stable_norm(residual), self.mse.scale_dtype, range_checks)
         return tensors
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

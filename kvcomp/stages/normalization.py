@@ -123,9 +123,11 @@ class Normalizer:
     def bits_per_value(self, num_heads: int, head_dim: int) -> float:
         return self.stored_per_token * torch.finfo(self.param_dtype).bits / (num_heads * head_dim)
 
-    def normalize(self, x: torch.Tensor, stats: ChannelStats) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def normalize(self, x: torch.Tensor, stats: ChannelStats,
+                  range_checks: list | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """``x [B, H, T, D]`` -> ``(z, scale, stored)``: ``scale`` broadcasts to ``x``; ``stored`` holds
-        the per-token parameters ``[B, 1, T]`` the decoder needs (rounded to ``param_dtype``)."""
+        the per-token parameters ``[B, 1, T]`` the decoder needs (rounded to ``param_dtype``; ``range_checks``:
+        :mod:`kvcomp.stages.ranges`)."""
         stored: dict[str, torch.Tensor] = {}
         if self.mode == "none":  # made on x's device: a CPU scalar moved there is a host sync per encode on a GPU
             return x.float(), torch.ones((), device=x.device), stored
@@ -135,9 +137,9 @@ class Normalizer:
             center, scale = _per_channel(stats.mean), _per_channel(stats.half_range)
         else:
             spread, mean = _per_token_spread(x, self.mode)
-            stored["token_scale"] = stored_in(spread.clamp_min(TINY), self.param_dtype)
+            stored["token_scale"] = stored_in(spread.clamp_min(TINY), self.param_dtype, range_checks)
             if mean is not None:
-                stored["token_center"] = stored_in(mean, self.param_dtype)
+                stored["token_center"] = stored_in(mean, self.param_dtype, range_checks)
             center, scale = self._token_params(stats, stored)
         center, scale = center.to(x.device), scale.to(x.device)
         return (x.float() - center) / scale, scale, stored

@@ -1,53 +1,32 @@
 """Values at the edges of a storage dtype: fields kept in a dtype that holds them, norms that do not overflow,
-reconstructions that saturate instead of becoming Inf, and the checks a cache defers to avoid host syncs.
+reconstructions that saturate instead of becoming Inf, and the range checks a cache defers to avoid host syncs.
 
 A codec stores a scale or norm in a 16-bit dtype (float16: at most 65504) as the papers count it; an input
 beyond that range keeps that block's field in float32 (:func:`stored_in`): the cache's measured bytes grow
-accordingly, ``bits_per_value`` stays the nominal count. Within :func:`deferred_range_checks` (a cache with
-``check_finite="deferred"``) the field stays in the 16-bit dtype and whether it fits is left on the device for
-the cache to read one forward later (no host sync per encode).
+accordingly, ``bits_per_value`` stays the nominal count. Every encode gets ``range_checks`` from its request
+(:class:`~kvcomp.codecs.base.Request`): None checks on the host at once; a list (a cache with
+``check_finite="deferred"``) keeps the field in the 16-bit dtype and gets the device bool saying whether it fits,
+which the cache reads one forward later (no host sync per encode).
 """
-
-import contextlib
-from contextvars import ContextVar
 
 import torch
 
-_DEFERRED_RANGE_CHECKS: ContextVar[list | None] = ContextVar("kvcomp_deferred_range_checks", default=None)
 
-
-@contextlib.contextmanager
-def deferred_range_checks(verdicts: list):
-    """Within this context, encodes store scale and zero in ``param_dtype`` without reading whether they
-    fit (a host sync on a GPU) and append that device bool to ``verdicts`` for the caller to read later."""
-    token = _DEFERRED_RANGE_CHECKS.set(verdicts)
-    try:
-        yield
-    finally:
-        _DEFERRED_RANGE_CHECKS.reset(token)
-
-
-def checks_deferred() -> bool:
-    """Whether range checks are deferred here (within :func:`deferred_range_checks`)."""
-    return _DEFERRED_RANGE_CHECKS.get() is not None
-
-
-def range_fits(fits: torch.Tensor) -> bool:
-    """Whether a device bool ``fits`` holds: read on the host (a sync on a GPU), or, within
-    :func:`deferred_range_checks`, left on the device for the cache to read later (then ``True``)."""
-    verdicts = _DEFERRED_RANGE_CHECKS.get()
-    if verdicts is None:
+def range_fits(fits: torch.Tensor, range_checks: list | None) -> bool:
+    """Whether a device bool ``fits`` holds: read on the host (a sync on a GPU) when ``range_checks`` is None,
+    else appended to it for the cache to read later (then ``True``)."""
+    if range_checks is None:
         return bool(fits)
-    verdicts.append(fits)
+    range_checks.append(fits)
     return True
 
 
-def stored_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def stored_in(x: torch.Tensor, dtype: torch.dtype, range_checks: list | None) -> torch.Tensor:
     """``x`` (finite, float32) as stored in ``dtype`` when every value stays finite there, else in float32: an
     input beyond ``dtype``'s range (float16: 65504) keeps a wider field, counted by the cache's measured bytes.
-    Within :func:`deferred_range_checks` always ``dtype``, whether it fits left on the device."""
+    With a ``range_checks`` list always ``dtype``, whether it fits appended to the list (:func:`range_fits`)."""
     stored = x.to(dtype)
-    if dtype == x.dtype or range_fits(torch.isfinite(stored).all()):
+    if dtype == x.dtype or range_fits(torch.isfinite(stored).all(), range_checks):
         return stored
     return x
 

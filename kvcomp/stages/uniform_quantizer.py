@@ -15,8 +15,8 @@ exactly. A block whose parameters do not fit ``param_dtype`` (float16 beyond 655
 magnitude 1e5) stores that block's scale and zero in float32 instead: the cache's measured bytes grow
 accordingly (consecutive blocks concatenate to float32), while ``bits_per_value`` stays the nominal
 16-bit count. Inputs whose group range ``max - min`` overflows even float32 (the top code would decode
-to Inf) raise :class:`NonFiniteKVError`. Within :func:`~kvcomp.stages.ranges.deferred_range_checks` (a cache with
-``check_finite="deferred"``) the parameters are always stored in ``param_dtype`` and whether they fit is
+to Inf) raise :class:`NonFiniteKVError`. Given a ``range_checks`` list (a cache with ``check_finite="deferred"``,
+:mod:`kvcomp.stages.ranges`) the parameters are always stored in ``param_dtype`` and whether they fit is
 left on the device for the cache to read one forward later (no host sync per encode). Codes are packed
 along the channel axis of each token, so every stored tensor has tokens (or token groups) on dim 2
 and payloads of consecutive blocks concatenate along that dim.
@@ -29,7 +29,7 @@ import torch
 
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.packing import pack_bits, packed_length, unpack_bits
-from kvcomp.stages.ranges import checks_deferred, range_fits, saturated
+from kvcomp.stages.ranges import range_fits, saturated
 
 AXES = ("per_token", "per_channel")
 
@@ -69,8 +69,9 @@ class GroupQuantizer:
         param_bits = 2 * torch.finfo(self.param_dtype).bits / self.group_size
         return code_bits + param_bits
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``x [B, H, T, D]`` -> ``{"codes": uint8 [B,H,T,packed], "scale", "zero"}``."""
+    def encode(self, x: torch.Tensor, range_checks: list | None = None) -> dict[str, torch.Tensor]:
+        """``x [B, H, T, D]`` -> ``{"codes": uint8 [B,H,T,packed], "scale", "zero"}`` (``range_checks``:
+        :mod:`kvcomp.stages.ranges`)."""
         b, h, t, d = x.shape
         if self.axis == "per_token":
             groups = x.float().reshape(b, h, t, d // self.group_size, self.group_size)
@@ -79,20 +80,21 @@ class GroupQuantizer:
             groups = x.float().reshape(b, h, t // self.group_size, self.group_size, d)
             lo, hi = groups.amin(-2), groups.amax(-2)  # [B,H,T/G,D]
         levels = (1 << self.bits) - 1
-        scale, zero = self._stored((hi - lo) / levels, lo, hi, levels)
+        scale, zero = self._stored((hi - lo) / levels, lo, hi, levels, range_checks)
         s, z = self._expand(scale), self._expand(zero)
         q = torch.round((x.float() - z) / s.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, levels)
         return {"codes": pack_bits(q.to(torch.uint8), self.bits), "scale": scale, "zero": zero}
 
     def _stored(
-        self, scale: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int
+        self, scale: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int, range_checks: list | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero as stored: in ``param_dtype`` when the top code of every group then decodes to a
         finite value (``levels * s + z``, as :meth:`decode` and the fused kernel compute it), else in
-        float32; raise :class:`NonFiniteKVError` when not even float32 holds the range."""
-        if checks_deferred():
+        float32; raise :class:`NonFiniteKVError` when not even float32 holds the range. With a ``range_checks``
+        list: always ``param_dtype``, whether it fits appended to the list."""
+        if range_checks is not None:
             s, z = scale.to(self.param_dtype), lo.to(self.param_dtype)
-            range_fits(torch.isfinite(levels * s.float() + z.float()).all())
+            range_fits(torch.isfinite(levels * s.float() + z.float()).all(), range_checks)
             return s, z
         for dtype in (self.param_dtype, torch.float32):
             s, z = scale.to(dtype), lo.to(dtype)

@@ -6,7 +6,6 @@ import torch
 from kvcomp.stages.codebook import ChunkLayout, CodebookQuantizer
 from kvcomp.stages.normalization import MODES, ChannelStats, Normalizer, quantile
 from kvcomp.stages.outliers import OutlierSelector
-from kvcomp.stages.ranges import deferred_range_checks
 
 LAYOUTS = {
     "temporal": ChunkLayout(time_len=4, channel_len=1, group_channels=4),
@@ -117,7 +116,7 @@ def test_normalize_moves_nothing_from_the_cpu_to_the_device_of_its_input(mode, m
         return out
 
     monkeypatch.setattr(torch.Tensor, "to", to)
-    with deferred_range_checks([]):  # as a cache with check_finite="deferred" encodes
-        z, scale, _ = Normalizer(mode, torch.float16).normalize(x.to("meta"), stats)
+    # range checks deferred, as a cache with check_finite="deferred" encodes
+    z, scale, _ = Normalizer(mode, torch.float16).normalize(x.to("meta"), stats, range_checks=[])
     assert z.device.type == scale.device.type == "meta"
     assert moved == [(2, 3, 8, 16)]  # the test's own x only

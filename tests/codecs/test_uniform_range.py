@@ -66,6 +66,21 @@ def test_float16_is_kept_up_to_its_largest_value():
     assert fits["scale"].dtype == torch.float16 and beyond["scale"].dtype == torch.float32
 
 
+def test_range_checks_given_keep_float16_and_collect_the_verdicts():
+    """With a ``range_checks`` list (``check_finite="deferred"``) the parameters stay float16 and whether they fit is
+    appended to it; without one the check happens at once and nothing is collected."""
+    quantizer, checks = GroupQuantizer(2, 4, "per_token"), []
+    beyond = torch.tensor([65504.0, -70000.0, 0.0, 1.0]).reshape(1, 1, 1, 4)
+    fits = quantizer.encode(beyond / 4, checks)
+    kept = quantizer.encode(beyond, checks)
+    assert fits["scale"].dtype == kept["scale"].dtype == torch.float16
+    assert [bool(v) for v in checks] == [True, False]
+    codec, checks = build_codec({"name": "uniform", "bits": 2, "group_size": 4}, ModelInfo("m", 1, 1, 4)), []
+    payload = codec.encode(Request(0, "value", tokens=beyond, range_checks=checks))  # what the cache builds
+    assert payload.tensors["scale"].dtype == torch.float16 and [bool(v) for v in checks] == [False]
+    assert codec.encode(Request(0, "value", tokens=beyond)).tensors["scale"].dtype == torch.float32
+
+
 def test_a_huge_block_after_a_normal_one_promotes_the_concatenated_payload():
     quantizer = GroupQuantizer(4, 16, "per_channel")
     a, b = _block(1.0), _block(1e5, seed=1)
