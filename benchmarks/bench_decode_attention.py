@@ -36,11 +36,11 @@ import torch.nn.functional as F
 
 from kvcomp.codecs.codebook import CodebookCodec
 from kvcomp.codecs import CodecState, ModelInfo, Payload, build_codec, expected_cache_bits, needs_calibration
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import at_least
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.decode_graphs import DecodeGraphs
-from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
 from kvcomp.kernels.formats import BlockFloatReader, ScaledReader, RotaryPositions
 from kvcomp.kernels.valid_tokens import ValidTokens
 
@@ -100,7 +100,7 @@ def random_payload(codec, kind: str, batch: int, tokens: int, device) -> Payload
     """A payload of ``tokens`` tokens shaped as the codec stores them, filled with random codes and
     parameters (positive scales): the layout of a real one without encoding gigabytes first."""
     block = codec.policy(kind, 0).block_size
-    probe = codec.encode(Request(0, kind, tokens=torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device)))
+    probe = codec.encode(StreamRequest(0, kind, tokens=torch.randn(1, codec.model.num_kv_heads, block, codec.model.head_dim, device=device)))
     reader = codec.payload_reader(probe, kind, 0)  # the stored format (inside any offset)
     float8 = {"codes"} if isinstance(reader, ScaledReader) else {"scales"} if isinstance(reader, BlockFloatReader) else set()
     tensors = {}
@@ -216,7 +216,7 @@ def _bench_codec(name: str, codec, batch: int, context: int, timer: Timer, devic
         return torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), keys, values, rope
 
     # a model's layers share their step's plan and workspace: each call is one such layer
-    planned = DecodeStep(DecodeWorkspace(DecodeGraphs() if graphs else None))
+    planned = DecodePlans(DecodeWorkspace(DecodeGraphs() if graphs else None))
 
     valid = ValidTokens(torch.ones(batch, context, dtype=torch.bool, device=device)) if masked else None
 
@@ -262,7 +262,7 @@ def bench_encode(codecs: dict, tokens: int, timer: Timer, device) -> list[dict]:
 
         def encode(backend):
             for kind in ("key", "value"):
-                codec.encode(Request(0, kind, tokens=x[kind], kernel_backend=backend))
+                codec.encode(StreamRequest(0, kind, tokens=x[kind], kernel_backend=backend))
 
         row = {"method": name, "fused": isinstance(codec, CodebookCodec)}
         for backend in ("torch", "triton") if row["fused"] else ("torch",):

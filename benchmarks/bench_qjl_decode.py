@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import at_least
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference, relative_error
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
@@ -54,7 +54,7 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
         keys = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
         keys[..., :4] *= 6  # a few large channels, as real keys have
         values = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
-        sets.append((keys, values, codec.encode(Request(0, "key", tokens=keys)), codec.encode(Request(0, "value", tokens=values))))
+        sets.append((keys, values, codec.encode(StreamRequest(0, "key", tokens=keys)), codec.encode(StreamRequest(0, "value", tokens=values))))
     turn = iter(range(10**9))
 
     def inputs():
@@ -72,7 +72,7 @@ def bench_shape(codec, batch: int, context: int, timer: Timer, device: torch.dev
         return codec.payload_scores(q, key_payload, 0, "triton")
 
     fused = codec.fused_attention_supported(0)  # groups of 2^k >= 16 tokens: the fused decode kernel
-    decoded_values = {} if fused else {id(s[3]): codec.decode(s[3], Request(0, "value", dtype=torch.bfloat16)) for s in sets}
+    decoded_values = {} if fused else {id(s[3]): codec.decode(s[3], StreamRequest(0, "value", dtype=torch.bfloat16)) for s in sets}
 
     def qjl_step(q, _k, _v, key_payload, value_payload):
         if fused:  # sign-bit scores, softmax and P V over the packed 2-bit values in one kernel + merge
@@ -107,7 +107,7 @@ def check(codec, batch: int, context: int, device: torch.device, fused: bool, hq
     h, d = codec.model.num_kv_heads, codec.model.head_dim
     keys = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
     values = torch.randn(batch, h, context, d, device=device, dtype=torch.bfloat16)
-    key_payload, value_payload = codec.encode(Request(0, "key", tokens=keys)), codec.encode(Request(0, "value", tokens=values))
+    key_payload, value_payload = codec.encode(StreamRequest(0, "key", tokens=keys)), codec.encode(StreamRequest(0, "value", tokens=values))
     query = torch.randn(batch, hq, 1, d, device=device, dtype=torch.bfloat16)
     sketched = codec.sketched_keys(key_payload, 0)
     scores = codec.payload_scores(query, key_payload, 0, "triton")

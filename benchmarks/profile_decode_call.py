@@ -29,7 +29,7 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
 from kvcomp.errors import at_least
 from kvcomp.kernels.decode_attention import decode_attention
 from kvcomp.kernels.decode_graphs import DecodeGraphs
-from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
 
 from benchmarks.bench_decode_attention import CODECS, LLAMA31_8B, cache_state, synthetic_state
 from benchmarks.benchmarking import SMOKE_SHAPE, batch_by_context, script_device
@@ -48,7 +48,7 @@ def profile_call(name: str, batch: int, context: int, device: torch.device, call
         synthetic_state(codec, torch.Generator().manual_seed(0))
     keys, values, rope, _ = cache_state(codec, batch, context, device)
     hq, d = shape["query_heads"], shape["head_dim"]
-    planned = DecodeStep(DecodeWorkspace(DecodeGraphs() if graphs else None))
+    planned = DecodePlans(DecodeWorkspace(DecodeGraphs() if graphs else None))
     queries = itertools.cycle([torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16) for _ in range(4)])
 
     def call():

@@ -21,7 +21,7 @@ from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
 from kvcomp.errors import at_least
 from kvcomp.kernels.decode_attention import decode_attention_reference, relative_error
 from kvcomp.kernels.decode_attention_triton import decode_attention_triton
-from kvcomp.kernels.decode_plan import DecodeStep
+from kvcomp.kernels.decode_plan import DecodePlans
 
 from benchmarks.bench_decode_attention import CODECS, cache_state, copy_bandwidth, fastest_sdpa, synthetic_state
 from benchmarks.benchmarking import (
@@ -79,7 +79,7 @@ def sweep(codec, name: str, batch: int, context: int, timer: Timer, device, l2_b
     reference = decode_attention_reference(q, check[0], check[1], d**-0.5, None, check[2], torch.float64)
     rows = []
     for label, options in configs.items():
-        planned = DecodeStep()  # a model's layers share their step's plan and workspace: each call is one such layer
+        planned = DecodePlans()  # a model's layers share their step's plan and workspace: each call is one such layer
 
         def step(q, keys, values, rope, planned=planned, options=options):
             return decode_attention_triton(q, keys, values, d**-0.5, None, key_rope=rope, step=planned, **options)

@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcomp.cache import install
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.data import load_corpus
 from kvcomp.errors import at_least
 from kvcomp.models import load_model
@@ -45,7 +45,7 @@ def capture_queries_and_keys(model, ids: torch.Tensor) -> dict[int, tuple[torch.
 
 def relative_distortion(codec, layer: int, queries: torch.Tensor, keys: torch.Tensor) -> float:
     exact = queries @ keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1).transpose(-1, -2)
-    estimated = codec.payload_scores(queries, codec.encode(Request(layer, "key", tokens=keys)), layer)
+    estimated = codec.payload_scores(queries, codec.encode(StreamRequest(layer, "key", tokens=keys)), layer)
     return ((estimated - exact).norm() / exact.norm()).item()
 
 

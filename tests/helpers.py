@@ -44,21 +44,21 @@ FAMILIES = {  # family: (config class, model class, config overrides)
 
 @contextlib.contextmanager
 def reads_taken():
-    """``(layer index, what update_in_step returned)`` of every compressed layer's forward in the block: ``tuple``
+    """``(layer index, what update_in_context returned)`` of every compressed layer's forward in the block: ``tuple``
     (plain SDPA), ``Streaming``, ``FromSegments`` or ``FusedDecode`` (:mod:`kvcomp.cache.reads`); a layer whose
     rows are grouped by padding (:class:`~kvcomp.cache.rows.ByRows`) gives one entry per row group."""
     from kvcomp.cache.layer import CompressedLayer
     from kvcomp.cache.rows import ByRows
 
-    taken, original = [], CompressedLayer.update_in_step
+    taken, original = [], CompressedLayer.update_in_context
 
     def spy(self, key_states, value_states, step, query=None):
         read = original(self, key_states, value_states, step, query)
-        parts = [r for _, r, _ in read.parts] if isinstance(read, ByRows) else [read]
+        parts = [r for _, r, _ in read.reads] if isinstance(read, ByRows) else [read]
         taken.extend((self.layer_idx, type(r).__name__) for r in parts)
         return read
 
-    with mock.patch.object(CompressedLayer, "update_in_step", spy):
+    with mock.patch.object(CompressedLayer, "update_in_context", spy):
         yield taken
 
 

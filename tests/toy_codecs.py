@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcomp.codecs import Calibrated, CodecState
-from kvcomp.codecs.base import (Codec, CodecConfig, LayerEncoding, ModelInfo, Payload, SequenceState, Stateful,
-                                StreamPolicy)
+from kvcomp.codecs.base import (Codec, CodecConfig, LayerEncoding, LayerRequest, ModelInfo, ModelRequest, Payload,
+                                SequenceState, Stateful, StreamPolicy, StreamRequest)
 from kvcomp.codecs.uniform import UniformCodec, UniformConfig
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 from tests.helpers import info_of
@@ -81,7 +81,7 @@ class PredictiveLayerCodec(ToyCodec):
     def _predict_values(keys, previous):
         return 0.25 * keys if previous is None else 0.25 * keys + 0.25 * previous[1]
 
-    def encode(self, request):
+    def encode(self, request: LayerRequest):
         keys, values, previous = request.keys, request.values, request.previous
         predicted = self._predict_keys(previous)
         key, residual = _code(keys.float() if predicted is None else keys.float() - predicted)
@@ -91,7 +91,7 @@ class PredictiveLayerCodec(ToyCodec):
         self.encoded_layers.append(request.layer)
         return LayerEncoding(key, value, k_hat, residual + predicted)
 
-    def decode(self, payload, request):
+    def decode(self, payload, request: LayerRequest):
         (key, value), previous, dtype = payload, request.previous, request.dtype
         k_hat = QUANTIZER.decode(key.tensors, self.model.head_dim, torch.float32)
         if previous is not None:
@@ -103,7 +103,7 @@ class PredictiveLayerCodec(ToyCodec):
 class DeflatedModelCodec(ToyCodec):
     name, scope, payload_layout = "toy_model", "model", "blocks"
 
-    def encode(self, request):
+    def encode(self, request: ModelRequest):
         keys, values = request.keys, request.values
         x = torch.stack([*keys, *values]).float()  # [2L, B, H, T, D]
         lo = x.amin(dim=(0, 2, 4)).half()  # [B, T]: one range per token and row, over every layer and head
@@ -114,7 +114,7 @@ class DeflatedModelCodec(ToyCodec):
                 for b in range(codes.shape[1])]
         return Payload({"lo": lo, "scale": scale}, keys[0].shape[2], {"deflated": rows})
 
-    def decode(self, payload, request):
+    def decode(self, payload, request: ModelRequest):
         layer_idx, dtype = request.layer, request.dtype
         num_layers, h, d = self.model.num_layers, self.model.num_kv_heads, self.model.head_dim
         t = payload.num_tokens
@@ -136,7 +136,7 @@ class AnchoredStreamCodec(ToyCodec, Stateful):
         self.prompts.append(x.shape[2])
         return SequenceState({"anchors": x.float().mean(2, keepdim=True)})  # [B, H, 1, D]: from the prompt
 
-    def encode(self, request):
+    def encode(self, request: StreamRequest):
         x, state = request.tokens, request.state
         anchors = state.tensors["anchors"]
         payload, _ = _code(x.float() - anchors[:, :, -1:])
@@ -144,7 +144,7 @@ class AnchoredStreamCodec(ToyCodec, Stateful):
         state.tensors["anchors"] = torch.cat([anchors, x.float().mean(2, keepdim=True)], dim=2)  # grows
         return payload
 
-    def decode(self, payload, request):
+    def decode(self, payload, request: StreamRequest):
         state, dtype = request.state, request.dtype
         index = payload.tensors["anchor"][:, 0, 0].long()  # per row (rows may have been reordered)
         anchors = state.tensors["anchors"][torch.arange(index.shape[0]), :, index][:, :, None]

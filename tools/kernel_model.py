@@ -32,11 +32,11 @@ from unittest import mock
 import torch
 
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.kernels import Launch
 from kvcomp.kernels import decode_attention_triton as today
 from kvcomp.kernels.decode_graphs import DecodeGraphs
-from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace, plan_decode
+from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace, plan_decode
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch
 from kvcomp.kernels.decode_attention import decode_attention
 from kvcomp.kernels.valid_tokens import ValidTokens
@@ -192,7 +192,7 @@ def today_step(name: str, shapes, options: dict | None = None, mask: bool = Fals
             variants[key] = launches, found, analysed(launches[-1])
         return variants[key]
 
-    step = DecodeStep()  # one layer's call in a step whose plan and workspace are made (as the benchmark times it)
+    step = DecodePlans()  # one layer's call in a step whose plan and workspace are made (as the benchmark times it)
     with bound_launches(()):  # the benchmark's call, on this CPU: its launcher and Triton's binding of each launch
         host = host_seconds(lambda: decode_attention(model_query, model_keys, model_values, D**-0.5, None, model_rope,
                                                      "triton", step=step) if not options else
@@ -225,7 +225,7 @@ def graphed_host_seconds(query, keys, values, rope) -> float | None:
     groups' split launches and runs their rotations and its merge as they are. ``None`` where no launch of the call is
     replayed by its inputs (launches that read what the call made)."""
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: lambda: None))
-    step = DecodeStep(workspace)
+    step = DecodePlans(workspace)
     with mock.patch.object(Launch, "__call__", lambda self: None):
         call = lambda: decode_attention(query, keys, values, D**-0.5, None, rope, "triton", step=step)  # noqa: E731
         call(), call()  # met, then captured: found by its inputs after
@@ -306,7 +306,7 @@ def qjl_scores(module, shapes) -> dict:
     """Predicted ms per shape of the QJL score kernel (``module``: the earlier commit's, or ``None`` for the current one)."""
     torch.manual_seed(0)  # the same random keys every run
     codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, H, D))
-    payload = codec.encode(Request(QJL_LAYER, "key", tokens=torch.randn(1, H, SMALL, D)))
+    payload = codec.encode(StreamRequest(QJL_LAYER, "key", tokens=torch.randn(1, H, SMALL, D)))
     keys = codec.sketched_keys(payload, QJL_LAYER)
     query = torch.randn(1, H, R, D)
     if module is None:

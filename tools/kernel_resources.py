@@ -26,7 +26,7 @@ import torch
 import triton
 
 from kvcomp.codecs import ModelInfo, build_codec, needs_calibration
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import at_least
 from kvcomp.kernels.decode_attention_triton import decode_launches, payload_launch_inputs
 from kvcomp.kernels.qjl_scores_triton import qjl_score_launch
@@ -120,7 +120,7 @@ def main(argv=None) -> str:
         if not args.no_qjl:
             h, d = LLAMA31_8B["kv_heads"], LLAMA31_8B["head_dim"]
             codec = build_codec({"name": "qjl"}, ModelInfo("llama31_8b", 32, h, d))
-            payload = codec.encode(Request(QJL_LAYER, "key", tokens=torch.randn(1, h, args.context, d)))
+            payload = codec.encode(StreamRequest(QJL_LAYER, "key", tokens=torch.randn(1, h, args.context, d)))
             _, launch = qjl_score_launch(torch.randn(1, h, ratio, d), codec.sketched_keys(payload, QJL_LAYER))
             rows += rows_for(launch, "qjl scores", args.warps, ratio)
     ptxas = "Triton " + triton.__version__

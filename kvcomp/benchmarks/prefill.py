@@ -6,7 +6,7 @@ then does with those keys and values does. A benchmark that runs many codecs on 
 sweep, whose members run one after another in one process) pays the prefill, about nine tenths of a RULER sample
 on a CPU, once per prompt: :class:`PrefillMemo` records the first codec's prefill (the keys, values and step context
 each layer received, the last logits) and replays it into the next codecs' caches, layer by layer, as the forward
-would have (the same :meth:`~kvcomp.cache.step.StepLayer.update_in_step` calls with the same tensors, strides
+would have (the same :meth:`~kvcomp.cache.context.ContextLayer.update_in_context` calls with the same tensors, strides
 included), then generation continues from the recorded logits. The tokens, the cache's bytes and every metric are
 those of running the prefill (``tests/benchmarks/test_prefill_memo.py`` compares them codec by codec).
 
@@ -28,7 +28,7 @@ import torch
 from kvcomp.cache.attention import installation
 from kvcomp.cache.memory import available_bytes
 from kvcomp.cache.recording import RecordingCache
-from kvcomp.cache.step import LayerStep, PaddedRows, Step, row_pads
+from kvcomp.cache.context import LayerContext, PaddedRows, ForwardContext, row_pads
 
 MAX_BUDGET = 3 * 10**9
 # generation settings that would change the first token's choice from the logits' argmax
@@ -141,10 +141,10 @@ class PrefillMemo:
         if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
             cache.group_rows(row_pads(attention_mask))
         installed = installation(model)  # this model's RoPE frequencies (the recording's model may be gone)
-        step = Step(installed.kernel_backend)
+        step = ForwardContext(installed.kernel_backend)
         for index, (layer, (keys, values, rope, positions)) in enumerate(zip(cache.layers, entry.layers)):
             rotary = installed.rotaries.get(index)
-            layer.update_in_step(keys, values, LayerStep(step, layer, rope, positions,
+            layer.update_in_context(keys, values, LayerContext(step, layer, rope, positions,
                                                          None if rotary is None else rotary.frequencies))
 
 

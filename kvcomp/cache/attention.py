@@ -1,5 +1,5 @@
 """The ``kvcomp`` attention function and :func:`install`, which connects a model to cache layers that take the
-step of each forward (:mod:`kvcomp.cache.step`: how the step reaches them; :mod:`kvcomp.cache.reads`: what
+context of each forward (:mod:`kvcomp.cache.context`: how the context reaches them; :mod:`kvcomp.cache.reads`: what
 attention then reads)."""
 
 from __future__ import annotations
@@ -12,35 +12,35 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcomp.cache.reads import Reads
 from kvcomp.cache.rows import ByRows
-from kvcomp.cache.step import LayerStep, PaddedRows, Step, StepLayer, row_pads
+from kvcomp.cache.context import LayerContext, PaddedRows, ForwardContext, ContextLayer, row_pads
 from kvcomp.codecs.base import attention_layer_types
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.kernels import KERNEL_BACKENDS, sdpa_without_cudnn
 from kvcomp.kernels.decode_graphs import DecodeGraphs
-from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
 
 ATTENTION_NAME = "kvcomp"
-STEP_ARGUMENT = "kvcomp_step"  # the decoder's keyword argument that carries the Step down to the attention modules
-LAYER_STEP_ARGUMENT = "kvcomp"  # the attention module's keyword argument that carries its LayerStep
+FORWARD_ARGUMENT = "kvcomp_forward"  # the decoder's keyword argument that carries the ForwardContext down to the attention modules
+LAYER_ARGUMENT = "kvcomp"  # the attention module's keyword argument that carries its LayerContext
 
 
 def compressed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                         kvcomp: LayerStep | None = None, **kwargs):
-    """Attention of one module: with a :class:`LayerStep` (a :class:`StepLayer` of the cache), the layer stores
+                         kvcomp: LayerContext | None = None, **kwargs):
+    """Attention of one module: with a :class:`LayerContext` (a :class:`ContextLayer` of the cache), the layer stores
     the fresh ``key``/``value`` and returns what attention reads (per row group: :class:`ByRows`); otherwise (other caches, uncompressed
     sliding-window layers) transformers' SDPA over ``key``/``value``, for single-token forwards on a GPU without
     its cuDNN kernel (:func:`~kvcomp.kernels.sdpa_without_cudnn`)."""
     def attend(query, mask, read):
         if isinstance(read, Reads):
-            return read.attend(query, mask, scaling, kvcomp.step)[0]
+            return read.attend(query, mask, scaling, kvcomp.forward)[0]
         with sdpa_without_cudnn() if query.is_cuda and query.shape[2] == 1 else contextlib.nullcontext():
             return sdpa_attention_forward(module, query, *read, mask, dropout, scaling, is_causal, **kwargs)[0]
 
     if kvcomp is None:
         return attend(query, attention_mask, (key, value)), None
-    read = kvcomp.layer.update_in_step(key, value, kvcomp, query)
+    read = kvcomp.layer.update_in_context(key, value, kvcomp, query)
     if isinstance(read, ByRows):
-        return read.attend(query, attention_mask, kvcomp.step, attend), None
+        return read.attend(query, attention_mask, kvcomp.forward, attend), None
     return attend(query, attention_mask, read), None
 
 
@@ -104,9 +104,9 @@ def _layer_rotary(model, layer_type: str | None) -> _Rotary | None:
 
 class Installation:
     """kvcomp's attention on one model (:func:`install`): the attention implementation and two forward pre-hooks.
-    The decoder's builds each forward's :class:`Step`; each attention module's adds its :class:`LayerStep` and,
-    for a :class:`StepLayer`, takes the cache out of the module's arguments, so that the layer is updated by
-    :func:`compressed_attention`, with the step. ``workspace``: the fused decode kernels' scratch, kept across this
+    The decoder's builds each forward's :class:`ForwardContext`; each attention module's adds its :class:`LayerContext` and,
+    for a :class:`ContextLayer`, takes the cache out of the module's arguments, so that the layer is updated by
+    :func:`compressed_attention`, with the forward's context. ``workspace``: the fused decode kernels' scratch, kept across this
     model's steps (:class:`~kvcomp.kernels.decode_plan.DecodeWorkspace`). A context manager: leaving it removes the
     hooks and restores the installation (or attention implementation) that was there before."""
 
@@ -133,8 +133,8 @@ class Installation:
 
     def attach(self) -> None:
         self.model.set_attn_implementation(ATTENTION_NAME)
-        self.handles = [self._decoder().register_forward_pre_hook(self._begin_step, with_kwargs=True)] + [
-            m().register_forward_pre_hook(self._layer_step, with_kwargs=True) for m in self._modules]
+        self.handles = [self._decoder().register_forward_pre_hook(self._begin_forward, with_kwargs=True)] + [
+            m().register_forward_pre_hook(self._layer_context, with_kwargs=True) for m in self._modules]
 
     def detach(self) -> None:
         for handle in self.handles:
@@ -159,10 +159,10 @@ class Installation:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    def _begin_step(self, module, args, kwargs):
-        """The decoder's pre-hook: one :class:`Step` for this forward, added to its keyword arguments."""
+    def _begin_forward(self, module, args, kwargs):
+        """The decoder's pre-hook: one :class:`ForwardContext` for this forward, added to its keyword arguments."""
         cache = kwargs.get(_cache_argument(kwargs))
-        if cache is None or not any(isinstance(layer, StepLayer) for layer in getattr(cache, "layers", ())):
+        if cache is None or not any(isinstance(layer, ContextLayer) for layer in getattr(cache, "layers", ())):
             return None
         if len(cache.layers) != self.num_layers:
             codec = getattr(cache, "codec", None)
@@ -171,19 +171,19 @@ class Installation:
                               "the codec for this model (kvcomp.api.load_codec(model, ...))")
         if isinstance(cache, PaddedRows) and cache.get_seq_length() == 0:
             cache.group_rows(row_pads(kwargs.get("attention_mask")))
-        return args, {**kwargs, STEP_ARGUMENT: Step(self.kernel_backend, DecodeStep(self.workspace))}
+        return args, {**kwargs, FORWARD_ARGUMENT: ForwardContext(self.kernel_backend, DecodePlans(self.workspace))}
 
-    def _layer_step(self, module, args, kwargs):
-        """An attention module's pre-hook: its :class:`LayerStep`, in place of the cache."""
-        if STEP_ARGUMENT not in kwargs:
+    def _layer_context(self, module, args, kwargs):
+        """An attention module's pre-hook: its :class:`LayerContext`, in place of the cache."""
+        if FORWARD_ARGUMENT not in kwargs:
             return None
-        step, name = kwargs.pop(STEP_ARGUMENT), _cache_argument(kwargs)  # this call's own keyword dict
+        forward, name = kwargs.pop(FORWARD_ARGUMENT), _cache_argument(kwargs)  # this call's own keyword dict
         cache = kwargs.get(name)
         layer = None if cache is None else cache.layers[module.layer_idx]
-        if isinstance(layer, StepLayer):
+        if isinstance(layer, ContextLayer):
             rotary = self.rotaries[module.layer_idx]
             kwargs[name] = None  # the module skips cache.update: compressed_attention updates the layer
-            kwargs[LAYER_STEP_ARGUMENT] = LayerStep(step, layer, kwargs.get("position_embeddings"), kwargs.get("position_ids"),
+            kwargs[LAYER_ARGUMENT] = LayerContext(forward, layer, kwargs.get("position_embeddings"), kwargs.get("position_ids"),
                                                     None if rotary is None else rotary.frequencies)
         return args, kwargs
 
@@ -194,7 +194,7 @@ _INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -
 def install(model, kernel_backend: str = "torch", cuda_graphs: bool = False) -> Installation:
     """Route ``model``'s attention through kvcomp: globally (``install(model)``) or for a block
     (``with install(model): ...``, which restores what was there before). Works with any cache; the compressed
-    path switches on for caches with :class:`StepLayer` s (:class:`~kvcomp.cache.CompressedCache`).
+    path switches on for caches with :class:`ContextLayer` s (:class:`~kvcomp.cache.CompressedCache`).
     ``kernel_backend="triton"``: decode steps use a codec's fused kernel where it has one; ``cuda_graphs``: each
     layer's fused decode launches are captured in a CUDA graph and replayed where they read what they read before
     (:mod:`kvcomp.kernels.decode_graphs`; verified only on a GPU). Installing again replaces the hooks (e.g. another

@@ -12,7 +12,7 @@ from kvcomp.cache.layer import CompressedLayer, LayerPart
 from kvcomp.cache.positions import Positions
 from kvcomp.cache.rows import RowGroup, padding_groups
 from kvcomp.cache.scopes import Scope, make_scope
-from kvcomp.cache.step import PaddedRows
+from kvcomp.cache.context import PaddedRows
 from kvcomp.codecs.base import FULL, Codec
 from kvcomp.errors import ConfigError
 from kvcomp.presses import Press

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from kvcomp.cache.headwise import HeadwisePrefix
-from kvcomp.cache.step import LayerStep
+from kvcomp.cache.context import LayerContext
 from kvcomp.codecs.base import FULL, Codec, keeps_state
 from kvcomp.errors import ConfigError
 from kvcomp.presses import Prefill, Press
@@ -34,17 +34,17 @@ class Eviction:
         """Whether the press also presses while decoding (kvpress's ``DecodingPress``)."""
         return bool(self.press.config.decoding_size)
 
-    def prompt(self, part, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep,
+    def prompt(self, part, key_states: torch.Tensor, value_states: torch.Tensor, context: LayerContext,
                query: torch.Tensor | None):
-        """A row group's prompt as the press keeps it: ``(keys, values, step)`` of the kept tokens (positions and
+        """A row group's prompt as the press keeps it: ``(keys, values, context)`` of the kept tokens (positions and
         RoPE of a selection shared by the heads), ``()`` when they are held apart (``part.prefix``, a budget per
         head), or None when the press keeps every token."""
         press = self.press
         if query is None:
             raise RuntimeError(f"press {press.name} scores the prompt with its queries: call the cache through "
                                "kvcomp's attention (kvcomp.cache.install)")
-        rotary = step.rotary if step.frequencies is not None and step.rope is not None else None
-        prefill = Prefill(query, key_states, value_states, step.rope, rotary)
+        rotary = context.rotary if context.frequencies is not None and context.rope is not None else None
+        prefill = Prefill(query, key_states, value_states, context.rope, rotary)
         if press.adaptive:
             selection = press.keep_per_layer(prefill)
             if selection is None:
@@ -59,11 +59,11 @@ class Eviction:
         key_states, value_states = _kept(key_states, kept), _kept(value_states, kept)
         if press.shared_across_heads and part.streams[0].rotates:  # the kept tokens' positions and angles
             rows = kept[:, 0]
-            rope = None if step.rope is None else tuple(
-                t.expand(rows.shape[0], -1, -1).gather(1, rows[..., None].expand(-1, -1, t.shape[-1])) for t in step.rope)
-            positions = None if step.positions is None else step.positions.expand(rows.shape[0], -1).gather(1, rows)
-            step = replace(step, rope=rope, positions=positions)
-        return key_states, value_states, step
+            rope = None if context.rope is None else tuple(
+                t.expand(rows.shape[0], -1, -1).gather(1, rows[..., None].expand(-1, -1, t.shape[-1])) for t in context.rope)
+            positions = None if context.positions is None else context.positions.expand(rows.shape[0], -1).gather(1, rows)
+            context = replace(context, rope=rope, positions=positions)
+        return key_states, value_states, context
 
     def press_held(self, part) -> None:
         """Pressing while decoding: once the row group holds ``decoding_size + decoding_interval`` tokens, the press

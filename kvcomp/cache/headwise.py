@@ -99,7 +99,7 @@ class HeadwiseReads(Reads):
     keys: torch.Tensor
     values: torch.Tensor
 
-    def attend(self, query, mask, scaling, step):
+    def attend(self, query, mask, scaling, forward):
         b, hq, q, _ = query.shape
         keys, values, valid = self.prefix.padded()
         t = self.keys.shape[2]

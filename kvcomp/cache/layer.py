@@ -14,7 +14,7 @@ from kvcomp.cache.positions import Positions
 from kvcomp.cache.reads import FromSegments, FusedDecode, Reads, Streaming, payload_read
 from kvcomp.cache.rows import ByRows, RowGroup
 from kvcomp.cache.scopes import Schedule
-from kvcomp.cache.step import LayerStep, StepLayer
+from kvcomp.cache.context import LayerContext, ContextLayer
 from kvcomp.cache.stream import KVStream
 from kvcomp.errors import ConfigError
 from kvcomp.presses import Press
@@ -67,15 +67,15 @@ class LayerPart:
             self.last_query = self.last_query.index_select(0, index.to(self.last_query.device))
 
 
-class CompressedLayer(StepLayer):
+class CompressedLayer(ContextLayer):
     """One decoder layer: per group of rows padded alike (``parts``: one unless a first forward came left-padded
     unevenly, :mod:`kvcomp.cache.rows`), a key and a value stream following the codec's policy, encoded and decoded
     as the codec's scope says; its finiteness ``checks``; and a press's ``eviction`` (None without a press).
 
-    Each forward's K/V come with the step (:meth:`update_in_step`), which returns what attention reads: full-precision
+    Each forward's K/V come with the context (:meth:`update_in_context`), which returns what attention reads: full-precision
     sinks and tail, decoded blocks in between (keys re-rotated for pre-RoPE codecs), or the payloads themselves
     (:func:`~kvcomp.cache.reads.payload_read`); per row group (:class:`~kvcomp.cache.rows.ByRows`) when its rows are
-    grouped or padded. Without kvcomp's attention, transformers' ``update`` serves codecs that need no step. Its bytes
+    grouped or padded. Without kvcomp's attention, transformers' ``update`` serves codecs that need no context. Its bytes
     are counted by :mod:`kvcomp.cache.accounting`.
     """
 
@@ -127,15 +127,15 @@ class CompressedLayer(StepLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """transformers' entry when the model's attention is not kvcomp's: the keys and values for SDPA."""
-        read = self.update_in_step(key_states, value_states, None)
+        read = self.update_in_context(key_states, value_states, None)
         if isinstance(read, Reads):
             raise ConfigError("the streaming protocol needs the kvcomp attention function for multi-token forwards: "
                               "call kvcomp.cache.install(model) first (or use protocol='simulated')")
         return read
 
-    def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
+    def update_in_context(self, key_states: torch.Tensor, value_states: torch.Tensor, context: LayerContext | None,
                        query: torch.Tensor | None = None):
-        """Store a forward's K/V (``step``: None outside kvcomp's attention); return ``(keys, values)`` for SDPA,
+        """Store a forward's K/V (``context``: None outside kvcomp's attention); return ``(keys, values)`` for SDPA,
         or the :class:`~kvcomp.cache.reads.Reads` attention needs (per row group: a
         :class:`~kvcomp.cache.rows.ByRows`). ``query``: the forward's queries, which a press scores the prompt with."""
         if not self.is_initialized:
@@ -143,16 +143,16 @@ class CompressedLayer(StepLayer):
         first = self.length
         self.length += key_states.shape[2]
         return self.checks.around(key_states, value_states, first,
-                                  lambda checks: self._store_rows(key_states, value_states, step, first == 0, query,
+                                  lambda checks: self._store_rows(key_states, value_states, context, first == 0, query,
                                                                   checks),
                                   lambda: self.streams)
 
-    def _store_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
+    def _store_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, context: LayerContext | None,
                     first_forward: bool, query: torch.Tensor | None, range_checks: list | None):
         whole, eviction = self.parts[0].group, self.eviction
         if len(self.parts) == 1 and whole.rows is None and not whole.pads and eviction is None:
-            return self._store(self.parts[0], key_states, value_states, step, range_checks, first_forward, query)
-        if step is None:
+            return self._store(self.parts[0], key_states, value_states, context, range_checks, first_forward, query)
+        if context is None:
             raise RuntimeError("a cache whose rows are grouped by their padding, or pressed, is read by kvcomp's "
                                "attention only")
         if eviction is not None and not first_forward and eviction.decodes:
@@ -162,7 +162,7 @@ class CompressedLayer(StepLayer):
         queries = [None if query is None else part.group.tokens(query, first_forward, 2) for part in self.parts]
         read = ByRows([(part.group, self._store(part, part.group.tokens(key_states, first_forward, 2),
                                                 part.group.tokens(value_states, first_forward, 2),
-                                                part.group.layer_step(step, first_forward), range_checks, first_forward,
+                                                part.group.layer_context(context, first_forward), range_checks, first_forward,
                                                 group_query),
                         evicted)
                        for part, evicted, group_query in zip(self.parts, dropped, queries)], first_forward)
@@ -170,13 +170,13 @@ class CompressedLayer(StepLayer):
             eviction.remember_queries(self.parts, queries)  # the next forward presses with them
         return read
 
-    def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep | None,
+    def _store(self, part: LayerPart, key_states: torch.Tensor, value_states: torch.Tensor, context: LayerContext | None,
                range_checks: list | None, first_forward: bool = False, query: torch.Tensor | None = None):
         """One row group's forward: store its K/V and return what its attention reads (a pressed prompt: every
         token, exactly, as it stores the kept ones); ``range_checks``: what its encodes' requests carry
         (:mod:`kvcomp.stages.ranges`)."""
         if self.eviction is not None and first_forward and key_states.shape[2] > 1:
-            pressed = self.eviction.prompt(part, key_states, value_states, step, query)
+            pressed = self.eviction.prompt(part, key_states, value_states, context, query)
             if pressed is not None:
                 if pressed:
                     self._store(part, *pressed, range_checks)
@@ -184,10 +184,10 @@ class CompressedLayer(StepLayer):
         n = key_states.shape[2]
         key_stream, value_stream = part.streams
         if key_stream.rotates:
-            part.positions.record(step, key_states.shape[0], n, f"codec {self.codec.name} (layer {self.layer_idx})")
-        fused = payload_read(self.codec, self.layer_idx, part, step) if n == 1 else None
-        key_view = KVStream.segments if fused in ("attention", "scores") else KVStream.parts
-        value_view = KVStream.segments if fused in ("attention", "values") else KVStream.parts
+            part.positions.record(context, key_states.shape[0], n, f"codec {self.codec.name} (layer {self.layer_idx})")
+        fused = payload_read(self.codec, self.layer_idx, part, context) if n == 1 else None
+        key_view = KVStream.segments if fused in ("attention", "scores") else KVStream.pieces
+        value_view = KVStream.segments if fused in ("attention", "values") else KVStream.pieces
         for stream, view in ((key_stream, key_view), (value_stream, value_view)):
             if view is KVStream.segments:  # a chunked prefill's decoded copy, otherwise kept for the whole generation
                 stream.forget_decoded()
@@ -197,7 +197,7 @@ class CompressedLayer(StepLayer):
             key_history, value_history = key_view(key_stream), value_view(value_stream)
         key_stream.append(key_states)
         value_stream.append(value_states)
-        backend = "torch" if step is None else step.kernel_backend
+        backend = "torch" if context is None else context.kernel_backend
         fresh = part.schedule.encode_ready(backend, range_checks)
         if history:
             keys, values = [*key_history, key_states], [*value_history, value_states]
@@ -207,9 +207,9 @@ class CompressedLayer(StepLayer):
         if not self.compress_generated:  # only the first forward (the prompt) is ever encoded
             for stream in part.streams:
                 stream.freeze()
-        return self._read(part, keys, values, fresh, fused, step, n)
+        return self._read(part, keys, values, fresh, fused, context, n)
 
-    def _read(self, part: LayerPart, keys: list, values: list, fresh: tuple, fused: str | None, step: LayerStep | None,
+    def _read(self, part: LayerPart, keys: list, values: list, fresh: tuple, fused: str | None, context: LayerContext | None,
               n: int):
         """What a row group's attention reads of the pieces ``keys`` and ``values`` (tensors, or payloads where
         ``fused`` reads them), ``fresh``: the blocks this forward of ``n`` tokens encoded."""
@@ -218,9 +218,9 @@ class CompressedLayer(StepLayer):
         key_stream, value_stream = part.streams
         if fused == "attention":
             key_rope = part.positions.key_rope(key_stream.num_sinks) if key_stream.rotates else None
-            return FusedDecode(keys, values, self.codec, self.layer_idx, step.kernel_backend, key_rope, key_stream.length)
+            return FusedDecode(keys, values, self.codec, self.layer_idx, context.kernel_backend, key_rope, key_stream.length)
         if fused:
-            return FromSegments(keys, values, self.codec, self.layer_idx, step.kernel_backend, value_stream.state)
+            return FromSegments(keys, values, self.codec, self.layer_idx, context.kernel_backend, value_stream.state)
         if self.protocol == "streaming" and n > 1 and any(fresh):
             return Streaming(_joined(keys), _joined(values), *fresh)
         return _joined(keys), _joined(values)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcomp.cache.growing import GrowingTensor
-from kvcomp.cache.step import LayerStep, Rotary
+from kvcomp.cache.context import LayerContext, Rotary
 from kvcomp.errors import ConfigError
 from kvcomp.kernels.formats import RotaryPositions
 
@@ -16,7 +16,7 @@ class Positions:
     re-rotated when decoded with the angles of their own positions (a post-RoPE codec's key offset is rotated to them).
 
     The angles are recomputed (:attr:`recomputed`) when the model's RoPE has fixed frequencies
-    (:class:`~kvcomp.cache.step.Rotary`) and every forward gave position ids; otherwise the cos/sin the model
+    (:class:`~kvcomp.cache.context.Rotary`) and every forward gave position ids; otherwise the cos/sin the model
     used are kept (RoPE types whose frequencies change with the length, forwards without position ids)."""
 
     def __init__(self, capacity: int = 0):
@@ -29,16 +29,16 @@ class Positions:
         self.known = True  # False once a forward came without position ids
         self.rotary: Rotary | None = None
 
-    def record(self, step: LayerStep | None, batch: int, count: int, where: str) -> None:
-        """Keep the positions of a forward's ``count`` new tokens, from its :class:`LayerStep`."""
-        if step is None or step.rope is None:
+    def record(self, context: LayerContext | None, batch: int, count: int, where: str) -> None:
+        """Keep the positions of a forward's ``count`` new tokens, from its :class:`LayerContext`."""
+        if context is None or context.rope is None:
             raise ConfigError(f"{where} needs its keys' RoPE angles (pre-RoPE keys or a rotated key offset), but received "
                               "no position embeddings: "
                               "call kvcomp.cache.install(model) before using the cache")
-        self.rotary = step.rotary
-        cos, sin = (t.expand(batch, count, -1) for t in step.rope)
-        if step.positions is not None and self.known:
-            self.ids.append(step.positions.to(torch.int32).expand(batch, count))
+        self.rotary = context.rotary
+        cos, sin = (t.expand(batch, count, -1) for t in context.rope)
+        if context.positions is not None and self.known:
+            self.ids.append(context.positions.to(torch.int32).expand(batch, count))
         elif self.known:  # from now on the angles cannot be recomputed: keep those of the earlier tokens
             if self.recomputed and self.ids.length:
                 for grown, earlier in zip((self.cos, self.sin), self.rope(0, self.ids.length)):

@@ -1,7 +1,7 @@
 """What a compressed layer's attention reads in one forward (:class:`Reads`), and how it attends.
 
-The kvcomp attention function hands a layer the fresh keys and values with the step
-(:meth:`~kvcomp.cache.step.StepLayer.update_in_step`); the layer stores them and returns what attention reads.
+The kvcomp attention function hands a layer the fresh keys and values with its context
+(:meth:`~kvcomp.cache.context.ContextLayer.update_in_context`); the layer stores them and returns what attention reads.
 For decode steps and the ``simulated`` protocol that is ``(keys, values)`` for SDPA, over
 ``[sinks, decoded blocks, tail]``.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcomp.cache.step import LayerStep, Step
+from kvcomp.cache.context import LayerContext, ForwardContext
 from kvcomp.cache.stream import FreshlyEncoded
 from kvcomp.codecs.base import Codec, Payload, SequenceState, reads_fused, scores_from_payload, values_from_payload
 from kvcomp.kernels.decode_attention import decode_attention
@@ -48,7 +48,7 @@ class Reads(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
-               step: Step) -> tuple[torch.Tensor, None]:
+               forward: ForwardContext) -> tuple[torch.Tensor, None]:
         """Attention output ``[B, q, Hq, D]`` of ``query [B, Hq, q, D]``."""
 
 
@@ -62,7 +62,7 @@ class Streaming(Reads):
     fresh_keys: FreshlyEncoded | None
     fresh_values: FreshlyEncoded | None
 
-    def attend(self, query, mask, scaling, step):
+    def attend(self, query, mask, scaling, forward):
         key, value, mask = _streaming_columns(query, self.keys, self.values, mask, self.fresh_keys, self.fresh_values)
         mask = mask | ~mask.any(-1, keepdim=True)  # rows with nothing to attend (left padding) stay finite
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
@@ -83,7 +83,7 @@ class FromSegments(Reads):
     kernel_backend: str
     value_state: SequenceState | None
 
-    def attend(self, query, mask, scaling, step):
+    def attend(self, query, mask, scaling, forward):
         return _attention_from_segments(self, query, self.keys, self.values, mask, scaling)
 
 
@@ -91,7 +91,7 @@ class FromSegments(Reads):
 class FusedDecode(Reads):
     """One decode step read straight from the payloads by the fused decode-attention kernel
     (:mod:`kvcomp.kernels.decode_attention`): ``length`` cached tokens; the mask's valid tokens become one range
-    per sequence, planned once per step (:meth:`~kvcomp.cache.step.Step.valid_tokens`); ``key_rope`` rotates
+    per sequence, planned once per step (:meth:`~kvcomp.cache.context.Step.valid_tokens`); ``key_rope`` rotates
     pre-RoPE keys (or the key offset of a post-RoPE codec's ``center``)."""
 
     keys: list
@@ -102,32 +102,32 @@ class FusedDecode(Reads):
     key_rope: RotaryPositions | None
     length: int
 
-    def attend(self, query, mask, scaling, step):
+    def attend(self, query, mask, scaling, forward):
         def readers(segments, kind):
             return [self.codec.fused_reader(s, kind, self.layer_idx) if isinstance(s, Payload) else s for s in segments]
 
         b, _, _, d = query.shape
         out = decode_attention(query[:, :, 0], readers(self.keys, "key"), readers(self.values, "value"),
-                               d**-0.5 if scaling is None else scaling, step.valid_tokens(mask, self.length, b),
-                               self.key_rope, self.kernel_backend, step=step.decode)
+                               d**-0.5 if scaling is None else scaling, forward.valid_tokens(mask, self.length, b),
+                               self.key_rope, self.kernel_backend, step=forward.decode)
         return out[:, None], None
 
 
 
-def payload_read(codec: Codec, layer_idx: int, part, step: LayerStep | None) -> str | None:
+def payload_read(codec: Codec, layer_idx: int, part, context: LayerContext | None) -> str | None:
     """How a decode step reads a row group's streams (``part``, a :class:`~kvcomp.cache.layer.LayerPart`):
     ``"attention"``: the fused decode-attention kernel reads both payloads (``kernel_backend="triton"``;
     :class:`~kvcomp.codecs.base.FusedPayload`; pre-RoPE keys need fixed RoPE frequencies and every token's
     position); ``"scores"`` (where the kernel cannot read the format): the codec's kernel scores the key payload
     (:class:`~kvcomp.codecs.base.PayloadScores`), values are decoded; ``"values"`` (any backend,
     :class:`~kvcomp.codecs.base.PayloadValues`): keys are decoded, the codec weights the value payload; ``None``: the
-    torch path (also without kvcomp's attention, ``step`` None). Keys with a rotated offset are read by the fused
+    torch path (also without kvcomp's attention, ``context`` None). Keys with a rotated offset are read by the fused
     kernel only (it adds the offset's score, with the same needs as pre-RoPE keys)."""
-    if step is None or part.prefix is not None:
+    if context is None or part.prefix is not None:
         return None
     if values_from_payload(codec):
         return "values"
-    if step.kernel_backend != "triton":
+    if context.kernel_backend != "triton":
         return None
     if (not part.streams[0].rotates or part.positions.recomputed) and reads_fused(codec, layer_idx):
         return "attention"

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache
 
-from kvcomp.cache.step import LayerStep, StepLayer
+from kvcomp.cache.context import LayerContext, ContextLayer
 from kvcomp.errors import ConfigError
 
 
-class RecordingLayer(StepLayer):
-    """Keeps one forward's ``(keys, values, rope, positions)`` as its :class:`~kvcomp.cache.step.LayerStep` gave them
-    (``recorded``; not the step itself, which names this layer and reads the model's RoPE frequencies), and returns
+class RecordingLayer(ContextLayer):
+    """Keeps one forward's ``(keys, values, rope, positions)`` as its :class:`~kvcomp.cache.context.LayerContext` gave them
+    (``recorded``; not the context itself, which names this layer and reads the model's RoPE frequencies), and returns
     the keys and values for SDPA; ``retain_grad``: their gradients are kept too (Fisher weights)."""
 
     is_sliding = False
@@ -28,11 +28,11 @@ class RecordingLayer(StepLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         raise ConfigError("recording K/V needs the model's position embeddings: call kvcomp.cache.install(model) first")
 
-    def update_in_step(self, key_states, value_states, step: LayerStep, query=None):
+    def update_in_context(self, key_states, value_states, context: LayerContext, query=None):
         if self.retain_grad and key_states.requires_grad:
             key_states.retain_grad()
             value_states.retain_grad()
-        self.recorded = (key_states, value_states, step.rope, step.positions)
+        self.recorded = (key_states, value_states, context.rope, context.positions)
         return key_states, value_states
 
     def get_seq_length(self) -> int:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from kvcomp.cache.scopes import Scope
-from kvcomp.cache.step import LayerStep, Step
+from kvcomp.cache.context import LayerContext, ForwardContext
 
 
 @dataclass(eq=False)
@@ -49,11 +49,11 @@ class RowGroup:
         x = self.take(x)
         return x.narrow(dim, self.pads, x.shape[dim] - self.pads) if first_forward and self.pads else x
 
-    def layer_step(self, step: LayerStep, first_forward: bool) -> LayerStep:
-        """``step`` restricted to this group: its rows' and real tokens' position embeddings and ids."""
-        rope = None if step.rope is None else tuple(self.tokens(t, first_forward, 1) for t in step.rope)
-        positions = None if step.positions is None else self.tokens(step.positions, first_forward, 1)
-        return replace(step, rope=rope, positions=positions)
+    def layer_context(self, context: LayerContext, first_forward: bool) -> LayerContext:
+        """``context`` restricted to this group: its rows' and real tokens' position embeddings and ids."""
+        rope = None if context.rope is None else tuple(self.tokens(t, first_forward, 1) for t in context.rope)
+        positions = None if context.positions is None else self.tokens(context.positions, first_forward, 1)
+        return replace(context, rope=rope, positions=positions)
 
 
 def padding_groups(pads: list[int]) -> list[tuple[list[int] | None, int]]:
@@ -71,20 +71,20 @@ class ByRows:
     columns (pads left out, and the ``evicted`` prompt tokens a press dropped before this forward), and whether this
     is the first forward (its pad queries are left out too and attend nothing: their output is zero)."""
 
-    parts: list[tuple[RowGroup, object, int]]
+    reads: list[tuple[RowGroup, object, int]]  # per row group: the group, its read, the prompt tokens it evicted
     first_forward: bool
 
-    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, step: Step,
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, forward: ForwardContext,
                attend: Callable[[torch.Tensor, torch.Tensor | None, object], torch.Tensor]) -> torch.Tensor:
         """Attention output ``[B, q, Hq, D]`` of ``query [B, Hq, q, D]``: ``attend(query, mask, read)`` per group."""
         b, hq, q, d = query.shape
-        if len(self.parts) == 1 and self.parts[0][0].rows is None and not self.first_forward:
-            group, read, evicted = self.parts[0]
-            return attend(query, step.columns(mask, group, self.first_forward, evicted), read)
+        if len(self.reads) == 1 and self.reads[0][0].rows is None and not self.first_forward:
+            group, read, evicted = self.reads[0]
+            return attend(query, forward.columns(mask, group, self.first_forward, evicted), read)
         out = query.new_zeros(b, q, hq, d)
-        for group, read, evicted in self.parts:
+        for group, read, evicted in self.reads:
             skipped = group.pads if self.first_forward else 0
-            got = attend(group.tokens(query, self.first_forward, 2), step.columns(mask, group, self.first_forward, evicted),
+            got = attend(group.tokens(query, self.first_forward, 2), forward.columns(mask, group, self.first_forward, evicted),
                          read)
             rows = slice(None) if group.rows is None else group.index(query.device)
             out[rows, skipped:] = got

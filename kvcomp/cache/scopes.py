@@ -28,7 +28,8 @@ import torch
 
 from kvcomp.cache.payload_store import Block, PayloadStore
 from kvcomp.cache.stream import FreshlyEncoded, KVStream
-from kvcomp.codecs.base import KINDS, Codec, Request, SequenceState, Unit, keeps_state
+from kvcomp.codecs.base import (KINDS, Codec, LayerRequest, ModelRequest, SequenceState, StreamRequest, Unit,
+                                keeps_state)
 
 Fresh = tuple[FreshlyEncoded | None, FreshlyEncoded | None]
 
@@ -101,14 +102,14 @@ class StreamSchedule(Schedule):
             held = {(self.layer_idx, stream.kind): stream.held()}
             stream.state = self.codec.init_state(Unit(self.layer_idx, stream.kind), held)
         first, chunk, x = stream.take(count)
-        payload = self.codec.encode(Request(self.layer_idx, stream.kind, tokens=x, state=stream.state,
-                                            kernel_backend=kernel_backend, range_checks=range_checks))
+        payload = self.codec.encode(StreamRequest(self.layer_idx, stream.kind, tokens=x, state=stream.state,
+                                                  kernel_backend=kernel_backend, range_checks=range_checks))
         return stream.add_block(stream.store.append(payload, first), chunk)
 
     def decode(self, kind: str, block: Block) -> torch.Tensor:
         stream = self.key_stream if kind == "key" else self.value_stream
-        return self.codec.decode(stream.store.block(block), Request(self.layer_idx, kind, state=stream.state,
-                                                                    dtype=stream.dtype))
+        return self.codec.decode(stream.store.block(block), StreamRequest(self.layer_idx, kind, state=stream.state,
+                                                                          dtype=stream.dtype))
 
 
 class JointSchedule(Schedule):
@@ -164,9 +165,9 @@ class LayerSchedule(JointSchedule):
             self.own_state = self.codec.init_state(Unit(self.layer_idx), held)
         first, key_chunk, k = keys.take(count)
         _, value_chunk, v = values.take(count)
-        encoding = self.codec.encode(Request(self.layer_idx, keys=k, values=v, previous=self._handed("encode", first),
-                                             state=self.own_state, kernel_backend=kernel_backend,
-                                             range_checks=range_checks))
+        encoding = self.codec.encode(LayerRequest(self.layer_idx, keys=k, values=v,
+                                                  previous=self._handed("encode", first), state=self.own_state,
+                                                  kernel_backend=kernel_backend, range_checks=range_checks))
         if not self.is_last:
             self.encode_handoff[first] = (encoding.keys, encoding.values)
         key_block, value_block = keys.store.append(encoding.key, first), values.store.append(encoding.value, first)
@@ -176,8 +177,8 @@ class LayerSchedule(JointSchedule):
     def decode_both(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
         key_block, value_block = self.blocks[block.first]
         payloads = self.key_stream.store.block(key_block), self.value_stream.store.block(value_block)
-        k, v = self.codec.decode(payloads, Request(self.layer_idx, previous=self._handed("decode", block.first),
-                                                   state=self.own_state, dtype=self.key_stream.dtype))
+        k, v = self.codec.decode(payloads, LayerRequest(self.layer_idx, previous=self._handed("decode", block.first),
+                                                        state=self.own_state, dtype=self.key_stream.dtype))
         if not self.is_last:
             self.decode_handoff[block.first] = (k, v)
         return k, v
@@ -218,10 +219,10 @@ class ModelUnit:
             self.state = self.codec.init_state(Unit(), {(s.layer_idx, s.kind): s.held() for s in streams})
         taken = [s.take(count) for s in streams]
         device = taken[0][2].device  # the first layer's: layers may live on several devices (device_map)
-        payload = self.codec.encode(Request(keys=[t[2].to(device) for t in taken[0::2]],
-                                            values=[t[2].to(device) for t in taken[1::2]], state=self.state,
-                                            encoded_before=self.store.num_tokens, kernel_backend=kernel_backend,
-                                            range_checks=range_checks))
+        payload = self.codec.encode(ModelRequest(keys=[t[2].to(device) for t in taken[0::2]],
+                                                 values=[t[2].to(device) for t in taken[1::2]], state=self.state,
+                                                 encoded_before=self.store.num_tokens, kernel_backend=kernel_backend,
+                                                 range_checks=range_checks))
         block = self.store.append(payload, taken[0][0])
         for stream, (_, chunk, _) in zip(streams, taken):
             stream.add_block(block, chunk)
@@ -254,8 +255,8 @@ class ModelSchedule(JointSchedule):
             self.unit.encode_ready(kernel_backend, range_checks)
 
     def decode_both(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.codec.decode(self.unit.store.block(block), Request(self.layer_idx, state=self.unit.state,
-                                                                       dtype=self.key_stream.dtype))
+        k, v = self.codec.decode(self.unit.store.block(block), ModelRequest(self.layer_idx, state=self.unit.state,
+                                                                            dtype=self.key_stream.dtype))
         return k.to(self.key_stream.device), v.to(self.key_stream.device)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvcomp.cache.compressed_cache import PROTOCOLS
-from kvcomp.codecs.base import KINDS, Codec, Payload, Request
+from kvcomp.codecs.base import KINDS, Codec, Payload, StreamRequest
 from kvcomp.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")  # model dtypes a stored cache may hold
@@ -232,7 +232,7 @@ def _reference_block(codec: Codec, layer: int, kind: str, batch: int, dtype: tor
     count = codec.policy(kind, layer).block_size
     tokens = torch.randn(batch, codec.model.num_kv_heads, count, codec.model.head_dim,
                          generator=torch.Generator().manual_seed(0)).to(dtype)
-    return count, codec.encode(Request(layer, kind, tokens=tokens))
+    return count, codec.encode(StreamRequest(layer, kind, tokens=tokens))
 
 
 def _check_against_reference(r: _Reader, i: int, kind: str, s: dict, codec: Codec, dtype: torch.dtype) -> None:

@@ -203,7 +203,7 @@ class KVStream:
         block_end = block.first + (positions - block.first) // size * size + size
         return FreshlyEncoded(positions, chunk, block_end + self.policy.window - 1)
 
-    def parts(self) -> list[torch.Tensor]:
+    def pieces(self) -> list[torch.Tensor]:
         """The held pieces in token order: sinks, decoded blocks, tail (views: valid until the next append)."""
         blocks = self.decoded.read(self.blocks, lambda b: self.rotation.from_decoded(self.decoder(b), b.first))
         return [t for t in (self.sinks, blocks, self.tail) if t is not None]
@@ -214,8 +214,8 @@ class KVStream:
 
     def materialize(self) -> torch.Tensor | None:
         """The stream as attention sees it now: ``[sinks, decode(blocks), tail]`` (None when empty)."""
-        parts = self.parts()
-        return torch.cat(parts, dim=2) if parts else None
+        pieces = self.pieces()
+        return torch.cat(pieces, dim=2) if pieces else None
 
     def forget_decoded(self) -> None:
         """Free the torch path's decoded copy (a stream read from its payload needs none)."""

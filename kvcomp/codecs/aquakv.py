@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecState, LayerEncoding, Payload, Request,
+from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecState, LayerEncoding, LayerRequest, Payload,
                                 StreamPolicy, fit_layer_by_layer)
 from kvcomp.codecs.higgs import HiggsConfig, TokenHiggs, build_higgs, check_center
 from kvcomp.codecs.registry import register
@@ -195,7 +195,7 @@ class AquaKVCodec(Codec, Calibrated):
             return None
         return heads_major(predictor(self._inputs(kind, keys, previous)), self.model.num_kv_heads)
 
-    def encode(self, request: Request) -> LayerEncoding:
+    def encode(self, request: LayerRequest) -> LayerEncoding:
         keys, values, layer_idx, previous = request.keys, request.values, request.layer, request.previous
         dtype = keys.dtype
         checks = request.range_checks
@@ -204,7 +204,7 @@ class AquaKVCodec(Codec, Calibrated):
                                   checks)
         return LayerEncoding(Payload(key, keys.shape[2]), Payload(value, keys.shape[2]), k_hat, v_hat)
 
-    def decode(self, payload: tuple[Payload, Payload], request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, payload: tuple[Payload, Payload], request: LayerRequest) -> tuple[torch.Tensor, torch.Tensor]:
         (key, value), layer_idx, previous, dtype = payload, request.layer, request.previous, request.dtype
         k_hat = self._reconstruct(self._decoded(key.tensors, layer_idx, "key"),
                                   self._predict("key", layer_idx, None, previous), dtype)

@@ -11,8 +11,11 @@ full-precision window of recent tokens. What one encode call sees is the codec's
 - ``"model"``: every layer's keys and values of a token block at once, encoded once the last layer has
   appended it (kvtc's cross-layer PCA).
 
-Every scope has the same two calls, :meth:`Codec.encode` and :meth:`Codec.decode`, with a :class:`Request`
-whose fields the scope fills.
+Every scope has the same two calls, :meth:`Codec.encode` and :meth:`Codec.decode`, with its own request type:
+:class:`StreamRequest` (``layer``, ``kind``, ``tokens``), :class:`LayerRequest` (``layer``, ``keys``, ``values``,
+``previous``) or :class:`ModelRequest` (``keys`` and ``values`` over layers, ``encoded_before``; decode: ``layer``),
+each a :class:`Request`, which holds what every scope shares (``state``, ``dtype``, ``kernel_backend``,
+``range_checks``).
 
 Capabilities beyond encode and decode are small mixins: :class:`Calibrated` (fitted on calibration
 activations), :class:`Stateful` (per-sequence state, e.g. CSR's dictionary of atoms sampled from the prompt,
@@ -274,33 +277,56 @@ class Unit:
     kind: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Request:
-    """One encode or decode call: the block and its context, filled by the cache's scope
-    (:mod:`kvcomp.cache.scopes`). Every scope's codec reads the fields it has:
-
-    - ``"stream"``: ``layer`` and ``kind``; encode: ``tokens [B, H, T, D]`` (that stream's);
-    - ``"layer"``: ``layer``; encode: ``keys`` and ``values [B, H, T, D]``; both: ``previous``, the previous
-      layer's reconstruction ``(keys, values)`` of the same tokens (None for layer 0);
-    - ``"model"``: encode: ``keys`` and ``values``, lists over layers, and ``encoded_before``, the tokens of the
-      sequence earlier blocks encoded; decode: ``layer``, the layer to reconstruct.
+    """What every scope's encode or decode call carries; the cache (:mod:`kvcomp.cache.scopes`) builds its
+    scope's subclass, :class:`StreamRequest`, :class:`LayerRequest` or :class:`ModelRequest`.
 
     ``state``: the unit's per-sequence state (:class:`Stateful` codecs; None otherwise); decode: ``dtype`` of
     what it returns; encode: ``kernel_backend`` (``"triton"``: the codec may encode with its kernel) and
     ``range_checks``, which the codec passes to every range check of the block (:mod:`kvcomp.stages.ranges`): None
     checks on the host, a list (``check_finite="deferred"``) gets the device verdicts the cache reads later."""
 
-    layer: int | None = None
-    kind: str | None = None
-    tokens: torch.Tensor | None = None
-    keys: "torch.Tensor | list[torch.Tensor] | None" = None
-    values: "torch.Tensor | list[torch.Tensor] | None" = None
-    previous: tuple[torch.Tensor, torch.Tensor] | None = None
     state: "SequenceState | None" = None
-    encoded_before: int = 0
     dtype: torch.dtype | None = None
     kernel_backend: str = "torch"
     range_checks: list | None = None
+
+    def __post_init__(self):
+        if type(self) is Request:
+            raise TypeError("Request is the base of StreamRequest, LayerRequest and ModelRequest: build the scope's own")
+
+
+@dataclass
+class StreamRequest(Request):
+    """A stream-scope call: layer ``layer``'s ``kind`` stream; encode: its ``tokens [B, H, T, D]``."""
+
+    layer: int
+    kind: str
+    tokens: torch.Tensor | None = None
+
+
+@dataclass
+class LayerRequest(Request):
+    """A layer-scope call on layer ``layer``; encode: its ``keys`` and ``values [B, H, T, D]``; both:
+    ``previous``, the previous layer's reconstruction ``(keys, values)`` of the same tokens (None for layer 0)."""
+
+    layer: int
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    previous: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class ModelRequest(Request):
+    """A model-scope call; encode: ``keys`` and ``values``, lists over layers of ``[B, H, T, D]``, and
+    ``encoded_before``, the tokens of the sequence earlier blocks encoded; decode: ``layer``, the layer to
+    reconstruct."""
+
+    layer: int | None = None
+    keys: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
+    encoded_before: int = 0
 
 
 @dataclass
@@ -486,7 +512,7 @@ class Codec(ABC):
 
     @abstractmethod
     def encode(self, request: Request):
-        """Encode one block (:class:`Request` says which fields each scope fills); ``T`` is a multiple of the
+        """Encode one block (``request``: the scope's :class:`Request` subclass); ``T`` is a multiple of the
         policy's block size (model scope: any length). Returns its :class:`Payload`; a layer-scope codec its
         :class:`LayerEncoding`."""
 

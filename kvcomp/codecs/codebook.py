@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
-                                Request, StreamPolicy)
+                                StreamPolicy, StreamRequest)
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.formats import CodebookReader
@@ -193,7 +193,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
         low, high = (t[None, :, None, :].to(x.device) for t in (stats.low, stats.high))
         return torch.where(mask, torch.minimum(torch.maximum(x.float(), low), high), x.float())
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x, kind, layer_idx = request.tokens, request.kind, request.layer
         stats = self._stats(layer_idx, kind, x.device)
         codebooks = self._codebooks(layer_idx, kind, x.device)
@@ -201,7 +201,7 @@ class CodebookCodec(Codec, Calibrated, FusedPayload):
                                    range_checks=request.range_checks)
         return Payload(stored, num_tokens=x.shape[2])
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         kind, layer_idx, device = request.kind, request.layer, payload.tensors["codes"].device
         stats = self._stats(layer_idx, kind, device)
         codebooks = self._codebooks(layer_idx, kind, device)

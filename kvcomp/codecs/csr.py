@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
-                                PayloadValues, Request, SequenceState, Stateful, StreamPolicy)
+                                PayloadValues, SequenceState, Stateful, StreamPolicy, StreamRequest)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.layer_merging import PAPER_GROUPS, merge_layers
@@ -312,7 +312,7 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
                 used[row, head] += len(worst)
 
     # --- encode / decode ---
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         """MP codes of ``x [B, H, T, D]``: ``index`` int16 and ``coefficient`` fp16 (float32 in a block whose
         coefficients float16 cannot hold: inputs beyond 65504), ``[B, H, T, s_n s]``."""
         x, kind, layer_idx, state = request.tokens, request.kind, request.layer, request.state
@@ -329,7 +329,7 @@ class CSRCodec(Codec, Calibrated, Stateful, PayloadValues):
         return Payload({"index": index.to(torch.int16).view(b, h, t, c * s),
                         "coefficient": stored_in(coefficient, torch.float16, request.range_checks).view(b, h, t, c * s)}, t)
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         """``D r`` (Eq. 12) of every coded vector, ``[B, H, T, D]`` in ``request.dtype``."""
         index, coefficient = payload.tensors["index"], payload.tensors["coefficient"]
         b, h, t, pairs = index.shape

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, Payload, Request, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, Payload, StreamPolicy, StreamRequest
 from kvcomp.codecs.registry import register
 
 
@@ -24,10 +24,10 @@ class FullPrecisionCodec(Codec):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(sinks=0, block_size=None, window=0)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         raise RuntimeError("the fp16 codec never encodes: its policy keeps every token in the tail")
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         raise RuntimeError("the fp16 codec never encodes, so there is nothing to decode")
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcomp.codecs.base import (
-    Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload, Request, StreamPolicy,
+    Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload, StreamPolicy, StreamRequest,
 )
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
@@ -113,7 +113,7 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
     def load_state(self, state: CodecState) -> None:
         self.stream_scales = StreamScales.from_tensors(state.tensors)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x = request.tokens.float()
         if self.config.scale == "tensor":
             codes = to_float8(x / self.stream_scales.get(request.layer, request.kind, x.device), self.dtype)
@@ -121,7 +121,7 @@ class FP8Codec(EngineFormatCodec, Calibrated, FusedPayload):
         scale = token_head_scale(x, float8_max(self.dtype))
         return Payload({"codes": to_float8(x * (1.0 / scale), self.dtype), "scale": scale}, x.shape[2])
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         values = from_float8(payload.tensors["codes"], self.dtype)
         scale = payload.tensors.get("scale")
         if scale is None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, ModelInfo, Payload,
-                                Request, StreamPolicy)
+                                StreamPolicy, StreamRequest)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
 from kvcomp.stages.centering import CENTERS, Offsets, fit_offsets
@@ -142,11 +142,11 @@ class HiggsCodec(Codec, Calibrated):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(self.config.sinks, self.config.buffer, 0)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x = self.offsets.remove(request.tokens, request.layer, request.kind)
         return Payload(self.tokens.encode(x, request.range_checks), request.tokens.shape[2])
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         return saturated(self.offsets.restore(self.tokens.decode(payload.tensors), request.layer, request.kind),
                          request.dtype)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomp.codecs.base import CodecConfig, FusedPayload, Payload, Request
+from kvcomp.codecs.base import CodecConfig, FusedPayload, Payload, StreamRequest
 from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, NonFiniteKVError
@@ -101,7 +101,7 @@ class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
                               hidden_zero=True)
         return RotatedReader(payload.num_tokens, d, inner, self._rotation(stored.device)[1])
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x = request.tokens.float()
         if self.config.bits == 8:
             scale = token_head_scale(x, 127.0)
@@ -119,7 +119,7 @@ class IntTokenHeadCodec(EngineFormatCodec, FusedPayload):
         codes = round_half_away(y * (1.0 / scale) + zero).clamp_(0, LEVELS4)
         return Payload({"codes": pack_bits(codes.to(torch.uint8), 4), "scale": hide_zero(scale, zero)}, x.shape[2])
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         codes, stored = payload.tensors["codes"], payload.tensors["scale"]
         if self.config.bits == 8:
             return saturated(codes.float() * stored, request.dtype)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, Request, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, StreamPolicy, StreamRequest
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
@@ -124,7 +124,7 @@ class KVarNCodec(Codec, FusedPayload):
         """``x H / sqrt(D)`` (float32): the rotation and its inverse."""
         return fwht(x.float() / math.sqrt(x.shape[-1]))
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         b, h, t, d = request.tokens.shape
         g, bits = self.config.tile, self.bits(request.kind)
         rotated, checks = self._rotate(request.tokens), request.range_checks
@@ -151,7 +151,7 @@ class KVarNCodec(Codec, FusedPayload):
                        "chan_scale": col_scale}
         return Payload({"codes": pack_bits(q.reshape(b, h, t, d), bits), **tensors}, t)
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         p, d, g = payload.tensors, self.model.head_dim, self.config.tile
         codes = unpack_bits(p["codes"], self.bits(request.kind), d).float()
         b, h, t, _ = codes.shape

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcomp.artifacts import write_json_atomic
-from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, Payload,
-                                Request, SequenceState, Stateful, StreamPolicy)
+from kvcomp.codecs.base import (KINDS, Activations, CacheStatistics, Calibrated, Codec, CodecConfig, CodecState, ModelRequest,
+                                Payload, SequenceState, Stateful, StreamPolicy)
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, DamagedPayloadError, NonFiniteKVError, unknown_choice
 from kvcomp.paths import cache_dir
@@ -285,7 +285,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
         """The target: 16 bits over the ratio (mean of K and V)."""
         return sum(16 / self.ratio(kind) for kind in KINDS) / len(KINDS)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: ModelRequest) -> Payload:
         """The block's first :meth:`fp8_sinks` tokens in FP8 (``sink.key`` / ``sink.value`` codes ``[B, L, H, s, d]``
         and fp16 scales), the others PCA-coded: one DEFLATE stream (``deflate_scope=sequence``: the next segment of
         the sequence's stream, and the block's first position, ``position [B]``) per batch row, cache and layer group."""
@@ -369,7 +369,7 @@ class KVTCCodec(Codec, Calibrated, Stateful):
                 except DamagedPayloadError as error:
                     raise ValueError(f"the {name} stream of row {row}: {error}") from error
 
-    def decode(self, payload: Payload, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, payload: Payload, request: ModelRequest) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``request.layer`` of a block: its FP8 sinks, then its columns of the PCA reconstruction (K18). A
         block's coefficients are inflated and dequantized once, at its first layer, and kept until the group's
         last layer has read them (transient working memory: the coefficients of the blocks decoded in one pass)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomp.codecs.base import Activations, Calibrated, CodecConfig, CodecState, FusedPayload, Payload, Request
+from kvcomp.codecs.base import Activations, Calibrated, CodecConfig, CodecState, FusedPayload, Payload, StreamRequest
 from kvcomp.codecs.fp8 import EngineFormatCodec
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError, unknown_choice
@@ -95,14 +95,14 @@ class NVFP4Codec(EngineFormatCodec, Calibrated, FusedPayload):
         self.stream_scales = StreamScales.from_tensors(state.tensors)
         self.levels = {}
 
-    def _global(self, request: Request, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    def _global(self, request: StreamRequest, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """``(g, 1/g)`` of the request's layer and stream (``1/g`` is 1 where ``g`` is 0, as vLLM's writer)."""
         g = self.stream_scales.get(request.layer, request.kind, device)
         if isinstance(g, float):
             return g, 1.0 / g
         return g, torch.where(g == 0, 1.0, 1.0 / g)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x = request.tokens.float()
         b, h, t, d = x.shape
         _, inv_g = self._global(request, x.device)
@@ -126,7 +126,7 @@ class NVFP4Codec(EngineFormatCodec, Calibrated, FusedPayload):
         output_scale = torch.where(scale == 0, 0.0, inv_g / scale)
         return scales, e2m1_codes((blocks * output_scale).clamp(-E2M1_MAX, E2M1_MAX))
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         codes, scales = payload.tensors["codes"], payload.tensors["scales"]
         b, h, t, _ = codes.shape
         d = self.model.head_dim

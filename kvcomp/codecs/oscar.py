@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
-                                Request, StreamPolicy)
+                                StreamPolicy, StreamRequest)
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, NonFiniteKVError, unknown_choice
@@ -169,7 +169,7 @@ class OscarCodec(Codec, Calibrated, FusedPayload):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(self.config.sinks, self.config.flush_block, self.config.window)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x = request.tokens
         rotated = x.float() @ self.rotation(request.layer, request.kind, x.device)
         if not range_fits(torch.isfinite(rotated).all(), request.range_checks):
@@ -178,7 +178,7 @@ class OscarCodec(Codec, Calibrated, FusedPayload):
         clipped = clip_rows(rotated, getattr(self.config, f"{request.kind}_clip_ratio"))
         return Payload(self.quantizer.encode(clipped, request.range_checks), num_tokens=x.shape[2])
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         rotated = self.quantizer.decode(payload.tensors, self.model.head_dim, torch.float32)
         r = self.rotation(request.layer, request.kind, rotated.device)
         return saturated(rotated @ r.transpose(-1, -2), request.dtype)

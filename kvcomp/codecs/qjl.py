@@ -39,7 +39,7 @@ from functools import cached_property
 import torch
 
 from kvcomp.codecs.base import (Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
-                                PayloadScores, Request, StreamPolicy)
+                                PayloadScores, StreamPolicy, StreamRequest)
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
@@ -191,7 +191,7 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
     def norm_dtype(self) -> torch.dtype:
         return PARAM_DTYPES[self.config.norm_dtype]
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x = request.tokens
         if request.kind == "value":
             return Payload(self.value_quantizer.encode(x, request.range_checks), num_tokens=x.shape[2])
@@ -224,7 +224,7 @@ class QJLCodec(Codec, Calibrated, FusedPayload, PayloadScores):
             projection_columns=sketch.columns_on(p["signs"].device),
         )
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         """Values: dequantized. Keys: ``k_hat`` (module docstring), whose logits equal the estimator's."""
         if request.kind == "value":
             return self.value_quantizer.decode(payload.tensors, self.model.head_dim, request.dtype)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from kvcomp.codecs.base import (KINDS, Activations, Calibrated, Codec, CodecConfig, CodecState, FusedPayload, Payload,
-                                Request, StreamPolicy)
+                                StreamPolicy, StreamRequest)
 from kvcomp.codecs.registry import register
 from kvcomp.codecs.uniform import PARAM_DTYPES
 from kvcomp.errors import ConfigError, unknown_choice
@@ -184,13 +184,13 @@ class RotatedCodec(Codec, Calibrated, FusedPayload):
             return StreamPolicy(block_size=None)
         return StreamPolicy(sinks=0, block_size=1, window=0)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         x = request.tokens
         if request.kind == "value":
             x = self.offsets.remove(x, request.layer, "value")
         return Payload(self.coders[request.kind].encode(x, request.range_checks), num_tokens=request.tokens.shape[2])
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         x = self.coders[request.kind].decode(payload.tensors)
         if request.kind == "value":
             x = self.offsets.restore(x, request.layer, "value")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, Request, StreamPolicy
+from kvcomp.codecs.base import Codec, CodecConfig, FusedPayload, Payload, StreamPolicy, StreamRequest
 from kvcomp.codecs.registry import register
 from kvcomp.errors import ConfigError
 from kvcomp.kernels.formats import UniformReader
@@ -67,11 +67,11 @@ class UniformCodec(Codec, FusedPayload):
     def policy(self, kind: str, layer_idx: int) -> StreamPolicy:
         return StreamPolicy(self.config.sinks, self.quantizers[kind].block_multiple, self.config.window)
 
-    def encode(self, request: Request) -> Payload:
+    def encode(self, request: StreamRequest) -> Payload:
         return Payload(self.quantizers[request.kind].encode(request.tokens, request.range_checks),
                        num_tokens=request.tokens.shape[2])
 
-    def decode(self, payload: Payload, request: Request) -> torch.Tensor:
+    def decode(self, payload: Payload, request: StreamRequest) -> torch.Tensor:
         return self.quantizers[request.kind].decode(payload.tensors, self.model.head_dim, request.dtype)
 
     def code_bits_per_value(self, kind: str, layer_idx: int) -> float:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcomp.kernels.decode_plan import DecodeStep
+from kvcomp.kernels.decode_plan import DecodePlans
 from kvcomp.kernels.formats import PayloadReader, RotaryPositions, Segment
 from kvcomp.kernels.valid_tokens import ValidTokens
 
@@ -93,11 +93,11 @@ def decode_attention(
     key_rope: RotaryPositions | None = None,
     backend: str = "torch",
     num_splits: int | None = None,
-    step: DecodeStep | None = None,
+    step: DecodePlans | None = None,
 ) -> torch.Tensor:
     """:func:`decode_attention_reference` (``backend="torch"``) or the Triton kernels (``"triton"``).
     ``valid`` covers exactly the cached tokens (``[B, L]``, or the step's :class:`ValidTokens`); ``step``: the
-    forward's :class:`~kvcomp.kernels.decode_plan.DecodeStep` (the kernels' plan and workspace)."""
+    forward's :class:`~kvcomp.kernels.decode_plan.DecodePlans` (the kernels' plan and workspace)."""
     if isinstance(valid, torch.Tensor):
         valid = ValidTokens(valid)
     if backend == "triton":

@@ -79,7 +79,7 @@ from kvcomp.kernels import decode_plan
 from kvcomp.kernels import valid_tokens
 from kvcomp.kernels.valid_tokens import ValidTokens
 from kvcomp.kernels.decode_graphs import DecodeGraphs
-from kvcomp.kernels.decode_plan import DecodeStep
+from kvcomp.kernels.decode_plan import DecodePlans
 from kvcomp.kernels.formats import CallQuery, PayloadReader, RotaryPositions, Segment, segment_length
 from kvcomp.kernels.formats.base import Strided, stored, unrotated
 from kvcomp.kernels.formats.kernels_triton import kernel_format, residual_format
@@ -720,7 +720,7 @@ class CallSetup:
         return self.keys.pieces, self.values.pieces
 
 
-def call_setup(query, key_segments, value_segments, valid, step: DecodeStep, region: int = 0, key_rope=None,
+def call_setup(query, key_segments, value_segments, valid, step: DecodePlans, region: int = 0, key_rope=None,
                num_splits=None, block_tokens=None, dot=None, num_warps=None, operands=None, key_offset=None,
                key_residual=None) -> CallSetup:
     """The part of :func:`decode_launches` done per call whether or not its launches are built (its options as
@@ -800,7 +800,7 @@ def decode_launches(
     operands: str | None = None,
     key_offset: tuple[torch.Tensor | None, torch.Tensor, RotaryPositions] | None = None,
     key_residual: tuple[torch.Tensor | None, torch.Tensor, PayloadReader] | None = None,
-    step: DecodeStep | None = None,
+    step: DecodePlans | None = None,
     region: int = 0,
     registers: int | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
@@ -819,11 +819,11 @@ def decode_launches(
     ``key_residual``: ``(rotation, S, signs)`` of encoded keys plus the sign sketch of their residual (TurboQuant-prod),
     whose score against ``y = S q`` the kernel adds. Both against the model's query ``q``: ``query rotation``, where
     ``query`` here is rotated with the payload by ``rotation^T``, else ``query`` (derived per call: ``CallQuery``).
-    ``step``: the forward's :class:`~kvcomp.kernels.decode_plan.DecodeStep` (its plan, made once for every layer,
+    ``step``: the forward's :class:`~kvcomp.kernels.decode_plan.DecodePlans` (its plan, made once for every layer,
     and its workspace, whose scratch region ``region`` takes the partial outputs; default: a step of its own).
     Only the slice counts depend on
     the device (its multiprocessors): ``tools/kernel_resources.py`` compiles the launches of CPU tensors for sm_90."""
-    step = step or DecodeStep()
+    step = step or DecodePlans()
     setup = call_setup(query, key_segments, value_segments, valid, step, region, key_rope, num_splits, block_tokens, dot,
                        num_warps, operands, key_offset, key_residual)
     if setup.plan.slots == 0:
@@ -975,7 +975,7 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
     b, hq, d = query.shape
     partials, lses, merged, sliced = [], [], None, None
     with launch_device(query.device):
-        step = step or DecodeStep()
+        step = step or DecodePlans()
         for region, group in enumerate(launch_groups(query, key_segments, value_segments, valid, key_rope, options)):
             setup = _group_partials(group, scale, step, region)
             if setup is None:  # nothing of this group cached
@@ -1006,7 +1006,7 @@ def _with_payload_group(query, key_segments, value_segments, scale, valid, key_r
     return out
 
 
-def _group_partials(group: LaunchGroup, scale: float, step: DecodeStep, region: int) -> CallSetup | None:
+def _group_partials(group: LaunchGroup, scale: float, step: DecodePlans, region: int) -> CallSetup | None:
     """Run a launch group's split launches into the step's scratch region ``region`` (replayed from a CUDA graph where
     the step's workspace captures them); returns the group's setup (its partial outputs, log-sum-exps and plan), or
     ``None`` where the group has nothing cached."""

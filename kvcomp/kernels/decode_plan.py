@@ -3,8 +3,8 @@ layer, a caller-owned workspace).
 
 - :func:`plan_decode`: which split launches a step needs and how many slices each gets, from the segments'
   token bounds alone (every layer of a step has the same ones);
-- :class:`DecodeStep`: one model forward's plans, made by the first layer that asks and reused by the others
-  (:class:`~kvcomp.cache.step.Step` holds one), and the workspace they run in;
+- :class:`DecodePlans`: one model forward's plans, made by the first layer that asks and reused by the others
+  (:class:`~kvcomp.cache.context.Step` holds one), and the workspace they run in;
 - :class:`DecodeWorkspace`: the split kernels' partial outputs and log-sum-exps, owned across layers and steps
   (:class:`~kvcomp.cache.attention.Installation` holds one per model), so that a decode step allocates no scratch.
 
@@ -188,7 +188,7 @@ class DecodeWorkspace:
 
 
 @dataclass
-class DecodeStep:
+class DecodePlans:
     """One model forward's decode plans, by their inputs (:func:`plan_decode`'s arguments): the step's first layer
     plans, the others find the plan here, with its rows of bounds on the device (copied once per step); and the
     :class:`DecodeWorkspace` they run in (a fresh one by default: scratch allocated for this step only)."""

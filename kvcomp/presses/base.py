@@ -33,7 +33,7 @@ HEAD_BUDGETS = ("uniform", "adakv")
 class Prefill:
     """What a press sees of one layer's prefill: ``query [B, Hq, n, D]`` and ``keys``/``values [B, H, n, D]`` (both after
     RoPE, as attention received them); ``rope`` the cos/sin ``[B or 1, n, D]`` the model applied, and ``rotary`` its
-    fixed RoPE frequencies (:class:`~kvcomp.cache.step.Rotary`; None where they change with the length), for
+    fixed RoPE frequencies (:class:`~kvcomp.cache.context.Rotary`; None where they change with the length), for
     presses that reason about queries before RoPE or at future positions."""
 
     query: torch.Tensor

@@ -4,9 +4,9 @@ reconstructions that saturate instead of becoming Inf, and the range checks a ca
 A codec stores a scale or norm in a 16-bit dtype (float16: at most 65504) as the papers count it; an input
 beyond that range keeps that block's field in float32 (:func:`stored_in`): the cache's measured bytes grow
 accordingly, ``bits_per_value`` stays the nominal count. Every encode gets ``range_checks`` from its request
-(:class:`~kvcomp.codecs.base.Request`): None checks on the host at once; a list (a cache with
-``check_finite="deferred"``) keeps the field in the 16-bit dtype and gets the device bool saying whether it fits,
-which the cache reads one forward later (no host sync per encode).
+(:class:`~kvcomp.codecs.base.Request`, the base of every scope's request type): None checks on the host at once;
+a list (a cache with ``check_finite="deferred"``) keeps the field in the 16-bit dtype and gets the device bool
+saying whether it fits, which the cache reads one forward later (no host sync per encode).
 """
 
 import torch

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache, install
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import ConfigError, NonFiniteKVError
 from kvcomp.stages.rope import apply_rope, rotate_half, undo_rope
 from tests.helpers import info_of
@@ -296,9 +296,9 @@ def test_decoded_blocks_equal_decoding_the_whole_payload(tiny_llama, schedule):
     tiny_llama.generate(_ids(length=21), max_new_tokens=30, do_sample=False, past_key_values=cache, pad_token_id=0)
     layer = cache.layers[1]
     for stream in (layer.key_stream, layer.value_stream):
-        whole = codec.decode(stream.payload, Request(1, stream.kind, dtype=torch.float32))
+        whole = codec.decode(stream.payload, StreamRequest(1, stream.kind, dtype=torch.float32))
         if stream.rotation.pre_rope:
             lo, hi = stream.num_sinks, stream.num_sinks + stream.num_encoded
             whole = apply_rope(whole, *layer.positions.rope(lo, hi - lo))
-        stream.parts()  # the torch path's read: every block decoded once, into the stream's decoded copy
+        stream.pieces()  # the torch path's read: every block decoded once, into the stream's decoded copy
         assert torch.allclose(stream.decoded.view, whole, atol=1e-6)

@@ -184,7 +184,7 @@ def test_decode_steps_equal_attention_with_the_evicted_tokens_masked(one_layer_l
     assert layer.parts[0].evicted == 20 and layer.key_stream.length == 20 + 3 and cache.get_seq_length() == 43
     reference = DynamicCache(config=model.config)
     logits = [model(ids, past_key_values=reference, use_cache=True).logits[:, -1]]
-    held = torch.cat([t for t in layer.key_stream.parts() if t.shape[2]], dim=2)[0, 0, :20]  # the kept prompt keys
+    held = torch.cat([t for t in layer.key_stream.pieces() if t.shape[2]], dim=2)[0, 0, :20]  # the kept prompt keys
     prompt_keys = reference.layers[0].keys[0, 0]
     kept = (held[:, None] == prompt_keys[None]).all(-1).any(0)  # which prompt tokens the layer holds
     assert kept.sum() == 20

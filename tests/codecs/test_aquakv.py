@@ -8,7 +8,7 @@ import torch
 
 from kvcomp.codecs import ModelInfo, build_codec
 from kvcomp.codecs.aquakv import tokens_major
-from kvcomp.codecs.base import Activations, Request
+from kvcomp.codecs.base import Activations, LayerRequest, StreamRequest
 from kvcomp.codecs.higgs import higgs_group
 from kvcomp.stages.grids import grid_mse, lloyd_grid, nearest
 from kvcomp.stages.hadamard import fwht
@@ -139,7 +139,7 @@ def test_bits_follow_the_paper_and_the_measured_bytes():
         higgs = build_codec({"name": "higgs", "bits": bits}, llama3b)
         assert higgs.bits_per_value() == pytest.approx(bits + 16 / 1024)
         x = torch.randn(1, 8, 5, 128)
-        assert higgs.encode(Request(3, "key", tokens=x)).nbytes * 8 / x.numel() == pytest.approx(higgs.bits_per_value())
+        assert higgs.encode(StreamRequest(3, "key", tokens=x)).nbytes * 8 / x.numel() == pytest.approx(higgs.bits_per_value())
     aqua = build_codec({"name": "aquakv", "bits": 2}, llama3b)
     assert aqua.bits_per_value() == pytest.approx((4.015625 + 27 * 2.015625) / 28)
     assert round(aqua.bits_per_value(), 2) == 2.09
@@ -158,12 +158,12 @@ def test_layer_scope_round_trip_decodes_what_encode_reconstructed(tiny_llama):
     x = [torch.randn(2, 2, 12, 16) for _ in range(4)]
     encoded, previous = [], None
     for layer in range(2):
-        enc = codec.encode(Request(layer, keys=x[2 * layer], values=x[2 * layer + 1], previous=previous))
+        enc = codec.encode(LayerRequest(layer, keys=x[2 * layer], values=x[2 * layer + 1], previous=previous))
         encoded.append(enc)
         previous = (enc.keys, enc.values)
     previous = None
     for layer, enc in enumerate(encoded):
-        keys, values = codec.decode((enc.key, enc.value), Request(layer, previous=previous, dtype=torch.float32))
+        keys, values = codec.decode((enc.key, enc.value), LayerRequest(layer, previous=previous, dtype=torch.float32))
         assert torch.equal(keys, enc.keys) and torch.equal(values, enc.values)
         previous = (keys, values)
     relative = (encoded[1].keys - x[2]).norm() / x[2].norm()

@@ -10,7 +10,7 @@ from kvcomp.cache import CompressedCache, install
 from kvcomp.cache.offload import restore, store
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.codecs import build_codec
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import ConfigError
 from kvcomp.stages.ridge import RidgeFit
 from kvcomp.stages.rope import apply_rope
@@ -225,7 +225,7 @@ def test_center_rotates_the_key_offset_to_each_position(offset_qwen, config):
     cos, sin = offset_qwen.model.rotary_emb(exact, torch.arange(56)[None].expand(2, -1))
     bias = offset_qwen.model.layers[layer].self_attn.k_proj.bias.view(info.num_kv_heads, info.head_dim)
     rotated = apply_rope(bias[None, :, None].expand(2, -1, 56, -1), cos, sin)
-    request = Request(layer=layer, kind="key", tokens=exact - rotated, dtype=torch.float32)
+    request = StreamRequest(layer=layer, kind="key", tokens=exact - rotated, dtype=torch.float32)
     expected = rotated + codec.decode(codec.encode(request), request)
     torch.testing.assert_close(stream.materialize(), expected, rtol=1e-5, atol=1e-5)
 

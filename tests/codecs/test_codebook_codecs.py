@@ -8,7 +8,7 @@ from kvcomp.cache import CompressedCache
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.calibration.collect import collect_kv
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.config import CalibrationConfig
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.stages.rope import apply_rope
@@ -26,7 +26,7 @@ def calibration_windows(seed=0):
 
 
 def stream_error(codec, x, kind="key", layer=0):
-    decoded = codec.decode(codec.encode(Request(layer, kind, tokens=x)), Request(layer, kind, dtype=torch.float32))
+    decoded = codec.decode(codec.encode(StreamRequest(layer, kind, tokens=x)), StreamRequest(layer, kind, dtype=torch.float32))
     return (decoded - x).square().mean().item()
 
 
@@ -111,10 +111,10 @@ def test_outliers_are_restored_exactly(tiny_llama):
     codec = fitted(tiny_llama, "channelkv", bits=1, outliers=0.05)
     x = torch.randn(1, 2, 8, 16)
     x[0, 1, 3, 5] = 60.0
-    decoded = codec.decode(codec.encode(Request(0, "value", tokens=x)), Request(0, "value", dtype=torch.float32))
+    decoded = codec.decode(codec.encode(StreamRequest(0, "value", tokens=x)), StreamRequest(0, "value", dtype=torch.float32))
     assert decoded[0, 1, 3, 5] == 60.0
     plain = fitted(tiny_llama, "channelkv", bits=1)
-    assert plain.decode(plain.encode(Request(0, "value", tokens=x)), Request(0, "value", dtype=torch.float32))[0, 1, 3, 5] < 30
+    assert plain.decode(plain.encode(StreamRequest(0, "value", tokens=x)), StreamRequest(0, "value", dtype=torch.float32))[0, 1, 3, 5] < 30
 
 
 def test_hybrid_preset_and_auto(tiny_llama):
@@ -142,7 +142,7 @@ def test_artifacts_are_reused_shared_across_outlier_settings_and_checked(tiny_ll
     report = calibrate(second, calibration, data(second))
     assert report["reused"] is True  # outliers (not clamped) and sinks do not change the codebooks
     x = torch.randn(1, 2, 16, 16)
-    request = Request(1, "key", tokens=x)
+    request = StreamRequest(1, "key", tokens=x)
     assert torch.equal(first.encode(request).tensors["codes"], second.encode(request).tensors["codes"])
     kvquant = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5}, info)
     kvquant_outliers = build_codec({"name": "kvquant", "bits": 2, "kmeans_iters": 5, "outliers": 0.01}, info)
@@ -168,7 +168,7 @@ def test_bad_configurations_are_clear_errors():
     with pytest.raises(ConfigError, match="calibrate first"):
         build_codec({"name": "temporalkv"}, info).policy("key", 0)
     with pytest.raises(ConfigError, match="no calibration state"):
-        build_codec({"name": "channelkv"}, info).encode(Request(0, "key", tokens=torch.zeros(1, 2, 4, 16)))
+        build_codec({"name": "channelkv"}, info).encode(StreamRequest(0, "key", tokens=torch.zeros(1, 2, 4, 16)))
 
 
 def test_too_little_calibration_data_is_a_clear_error(tiny_llama):

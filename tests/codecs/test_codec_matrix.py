@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import CODECS, ModelInfo, expected_cache_bits, keeps_state
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import LayerRequest, ModelRequest, StreamRequest
 from kvcomp.errors import CalibrationMismatchError
 from tests.codec_matrix import MATRIX, make_codec
 
@@ -70,15 +70,15 @@ def _layer1_round_trip(codec, x):
     """Layer 1's decoded keys and values of ``x`` (a layer-scope codec is given layer 0's reconstruction, a
     model-scope one every layer's block)."""
     if codec.scope == "layer":
-        previous = codec.encode(Request(0, keys=x, values=x))
+        previous = codec.encode(LayerRequest(0, keys=x, values=x))
         handed = previous.keys, previous.values
-        encoded = codec.encode(Request(1, keys=x, values=-x, previous=handed))
-        return codec.decode((encoded.key, encoded.value), Request(1, previous=handed, dtype=torch.float32))
+        encoded = codec.encode(LayerRequest(1, keys=x, values=-x, previous=handed))
+        return codec.decode((encoded.key, encoded.value), LayerRequest(1, previous=handed, dtype=torch.float32))
     if codec.scope == "model":
         layers = range(codec.model.num_layers)
-        payload = codec.encode(Request(keys=[x * (i + 1) for i in layers], values=[-x * (i + 1) for i in layers]))
-        return codec.decode(payload, Request(1, dtype=torch.float32))
-    return [codec.decode(codec.encode(Request(1, kind, tokens=y)), Request(1, kind, dtype=torch.float32))
+        payload = codec.encode(ModelRequest(keys=[x * (i + 1) for i in layers], values=[-x * (i + 1) for i in layers]))
+        return codec.decode(payload, ModelRequest(1, dtype=torch.float32))
+    return [codec.decode(codec.encode(StreamRequest(1, kind, tokens=y)), StreamRequest(1, kind, dtype=torch.float32))
             for y, kind in ((x, "key"), (-x, "value"))]
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvcomp.codecs import CODECS, CodecConfig, CodecState, ModelInfo, build_codec, expected_cache_bits
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 
 MODEL = ModelInfo(name="tiny", num_layers=2, num_kv_heads=3, head_dim=64)
@@ -26,11 +26,11 @@ def _block(codec, kind, blocks=2, batch=2, seed=0):
 def test_encode_decode_contract(config, kind):
     codec = build_codec(config, MODEL)
     x = _block(codec, kind)
-    payload = codec.encode(Request(0, kind, tokens=x))
+    payload = codec.encode(StreamRequest(0, kind, tokens=x))
     assert payload.tensors["codes"].dtype == torch.uint8  # real packed storage
     assert payload.num_tokens == x.shape[2]
     assert all(t.shape[2] in (x.shape[2], x.shape[2] // codec.config.group_size) for t in payload.tensors.values())
-    x_hat = codec.decode(payload, Request(0, kind, dtype=torch.float32))
+    x_hat = codec.decode(payload, StreamRequest(0, kind, dtype=torch.float32))
     assert x_hat.shape == x.shape
     # round-to-nearest: error at most half a step (+ fp16 rounding of the parameters)
     step = payload.tensors["scale"].float().max()
@@ -44,8 +44,8 @@ def test_payloads_concatenate_like_one_block(kind):
     codec = build_codec({"name": "kivi", "bits": 2, "group_size": 8, "residual_length": 16}, MODEL)
     x = _block(codec, kind, blocks=2)
     half = x.shape[2] // 2
-    joined = codec.encode(Request(0, kind, tokens=x[:, :, :half])).concat(codec.encode(Request(0, kind, tokens=x[:, :, half:])))
-    whole = codec.encode(Request(0, kind, tokens=x))
+    joined = codec.encode(StreamRequest(0, kind, tokens=x[:, :, :half])).concat(codec.encode(StreamRequest(0, kind, tokens=x[:, :, half:])))
+    whole = codec.encode(StreamRequest(0, kind, tokens=x))
     assert joined.num_tokens == whole.num_tokens
     for name in whole.tensors:
         assert torch.equal(joined.tensors[name], whole.tensors[name])
@@ -56,7 +56,7 @@ def test_more_bits_less_error():
     for bits in (1, 2, 4, 8):
         codec = build_codec({"name": "uniform", "bits": bits, "group_size": 32}, MODEL)
         x = _block(codec, "key", blocks=16)
-        errors.append((codec.decode(codec.encode(Request(0, "key", tokens=x)), Request(0, "key", dtype=torch.float32)) - x).pow(2).mean())
+        errors.append((codec.decode(codec.encode(StreamRequest(0, "key", tokens=x)), StreamRequest(0, "key", dtype=torch.float32)) - x).pow(2).mean())
     assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-3 * errors[0]
 
 

@@ -6,7 +6,7 @@ import time
 import torch
 
 from kvcomp.calibration import artifact_path, calibrate
-from kvcomp.codecs import Calibrated, Codec, CodecConfig, CodecState, ModelInfo, StreamPolicy
+from kvcomp.codecs import Calibrated, Codec, CodecConfig, CodecState, ModelInfo, StreamPolicy, StreamRequest
 from kvcomp.config import CalibrationConfig
 
 
@@ -19,10 +19,10 @@ class SlowCodec(Codec, Calibrated):
     def policy(self, kind, layer_idx):
         return StreamPolicy()
 
-    def encode(self, request):
+    def encode(self, request: StreamRequest):
         raise NotImplementedError("only calibrated here")
 
-    def decode(self, payload, request):
+    def decode(self, payload, request: StreamRequest):
         raise NotImplementedError("only calibrated here")
 
     def fit(self, activations):

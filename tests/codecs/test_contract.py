@@ -7,7 +7,7 @@ import torch
 
 from kvcomp.cache import CompressedCache
 from kvcomp.cache.accounting import layer_bytes
-from kvcomp.codecs.base import ModelInfo, Request, StreamPolicy
+from kvcomp.codecs.base import LayerRequest, ModelInfo, StreamPolicy
 from kvcomp.errors import ConfigError
 from kvcomp.stages.rope import apply_rope
 from tests.helpers import held_bytes, info_of
@@ -66,9 +66,9 @@ def test_layer_scope_prediction_matters(tiny_llama):
     payloads = layer.key_stream.store.block(key_block), layer.value_stream.store.block(value_block)
     first = cache.layers[0]
     k0, v0 = codec.decode((first.key_stream.store.block(first.parts[0].schedule.blocks[2][0]),
-                           first.value_stream.store.block(first.parts[0].schedule.blocks[2][1])), Request(0, dtype=torch.float32))
-    right = codec.decode(payloads, Request(1, previous=(k0, v0), dtype=torch.float32))
-    wrong = codec.decode(payloads, Request(1, previous=(torch.zeros_like(k0), v0), dtype=torch.float32))
+                           first.value_stream.store.block(first.parts[0].schedule.blocks[2][1])), LayerRequest(0, dtype=torch.float32))
+    right = codec.decode(payloads, LayerRequest(1, previous=(k0, v0), dtype=torch.float32))
+    wrong = codec.decode(payloads, LayerRequest(1, previous=(torch.zeros_like(k0), v0), dtype=torch.float32))
     assert not torch.allclose(right[0], wrong[0], atol=1e-3)
     # what attention read for that block: the right reconstruction, re-rotated (pre-RoPE keys)
     n = key_block.count

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.codecs.base import Request, Unit, values_from_payload
+from kvcomp.codecs.base import StreamRequest, Unit, values_from_payload
 from kvcomp.errors import ConfigError
 from kvcomp.stages.layer_merging import PAPER_GROUPS, jensen_shannon, layer_divergence, merge_layers
 from kvcomp.stages.neuraldict import DictTraining, diversity_loss, pursuit_loss, relative_mse, train_dictionaries
@@ -208,15 +208,15 @@ def test_guard_atoms_code_outliers_exactly(tiny_llama):
     x = torch.randn(1, codec.model.num_kv_heads, 20, codec.model.head_dim, generator=torch.Generator().manual_seed(2))
     state = codec.init_state(Unit(0, "key"), {(0, "key"): x})
     assert state.tensors["bank"].abs().sum() == 0 and state.tensors["guard_used"].sum() == 0
-    payload = codec.encode(Request(0, "key", tokens=x, state=state))
+    payload = codec.encode(StreamRequest(0, "key", tokens=x, state=state))
     used = state.tensors["guard_used"]
     assert (used == 2).all()  # the 2 worst of 20 (above the 0.9 quantile)
-    hat = codec.decode(payload, Request(0, "key", state=state, dtype=torch.float32))
+    hat = codec.decode(payload, StreamRequest(0, "key", state=state, dtype=torch.float32))
     error = (hat - x).square().sum(-1) / x.square().sum(-1)
     exact = error < 1e-5
     assert (exact.sum(-1) >= 2).all()
     assert (payload.tensors["index"][..., 0][exact] >= codec.offline_atoms).all()  # coded by their guard atom
-    payload = codec.encode(Request(0, "key", tokens=x[:, :, :1] * 50 + 3, state=state))  # decoding: more outliers, bank keeps filling
+    payload = codec.encode(StreamRequest(0, "key", tokens=x[:, :, :1] * 50 + 3, state=state))  # decoding: more outliers, bank keeps filling
     assert (state.tensors["guard_used"] <= 4).all() and (state.tensors["guard_used"] >= 2).all()
 
 

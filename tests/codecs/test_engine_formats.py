@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import Activations, ModelInfo, build_codec, expected_cache_bits, needs_calibration
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.codecs.int_token_head import rht_signs
 from kvcomp.errors import ConfigError
 from kvcomp.stages.hadamard import fwht
@@ -19,8 +19,8 @@ MODEL = ModelInfo("m", num_layers=2, num_kv_heads=2, head_dim=64)
 
 
 def _round_trip(codec, x, layer=0, kind="key"):
-    payload = codec.encode(Request(layer, kind, tokens=x))
-    return payload, codec.decode(payload, Request(layer, kind, dtype=torch.float32))
+    payload = codec.encode(StreamRequest(layer, kind, tokens=x))
+    return payload, codec.decode(payload, StreamRequest(layer, kind, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("fmt, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])

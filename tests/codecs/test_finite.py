@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcomp.cache import CompressedCache
 from kvcomp.cache.layer import CompressedLayer
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import NonFiniteKVError
 from tests.codec_matrix import MATRIX, make_codec
 from tests.helpers import build_tiny
@@ -52,7 +52,7 @@ def models():
 def _feed(model, cache, magnitude, layers=None, forwards=2):
     """Run ``forwards`` forwards (a 40-token prompt, then single tokens) whose K/V reaching the layers in
     ``layers`` (None: all) are replaced by uniform draws in ``[-magnitude, magnitude]``; returns those K/V per layer."""
-    fed, original = {}, CompressedLayer.update_in_step
+    fed, original = {}, CompressedLayer.update_in_context
 
     def replaced(self, key_states, value_states, step, query=None):
         if layers is None or self.layer_idx in layers:
@@ -63,7 +63,7 @@ def _feed(model, cache, magnitude, layers=None, forwards=2):
         return original(self, key_states, value_states, step, query)
 
     ids = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(0))
-    with mock.patch.object(CompressedLayer, "update_in_step", replaced), torch.no_grad():
+    with mock.patch.object(CompressedLayer, "update_in_context", replaced), torch.no_grad():
         model(ids, past_key_values=cache)
         for _ in range(forwards - 1):
             model(ids[:, :1], past_key_values=cache)
@@ -145,7 +145,7 @@ def test_float32_norms_are_scored_alike_by_the_triton_kernel_and_torch(codecs):
     pytest.importorskip("triton")
     codec = codecs("qjl")
     keys = (torch.rand(1, 2, 8, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 1e5
-    payload = codec.encode(Request(1, "key", tokens=keys))
+    payload = codec.encode(StreamRequest(1, "key", tokens=keys))
     assert payload.tensors["inlier_norm"].dtype == torch.float32
     query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
     reference = codec.payload_scores(query, payload, 1, "torch")

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import ConfigError
 from kvcomp.stages.sinkhorn import LOG_SCALE_CLIP, imbalance, variance_normalize
 from tests.helpers import info_of
@@ -65,7 +65,7 @@ def _codec(head_dim=128, **config):
 
 
 def _encode(codec, kind, x):
-    return codec.encode(Request(layer=0, kind=kind, tokens=x))
+    return codec.encode(StreamRequest(layer=0, kind=kind, tokens=x))
 
 
 def test_a_k4v2_tile_holds_the_reference_record_bytes():
@@ -102,7 +102,7 @@ def test_the_normalisation_absorbs_an_outlier_token():
     errors = {}
     for iters in (0, 16):  # 0: Hadamard and per-channel RTN only
         codec = _codec(64, sinkhorn_iters=iters)
-        y = codec.decode(_encode(codec, "key", x), Request(layer=0, kind="key", dtype=torch.float32))
+        y = codec.decode(_encode(codec, "key", x), StreamRequest(layer=0, kind="key", dtype=torch.float32))
         errors[iters] = ((y - x)[..., others, :].norm() / x[..., others, :].norm()).item()
     assert errors[16] < errors[0] / 4, errors
 

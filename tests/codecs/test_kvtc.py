@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcomp.cache import CompressedCache
-from kvcomp.codecs.base import Request, keeps_state, needs_calibration
+from kvcomp.codecs.base import ModelRequest, keeps_state, needs_calibration
 from kvcomp.codecs.kvtc import packed_stream_nbytes
 from kvcomp.stages.transform_coding import decode_rows, encode_rows, inflate
 from tests.codec_matrix import make_codec
@@ -26,7 +26,7 @@ def test_plans_meet_the_budget_and_payloads_are_the_deflated_plan_streams(tiny_l
     for plan in codec.plans.values():
         assert 0 < plan.bits <= codec.budget_bits("key")
     keys, values = _kv()
-    payload = codec.encode(Request(keys=keys, values=values, encoded_before=codec.config.sinks))  # a block after the sinks
+    payload = codec.encode(ModelRequest(keys=keys, values=values, encoded_before=codec.config.sinks))  # a block after the sinks
     assert payload.nbytes == sum(row.numel() for rows in payload.ragged.values() for row in rows)
     plan = codec.plans["key", 0]
     stream = inflate(payload.ragged["key.0"][1].numpy().tobytes(), packed_stream_nbytes(plan, 8))  # row 1: 8 tokens
@@ -34,7 +34,7 @@ def test_plans_meet_the_budget_and_payloads_are_the_deflated_plan_streams(tiny_l
     rounding = 8 * len(plan.groups)  # each group's packed codes are rounded up to whole bytes
     assert abs(stream.numel() * 8 - 8 * plan.bits) <= rounding
     whole = codec.pca["key", 0].reconstruct(decode_rows(stream, plan, 8))  # [8, p]: every layer
-    k1, _ = codec.decode(payload, Request(1, dtype=torch.float32))  # layer 1 alone, from its columns
+    k1, _ = codec.decode(payload, ModelRequest(1, dtype=torch.float32))  # layer 1 alone, from its columns
     torch.testing.assert_close(k1[1], whole[:, codec.width:2 * codec.width].view(8, 2, 16).transpose(0, 1))
     more = make_codec(tiny_llama, "kvtc", cr=2)  # more bits, less error; the same calibration
     assert more.plans["key", 0].error < plan.error
@@ -49,7 +49,7 @@ def test_per_cache_ratios_and_truncation(tiny_llama):
     plan = dpq.plans["key", 0]
     assert plan.groups[0] == (0, dpq.budget_bits("key") // 16, "fp16") and plan.bits == dpq.budget_bits("key")
     keys, values = _kv()
-    k0, _ = dpq.decode(dpq.encode(Request(keys=keys, values=values, encoded_before=8)), Request(0, dtype=torch.float32))
+    k0, _ = dpq.decode(dpq.encode(ModelRequest(keys=keys, values=values, encoded_before=8)), ModelRequest(0, dtype=torch.float32))
     coefficients = dpq.pca["key", 0].project(torch.stack(keys, 1).permute(0, 3, 1, 2, 4).reshape(16, -1))
     kept = plan.groups[0][1]
     expected = dpq.pca["key", 0].reconstruct(torch.cat([coefficients[:, :kept].half().float(),
@@ -63,9 +63,9 @@ def test_layer_groups_have_their_own_basis_and_budget(tiny_llama):
     assert codec.budget_bits("key", 1) == 16 * codec.width // 4
     assert codec.pca["key", 1].basis.shape[0] == codec.width
     keys, values = _kv()
-    payload = codec.encode(Request(keys=keys, values=values, encoded_before=8))
+    payload = codec.encode(ModelRequest(keys=keys, values=values, encoded_before=8))
     assert sorted(payload.ragged) == ["key.0", "key.1", "value.0", "value.1"]
-    k1, v1 = codec.decode(payload, Request(1, dtype=torch.float32))
+    k1, v1 = codec.decode(payload, ModelRequest(1, dtype=torch.float32))
     assert k1.shape == keys[1].shape and (k1 - keys[1]).norm() < keys[1].norm()
 
 
@@ -125,12 +125,12 @@ def test_fp8_sinks_round_trip_and_blocks_of_sinks_only(tiny_llama):
     assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 8).all()  # E4M3: 3 mantissa bits
     codec = make_codec(tiny_llama, "kvtc", sinks=4, every=1, window=1)
     keys, values = _kv(tokens=3)  # a block of sinks only (compressing every token)
-    payload = codec.encode(Request(keys=keys, values=values, encoded_before=1))
+    payload = codec.encode(ModelRequest(keys=keys, values=values, encoded_before=1))
     assert payload.tensors["sink.key"].shape == (2, 2, 2, 3, 16)
-    k, v = codec.decode(payload, Request(1, dtype=torch.float32))
+    k, v = codec.decode(payload, ModelRequest(1, dtype=torch.float32))
     torch.testing.assert_close(k, keys[1], atol=0.1 * keys[1].abs().max().item(), rtol=0)
-    later = codec.encode(Request(keys=keys, values=values, encoded_before=4))
-    assert not later.tensors and codec.decode(later, Request(0, dtype=torch.float32))[0].shape == keys[0].shape
+    later = codec.encode(ModelRequest(keys=keys, values=values, encoded_before=4))
+    assert not later.tensors and codec.decode(later, ModelRequest(0, dtype=torch.float32))[0].shape == keys[0].shape
 
 
 def test_per_prompt_pca_is_per_sequence_state(tiny_llama):
@@ -246,16 +246,16 @@ def test_deflate_scope_sequence_decodes_in_order_and_bounds_inflate(tiny_llama):
     codec = make_codec(tiny_llama, "kvtc", deflate_scope="sequence")
     keys, values = _kv()
     state = codec.init_state(Unit(), {(0, "key"): keys[0]})
-    first = codec.encode(Request(keys=keys, values=values, state=state, encoded_before=2))
-    second = codec.encode(Request(keys=keys, values=values, state=state, encoded_before=10))
+    first = codec.encode(ModelRequest(keys=keys, values=values, state=state, encoded_before=2))
+    second = codec.encode(ModelRequest(keys=keys, values=values, state=state, encoded_before=10))
     state.tensors = {name: t + 2 for name, t in state.tensors.items()}  # the 2 sinks kept apart came first
     with pytest.raises(ConfigError, match="position \\[10, 10\\].*next is at \\[2, 2\\].*deflate_scope=block"):
-        codec.decode(second, Request(0, dtype=torch.float32, state=state))
+        codec.decode(second, ModelRequest(0, dtype=torch.float32, state=state))
     for layer in range(2):
-        codec.decode(first, Request(layer, dtype=torch.float32, state=state))
+        codec.decode(first, ModelRequest(layer, dtype=torch.float32, state=state))
     with pytest.raises(ConfigError, match="decode_per_step"):
-        codec.decode(first, Request(0, dtype=torch.float32, state=state))
-    k, _ = codec.decode(second, Request(0, dtype=torch.float32, state=state))
+        codec.decode(first, ModelRequest(0, dtype=torch.float32, state=state))
+    k, _ = codec.decode(second, ModelRequest(0, dtype=torch.float32, state=state))
     assert k.shape == keys[0].shape and (k - keys[0]).norm() < keys[0].norm()
     size = packed_stream_nbytes(codec.plans["key", 0], 8)
     segment, history = first.ragged["key.0"][0].numpy().tobytes(), b""

@@ -11,7 +11,7 @@ from kvcomp.cache import CompressedCache
 from kvcomp.calibration import CalibrationData, calibrate
 from kvcomp.calibration.queries import query_moments
 from kvcomp.codecs import Activations, ModelInfo, build_codec
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.codecs.oscar import OscarCodec, OscarConfig, clip_rows
 from kvcomp.errors import CalibrationMismatchError, ConfigError
 from kvcomp.stages.covariance_rotation import (bit_reversal, covariance_rotation, hadamard_matrix,
@@ -141,8 +141,8 @@ def test_encoded_rows_are_clipped_int2_levels_in_the_rotated_basis():
     codec = OscarCodec(OscarConfig(), INFO)
     codec.install_state(codec.fit(_Planted()))
     x = torch.randn(2, 2, 8, D, generator=torch.Generator().manual_seed(5)) * 3
-    payload = codec.encode(Request(1, "value", tokens=x))
-    decoded = codec.decode(payload, Request(1, "value", dtype=torch.float32))
+    payload = codec.encode(StreamRequest(1, "value", tokens=x))
+    decoded = codec.decode(payload, StreamRequest(1, "value", dtype=torch.float32))
     r = codec.rotations[(1, "value")]
     levels = codec.quantizer.decode(payload.tensors, D, torch.float32)  # what is stored, in the rotated basis
     assert torch.allclose(decoded, levels @ r.transpose(1, 2), atol=1e-5)

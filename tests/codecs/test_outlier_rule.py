@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kvcomp.codecs import build_codec
-from kvcomp.codecs.base import Payload, Request
+from kvcomp.codecs.base import Payload, StreamRequest
 from kvcomp.errors import ConfigError
 from tests.codec_matrix import fitted
 from tests.helpers import build_tiny, info_of
@@ -30,14 +30,14 @@ def heavy_value_qwen():
 
 
 def round_trip(codec, x, kind, layer=0):
-    payload = codec.encode(Request(layer, kind, tokens=x))
-    return payload.tensors, codec.decode(payload, Request(layer, kind, dtype=torch.float32))
+    payload = codec.encode(StreamRequest(layer, kind, tokens=x))
+    return payload.tensors, codec.decode(payload, StreamRequest(layer, kind, dtype=torch.float32))
 
 
 def decoded_without_patch(codec, stored, kind, layer=0):
     """The same payload decoded with its outlier side list left out."""
     codes = {k: v for k, v in stored.items() if not k.startswith("outlier_")}
-    return codec.decode(Payload(codes, num_tokens=stored["codes"].shape[2]), Request(layer, kind, dtype=torch.float32))
+    return codec.decode(Payload(codes, num_tokens=stored["codes"].shape[2]), StreamRequest(layer, kind, dtype=torch.float32))
 
 
 def values_of(model, layer=0):
@@ -118,8 +118,8 @@ def test_reference_selection_is_token_local_and_bytes_are_those_of_token_topk(ti
         whole = codec.outlier_selector.select(x, stats, kind)
         part = codec.outlier_selector.select(x[:, :, 4:9], stats, kind)
         assert all(torch.equal(whole[k][:, :, 4:9], part[k]) for k in whole)
-        ref_bytes = codec.encode(Request(0, kind, tokens=x)).nbytes
-        assert ref_bytes == topk.encode(Request(0, kind, tokens=x)).nbytes
+        ref_bytes = codec.encode(StreamRequest(0, kind, tokens=x)).nbytes
+        assert ref_bytes == topk.encode(StreamRequest(0, kind, tokens=x)).nbytes
         assert ref_bytes * 8 == pytest.approx(codec.code_bits_per_value(kind, 0) * x.numel())
 
 

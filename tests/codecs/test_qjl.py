@@ -12,7 +12,7 @@ import torch
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec, expected_cache_bits
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import ConfigError
 from kvcomp.kernels.formats import SketchedKeys
 from kvcomp.kernels.qjl_scores import qjl_scores_reference
@@ -184,10 +184,10 @@ def test_decoded_keys_give_the_estimators_logits(layer):
     """<q, k_hat> of the decoded keys equals the estimator evaluated from the packed bits (GQA 3:1)."""
     info = ModelInfo("tiny", 2, 2, 16)
     codec = build_codec(TINY_QJL, info)
-    payload = codec.encode(Request(layer, "key", tokens=_keys(codec)))
+    payload = codec.encode(StreamRequest(layer, "key", tokens=_keys(codec)))
     assert {t.dtype for k, t in payload.tensors.items() if "signs" in k} == {torch.uint8}
     assert payload.tensors["signs"].shape[-1] * 8 == codec.sketch_sizes(layer)[0]
-    k_hat = codec.decode(payload, Request(layer, "key", dtype=torch.float32))
+    k_hat = codec.decode(payload, StreamRequest(layer, "key", dtype=torch.float32))
     query = torch.randn(2, 6, 3, 16, generator=torch.Generator().manual_seed(1))
     via_decode = query @ k_hat.repeat_interleave(3, dim=1).transpose(-1, -2)
     assert torch.allclose(codec.payload_scores(query, payload, layer), via_decode, atol=1e-4)
@@ -197,7 +197,7 @@ def test_without_outliers_the_score_is_the_single_sketch_estimator():
     info = ModelInfo("tiny", 1, 1, 16)
     codec = build_codec(TINY_QJL | {"outlier_channels": 0, "initial_layers": 0}, info)
     keys = _keys(codec, batch=1)
-    payload = codec.encode(Request(0, "key", tokens=keys))
+    payload = codec.encode(StreamRequest(0, "key", tokens=keys))
     assert set(payload.tensors) == {"signs", "inlier_norm"}
     query = torch.randn(1, 1, 1, 16)
     s = codec.sketch(0).projection
@@ -213,7 +213,7 @@ def test_estimation_error_shrinks_with_the_sketch_size():
         codec = build_codec({"name": "qjl", "sketch_dim": m, "outlier_channels": 0, "initial_layers": 0, "group_size": 8,
                              "key_buffer": 32}, info)
         keys = _keys(codec, tokens=32, batch=1)
-        errors.append((codec.payload_scores(query, codec.encode(Request(0, "key", tokens=keys)), 0) - query @ keys.transpose(-1, -2)).square().mean())
+        errors.append((codec.payload_scores(query, codec.encode(StreamRequest(0, "key", tokens=keys)), 0) - query @ keys.transpose(-1, -2)).square().mean())
     assert errors[0] > 2 * errors[1] > 4 * errors[2]
 
 

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.config import register_configs
 from kvcomp.errors import ConfigError
 from kvcomp.stages.lloyd_max import ProdQuantizer, RotatedScalarQuantizer, Rotation, lloyd_max
@@ -144,7 +144,7 @@ def test_vllm_presets_store_vllm_s_bytes_and_keep_the_boundary_layers(preset, he
     x = torch.randn(2, 4, 3, head_dim, generator=torch.Generator().manual_seed(7))
     for kind, nbytes in expected.items():
         assert codec.code_bits_per_value(kind, 5) * head_dim == 8 * nbytes
-        payload = codec.encode(Request(layer=5, kind=kind, tokens=x))
+        payload = codec.encode(StreamRequest(layer=5, kind=kind, tokens=x))
         assert payload.nbytes == nbytes * 2 * 4 * 3
         for layer in (0, 1, 26, 27):
             assert codec.policy(kind, layer).block_size is None and codec.code_bits_per_value(kind, layer) == SKIPPED_BITS

@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcomp.cache import CompressedCache
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.errors import NonFiniteKVError
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 from tests.helpers import build_tiny, info_of
@@ -76,9 +76,9 @@ def test_range_checks_given_keep_float16_and_collect_the_verdicts():
     assert fits["scale"].dtype == kept["scale"].dtype == torch.float16
     assert [bool(v) for v in checks] == [True, False]
     codec, checks = build_codec({"name": "uniform", "bits": 2, "group_size": 4}, ModelInfo("m", 1, 1, 4)), []
-    payload = codec.encode(Request(0, "value", tokens=beyond, range_checks=checks))  # what the cache builds
+    payload = codec.encode(StreamRequest(0, "value", tokens=beyond, range_checks=checks))  # what the cache builds
     assert payload.tensors["scale"].dtype == torch.float16 and [bool(v) for v in checks] == [False]
-    assert codec.encode(Request(0, "value", tokens=beyond)).tensors["scale"].dtype == torch.float32
+    assert codec.encode(StreamRequest(0, "value", tokens=beyond)).tensors["scale"].dtype == torch.float32
 
 
 def test_a_huge_block_after_a_normal_one_promotes_the_concatenated_payload():
@@ -126,9 +126,9 @@ def test_codecs_round_trip_magnitude_1e5_finite(config, head_dim):
     x = _block(1e5, (1, 2, 64, head_dim))
     kinds = ["value"] if config["name"] == "qjl" else ["key", "value"]  # QJL keys are sign sketches
     for kind in kinds:
-        payload = codec.encode(Request(0, kind, tokens=x))
+        payload = codec.encode(StreamRequest(0, kind, tokens=x))
         assert payload.tensors["scale"].dtype == torch.float32
-        decoded = codec.decode(payload, Request(0, kind, dtype=torch.float32))
+        decoded = codec.decode(payload, StreamRequest(0, kind, dtype=torch.float32))
         assert torch.isfinite(decoded).all()
         assert (decoded - x).abs().max() <= 2e5 / ((1 << getattr(codec.config, "bits", 2)) - 1)
 

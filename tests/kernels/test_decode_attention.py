@@ -9,7 +9,7 @@ import torch
 
 from kvcomp.cache import CompressedCache, install, with_cache
 from kvcomp.codecs import ModelInfo, build_codec
-from kvcomp.codecs.base import Request
+from kvcomp.codecs.base import StreamRequest
 from kvcomp.kernels.codebook_encode import encode_codebook
 from kvcomp.kernels.decode_attention import decode_attention, decode_attention_reference
 from kvcomp.kernels.formats import CodebookReader, RotaryPositions, UniformReader
@@ -206,7 +206,7 @@ def test_a_new_wrapper_is_read_by_what_it_says_it_adds():
 def test_nvfp4_codes_are_read_with_their_block_scales(global_scale):
     """NVFP4 (:class:`BlockFloatReader`): e2m1 codes looked up in the kernel (times the global scale) and scaled per
     block of 16 channels by float8 e4m3 scales, between sinks and a tail, on both product paths."""
-    from kvcomp.codecs.base import Request
+    from kvcomp.codecs.base import StreamRequest
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
     gen = torch.Generator().manual_seed(11)
@@ -214,9 +214,9 @@ def test_nvfp4_codes_are_read_with_their_block_scales(global_scale):
     codec = build_codec({"name": "nvfp4"}, ModelInfo("tiny", 1, h, d))
     readers = {}
     for kind in ("key", "value"):
-        payload = codec.encode(Request(0, kind, tokens=3 * torch.randn(b, h, n, d, generator=gen)))
+        payload = codec.encode(StreamRequest(0, kind, tokens=3 * torch.randn(b, h, n, d, generator=gen)))
         reader = codec.payload_reader(payload, kind, 0)
-        assert torch.equal(reader.dequantize(), codec.decode(payload, Request(0, kind, dtype=torch.float32)))
+        assert torch.equal(reader.dequantize(), codec.decode(payload, StreamRequest(0, kind, dtype=torch.float32)))
         reader.levels = reader.levels * global_scale  # as a fitted global scale folds in
         readers[kind] = reader
     sinks, tail = torch.randn(b, h, 2, d, generator=gen), torch.randn(b, h, 7, d, generator=gen)
@@ -797,9 +797,9 @@ def test_readers_decode_exactly_what_the_codecs_decode(tiny_llama):
     codecs = [kivi, fitted(tiny_llama, "temporalkv"), fitted(tiny_llama, "kvquant"), fitted(tiny_llama, "channelkv")]
     for codec in codecs:
         for kind in ("key", "value"):
-            payload = codec.encode(Request(1, kind, tokens=x))
+            payload = codec.encode(StreamRequest(1, kind, tokens=x))
             reader = codec.payload_reader(payload, kind, 1)
-            assert torch.equal(reader.dequantize(), codec.decode(payload, Request(1, kind, dtype=torch.float32))), (codec.name, kind)
+            assert torch.equal(reader.dequantize(), codec.decode(payload, StreamRequest(1, kind, dtype=torch.float32))), (codec.name, kind)
 
 
 def test_layers_with_sparse_outliers_keep_the_torch_path(tiny_llama):
@@ -867,9 +867,9 @@ def test_fp8_and_nvfp4_decode_steps_read_the_payloads(tiny_llama, config):
     decodes exactly what the codec decodes."""
     codec = build_codec(config, info_of(tiny_llama))
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(5))
-    payload = codec.encode(Request(1, "value", tokens=x))
+    payload = codec.encode(StreamRequest(1, "value", tokens=x))
     assert torch.equal(codec.payload_reader(payload, "value", 1).dequantize(),
-                       codec.decode(payload, Request(1, "value", dtype=torch.float32)))
+                       codec.decode(payload, StreamRequest(1, "value", dtype=torch.float32)))
     layer = check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
 
@@ -882,9 +882,9 @@ def test_int_token_head_decode_steps_read_the_payload(tiny_llama, bits):
     decodes every token."""
     codec = build_codec({"name": "int_token_head", "bits": bits}, info_of(tiny_llama))
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(6))
-    payload = codec.encode(Request(1, "key", tokens=x))
+    payload = codec.encode(StreamRequest(1, "key", tokens=x))
     torch.testing.assert_close(codec.payload_reader(payload, "key", 1).dequantize(),
-                               codec.decode(payload, Request(1, "key", dtype=torch.float32)), rtol=1e-5, atol=1e-5)
+                               codec.decode(payload, StreamRequest(1, "key", dtype=torch.float32)), rtol=1e-5, atol=1e-5)
     layer = check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
 
@@ -897,14 +897,14 @@ def test_kvarn_decode_steps_read_the_normalised_codes_in_the_rotated_basis(tiny_
     codec = build_codec({"name": "kvarn", "tile": 16, "sinks": 4, "key_bits": 3}, info_of(tiny_llama))
     x = 4 * torch.randn(2, codec.model.num_kv_heads, 32, codec.model.head_dim, generator=torch.Generator().manual_seed(12))
     for kind in ("key", "value"):
-        payload = codec.encode(Request(0, kind, tokens=x))
+        payload = codec.encode(StreamRequest(0, kind, tokens=x))
         torch.testing.assert_close(codec.payload_reader(payload, kind, 0).dequantize(),
-                                   codec.decode(payload, Request(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
+                                   codec.decode(payload, StreamRequest(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
     layer = check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded.length == 0
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
-    readers = [codec.payload_reader(codec.encode(Request(0, kind, tokens=x)), kind, 0) for kind in ("key", "value")]
+    readers = [codec.payload_reader(codec.encode(StreamRequest(0, kind, tokens=x)), kind, 0) for kind in ("key", "value")]
     query = torch.randn(2, codec.model.num_kv_heads * 2, codec.model.head_dim, generator=torch.Generator().manual_seed(13))
     reference = decode_attention_reference(query, readers[:1], readers[1:], 0.25)
     for options in ({"num_splits": 3}, {"dot": False, "block_tokens": 8}, {"dot": False, "block_tokens": 32}):
@@ -947,9 +947,9 @@ def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(ti
     assert codec.fused_attention_supported(0)
     x = torch.randn(2, codec.model.num_kv_heads, 8, codec.model.head_dim, generator=torch.Generator().manual_seed(7))
     for kind in ("key", "value"):
-        payload = codec.encode(Request(0, kind, tokens=x))
+        payload = codec.encode(StreamRequest(0, kind, tokens=x))
         torch.testing.assert_close(codec.payload_reader(payload, kind, 0).dequantize(),
-                                   codec.decode(payload, Request(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
+                                   codec.decode(payload, StreamRequest(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
     layer = check_fused_generation(tiny_llama, codec)
     assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
 
@@ -967,7 +967,7 @@ def test_offset_payload_between_full_precision_pieces_matches_the_reference():
     codec = build_codec({"name": "eden", "key_bits": 3, "value_bits": 2}, ModelInfo("tiny", 1, h, d))
     segments = {}
     for kind in ("key", "value"):
-        payload = codec.encode(Request(0, kind, tokens=torch.randn(b, h, n, d, generator=g)))
+        payload = codec.encode(StreamRequest(0, kind, tokens=torch.randn(b, h, n, d, generator=g)))
         reader = OffsetReader(n, d, codec.payload_reader(payload, kind, 0), 3 * torch.randn(h, d, generator=g), kind == "key")
         segments[kind] = [torch.randn(b, h, 2, d, generator=g), reader, torch.randn(b, h, 3, d, generator=g)]
     positions = torch.stack([torch.arange(45), torch.arange(45) + 7]).to(torch.int32)
@@ -1001,7 +1001,7 @@ def test_prod_residual_sketches_are_read_from_their_sign_bits(offsets):
     codec = build_codec({"name": "turboquant", "variant": "prod", "key_bits": 3, "value_bits": 3}, ModelInfo("tiny", 1, h, d))
     segments, readers = {}, {}
     for kind in ("key", "value"):
-        payload = codec.encode(Request(0, kind, tokens=torch.randn(b, h, n, d, generator=g)))
+        payload = codec.encode(StreamRequest(0, kind, tokens=torch.randn(b, h, n, d, generator=g)))
         reader = readers[kind] = codec.payload_reader(payload, kind, 0)
         assert isinstance(reader, ResidualSketchReader)
         if offsets:
@@ -1096,7 +1096,7 @@ def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatc
     workspace = decode_plan.DecodeWorkspace()
     outputs, held, sizes = [], set(), []
     for batch in (1, 1, 2):  # a step, the same shape again, a larger batch
-        step = decode_plan.DecodeStep(workspace)
+        step = decode_plan.DecodePlans(workspace)
         key_reader, _ = _uniform(torch.randn(batch, 1, 32, 16, generator=gen), 2, 16, "per_channel")
         value_reader, _ = _uniform(torch.randn(batch, 1, 32, 16, generator=gen), 2, 16, "per_token")
         tail = torch.randn(batch, 1, 5, 16, generator=gen)
@@ -1123,7 +1123,7 @@ def test_a_step_is_planned_once_and_runs_every_layer_in_one_workspace(monkeypatc
     inner, _ = _uniform(torch.randn(1, 1, 40, d, generator=gen), 4, d, "per_token")
     keys = [torch.randn(1, 1, 3, d, generator=gen), RotatedReader(40, d, inner, rotation)]
     query = torch.randn(1, 2, d, generator=gen)
-    out = decode_attention_triton(query, keys, keys, 0.25, step=decode_plan.DecodeStep(workspace))
+    out = decode_attention_triton(query, keys, keys, 0.25, step=decode_plan.DecodePlans(workspace))
     torch.testing.assert_close(out, decode_attention_reference(query, keys, keys, 0.25), rtol=1e-5, atol=1e-5)
     assert {key[2] for key in workspace._storage if key[0] == "scratch"} == {0, 1}
 
@@ -1179,8 +1179,8 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
     g = torch.Generator().manual_seed(outliers)
     k, v = torch.randn(b, h, 80, d, generator=g), torch.randn(b, h, 80, d, generator=g)
     assert codec.fused_attention_supported(0)
-    keys = [codec.payload_reader(codec.encode(Request(0, "key", tokens=k[:, :, :64])), "key", 0), k[:, :, 64:]]
-    values = [codec.payload_reader(codec.encode(Request(0, "value", tokens=v[:, :, :40])), "value", 0), v[:, :, 40:]]
+    keys = [codec.payload_reader(codec.encode(StreamRequest(0, "key", tokens=k[:, :, :64])), "key", 0), k[:, :, 64:]]
+    values = [codec.payload_reader(codec.encode(StreamRequest(0, "value", tokens=v[:, :, :40])), "value", 0), v[:, :, 40:]]
     query = torch.randn(b, h * r, d, generator=g)
     valid = torch.ones(b, 80, dtype=torch.bool)
     valid[0, :5] = False
@@ -1234,7 +1234,7 @@ def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask(monkeypat
     from kvcomp.kernels import decode_attention_triton as kernels
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton, decode_launches
     from kvcomp.kernels.decode_graphs import DecodeGraphs
-    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+    from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
 
     built = []
     setup_launches = kernels.setup_launches
@@ -1251,8 +1251,8 @@ def test_a_captured_call_replays_with_each_steps_bounds_query_and_mask(monkeypat
         keys, values = ([replace(full, num_tokens=tokens, codes=full.codes[:, :, :tokens], scale=full.scale[:, :, :tokens],
                                  zero=full.zero[:, :, :tokens]), fresh[:, :, :1]] for full in (full_keys, full_values))
         query, valid = torch.randn(b, h * r, d, generator=gen), _mask(b, tokens + 1, gen)
-        step = DecodeStep(workspace)
-        grids.add(tuple(launch.grid for launch in decode_launches(query, keys, values, 0.2, valid, step=DecodeStep(DecodeWorkspace(DecodeGraphs())))[1]))
+        step = DecodePlans(workspace)
+        grids.add(tuple(launch.grid for launch in decode_launches(query, keys, values, 0.2, valid, step=DecodePlans(DecodeWorkspace(DecodeGraphs())))[1]))
         before = len(built)
         out = decode_attention_triton(query, keys, values, 0.2, valid, step=step)
         torch.testing.assert_close(out, decode_attention_reference(query, keys, values, 0.2, valid), rtol=1e-5, atol=1e-5)
@@ -1269,7 +1269,7 @@ def test_row_groups_masks_keep_buffers_of_their_own_under_cuda_graphs():
     of their own, so that the second layer's call of the first group reads its own mask, not the one copied last."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
     from kvcomp.kernels.decode_graphs import DecodeGraphs
-    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+    from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
 
     b, h, r, d, group = 2, 2, 2, 32, 16
     gen = torch.Generator().manual_seed(8)
@@ -1280,7 +1280,7 @@ def test_row_groups_masks_keep_buffers_of_their_own_under_cuda_graphs():
         groups.append(([keys], [values], tokens))
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
     for _ in range(3):
-        step = DecodeStep(workspace)
+        step = DecodePlans(workspace)
         masks = [ValidTokens(torch.rand(b, tokens, generator=gen) < 0.7) for _, _, tokens in groups]
         for _layer in range(2):
             for (keys, values, _), valid in zip(groups, masks):
@@ -1296,7 +1296,7 @@ def test_a_call_reading_what_it_made_is_replayed_only_by_its_launches(monkeypatc
     by their arguments), so the replay reads this step's tensor."""
     from kvcomp.kernels import decode_attention_triton as kernels
     from kvcomp.kernels.decode_graphs import DecodeGraphs
-    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+    from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
 
     built = []
     setup_launches = kernels.setup_launches
@@ -1309,7 +1309,7 @@ def test_a_call_reading_what_it_made_is_replayed_only_by_its_launches(monkeypatc
     values = torch.randn(b, h, tokens, d, generator=gen)
     for _ in range(4):
         query = torch.randn(b, h * r, d, generator=gen)
-        out = kernels.decode_attention_triton(query, [keys], [values], 0.2, step=DecodeStep(workspace))
+        out = kernels.decode_attention_triton(query, [keys], [values], 0.2, step=DecodePlans(workspace))
         torch.testing.assert_close(out, decode_attention_reference(query, [keys], [values], 0.2), rtol=1e-5, atol=1e-5)
     assert len(built) == 4 and not workspace.graphs.by_inputs
 
@@ -1321,7 +1321,7 @@ def test_a_replayed_call_remakes_what_it_derives_from_the_query():
     the reference (a stand-in capture whose replay runs the captured work again)."""
     from kvcomp.kernels import decode_attention_triton as kernels
     from kvcomp.kernels.decode_graphs import DecodeGraphs
-    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+    from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
 
     b, h, r, d = 1, 2, 2, 32
     config = {"name": "qjl", "initial_layers": 0, "sketch_dim": 32, "outlier_sketch_dim": 16, "group_size": 16,
@@ -1329,13 +1329,13 @@ def test_a_replayed_call_remakes_what_it_derives_from_the_query():
     codec = build_codec(config, ModelInfo("tiny", 1, h, d))
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(b, h, 48, d, generator=g), torch.randn(b, h, 48, d, generator=g)
-    keys = [codec.payload_reader(codec.encode(Request(0, "key", tokens=k[:, :, :32])), "key", 0), k[:, :, 32:]]
-    values = [codec.payload_reader(codec.encode(Request(0, "value", tokens=v[:, :, :32])), "value", 0), v[:, :, 32:]]
+    keys = [codec.payload_reader(codec.encode(StreamRequest(0, "key", tokens=k[:, :, :32])), "key", 0), k[:, :, 32:]]
+    values = [codec.payload_reader(codec.encode(StreamRequest(0, "value", tokens=v[:, :, :32])), "value", 0), v[:, :, 32:]]
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
     outputs = []
     for _ in range(4):
         query = torch.randn(b, h * r, d, generator=g)
-        out = kernels.decode_attention_triton(query, keys, values, 0.2, step=DecodeStep(workspace))
+        out = kernels.decode_attention_triton(query, keys, values, 0.2, step=DecodePlans(workspace))
         assert ((out - decode_attention_reference(query, keys, values, 0.2)).norm() / out.norm()) < 1e-5
         outputs.append(out)
     assert workspace.graphs.by_inputs and outputs[1] is outputs[2] is outputs[3]  # captured, then replayed
@@ -1349,7 +1349,7 @@ def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch)
     groups' parts of it are made once, and copied into two buffers of the workspace for all layers and steps."""
     from kvcomp.kernels import decode_attention_triton as kernels
     from kvcomp.kernels.decode_graphs import DecodeGraphs
-    from kvcomp.kernels.decode_plan import DecodeStep, DecodeWorkspace
+    from kvcomp.kernels.decode_plan import DecodePlans, DecodeWorkspace
     from kvcomp.kernels.formats import RotatedReader
 
     built = []
@@ -1364,7 +1364,7 @@ def test_a_rotated_payloads_launch_groups_are_captured_and_replayed(monkeypatch)
     workspace = DecodeWorkspace(DecodeGraphs(capture=lambda run: run))
     builds = []
     for _ in range(4):
-        step, valid = DecodeStep(workspace), ValidTokens(_mask(b, 3 + n + 5, gen))
+        step, valid = DecodePlans(workspace), ValidTokens(_mask(b, 3 + n + 5, gen))
         before = len(built)
         for _layer in range(2):
             query = torch.randn(b, h * r, d, generator=gen)

@@ -16,7 +16,7 @@ from kvcomp.kernels.formats.uniform import UniformReader
 from kvcomp.kernels.formats.wrappers import OffsetReader, ResidualSketchReader, RotatedReader
 
 __all__ = [
-    "BlockFloatReader", "CodebookReader", "KernelFormat", "OffsetReader", "PayloadReader", "ResidualSketchReader",
-    "RotaryPositions", "RotatedReader", "ScaledReader", "Segment", "SignReader", "SketchReader", "SketchedKeys",
-    "UniformReader", "fused_encode_supported", "in_place", "reconstruct_keys", "segment_length",
+    "BlockFloatReader", "CallQuery", "CodebookReader", "KernelFormat", "OffsetReader", "PayloadReader",
+    "ResidualSketchReader", "RotaryPositions", "RotatedReader", "ScaledReader", "Segment", "SignReader", "SketchReader",
+    "SketchedKeys", "UniformReader", "fused_encode_supported", "in_place", "reconstruct_keys", "segment_length",
 ]

@@ -1,18 +1,18 @@
 """The context of one model forward, passed explicitly to every cache layer that asks for it.
 
 :func:`~kvcomp.cache.attention.install` hooks two modules, as vLLM hands one ``attn_metadata`` to every
-layer of a step:
+layer of a forward:
 
-- the decoder's pre-hook builds one :class:`Step` per forward (the kernel backend) and adds it to that forward's
+- the decoder's pre-hook builds one :class:`ForwardContext` per forward (the kernel backend) and adds it to that forward's
   arguments; transformers passes keyword arguments down to every attention module. A first forward's left
   padding goes to the cache before (:meth:`PaddedRows.group_rows`);
-- each attention module's pre-hook adds its own part (:class:`LayerStep`: the position embeddings and
-  position ids it received, its RoPE frequencies) and, for a :class:`StepLayer`, takes the cache out of the
+- each attention module's pre-hook adds its own part (:class:`LayerContext`: the position embeddings and
+  position ids it received, its RoPE frequencies) and, for a :class:`ContextLayer`, takes the cache out of the
   module's arguments: the module then skips ``cache.update`` and the registered attention function
-  receives the fresh keys and values with the :class:`LayerStep`, which names the layer. That layer stores
-  them and returns what attention reads (:meth:`StepLayer.update_in_step`).
+  receives the fresh keys and values with the :class:`LayerContext`, which names the layer. That layer stores
+  them and returns what attention reads (:meth:`ContextLayer.update_in_context`).
 
-Nothing is kept on modules, masks or layers between the hooks; a step lives as long as its forward.
+Nothing is kept on modules, masks or layers between the hooks; a context lives as long as its forward.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcomp.kernels.valid_tokens import ValidTokens
-from kvcomp.kernels.decode_plan import DecodeStep
+from kvcomp.kernels.decode_plan import DecodePlans
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -44,14 +44,14 @@ def row_pads(mask: torch.Tensor | None) -> list[int]:
 
 
 @dataclass
-class Step:
+class ForwardContext:
     """One model forward: what every layer shares. ``decode``: the fused kernels' launch plans, made by the first
     layer that needs them and run by every layer in the installation's workspace (flashinfer's ``plan`` once per
-    step); ``valid``: the fused kernels' valid tokens, read once per step (:meth:`valid_tokens`); ``masks``: the
-    mask's columns of each row group (:meth:`columns`), cut once per step."""
+    step); ``valid``: the fused kernels' valid tokens, read once per forward (:meth:`valid_tokens`); ``masks``: the
+    mask's columns of each row group (:meth:`columns`), cut once per forward."""
 
     kernel_backend: str = "torch"
-    decode: DecodeStep = field(default_factory=DecodeStep)
+    decode: DecodePlans = field(default_factory=DecodePlans)
     valid: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
 
@@ -61,7 +61,7 @@ class Step:
         if mask is None:
             return None
         key = (id(mask), length)
-        if key not in self.valid:  # the mask is kept with its tokens, so its id cannot be reused within the step
+        if key not in self.valid:  # the mask is kept with its tokens, so its id cannot be reused within the forward
             self.valid[key] = (mask, ValidTokens(allowed(mask[:, 0, -1, :length]).expand(batch, length)))
         return self.valid[key][1]
 
@@ -73,7 +73,7 @@ class Step:
         if mask is None or (group.rows is None and not group.pads and not evicted):
             return mask
         key = (id(mask), id(group), first_forward, evicted)
-        if key not in self.masks:  # kept with the mask: ids stay unique within the step
+        if key not in self.masks:  # kept with the mask: ids stay unique within the forward
             cut = group.take(mask)[..., group.pads + evicted:]
             if first_forward and group.pads:
                 cut = cut[..., group.pads:, :]
@@ -92,21 +92,21 @@ class Rotary:
 
 
 @dataclass
-class LayerStep:
-    """One attention layer's part of a :class:`Step`: the ``layer`` it reads, the position embeddings
+class LayerContext:
+    """One attention layer's part of a :class:`ForwardContext`: the ``layer`` it reads, the position embeddings
     (``rope``: cos/sin ``[B or 1, n, D]``) and position ids of the forward's tokens, and ``frequencies``, which
     reads the model's RoPE frequencies ``(inv_freq, attention_scaling)`` when they do not depend on the sequence
     (None: cos/sin must be kept)."""
 
-    step: Step
-    layer: "StepLayer"
+    forward: ForwardContext
+    layer: "ContextLayer"
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     positions: torch.Tensor | None = None
     frequencies: "Callable[[], tuple[torch.Tensor, float]] | None" = None
 
     @property
     def kernel_backend(self) -> str:
-        return self.step.kernel_backend
+        return self.forward.kernel_backend
 
     @property
     def rotary(self) -> Rotary | None:
@@ -118,9 +118,9 @@ class LayerStep:
         return Rotary(inv_freq.to(self.rope[0].device), scaling, self.rope[0].dtype)
 
 
-class StepLayer(CacheLayerMixin):
-    """A cache layer that stores a forward's keys and values with its :class:`LayerStep` and says what
-    attention reads; the kvcomp attention function calls :meth:`update_in_step` instead of transformers'
+class ContextLayer(CacheLayerMixin):
+    """A cache layer that stores a forward's keys and values with its :class:`LayerContext` and says what
+    attention reads; the kvcomp attention function calls :meth:`update_in_context` instead of transformers'
     ``update`` (which such a layer still serves when the model's attention is not kvcomp's). It holds every token
     given (``length``, left padding included): unbounded, and never cropped."""
 
@@ -145,7 +145,7 @@ class StepLayer(CacheLayerMixin):
         raise NotImplementedError("a compressed cache cannot drop encoded tokens (no assisted decoding)")
 
     @abstractmethod
-    def update_in_step(self, key_states: torch.Tensor, value_states: torch.Tensor, step: LayerStep,
+    def update_in_context(self, key_states: torch.Tensor, value_states: torch.Tensor, context: LayerContext,
                        query: torch.Tensor | None = None):
         """Store the fresh K/V; return ``(keys, values)`` for SDPA, or a :class:`~kvcomp.cache.reads.Reads`.
         ``query``: the forward's queries (what a press scores a prompt with)."""

@@ -1,4 +1,4 @@
-"""The step context: built once per forward, passed explicitly, and gone with the forward.
+"""The forward context: built once per forward, passed explicitly, and gone with the forward.
 
 Nothing is left on the model, on the masks of a forward or on the cache between forwards (the state a hook
 would hand to another); :func:`kvcomp.cache.install` is scoped as well as global."""
@@ -13,7 +13,7 @@ from kvcomp.cache import CompressedCache, install
 from kvcomp.cache.attention import _INSTALLED
 from kvcomp.cache.layer import CompressedLayer
 from kvcomp.cache.reads import Reads
-from kvcomp.cache.step import LayerStep, Step
+from kvcomp.cache.context import LayerContext, ForwardContext
 from kvcomp.cache.stream import FreshlyEncoded
 from kvcomp.codecs import build_codec
 from tests.helpers import TINY, info_of
@@ -23,7 +23,7 @@ PRE_ROPE = {"name": "uniform", "bits": 4, "group_size": 8, "sinks": 2, "window":
 
 def _forward_objects() -> list:
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, (Step, LayerStep, Reads, FreshlyEncoded))]
+    return [o for o in gc.get_objects() if isinstance(o, (ForwardContext, LayerContext, Reads, FreshlyEncoded))]
 
 
 def _kvcomp_attributes(obj) -> list[str]:
@@ -34,7 +34,7 @@ def _kvcomp_attributes(obj) -> list[str]:
 def test_generate_leaves_nothing_on_the_model_its_masks_or_the_cache(tiny_llama):
     """A left-padded generate with a pre-RoPE codec under the streaming protocol (blocks encoded within the
     prefill, positions recorded, left padding counted): afterwards no module or mask carries kvcomp attributes,
-    and no step, read or fresh encoding of any forward is alive (nothing was stashed for a later hook)."""
+    and no context, read or fresh encoding of any forward is alive (nothing was stashed for a later hook)."""
     masks = []
     handles = [m.register_forward_pre_hook(lambda mod, args, kwargs: masks.append(kwargs.get("attention_mask")),
                                            with_kwargs=True) for m in tiny_llama.modules() if type(m).__name__ == "LlamaAttention"]
@@ -57,17 +57,17 @@ def test_generate_leaves_nothing_on_the_model_its_masks_or_the_cache(tiny_llama)
 
 
 @torch.no_grad()
-def test_one_step_per_forward_shared_by_every_layer(tiny_llama, monkeypatch):
+def test_one_context_per_forward_shared_by_every_layer(tiny_llama, monkeypatch):
     seen = []
-    update = CompressedLayer.update_in_step
-    monkeypatch.setattr(CompressedLayer, "update_in_step",
-                        lambda self, k, v, step, query=None: (seen.append((self.layer_idx, step)), update(self, k, v, step, query))[1])
+    update = CompressedLayer.update_in_context
+    monkeypatch.setattr(CompressedLayer, "update_in_context",
+                        lambda self, k, v, context, query=None: (seen.append((self.layer_idx, context)), update(self, k, v, context, query))[1])
     cache = CompressedCache(build_codec(PRE_ROPE, info_of(tiny_llama)))
     for ids in (torch.randint(3, 90, (1, 20)), torch.randint(3, 90, (1, 1))):
         tiny_llama(ids, past_key_values=cache)
     assert [i for i, _ in seen] == [0, 1, 0, 1]
     first, second = seen[0][1], seen[2][1]
-    assert seen[1][1].step is first.step and seen[3][1].step is second.step and first.step is not second.step
+    assert seen[1][1].forward is first.forward and seen[3][1].forward is second.forward and first.forward is not second.forward
     assert first.layer is cache.layers[0] and seen[1][1].layer is cache.layers[1]
     assert first.rope is not None and first.rotary is not None and first.positions.shape[-1] == 20
 
@@ -90,7 +90,7 @@ def test_install_is_scoped_and_restores_what_was_there():
     assert model.config._attn_implementation == before and _hooks(model) == 0 and model not in _INSTALLED
     ids = torch.randint(3, 90, (1, 12))
     cache = CompressedCache(build_codec(PRE_ROPE, info_of(model)))
-    with pytest.raises(Exception, match="install"):  # pre-RoPE keys need the step's position embeddings
+    with pytest.raises(Exception, match="install"):  # pre-RoPE keys need the context's position embeddings
         model(ids, past_key_values=cache)
 
 
