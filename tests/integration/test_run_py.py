@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_temporalkv_end_to_end_calibrates_once(embedded, tmp_path):
     """`run.py codec=temporalkv` on a small calibration: sane perplexity, then the artifact is reused."""
     args = ["codec=temporalkv", "codec.bits=2", "codec.kmeans_iters=5", "codec.hybrid=off",
-            "calibration.num_samples=4", "calibration.seq_len=256", "benchmark.seq_len=256",
+            "calibration.num_samples=4", "calibration.seq_len=128", "benchmark.seq_len=128",
             "benchmark.num_windows=2", f"hardware.threads={THREADS}"]
     private = tmp_path / "cache"  # an empty artifact store that shares the fetched assets
     private.mkdir()
@@ -82,7 +82,7 @@ def test_a_perturbed_model_under_the_same_name_gets_its_own_reference(embedded, 
     runs = {}
     for name, source in (("real", "embedded"), ("perturbed", str(folder))):
         result = run_py("codec=kivi", f"model.source={source}", "model.name=smollm2_135m", *SMALL,
-                      f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+                        "benchmark.protocols=[streaming]", f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
     assert runs["real"]["model"]["name"] == runs["perturbed"]["model"]["name"] == "smollm2_135m"
