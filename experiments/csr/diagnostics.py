@@ -30,7 +30,7 @@ from kvcomp.models.loading import load_model
 from kvcomp.runner import calibration_data
 from kvcomp.stages.layer_merging import layer_divergence
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 TOKENS = 512
 FIRST = 256  # tokens no codec keeps exact after the prefill (CSR's bank holds the last 256, KIVI the last 128 values)
 

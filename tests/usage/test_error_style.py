@@ -132,11 +132,11 @@ def test_wandb_files_hold_no_install_paths(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("script, args, expected", [
-    ("key_offsets.py", ["--model", "nosuch"], "argument --model: invalid choice: 'nosuch'"),
-    ("key_offsets.py", ["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
-    ("ppl_spread.py", ["--codec", "nosuch"], "argument --codec: invalid choice: 'nosuch'"),
-    ("ppl_spread.py", ["--copies", "0"], "argument --copies: must be at least 1, got 0"),
-    ("qjl_distortion.py", ["--ratios", "4", "-1"], "argument --ratios: must be at least 1, got -1"),
+    ("scripts/key_offsets.py", ["--model", "nosuch"], "argument --model: invalid choice: 'nosuch'"),
+    ("scripts/key_offsets.py", ["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+    ("scripts/ppl_spread.py", ["--codec", "nosuch"], "argument --codec: invalid choice: 'nosuch'"),
+    ("scripts/ppl_spread.py", ["--copies", "0"], "argument --copies: must be at least 1, got 0"),
+    ("experiments/qjl/distortion.py", ["--ratios", "4", "-1"], "argument --ratios: must be at least 1, got -1"),
     ("benchmarks.bench_calibration", ["--codecs", "kvtc,nosuch"], "unknown codec family 'nosuch'; valid choices: aquakv,"),
     ("benchmarks.bench_calibration", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
     ("benchmarks.bench_cache_memory", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
@@ -146,22 +146,23 @@ def test_wandb_files_hold_no_install_paths(tmp_path, monkeypatch):
     ("benchmarks.bench_decode_attention", ["--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
     ("benchmarks.bench_decode_overhead", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
     ("benchmarks.bench_decode_overhead", ["--repeats", "x"], "argument --repeats: invalid int value: 'x'"),
-    ("render_tables.py", ["nosuch"], "argument experiment: invalid choice: 'nosuch' (choose from 'baselines_2026', 'csr',"),
-    ("render_tables.py", ["csr", "{missing}"], "is not a directory"),
-    ("render_tables.py", ["csr", "{tmp}", "--summary"], "summary.csv is missing"),
+    ("scripts/render_tables.py", ["nosuch"], "argument experiment: invalid choice: 'nosuch' (choose from 'baselines_2026', 'csr',"),
+    ("scripts/render_tables.py", ["csr", "{missing}"], "is not a directory"),
+    ("scripts/render_tables.py", ["csr", "{tmp}", "--summary"], "summary.csv is missing"),
 ])
 def test_scripts_refuse_bad_arguments_before_any_work(script, args, expected, tmp_path, monkeypatch, capsys):
     """argparse's usage error (exit status 2), not a traceback from inside the work. ``script``: a file of
-    ``scripts/`` (run as ``python scripts/<script>``) or a module of ``benchmarks``/``tools`` (run from the repository
-    root as ``python -m <module>``)."""
+    the repository (run as ``python scripts/<script>``, ``python experiments/<name>/<script>``) or a module of
+    ``benchmarks``/``tools`` (run from the repository root as ``python -m <module>``)."""
     import runpy
 
     args = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in args]
     monkeypatch.setattr(sys, "argv", [script, *args])
     with pytest.raises(SystemExit) as exit_:
         if script.endswith(".py"):
-            monkeypatch.setattr(sys, "path", [str(ROOT / "scripts"), *sys.path])  # as `python scripts/<script>` runs
-            runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+            path = ROOT / script
+            monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])  # as `python <script>` runs
+            runpy.run_path(str(path), run_name="__main__")
         else:
             monkeypatch.delitem(sys.modules, script, raising=False)  # imported by another test: run it afresh
             runpy.run_module(script, run_name="__main__", alter_sys=True)

@@ -6,7 +6,7 @@ relative distortion ``||Q K_hat^T - Q K^T||_F / ||Q K^T||_F`` of the raw logits,
 reports (without numbers) that distortion falls as ``1/sqrt(m)`` and that the first layer is markedly
 worse than the others.
 
-    python scripts/qjl_distortion.py            # SmolLM2-135M, 512 tokens, m/d = 1, 2, 4, 8
+    python experiments/qjl/distortion.py            # SmolLM2-135M, 512 tokens, m/d = 1, 2, 4, 8
 """
 
 from __future__ import annotations
