@@ -82,7 +82,8 @@ _skip_the_discarded_overflow_checks()
 
 def pytest_collection_modifyitems(config, items):
     """Modules that hold integration tests first, each module's tests in their order: pytest-xdist hands out whole
-    modules in this order (``--dist loadfile``), so the long ones start early and the short ones fill the end."""
+    modules in this order (``--dist loadfile --no-loadscope-reorder``), so the long ones start early and the short
+    ones fill the end."""
     heavy = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("integration")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in heavy)
 
