@@ -80,14 +80,6 @@ def _skip_the_discarded_overflow_checks() -> None:
 _patch_the_language_once_per_kernel()
 _skip_the_discarded_overflow_checks()
 
-def pytest_collection_modifyitems(config, items):
-    """Modules that hold integration tests first, each module's tests in their order: pytest-xdist hands out whole
-    modules in this order (``--dist loadfile --no-loadscope-reorder``), so the long ones start early and the short
-    ones fill the end."""
-    heavy = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("integration")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in heavy)
-
-
 @pytest.fixture
 def session_cache(tmp_path_factory, monkeypatch):
     """``KVCOMP_CACHE`` in the session's temporary folder (one per xdist worker, shared by the modules that use it,
