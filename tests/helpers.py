@@ -28,9 +28,9 @@ TINY = dict(
 
 
 def build_tiny(config_cls, model_cls, **extra):
-    """A tiny random model of ``TINY``'s shape (seed 0), kvcomp attention installed."""
+    """A tiny random model of ``TINY``'s shape, ``extra`` overriding it (seed 0), kvcomp attention installed."""
     torch.manual_seed(0)
-    model = model_cls(config_cls(**TINY, **extra)).eval()
+    model = model_cls(config_cls(**{**TINY, **extra})).eval()
     install(model)
     return model
 

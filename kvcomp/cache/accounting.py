@@ -5,7 +5,7 @@ state), bookkeeping and working memory, per layer (:func:`layer_bytes`) and for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvcomp.codecs.base import FULL, CacheStatistics
 
@@ -41,17 +41,26 @@ def stream_values(stream) -> int:
     return stream.batch * stream.codec.model.num_kv_heads * stream.codec.model.head_dim * stream.length
 
 
+def part_bytes(part) -> HeldBytes:
+    """What one row group's share of a layer (:class:`~kvcomp.cache.layer.LayerPart`) holds."""
+    streams, prefix = part.streams, part.prefix
+    return HeldBytes(
+        full_precision=sum(stream_full_precision_nbytes(s) for s in streams) + (0 if prefix is None else prefix.nbytes),
+        payload=sum(s.store.nbytes for s in streams),
+        state=part.schedule.state_nbytes,
+        bookkeeping=part.positions.nbytes + (0 if part.last_query is None else part.last_query.nbytes)
+        + (0 if prefix is None else prefix.bookkeeping_nbytes),
+        working=sum(stream_working_nbytes(s) for s in streams) + part.positions.reserved_nbytes)
+
+
+def total(held: list[HeldBytes]) -> HeldBytes:
+    """Kind by kind, the sum of ``held``."""
+    return HeldBytes(*(sum(getattr(h, f.name) for h in held) for f in fields(HeldBytes)))
+
+
 def layer_bytes(layer) -> HeldBytes:
     """What a compressed layer holds, over every row group."""
-    streams, parts = layer.streams, layer.parts
-    prefixes = [part.prefix for part in parts if part.prefix is not None]
-    return HeldBytes(
-        full_precision=sum(stream_full_precision_nbytes(s) for s in streams) + sum(p.nbytes for p in prefixes),
-        payload=sum(s.store.nbytes for s in streams),
-        state=sum(part.schedule.state_nbytes for part in parts),
-        bookkeeping=sum(part.positions.nbytes + (0 if part.last_query is None else part.last_query.nbytes)
-                        for part in parts) + sum(p.bookkeeping_nbytes for p in prefixes),
-        working=sum(stream_working_nbytes(s) for s in streams) + sum(part.positions.reserved_nbytes for part in parts))
+    return total([part_bytes(part) for part in layer.parts])
 
 
 def layer_values(layer) -> int:
@@ -129,13 +138,12 @@ class ByteAccounting:
         scope = self.groups[k].scope
         store = scope.shared_store
         prefixes = [part.prefix for part in parts if part.prefix is not None]  # a prompt pressed with budgets per head
+        held = total([part_bytes(part) for part in parts])
         return CacheStatistics(
             batch=parts[0].batch, streams=len(streams),
             cached_tokens=sum(s.length for s in streams) + 2 * sum(p.tokens_per_head for p in prefixes),
-            encoded_tokens=sum(s.num_encoded for s in streams),
-            full_precision_nbytes=sum(stream_full_precision_nbytes(s) for s in streams) + sum(p.nbytes for p in prefixes),
-            payload_nbytes=sum(s.store.nbytes for s in streams),
-            state_nbytes=sum(part.schedule.state_nbytes for part in parts),
+            encoded_tokens=sum(s.num_encoded for s in streams), full_precision_nbytes=held.full_precision,
+            payload_nbytes=held.payload, state_nbytes=held.state,
             shared_payloads=() if store is None else tuple(store.payloads), shared_state=scope.shared_state)
 
     def bits_per_value_seen(self) -> float:

@@ -26,7 +26,7 @@ from kvcomp.cache.accounting import stream_values
 from kvcomp.cache.memory import model_storages
 from kvcomp.codecs import reads_fused, scores_from_payload
 from tests.codec_matrix import MATRIX, make_codec
-from tests.helpers import TINY, encode_with_torch, held_bytes
+from tests.helpers import build_tiny, encode_with_torch, held_bytes
 
 STEPS = 60
 PATHS = ("torch", "fused", "decode_per_step", "capacity")  # capacity: the torch path, storage preallocated
@@ -37,10 +37,7 @@ pytestmark = pytest.mark.usefixtures("session_cache")
 
 @pytest.fixture(scope="module")
 def long_llama():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "max_position_embeddings": 512})).eval()
-    install(model)
-    return model
+    return build_tiny(LlamaConfig, LlamaForCausalLM, max_position_embeddings=512)
 
 
 def _run(model, codec, path, monkeypatch) -> CompressedCache:

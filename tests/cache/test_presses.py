@@ -161,13 +161,9 @@ def test_ratio_zero_is_no_press_bitwise(tiny_llama, name):
 def one_layer_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcomp.cache import install
-    from tests.helpers import TINY
+    from tests.helpers import build_tiny
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 1})).eval()
-    install(model)
-    return model
+    return build_tiny(LlamaConfig, LlamaForCausalLM, num_hidden_layers=1)
 
 
 @pytest.mark.parametrize("name", ["streaming_llm", "tova"])
