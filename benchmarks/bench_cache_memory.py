@@ -9,9 +9,10 @@ buffers) and what it holds: the bytes of every distinct tensor storage reachable
 (:func:`kvcomp.cache.memory.held_nbytes`; the model's weights and the codec's fitted state are not the
 cache's). ``DynamicCache`` is measured the same way.
 
-Paths: ``torch`` (decode each block once, keep the decoded copy), ``decode_per_step`` (no decoded copy,
-every step decodes every block). The fused kernels' path holds what ``decode_per_step`` holds (no
-decoded copy; ``tests/cache/test_memory.py`` walks it); it needs a GPU to run at this size.
+Paths: ``tiles`` (the default: decode steps read the payloads tile by tile where the codec has a payload reader,
+:mod:`kvcomp.cache.tiles`, no decoded copy), ``decoded_copy`` (decode each block once, keep the decoded
+copy), ``decode_per_step`` (no decoded copy, every read decodes every block). The fused kernels' path holds what
+``tiles`` holds (``tests/cache/test_memory.py`` walks it); it needs a GPU to run at this size.
 
     python -m benchmarks.bench_cache_memory --write
 """
@@ -41,7 +42,7 @@ CODECS = {
     "uniform-2 (per token, g=64)": {"name": "uniform", "bits": 2, "group_size": 64},
     "qjl (authors' defaults)": {"name": "qjl"},
 }
-PATHS = {"torch": {}, "decode_per_step": {"decode_per_step": True}}
+PATHS = {"tiles": {}, "decoded_copy": {"decoded_copy": True}, "decode_per_step": {"decode_per_step": True}}
 
 
 @torch.inference_mode()
@@ -64,7 +65,7 @@ def measure(prompt: int, steps: int) -> list[dict]:
     info = ModelInfo.from_hf_config(model.config)
     for name, config in CODECS.items():
         for path, options in PATHS.items():
-            if name == "fp16" and path != "torch":
+            if name == "fp16" and path != "tiles":
                 continue
             cache = run(model, CompressedCache(build_codec(config, info), "exact_prefill", **options), prompt, steps)
             rows.append({"codec": name, "path": path, "held": held_nbytes(cache, weights, skip=(Codec,)),

@@ -108,8 +108,8 @@ def load_press(model, press: str, **options) -> Press:
 
 def compressed_cache(model, codec: str | Codec = "kivi", *, press: str | Press | None = None,
                      protocol: str = "exact_prefill", capacity: int | None = None, check_finite: bool | str = True,
-                     compress_generated: bool = True, tokenizer=None, calibration=None, activations=None,
-                     **options) -> CompressedCache:
+                     compress_generated: bool = True, decoded_copy: bool = False, tokenizer=None, calibration=None,
+                     activations=None, **options) -> CompressedCache:
     """A fresh compressed cache for ``model``: pass it to ``model.generate(..., cache=cache)`` or to a forward
     (``model(ids, cache=cache, use_cache=True)``; ``past_key_values=`` before transformers 5.24). One cache holds one batch of sequences; make a
     new one per ``generate`` call.
@@ -119,8 +119,8 @@ def compressed_cache(model, codec: str | Codec = "kivi", *, press: str | Press |
     :class:`~kvcomp.presses.Press` (:func:`load_press`) that evicts prompt tokens before the codec codes them.
     ``protocol``: ``exact_prefill`` (as the generation benchmarks: a forward attends to its own tokens
     uncompressed and to earlier ones as stored), ``streaming`` or ``simulated``
-    (the docs' evaluation protocols); ``capacity``, ``check_finite`` and
-    ``compress_generated``: as :class:`~kvcomp.cache.CompressedCache`.
+    (the docs' evaluation protocols); ``capacity``, ``check_finite``, ``compress_generated`` and ``decoded_copy``: as
+    :class:`~kvcomp.cache.CompressedCache`.
 
     Installs kvcomp's attention on ``model`` when it has none (:func:`attention` scopes it to a block instead); it
     reads compressed caches and leaves other caches to the model's own attention."""
@@ -132,7 +132,7 @@ def compressed_cache(model, codec: str | Codec = "kivi", *, press: str | Press |
     if isinstance(press, str):
         press = load_press(model, press)
     cache = CompressedCache(codec, protocol=protocol, check_finite=check_finite, compress_generated=compress_generated,
-                            capacity=capacity, press=press)
+                            capacity=capacity, press=press, decoded_copy=decoded_copy)
     _installed(model)
     return cache
 

@@ -156,16 +156,19 @@ def register_configs() -> None:
     the ``kvcomp_sweep_dir`` and ``kvcomp_member_dir`` resolvers (:func:`sweep_dir`, :func:`member_dir`)."""
     OmegaConf.register_new_resolver("kvcomp_sweep_dir", sweep_dir, replace=True)
     OmegaConf.register_new_resolver("kvcomp_member_dir", member_dir, replace=True)
+    schemas = [(group, "schema", schema) for group, schema in GROUPS.items()]
+    schemas += [("benchmark", name, schema) for name, schema in BENCHMARK_SCHEMAS.items()]
+    schemas += [("codec", f"schema_{name}", codec.config_class) for name, codec in CODECS.items()]
+    schemas += [("press", "schema_none", PressConfig)]
+    schemas += [("press", f"schema_{name}", press.config_class) for name, press in PRESSES.items()]
     store = ConfigStore.instance()
-    for group, schema in GROUPS.items():
-        store.store(group=group, name="schema", node=schema)
-    for name, schema in BENCHMARK_SCHEMAS.items():
-        store.store(group="benchmark", name=name, node=schema)
-    for name, codec in CODECS.items():
-        store.store(group="codec", name=f"schema_{name}", node=codec.config_class)
-    store.store(group="press", name="schema_none", node=PressConfig)
-    for name, press in PRESSES.items():
-        store.store(group="press", name=f"schema_{name}", node=press.config_class)
+    for group, name, schema in schemas:
+        if _STORED.get((group, name)) is not schema:  # each schema converted once per process (a structured
+            store.store(group=group, name=name, node=schema)  # config takes milliseconds; tests compose hundreds)
+            _STORED[(group, name)] = schema
+
+
+_STORED: dict[tuple[str, str], type] = {}  # (group, name) -> the schema register_configs stored there
 
 
 __all__ = [

@@ -62,8 +62,9 @@ class FiniteChecks:
     held their values (:mod:`kvcomp.stages.ranges`), stay on the device and are read one forward later (no sync);
     ``False``: never checked.
 
-    The decoded blocks checked are the new entries of each stream's decoded copy (the torch path's reads); a
-    fused kernel's reads of the payloads and ``decode_per_step`` reads keep no decoded copy and are not checked."""
+    The decoded blocks checked are the new entries of each stream's decoded copy; reads of the payloads where they
+    are stored (a fused kernel's, the torch path's tiles) and ``decode_per_step`` reads keep no decoded copy and are
+    not checked."""
 
     def __init__(self, mode: bool | str, layer_idx: int):
         if mode not in CHECK_FINITE:

@@ -34,8 +34,12 @@ class CompressedCache(Cache, PaddedRows, ByteAccounting):
     ``simulated``: encoded, by every query (the seeds' protocol); ``exact_prefill``: uncompressed (a
     deployed prefill: attention runs on the fresh K/V, the cache stores them encoded for later
     forwards). Earlier tokens are always seen as stored.
-    ``decode_per_step=True``: the torch path keeps no decoded copy of the blocks and decodes them at
-    every read (memory-true, slower); otherwise that copy is working memory (:attr:`working_nbytes`).
+    Decode steps on the torch path read the payloads tile by tile where the codec has a payload reader
+    (:class:`~kvcomp.codecs.base.FusedPayload`; :mod:`kvcomp.cache.tiles`): no decoded copy is kept, and a
+    tile is the only working memory. ``decoded_copy=True`` reads them from a decoded copy of the blocks instead (each
+    block decoded once and kept, working memory :attr:`working_nbytes`), as every other read does: multi-token
+    forwards, and codecs without a payload reader. ``decode_per_step=True``: those reads keep no decoded copy and
+    decode every block at every read (memory-true, slower).
     ``compress_generated=False`` encodes the first forward's tokens only and keeps every later
     (generated) token in full precision. ``check_finite``: NaN/Inf in incoming K/V raise
     :class:`~kvcomp.errors.NonFiniteKVError` at once (``True``: a host sync per layer on a GPU), one
@@ -68,7 +72,7 @@ class CompressedCache(Cache, PaddedRows, ByteAccounting):
 
     def __init__(self, codec: Codec, protocol: str = "streaming", check_finite: bool | str = True,
                  compress_generated: bool = True, decode_per_step: bool = False, capacity: int | None = None,
-                 press: Press | None = None):
+                 press: Press | None = None, decoded_copy: bool = False):
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown protocol {protocol!r}; valid choices: {', '.join(PROTOCOLS)}")
         check_press(press, codec, protocol, compress_generated)
@@ -76,6 +80,9 @@ class CompressedCache(Cache, PaddedRows, ByteAccounting):
             raise ConfigError(f"unknown check_finite {check_finite!r}; valid choices: True, False, 'deferred'")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise ConfigError(f"capacity={capacity!r}: a positive number of tokens per sequence, or None (grow as needed)")
+        if decoded_copy and decode_per_step:
+            raise ConfigError("decoded_copy=True keeps the decoded blocks, decode_per_step=True decodes them at every "
+                              "read: choose one")
         self.codec, self.protocol, self.press = codec, protocol, press
         self.capacity, self.decode_per_step = capacity or 0, decode_per_step
         self.groups = [RowGroup(None, 0, make_scope(codec, self.capacity, decode_per_step))]
@@ -87,7 +94,7 @@ class CompressedCache(Cache, PaddedRows, ByteAccounting):
                 layers.append(DynamicSlidingWindowLayer(info.sliding_window))
                 continue
             layers.append(CompressedLayer(self._parts(encoded[i]), protocol, FiniteChecks(check_finite, encoded[i]),
-                                          compress_generated, press))
+                                          compress_generated, press, tiles=not decoded_copy))
         super().__init__(layers=layers)
         self.compressed_layers = [layer for layer in layers if isinstance(layer, CompressedLayer)]
         self.window_layers = [layer for layer in layers if not isinstance(layer, CompressedLayer)]

@@ -70,7 +70,8 @@ class LayerPart:
 class CompressedLayer(ContextLayer):
     """One decoder layer: per group of rows padded alike (``parts``: one unless a first forward came left-padded
     unevenly, :mod:`kvcomp.cache.rows`), a key and a value stream following the codec's policy, encoded and decoded
-    as the codec's scope says; its finiteness ``checks``; and a press's ``eviction`` (None without a press).
+    as the codec's scope says; its finiteness ``checks``; a press's ``eviction`` (None without a press); and whether
+    torch decode steps read payloads tile by tile (``tiles``, :func:`~kvcomp.cache.reads.payload_read`).
 
     Each forward's K/V come with the context (:meth:`update_in_context`), which returns what attention reads: full-precision
     sinks and tail, decoded blocks in between (keys re-rotated for pre-RoPE codecs), or the payloads themselves
@@ -80,9 +81,9 @@ class CompressedLayer(ContextLayer):
     """
 
     def __init__(self, parts: list[LayerPart], protocol: str, checks: FiniteChecks, compress_generated: bool = True,
-                 press: Press | None = None):
+                 press: Press | None = None, tiles: bool = True):
         super().__init__()
-        self.parts, self.protocol, self.checks = parts, protocol, checks
+        self.parts, self.protocol, self.checks, self.tiles = parts, protocol, checks, tiles
         self.eviction = None if press is None else Eviction(press)
         self.codec, self.layer_idx = parts[0].schedule.codec, parts[0].schedule.layer_idx
         self.compress_generated = compress_generated
@@ -185,7 +186,7 @@ class CompressedLayer(ContextLayer):
         key_stream, value_stream = part.streams
         if key_stream.rotates:
             part.positions.record(context, key_states.shape[0], n, f"codec {self.codec.name} (layer {self.layer_idx})")
-        fused = payload_read(self.codec, self.layer_idx, part, context) if n == 1 else None
+        fused = payload_read(self.codec, self.layer_idx, part, context, self.tiles) if n == 1 else None
         key_view = KVStream.segments if fused in ("attention", "scores") else KVStream.pieces
         value_view = KVStream.segments if fused in ("attention", "values") else KVStream.pieces
         for stream, view in ((key_stream, key_view), (value_stream, value_view)):

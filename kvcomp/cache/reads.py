@@ -40,6 +40,7 @@ from kvcomp.cache.context import LayerContext, ForwardContext
 from kvcomp.cache.stream import FreshlyEncoded
 from kvcomp.codecs.base import Codec, Payload, SequenceState, reads_fused, scores_from_payload, values_from_payload
 from kvcomp.kernels.decode_attention import decode_attention
+from kvcomp.cache.tiles import decode_attention_tiles
 from kvcomp.kernels.formats import RotaryPositions
 
 
@@ -107,29 +108,38 @@ class FusedDecode(Reads):
             return [self.codec.fused_reader(s, kind, self.layer_idx) if isinstance(s, Payload) else s for s in segments]
 
         b, _, _, d = query.shape
+        scale = d**-0.5 if scaling is None else scaling
+        if self.kernel_backend == "torch":  # read tile by tile, nothing decoded beyond a tile
+            valid = forward.valid_tokens(mask, self.length, b)
+            out = decode_attention_tiles(query[:, :, 0], self.keys, self.values, self.codec.model.num_kv_heads, scale,
+                                         None if valid is None else valid.mask, self.key_rope,
+                                         lambda payload, kind: self.codec.fused_reader(payload, kind, self.layer_idx))
+            return out[:, None], None
         out = decode_attention(query[:, :, 0], readers(self.keys, "key"), readers(self.values, "value"),
-                               d**-0.5 if scaling is None else scaling, forward.valid_tokens(mask, self.length, b),
+                               scale, forward.valid_tokens(mask, self.length, b),
                                self.key_rope, self.kernel_backend, step=forward.decode)
         return out[:, None], None
 
 
 
-def payload_read(codec: Codec, layer_idx: int, part, context: LayerContext | None) -> str | None:
+def payload_read(codec: Codec, layer_idx: int, part, context: LayerContext | None, tiles: bool) -> str | None:
     """How a decode step reads a row group's streams (``part``, a :class:`~kvcomp.cache.layer.LayerPart`):
-    ``"attention"``: the fused decode-attention kernel reads both payloads (``kernel_backend="triton"``;
-    :class:`~kvcomp.codecs.base.FusedPayload`; pre-RoPE keys need fixed RoPE frequencies and every token's
-    position); ``"scores"`` (where the kernel cannot read the format): the codec's kernel scores the key payload
-    (:class:`~kvcomp.codecs.base.PayloadScores`), values are decoded; ``"values"`` (any backend,
-    :class:`~kvcomp.codecs.base.PayloadValues`): keys are decoded, the codec weights the value payload; ``None``: the
-    torch path (also without kvcomp's attention, ``context`` None). Keys with a rotated offset are read by the fused
-    kernel only (it adds the offset's score, with the same needs as pre-RoPE keys)."""
+    ``"attention"``: both payloads are read where they are stored (:class:`~kvcomp.codecs.base.FusedPayload`; pre-RoPE
+    keys need fixed RoPE frequencies and every token's position), by the fused decode-attention kernel
+    (``kernel_backend="triton"``) or, on the torch backend where ``tiles``, tile by tile
+    (:mod:`kvcomp.cache.tiles`); ``"scores"`` (where the kernel cannot read the format): the codec's kernel
+    scores the key payload (:class:`~kvcomp.codecs.base.PayloadScores`), values are decoded; ``"values"`` (any
+    backend, :class:`~kvcomp.codecs.base.PayloadValues`): keys are decoded, the codec weights the value payload;
+    ``None``: the decoded blocks (also without kvcomp's attention, ``context`` None). Keys with a rotated offset are
+    read by the fused kernel only (it adds the offset's score, with the same needs as pre-RoPE keys)."""
     if context is None or part.prefix is not None:
         return None
     if values_from_payload(codec):
         return "values"
+    in_place = (not part.streams[0].rotates or part.positions.recomputed) and reads_fused(codec, layer_idx)
     if context.kernel_backend != "triton":
-        return None
-    if (not part.streams[0].rotates or part.positions.recomputed) and reads_fused(codec, layer_idx):
+        return "attention" if tiles and in_place else None
+    if in_place:
         return "attention"
     if part.streams[0].rotation.offset is not None:
         return None

@@ -40,19 +40,32 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (stream * byte_weights).sum(-1, dtype=torch.uint8)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: uint8 ``[..., bytes]`` -> uint8 codes ``[..., num_codes]``."""
+def _byte_codes(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``8 / bits`` codes of every byte value, ``[256, 8 / bits]`` in ``dtype`` (made once per device)."""
+    key = (bits, dtype, device)
+    if key not in _BYTE_CODES:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+        _BYTE_CODES[key] = ((torch.arange(256, dtype=torch.uint8, device=device)[:, None] >> shifts)
+                            & ((1 << bits) - 1)).to(dtype)
+    return _BYTE_CODES[key]
+
+
+_BYTE_CODES: dict[tuple, torch.Tensor] = {}
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, num_codes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: uint8 ``[..., bytes]`` -> codes ``[..., num_codes]`` in ``dtype`` (uint8, or
+    e.g. float32 for a decoder: no second pass to convert). Codes within bytes are looked up per byte."""
     _check_bits(bits)
     if bits == 8:
-        return packed[..., :num_codes]
+        return packed[..., :num_codes].to(dtype)
     *lead, _ = packed.shape
     if 8 % bits == 0:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        mask = (1 << bits) - 1
-        codes = (packed.unsqueeze(-1) >> shifts) & mask
-        return codes.reshape(*lead, -1)[..., :num_codes]
+        table = _byte_codes(bits, dtype, packed.device)
+        codes = table.index_select(0, packed.reshape(-1).to(torch.int32))
+        return codes.view(*lead, -1)[..., :num_codes]
     byte_bits = torch.arange(8, device=packed.device, dtype=torch.uint8)
     stream = ((packed.unsqueeze(-1) >> byte_bits) & 1).reshape(*lead, -1)[..., : num_codes * bits]
     weights = (1 << torch.arange(bits, device=packed.device)).to(torch.int32)
     codes = (stream.view(*lead, num_codes, bits).to(torch.int32) * weights).sum(-1)
-    return codes.to(torch.uint8)
+    return codes.to(dtype)

@@ -111,9 +111,14 @@ class GroupQuantizer:
 
     def decode(self, payload: dict[str, torch.Tensor], head_dim: int, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``x_hat = code * scale + zero`` as ``[B, H, T, D]`` in ``dtype``."""
-        codes = unpack_bits(payload["codes"], self.bits, head_dim).float()
-        s, z = self._expand(payload["scale"]), self._expand(payload["zero"])
-        return saturated(codes * s + z, dtype)
+        codes = unpack_bits(payload["codes"], self.bits, head_dim, torch.float32)
+        b, h, t, d = codes.shape
+        scale, zero = payload["scale"].float(), payload["zero"].float()
+        if self.axis == "per_token":  # each group's parameters broadcast over its channels (no expanded copy)
+            x = codes.view(b, h, t, d // self.group_size, self.group_size) * scale[..., None] + zero[..., None]
+        else:  # ... over its tokens
+            x = codes.view(b, h, t // self.group_size, self.group_size, d) * scale[..., None, :] + zero[..., None, :]
+        return saturated(x.view(b, h, t, d), dtype)
 
     def _expand(self, param: torch.Tensor) -> torch.Tensor:
         """Broadcast a per-group parameter to ``[B, H, T, D]`` (float32)."""

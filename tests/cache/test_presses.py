@@ -423,11 +423,11 @@ def test_pressing_a_per_token_codec_while_decoding_drops_payload_rows_without_qu
     """A per-token codec's held tokens are dropped in place: after each press every held token decodes to exactly the
     key it decoded to before (nothing encoded twice, the torch path's decoded copy gathered, not decoded again), the
     payload stays in its buffers, the layer never holds more than size + interval tokens, and knorm keeps each head's
-    lowest-norm decoded keys."""
+    lowest-norm decoded keys (the decoded copy kept: ``decoded_copy=True``)."""
     model, info = one_layer_llama, info_of(one_layer_llama)
     ids, _ = _ids(batch=1, n=24)
     press = build_press({"name": name, "decoding_size": 16, "decoding_interval": 3}, info)
-    cache = CompressedCache(build_codec({"name": codec}, info), "exact_prefill", press=press)
+    cache = CompressedCache(build_codec({"name": codec}, info), "exact_prefill", press=press, decoded_copy=True)
     out = model(ids, past_key_values=cache, use_cache=True)
     encoded, encode = [], cache.codec.encode
     cache.codec.encode = lambda request: (encoded.append(request.tokens.shape[2]), encode(request))[1]
@@ -496,7 +496,7 @@ def test_tokens_decoded_around_a_press_are_still_checked_for_finiteness(one_laye
     model, info = one_layer_llama, info_of(one_layer_llama)
     codec = build_codec({"name": "int_token_head"}, info)
     press = build_press({"name": "knorm", "decoding_size": 16, "decoding_interval": 1}, info)
-    cache = CompressedCache(codec, "exact_prefill", press=press, check_finite=True)
+    cache = CompressedCache(codec, "exact_prefill", press=press, check_finite=True, decoded_copy=True)
     decode, poisoned = codec.decode, []
 
     def nan_once(payload, request):  # the first single token decoded after the press began: NaN

@@ -249,6 +249,17 @@ class PayloadReader:
         """Whether values of this format are weighted in their stored layout (:attr:`KernelFormat.fields`)."""
         return False
 
+    def torch_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, R, D]`` (float32) against this payload's (post-RoPE) keys in torch, ``[B, H, R, T]`` (the torch
+        path's tiles, :mod:`kvcomp.cache.tiles`): decoded, then multiplied; a format may fold its
+        parameters into the query instead."""
+        return q @ self.dequantize().transpose(-1, -2)
+
+    def torch_values(self, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_t weights[..., t] v_t`` over this payload's values in torch, ``[B, H, R, T]`` -> ``[B, H, R, D]``
+        float32 (as :meth:`torch_scores`)."""
+        return weights @ self.dequantize()
+
     def dequantize(self, rope: RotaryPositions | None = None) -> torch.Tensor:
         """The segment decoded in torch, ``[B, H, T, D]`` float32 (rotated when ``rope`` is given)."""
         x = self.dequantize_unrotated()

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from kvcomp.kernels.formats.base import CallQuery, PayloadReader, Strided, four_programs, in_place
+from kvcomp.stages.packing import unpack_bits
 from kvcomp.stages.uniform_quantizer import GroupQuantizer
 
 
@@ -155,6 +156,46 @@ class UniformReader(PayloadReader):
         if dot and (width < 16 or not self.one_group):
             return False
         return not width & (width - 1) and self.group_size % per_byte == 0 and head_dim // self.group_size <= 8
+
+    def _parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes (float32 ``[B, H, T, D]``), scale and zero-point (float32), ``x = code * scale + zero`` per group."""
+        codes = unpack_bits(self.codes, self.bits, self.head_dim, torch.float32)
+        if not self.hidden_zero:
+            return codes, self.scale.float(), self.zero.float()
+        scale, zero = reveal_zero(self.scale)
+        return codes, scale, -zero * scale
+
+    def torch_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """Per channel: ``q . (c s + z) = (q s) . c + q . z`` per group of tokens; per token: ``sum_g s_g (q_g . c_g)
+        + z_g sum(q_g)`` over the groups of channels. Nothing the size of the payload but its codes is made."""
+        if self.multiplier is not None:
+            return super().torch_scores(q)
+        codes, scale, zero = self._parameters()
+        b, h, t, d = codes.shape
+        g = self.group_size
+        if self.per_channel:  # [B, H, T/G, R, D] queries times [B, H, T/G, D, G] codes
+            folded = q[:, :, None] * scale[:, :, :, None]
+            logits = folded @ codes.view(b, h, t // g, g, d).transpose(-1, -2)
+            logits = logits + (q[:, :, None] * zero[:, :, :, None]).sum(-1, keepdim=True)
+            return logits.permute(0, 1, 3, 2, 4).reshape(b, h, q.shape[2], t)
+        logits = 0.0
+        for i in range(d // g):
+            part = slice(i * g, (i + 1) * g)
+            partial = q[..., part] @ codes[..., part].transpose(-1, -2)
+            logits = logits + partial * scale[:, :, None, :, i] + q[..., part].sum(-1, keepdim=True) * zero[:, :, None, :, i]
+        return logits
+
+    def torch_values(self, weights: torch.Tensor) -> torch.Tensor:
+        """Per token: ``sum_t w_t (c_t s_t + z_t) = sum_t (w_t s_t) c_t + sum_t w_t z_t`` per group of channels;
+        per channel: decoded (no format uses it for values)."""
+        if self.multiplier is not None or self.per_channel:
+            return super().torch_values(weights)
+        codes, scale, zero = self._parameters()
+        g = self.group_size
+        shares = [(weights * scale[:, :, None, :, i]) @ codes[..., i * g:(i + 1) * g]
+                  for i in range(self.head_dim // g)]
+        offsets = weights @ zero  # [B, H, R, D / G]
+        return (torch.stack(shares, -2) + offsets[..., None]).flatten(-2)
 
     def dequantize_unrotated(self) -> torch.Tensor:
         quantizer = GroupQuantizer(self.bits, self.group_size, "per_channel" if self.per_channel else "per_token")
