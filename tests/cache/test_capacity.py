@@ -111,7 +111,10 @@ def _generate(model, codec, capacity, steps, pads=5):
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_a_preallocated_cache_decodes_the_same_and_allocates_nothing_in_decode(tiny_llama, name, allocations):
     codec = make_codec(tiny_llama, name)
-    steps = 64
+    # 40 steps: the checked second half (forwards 20-38) holds a tail move between the two reserved buffers of every
+    # codec with a window (block-1 codecs at 37, KIVI at 21 and 37, kvtc at 24, OSCAR at 22, ...) and, for a cache
+    # that grows as needed, at least one allocation of every codec
+    steps = 40
     grown_out, grown_cache = _generate(tiny_llama, codec, None, steps)
     with allocations.per_forward(tiny_llama) as counts:
         out, cache = _generate(tiny_llama, codec, 37 + steps, steps)
@@ -124,9 +127,10 @@ def test_a_preallocated_cache_decodes_the_same_and_allocates_nothing_in_decode(t
 
 
 def test_without_capacity_the_same_decode_allocates(tiny_llama, allocations):
+    """The check above, on a cache that grows as needed: its second half allocates."""
     with allocations.per_forward(tiny_llama) as counts:
-        _generate(tiny_llama, make_codec(tiny_llama, "kivi"), None, 64)
-    assert counts[-1] > counts[32]
+        _generate(tiny_llama, make_codec(tiny_llama, "kivi"), None, 40)
+    assert counts[-1] > counts[20]
 
 
 def test_a_cache_beyond_its_capacity_grows(tiny_llama):

@@ -3,6 +3,8 @@ path under the Triton interpreter, torch path), nor in transformers' own step on
 (its mask function does not read the padding mask on the host). Found on the CPU by
 :class:`~kvcomp.cache.host_syncs.HostSyncs`; ``benchmarks/bench_decode_e2e.py`` counts them on a GPU."""
 
+import types
+
 import pytest
 import torch
 
@@ -61,11 +63,52 @@ def triton_llama(tiny_llama, monkeypatch):
     install(tiny_llama, "torch")
 
 
+@pytest.fixture(scope="module")
+def fused_kivi(tiny_llama, tmp_path_factory):
+    """KIVI's fused decode steps, run once for the two tests that check them: the syncs, the reads, and (spies that only
+    record) each step's plans and the workspace partials its split kernels write."""
+    pytest.importorskip("triton")
+    from kvcomp.cache.attention import _INSTALLED
+    from kvcomp.kernels import decode_plan
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVCOMP_CACHE", str(tmp_path_factory.getbasetemp() / "kvcomp-cache"))  # as session_cache does
+        patch.setenv("TRITON_INTERPRET", "1")
+        encode_with_torch(patch)
+        install(tiny_llama, "triton")
+        try:
+            real, planned = decode_plan.plan_decode, []
+            patch.setattr(decode_plan, "plan_decode",
+                          lambda *inputs, **options: planned.append(inputs) or real(*inputs, **options))
+            workspace = _INSTALLED[tiny_llama].workspace
+            partials, scratch = [], workspace.scratch
+
+            def spied(*args):
+                partial, lse = scratch(*args)
+                partials.append(partial)
+                return partial, lse
+
+            patch.setattr(workspace, "scratch", spied)
+            codec = make_codec(tiny_llama, "kivi")
+            with reads_taken() as taken:
+                syncs, cache = _decode_syncs(tiny_llama, codec, "deferred", FUSED_STEPS)
+            workspace_nbytes = workspace.nbytes
+        finally:
+            install(tiny_llama, "torch")
+    return types.SimpleNamespace(codec=codec, syncs=syncs, cache=cache, taken=taken, planned=planned,
+                                 partials=partials, workspace_nbytes=workspace_nbytes)
+
+
 @pytest.mark.parametrize("name", FUSED)
-def test_a_fused_decode_step_never_synchronises(triton_llama, name):
-    codec = make_codec(triton_llama, name)
-    with reads_taken() as taken:
-        syncs, cache = _decode_syncs(triton_llama, codec, "deferred", FUSED_STEPS)
+def test_a_fused_decode_step_never_synchronises(name, request):
+    if name == "kivi":  # the run the planning test checks too
+        run = request.getfixturevalue("fused_kivi")
+        codec, syncs, cache, taken = run.codec, run.syncs, run.cache, run.taken
+    else:
+        triton_llama = request.getfixturevalue("triton_llama")
+        codec = make_codec(triton_llama, name)
+        with reads_taken() as taken:
+            syncs, cache = _decode_syncs(triton_llama, codec, "deferred", FUSED_STEPS)
     assert syncs.found == [], syncs.found
     per_forward = len(cache.layers) * len(cache.groups)  # one read per layer and row group
     steps = [read for _, read in taken][per_forward:]  # after the prefill
@@ -87,27 +130,12 @@ def test_the_immediate_finiteness_check_synchronises_every_layer(tiny_llama):
     assert len([s for s in syncs.in_kvcomp if "_check_incoming" in s.where]) == 4
 
 
-def test_a_fused_decode_step_is_planned_once_for_every_layer_and_runs_in_the_installations_workspace(triton_llama,
-                                                                                                   monkeypatch):
+def test_a_fused_decode_step_is_planned_once_for_every_layer_and_runs_in_the_installations_workspace(fused_kivi):
     """flashinfer's ``plan`` once per step: one :func:`~kvcomp.kernels.decode_plan.plan_decode` per decode forward and
     row group, whatever the number of layers; every step's split kernels write the installation's workspace, which
-    holds the same storage after the first step."""
-    from kvcomp.cache.attention import _INSTALLED
-    from kvcomp.kernels import decode_plan
-
-    real, planned = decode_plan.plan_decode, []
-    monkeypatch.setattr(decode_plan, "plan_decode", lambda *inputs, **options: planned.append(inputs) or real(*inputs, **options))
-    workspace = _INSTALLED[triton_llama].workspace
-    partials, scratch = [], workspace.scratch
-
-    def spied(*args):
-        partial, lse = scratch(*args)
-        partials.append(partial)
-        return partial, lse
-
-    monkeypatch.setattr(workspace, "scratch", spied)
-    _, cache = _decode_syncs(triton_llama, make_codec(triton_llama, "kivi"), "deferred", FUSED_STEPS)
+    holds the same storage after the first step (KIVI's fused steps: the ``fused_kivi`` run)."""
+    cache, planned, partials = fused_kivi.cache, fused_kivi.planned, fused_kivi.partials
     per_step = len(cache.groups) * len(cache.layers)
     assert len(cache.layers) > 1 and len(planned) == FUSED_STEPS * len(cache.groups)
     assert len(partials) == FUSED_STEPS * per_step  # every layer ran in it
-    assert len({t.untyped_storage().data_ptr() for t in partials[per_step:]}) == 1 and workspace.nbytes > 0
+    assert len({t.untyped_storage().data_ptr() for t in partials[per_step:]}) == 1 and fused_kivi.workspace_nbytes > 0

@@ -80,11 +80,11 @@ def test_uniform_kernel_matches_the_reference(shape):
     b, h, r, d, key_bits, value_bits, group = shape
     gen = torch.Generator().manual_seed(sum(shape))
     sinks = torch.randn(b, h, 3, d, generator=gen)
-    key_reader, _ = _uniform(torch.randn(b, h, 6 * group, d, generator=gen), key_bits, group, "per_channel")
-    value_reader, _ = _uniform(torch.randn(b, h, 6 * group + 5, d, generator=gen), value_bits, group, "per_token")
+    key_reader, _ = _uniform(torch.randn(b, h, 4 * group, d, generator=gen), key_bits, group, "per_channel")
+    value_reader, _ = _uniform(torch.randn(b, h, 4 * group + 5, d, generator=gen), value_bits, group, "per_token")
     key_tail, value_tail = torch.randn(b, h, 11, d, generator=gen), torch.randn(b, h, 6, d, generator=gen)
     keys, values = [sinks, key_reader, key_tail], [sinks, value_reader, value_tail]
-    length = 3 + 6 * group + 11
+    length = 3 + 4 * group + 11
     query = torch.randn(b, h * r, d, generator=gen)
     valid = _mask(b, length, gen)
     reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
@@ -107,7 +107,7 @@ def test_float8_payloads_are_read_natively(fmt, per_token):
     from kvcomp.stages.minifloat import FLOAT8, float8_max, to_float8, token_head_scale
 
     gen = torch.Generator().manual_seed(8)
-    b, h, r, d, n = 2, 2, 4, 32, 70
+    b, h, r, d, n = 2, 2, 4, 32, 40
     dtype = FLOAT8[fmt]
     x = {kind: 3 * torch.randn(b, h, n, d, generator=gen) for kind in ("key", "value")}
     readers = {}
@@ -321,16 +321,16 @@ def test_per_channel_keys_are_decoded_two_codes_at_a_time(bits, d, group, dtype,
     from kvcomp.kernels.decode_attention_triton import OPERANDS, decode_attention_triton, decode_launches
     from kvcomp.kernels.formats.uniform_triton import paired_keys
 
-    b, h, r = 2, 2, 4
+    b, h, r = 2, 1, 4  # paired keys of two heads: test_keys_cut_at_an_odd_byte_are_read_byte_by_byte
     gen = torch.Generator().manual_seed(bits + d + group)
-    x = torch.randn(b, h, 6 * group, d, generator=gen) + 3 * torch.randn(d, generator=gen)
+    x = torch.randn(b, h, 4 * group, d, generator=gen) + 3 * torch.randn(d, generator=gen)
     key_reader, _ = _uniform(x, bits, group, "per_channel")
-    value_reader, _ = _uniform(torch.randn(b, h, 6 * group + 5, d, generator=gen), bits, 32, "per_token")
+    value_reader, _ = _uniform(torch.randn(b, h, 4 * group + 5, d, generator=gen), bits, 32, "per_token")
     sinks = torch.randn(b, h, 3, d, generator=gen).to(dtype)
     key_tail, value_tail = torch.randn(b, h, 11, d, generator=gen).to(dtype), torch.randn(b, h, 6, d, generator=gen).to(dtype)
     keys, values = [sinks, key_reader, key_tail], [sinks, value_reader, value_tail]
     query = torch.randn(b, h * r, d, generator=gen).to(dtype)
-    valid = _mask(b, 3 + 6 * group + 11, gen)
+    valid = _mask(b, 3 + 4 * group + 11, gen)
     options = {"operands": operands} if operands else {}
     args = decode_launches(query, keys, values, d**-0.5, valid, **options)[1][0].args
     assert args["PACKED_K"] and paired_keys(args["K"], args["DOT"], args["OPERAND"], d)
@@ -508,8 +508,8 @@ def test_one_launch_reads_every_segment_of_a_step():
     gen = torch.Generator().manual_seed(11)
     x = lambda n: torch.randn(b, h, n, d, generator=gen)  # noqa: E731
     sinks, fresh = x(3), x(1)
-    key_reader, _ = _uniform(x(4 * group), 2, group, "per_channel")
-    value_reader, _ = _uniform(x(4 * group + 5), 2, group, "per_token")
+    key_reader, _ = _uniform(x(2 * group), 2, group, "per_channel")
+    value_reader, _ = _uniform(x(2 * group + 5), 2, group, "per_token")
     query = torch.randn(b, h * r, d, generator=gen)
     cases = {  # name -> (keys, values, split launches)
         "step": ([sinks, key_reader, x(9), fresh], [sinks, value_reader, x(4), fresh], 1),
@@ -564,7 +564,7 @@ def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
     positions) for keys and values, GQA 2:1."""
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
-    b, h, r, d, tokens = 2, 2, 2, 32, 48
+    b, h, r, d, tokens = 2, 1, 2, 32, 32  # codebooks of two heads: test_the_kernel_reads_a_cache_payload_in_place
     gen = torch.Generator().manual_seed(7)
     reader = _codebook_reader(b, h, d, tokens, *LAYOUTS[layout], per_token, gen)
     sinks, tail = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 5, d, generator=gen)
@@ -579,9 +579,9 @@ def test_codebook_kernel_with_rope_matches_the_reference(layout, per_token):
         reference = decode_attention_reference(query, segments, segments, d**-0.5, valid, rope)
         out = decode_attention(query, segments, segments, d**-0.5, valid, rope, backend="triton", num_splits=2)
         torch.testing.assert_close(out, reference, rtol=tolerance, atol=tolerance)
-        if dtype == torch.float32:  # the register path with 8-token tiles
+        if dtype == torch.float32:  # the register path with 16-token tiles
             registers = decode_attention_triton(query, segments, segments, d**-0.5, valid, key_rope=rope, num_splits=2,
-                                                dot=False, block_tokens=8)
+                                                dot=False, block_tokens=16)
             torch.testing.assert_close(registers, reference, rtol=tolerance, atol=tolerance)
 
 
@@ -779,7 +779,7 @@ def test_fused_encode_kernel_matches_the_torch_encoder(layout):
     from kvcomp.kernels.codebook_encode_triton import encode_codebook_triton
 
     gen = torch.Generator().manual_seed(5)
-    b, h, d, t = 2, 2, 32, 40
+    b, h, d, t = 2, 2, 16, 40
     z = torch.randn(b, h, t, d, generator=gen)
     codebooks = torch.randn(h, d // chunk_layout.group_channels, centroids, chunk_layout.dim, generator=gen).bfloat16()
     quantizer = CodebookQuantizer(chunk_layout, centroids)
@@ -808,12 +808,16 @@ def test_layers_with_sparse_outliers_keep_the_torch_path(tiny_llama):
     assert fitted(tiny_llama, "kvquant").fused_attention_supported(0)
 
 
+NEW_TOKENS = 3  # of the fused-generation checks: two decode steps, the first reading what the prefill stored, the
+# second what a fused step appended
+
+
 @torch.no_grad()
 def test_kivi_decode_steps_read_the_payloads(tiny_model):
     """Every generated token's logits equal the torch path's (decode + SDPA), with GQA and left padding, on
     each family; under exact_prefill no block is ever decoded."""
     codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_model))
-    layer = check_fused_generation(tiny_model, codec)
+    layer = check_fused_generation(tiny_model, codec, new_tokens=NEW_TOKENS)
     assert layer.key_stream.num_encoded >= 16 and layer.key_stream.decoded.length == 0 and layer.value_stream.decoded.length == 0
 
 
@@ -851,10 +855,10 @@ def test_a_chunked_prefills_decoded_copy_is_freed_by_the_first_fused_step(tiny_l
 def test_codebook_decode_steps_read_the_payloads(tiny_llama, name):
     """Pre-RoPE keys rotated in the kernel from the recorded position ids; encoded with the fused kernel."""
     codec = fitted(tiny_llama, name, sinks=4)
-    layer = check_fused_generation(tiny_llama, codec)
+    layer = check_fused_generation(tiny_llama, codec, new_tokens=NEW_TOKENS)
     assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded.length == 0
-    # one row group per padding: row 0 (37 tokens), row 1 (5 pads left out), each with 5 generated tokens
-    assert [p.positions.ids.view.shape for p in layer.parts] == [(1, 37 + 5), (1, 32 + 5)]
+    # one row group per padding: row 0 (37 tokens), row 1 (5 pads left out), each with the tokens generated but the last
+    assert [p.positions.ids.view.shape for p in layer.parts] == [(1, 37 + NEW_TOKENS - 1), (1, 32 + NEW_TOKENS - 1)]
     assert all(p.positions.recomputed for p in layer.parts)
 
 
@@ -870,8 +874,8 @@ def test_fp8_and_nvfp4_decode_steps_read_the_payloads(tiny_llama, config):
     payload = codec.encode(StreamRequest(1, "value", tokens=x))
     assert torch.equal(codec.payload_reader(payload, "value", 1).dequantize(),
                        codec.decode(payload, StreamRequest(1, "value", dtype=torch.float32)))
-    layer = check_fused_generation(tiny_llama, codec)
-    assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+    layer = check_fused_generation(tiny_llama, codec, new_tokens=NEW_TOKENS)
+    assert layer.key_stream.num_encoded == 37 + NEW_TOKENS - 1 and layer.key_stream.decoded.length == 0
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -885,8 +889,8 @@ def test_int_token_head_decode_steps_read_the_payload(tiny_llama, bits):
     payload = codec.encode(StreamRequest(1, "key", tokens=x))
     torch.testing.assert_close(codec.payload_reader(payload, "key", 1).dequantize(),
                                codec.decode(payload, StreamRequest(1, "key", dtype=torch.float32)), rtol=1e-5, atol=1e-5)
-    layer = check_fused_generation(tiny_llama, codec)
-    assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+    layer = check_fused_generation(tiny_llama, codec, new_tokens=NEW_TOKENS)
+    assert layer.key_stream.num_encoded == 37 + NEW_TOKENS - 1 and layer.key_stream.decoded.length == 0
 
 
 @torch.no_grad()
@@ -900,7 +904,7 @@ def test_kvarn_decode_steps_read_the_normalised_codes_in_the_rotated_basis(tiny_
         payload = codec.encode(StreamRequest(0, kind, tokens=x))
         torch.testing.assert_close(codec.payload_reader(payload, kind, 0).dequantize(),
                                    codec.decode(payload, StreamRequest(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
-    layer = check_fused_generation(tiny_llama, codec)
+    layer = check_fused_generation(tiny_llama, codec, new_tokens=5)  # the second row's values fill a tile at step 4
     assert layer.key_stream.num_encoded >= 32 and layer.key_stream.decoded.length == 0
     from kvcomp.kernels.decode_attention_triton import decode_attention_triton
 
@@ -920,7 +924,7 @@ def test_oscar_decode_steps_read_the_int2_payload_in_its_rotated_basis(tiny_llam
     from tests.codec_matrix import make_codec
 
     codec = make_codec(tiny_llama, "oscar", granularity=granularity)
-    layer = check_fused_generation(tiny_llama, codec)
+    layer = check_fused_generation(tiny_llama, codec, new_tokens=NEW_TOKENS)  # each row's window flushes a block
     assert layer.key_stream.num_encoded >= 24 and layer.key_stream.decoded.length == 0
 
 
@@ -950,8 +954,8 @@ def test_turboquant_and_eden_decode_steps_read_the_codes_in_the_rotated_basis(ti
         payload = codec.encode(StreamRequest(0, kind, tokens=x))
         torch.testing.assert_close(codec.payload_reader(payload, kind, 0).dequantize(),
                                    codec.decode(payload, StreamRequest(0, kind, dtype=torch.float32)), rtol=1e-5, atol=1e-5)
-    layer = check_fused_generation(tiny_llama, codec)
-    assert layer.key_stream.num_encoded == 37 + 5 and layer.key_stream.decoded.length == 0
+    layer = check_fused_generation(tiny_llama, codec, new_tokens=NEW_TOKENS)
+    assert layer.key_stream.num_encoded == 37 + NEW_TOKENS - 1 and layer.key_stream.decoded.length == 0
 
 
 @torch.no_grad()
@@ -1030,7 +1034,7 @@ def test_prod_residual_sketches_are_read_from_their_sign_bits(offsets):
 @torch.no_grad()
 def test_streaming_prefill_then_fused_decode(tiny_llama):
     codec = build_codec({"name": "uniform", "bits": 2, "group_size": 8, "window": 4, "sinks": 2}, info_of(tiny_llama))
-    layer = check_fused_generation(tiny_llama, codec, "streaming")
+    layer = check_fused_generation(tiny_llama, codec, "streaming", NEW_TOKENS)
     assert layer.key_stream.decoded.length < layer.key_stream.num_encoded  # decode-step blocks never decoded
 
 
@@ -1177,12 +1181,12 @@ def test_qjl_sign_bits_are_scored_in_the_kernel(outliers, sketch):
               "outlier_channels": outliers, "key_buffer": 32, "value_window": 16}  # 40, 24: padded to 64 rows
     codec = build_codec(config, ModelInfo("tiny", 1, h, d))
     g = torch.Generator().manual_seed(outliers)
-    k, v = torch.randn(b, h, 80, d, generator=g), torch.randn(b, h, 80, d, generator=g)
+    k, v = torch.randn(b, h, 48, d, generator=g), torch.randn(b, h, 48, d, generator=g)
     assert codec.fused_attention_supported(0)
-    keys = [codec.payload_reader(codec.encode(StreamRequest(0, "key", tokens=k[:, :, :64])), "key", 0), k[:, :, 64:]]
-    values = [codec.payload_reader(codec.encode(StreamRequest(0, "value", tokens=v[:, :, :40])), "value", 0), v[:, :, 40:]]
+    keys = [codec.payload_reader(codec.encode(StreamRequest(0, "key", tokens=k[:, :, :32])), "key", 0), k[:, :, 32:]]
+    values = [codec.payload_reader(codec.encode(StreamRequest(0, "value", tokens=v[:, :, :24])), "value", 0), v[:, :, 24:]]
     query = torch.randn(b, h * r, d, generator=g)
-    valid = torch.ones(b, 80, dtype=torch.bool)
+    valid = torch.ones(b, 48, dtype=torch.bool)
     valid[0, :5] = False
     reference = decode_attention_reference(query, keys, values, d**-0.5, valid)
     for splits, options in ((None, {}), (3, {"block_tokens": 8}), (2, {"dot": True})):  # defaults, small tiles, tl.dot
@@ -1403,7 +1407,8 @@ def test_generation_under_cuda_graphs_matches_the_torch_path(tiny_llama, name, m
     else:
         codec = build_codec({"name": "kivi", "group_size": 8, "residual_length": 16}, info_of(tiny_llama)) \
             if name == "kivi" else fitted(tiny_llama, name, sinks=4)
-    check_graphed_generation(tiny_llama, codec, monkeypatch)
+    # a call runs at the first decode step, is captured at the second, replayed from the third (KIVI's: from the fifth)
+    check_graphed_generation(tiny_llama, codec, monkeypatch, new_tokens=6 if name == "kivi" else 4)
 
 
 def test_cuda_graphs_need_the_fused_kernels(tiny_llama):
