@@ -11,8 +11,8 @@ cache's). ``DynamicCache`` is measured the same way.
 
 Paths: ``tiles`` (the default: decode steps read the payloads tile by tile where the codec has a payload reader,
 :mod:`kvcomp.cache.tiles`, no decoded copy), ``decoded_copy`` (decode each block once, keep the decoded
-copy), ``decode_per_step`` (no decoded copy, every read decodes every block). The fused kernels' path holds what
-``tiles`` holds (``tests/cache/test_memory.py`` walks it); it needs a GPU to run at this size.
+copy). ``decode_per_step`` (no decoded copy, every read decodes every block) and the fused kernels' path hold what
+``tiles`` holds for these codecs (``tests/cache/test_memory.py`` walks them).
 
     python -m benchmarks.bench_cache_memory --write
 """
@@ -42,7 +42,7 @@ CODECS = {
     "uniform-2 (per token, g=64)": {"name": "uniform", "bits": 2, "group_size": 64},
     "qjl (authors' defaults)": {"name": "qjl"},
 }
-PATHS = {"tiles": {}, "decoded_copy": {"decoded_copy": True}, "decode_per_step": {"decode_per_step": True}}
+PATHS = {"tiles": {}, "decoded_copy": {"decoded_copy": True}}  # decode_per_step holds what tiles hold for these
 
 
 @torch.inference_mode()

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> str:
     if args.member:
         print(json.dumps(peak_member(args.member, args.prompt, args.steps)))
         return ""
-    flags = " --peak" if args.peak else f" --prompt {args.prompt}" * (args.prompt != 8192)
+    prompts = f" --prompts {' '.join(map(str, args.prompts))}" * (args.prompts != [2048, 8192, 32768])
+    flags = f" --peak{prompts}" if args.peak else f" --prompt {args.prompt}" * (args.prompt != 8192)
     command = f"python -m benchmarks.bench_cpu_memory{flags}{' --write' if args.write else ''}"
     setting = (f"Command: `{command}` at revision {revision()}; {args.threads} torch threads of {os.cpu_count()} CPUs, "
                f"torch {torch.__version__}.")
